@@ -1,0 +1,218 @@
+"""Multi-head attention with pluggable positional encodings and attention backends.
+
+Backends (``ModelConfig.attn_backend``):
+    eager   plain matmul + fp32 softmax; runs in any dtype, fp64 included (the reference).
+    sdpa    ``torch.nn.functional.scaled_dot_product_attention``. For TAPE one call with the
+            3D-wide value [v | E⁰ | E¹]: one softmax for all three outputs.
+    flash   flash-attn 2 (CUDA, fp16/bf16) for encodings without a dense bias.
+    triton  the fused TAPE kernel of ``tape_train.kernels`` (CUDA, or Triton's interpreter).
+    auto    the fastest correct one for the device, dtype and encoding.
+
+The attention *core* (``AttentionCore``) sees already-modulated q̃, k̃ and the (possibly
+extended) value; ``tape_train.parallel`` wraps it for sequence parallelism from outside.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tape_train.model.pe.base import PositionContext, apply_rotary
+
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_backend(requested: str, pe, device: torch.device, dtype: torch.dtype,
+                    has_cache: bool, plain_value: bool = False) -> str:
+    """Pick the backend for one call. Explicit requests that cannot run raise.
+
+    ``plain_value``: TAPE's last block, whose attention needs no 3D-wide value: it may use
+    flash-attn like RoPE, and the fused TAPE kernel is not needed there.
+    """
+    is_tape = pe.__class__.__name__ == "TapeEncoding" and not plain_value
+    flash_ok = pe.flash_ok or plain_value
+    on_cuda = device.type == "cuda"
+    flash_here = on_cuda and dtype in _FLASH_DTYPES and flash_attn_installed()
+    if requested == "auto":
+        if on_cuda and is_tape and not has_cache and _triton_ok(device):
+            return "triton"
+        if flash_ok and flash_here:
+            return "flash"
+        return "sdpa"
+    if requested == "triton" and plain_value:
+        return "flash" if flash_here else "sdpa"
+    if requested == "flash":
+        if not flash_ok:
+            raise ValueError(f"model.attn_backend=flash does not support pe="
+                             f"{pe.cfg.pe} (needs a dense bias or a 3D-wide value); "
+                             f"use sdpa{' or triton' if is_tape else ''}")
+        if not flash_here:
+            raise RuntimeError("model.attn_backend=flash needs flash-attn installed "
+                               "(pip install 'tape-train[cuda]'), a CUDA device and fp16/bf16")
+    if requested == "triton":
+        if not is_tape:
+            raise ValueError(f"model.attn_backend=triton is the fused TAPE kernel; "
+                             f"pe={pe.cfg.pe} should use sdpa or flash")
+        if has_cache:
+            return "sdpa"  # decoding: a handful of queries, no kernel needed
+        if not _triton_ok(device):
+            raise RuntimeError("model.attn_backend=triton needs CUDA (or TRITON_INTERPRET=1)")
+    return requested
+
+
+def _triton_ok(device: torch.device) -> bool:
+    try:
+        from tape_train.kernels import triton_available
+    except ImportError:
+        return False
+    return triton_available(device)
+
+
+def causal_mask(nq: int, nk: int, device) -> torch.Tensor:
+    """(Nq, Nk) bool, True = may attend; queries are the last Nq of the Nk positions."""
+    return torch.ones(nq, nk, dtype=torch.bool, device=device).tril(nk - nq)
+
+
+def eager_attention(q, k, v, bias=None, scale=None) -> torch.Tensor:
+    """Causal softmax attention: q (b, H, Nq, D), k (b, Hkv, Nk, D), v (b, Hkv, Nk, Dv).
+
+    Logits and softmax in fp32 (fp64 stays fp64); output in v's dtype, (b, H, Nq, Dv).
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    acc = torch.promote_types(q.dtype, torch.float32)
+    logits = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    if bias is not None:
+        logits = logits + bias.to(acc)
+    logits = logits.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    return torch.matmul(torch.softmax(logits, dim=-1), v.to(acc)).to(v.dtype)
+
+
+def sdpa_attention(q, k, v, bias=None, scale=None) -> torch.Tensor:
+    """Same contract as :func:`eager_attention`, through PyTorch SDPA."""
+    nq, nk = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if bias is None and nq == nk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=gqa)
+    if bias is None and nq == 1:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+    mask = causal_mask(nq, nk, q.device)
+    if bias is None:
+        attn_mask = mask
+    else:
+        attn_mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale,
+                                          enable_gqa=gqa)
+
+
+def flash_attention(q, k, v, scale=None, alibi_slopes=None) -> torch.Tensor:
+    """flash-attn 2 (imported lazily); tensors head-major in, head-major out."""
+    from flash_attn import flash_attn_func
+
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                          softmax_scale=scale, causal=True,
+                          alibi_slopes=None if alibi_slopes is None else alibi_slopes.float())
+    return out.transpose(1, 2)
+
+
+class AttentionCore(nn.Module):
+    """softmax(q̃k̃ᵀ/√D + bias)·V on already-modulated inputs; the backend is chosen per call.
+
+    Sequence parallelism replaces this module on every layer (``tape_train.parallel``).
+    """
+
+    def forward(self, q, k, v, *, backend: str, bias=None, alibi_slopes=None) -> torch.Tensor:
+        if backend == "eager":
+            return eager_attention(q, k, v, bias)
+        if backend == "flash":
+            return flash_attention(q, k, v, alibi_slopes=alibi_slopes)
+        return sdpa_attention(q, k, v, bias)
+
+
+class Attention(nn.Module):
+    """Attention sublayer: projections, positional modulation, cache, core, output projection.
+
+    Parameter names follow Llama (``q_proj``…``o_proj``) so TP patterns and HF mapping are exact.
+    """
+
+    def __init__(self, cfg, pe) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.pe = [pe]  # shared model-level module; a list keeps it out of this module's params
+        d = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
+        self.core = AttentionCore()
+
+    def _heads(self, x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
+        b, n, _ = x.shape
+        return proj(x).view(b, n, -1, self.cfg.head_dim).transpose(1, 2)  # (b, H, N, D)
+
+    def forward(self, x: torch.Tensor, ctx: PositionContext, cache: dict | None = None,
+                tape_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+                need_e_hat: bool = True):
+        """x (b, N, C) → (out (b, N, C), (Ê⁰, Ê¹) or None).
+
+        ``cache``: this layer's dict, extended in place with k̃, v (and E⁰, E¹ for TAPE).
+        ``tape_state``: this layer's input E⁰, E¹ for the new tokens, (b|1, M, N, D).
+        ``need_e_hat``: False in TAPE's last block — E only modulates q and k there, and the
+        attention is a plain one over v (any backend a rotary encoding may use).
+        """
+        b, n, _ = x.shape
+        q, k, v = self._heads(x, self.q_proj), self._heads(x, self.k_proj), self._heads(x, self.v_proj)
+        plain = tape_state is None or not need_e_hat
+        backend = resolve_backend(self.cfg.attn_backend, self.pe[0], x.device, x.dtype,
+                                  cache is not None, plain_value=plain)
+        e_hat = None
+        if tape_state is not None and not need_e_hat:
+            q, k = apply_rotary(q, *tape_state), apply_rotary(k, *tape_state)
+            if cache is not None:
+                k, v = _extend(cache, k=k, v=v)
+            o = self.core(q, k, v, backend=backend)
+        elif tape_state is not None:
+            e0, e1 = tape_state
+            if backend == "triton":
+                from tape_train.kernels import tape_attention_triton
+
+                o, e0_hat, e1_hat = tape_attention_triton(q, k, v, e0, e1)
+            else:
+                q, k = apply_rotary(q, e0, e1), apply_rotary(k, e0, e1)
+                e0, e1 = e0.expand(b, *e0.shape[1:]), e1.expand(b, *e1.shape[1:])
+                if cache is not None:
+                    k, v, e0, e1 = _extend(cache, k=k, v=v, e0=e0, e1=e1)
+                d = v.shape[-1]
+                out = self.core(q, k, torch.cat((v, e0, e1), dim=-1), backend=backend)
+                o, e0_hat, e1_hat = out.split((d, e0.shape[-1], e1.shape[-1]), dim=-1)
+            e_hat = (e0_hat, e1_hat)
+        else:
+            if ctx.q_tables is not None:
+                q, k = apply_rotary(q, *ctx.q_tables), apply_rotary(k, *ctx.k_tables)
+            if cache is not None:
+                k, v = _extend(cache, k=k, v=v)
+            o = self.core(q, k, v, backend=backend, bias=ctx.bias, alibi_slopes=ctx.alibi_slopes)
+        o = o.transpose(1, 2).reshape(b, n, -1)
+        return self.o_proj(o), e_hat
+
+
+def _extend(cache: dict, **new: torch.Tensor) -> list[torch.Tensor]:
+    """Append new keys/values along the sequence axis (dim 2) and return the full tensors."""
+    out = []
+    for name, t in new.items():
+        full = t if name not in cache else torch.cat((cache[name], t), dim=2)
+        cache[name] = full
+        out.append(full)
+    return out

@@ -1,0 +1,90 @@
+"""Shared pieces of the positional encodings.
+
+A positional encoding is a model-level module (shared by every layer). Per forward pass it
+turns layer-0 positions into a :class:`PositionContext` that every attention layer reads:
+rotary tables for the queries and keys, or an additive attention bias, or nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tape_train.kernels.reference import rotate_half
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables in rotate-half layout, computed in fp32 (fp64 for fp64 models), then cast.
+
+    Args:
+        positions: (b|1, N) integer or float positions.
+    Returns:
+        cos, sin: (b|1, 1, N, D) — the head axis broadcasts.
+    """
+    work = torch.promote_types(torch.float32, dtype)
+    exponents = torch.arange(0, head_dim, 2, device=positions.device).to(work) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)                      # ω_β, (D/2,)
+    angles = positions.to(work)[..., None] * inv_freq           # (b|1, N, D/2)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x̃ = x ⊙ cos + rot(x) ⊙ sin; x (b, H, N, D), tables broadcastable to it."""
+    return x * cos + rotate_half(x) * sin
+
+
+@dataclass
+class PositionContext:
+    """What one forward pass's attention layers need to know about positions.
+
+    Attributes:
+        q_pos: (b|1, Nq) layer-0 positions of the new tokens.
+        k_pos: (b|1, Nk) positions of all keys (cached ones first).
+        q_tables / k_tables: rotary (cos, sin) tables (xPos folds its scale in) for the queries
+            and keys of the *new* tokens, (b|1, 1, Nq, D); cached keys are stored rotated.
+        bias: additive logit bias, (b|1, H, Nq, Nk), or None.
+        alibi_slopes: (H,) fp32 slopes when the bias is ALiBi (flash-attn takes them natively).
+    """
+
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    q_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    k_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    bias: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None
+
+
+class PositionalEncoding(nn.Module):
+    """Base class: no positional signal (NoPE). Subclasses override what they change.
+
+    ``rotary``: queries/keys are rotated per token (cache stores rotated keys).
+    ``flash_ok``: flash-attn can run this encoding (no dense bias needed).
+    """
+
+    rotary = False
+    flash_ok = True
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    def layer0_positions(self, batch: int, length: int, offset: int,
+                         device: torch.device) -> torch.Tensor:
+        """Positions of the new tokens when the caller passes none: (1, N) or (b, N)."""
+        return torch.arange(offset, offset + length, device=device)[None]
+
+    def context(self, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                dtype: torch.dtype) -> PositionContext:
+        return PositionContext(q_pos=q_pos, k_pos=k_pos)
+
+    def reset_parameters(self) -> None:
+        """Re-initialise learned parameters (called from the model's init)."""
+
+
+def relative_distance(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """i − j for every query/key pair: (b|1, Nq, Nk), fp32."""
+    return q_pos.float()[..., :, None] - k_pos.float()[..., None, :]
