@@ -103,6 +103,14 @@ def sdpa_attention(q, k, v, bias=None, scale=None) -> torch.Tensor:
     """Same contract as :func:`eager_attention`, through PyTorch SDPA."""
     nq, nk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv > d and q.device.type == "cpu" and bias is None and nq == nk:
+        # TAPE's 3D-wide value: PyTorch's CPU flash kernel needs equal q/k/v widths and
+        # otherwise falls back to the ~2x slower math path. Zero-padding q̃ and k̃ leaves every
+        # logit unchanged (the padded channels contribute 0) and keeps one fused call.
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        q = F.pad(q, (0, dv - d))
+        k = F.pad(k, (0, dv - d))
     if bias is None and nq == nk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               enable_gqa=gqa)

@@ -1,0 +1,147 @@
+"""Forward+backward throughput of every positional encoding, and TAPE's memory vs RoPE's.
+
+One run measures all encodings side by side (interleaved repetitions, best-of), so the
+TAPE/RoPE ratio is comparable even on a noisy machine. For each shape and N it prints
+tokens/s per encoding, the measured TAPE/RoPE throughput ratio, and the ratio the FLOP model
+predicts (RoPE FLOPs / TAPE FLOPs); the target is measured ≥ 0.95 × predicted.
+
+Memory: the bytes of activations saved for backward in one training step (exact, counted
+with ``saved_tensors_hooks`` over unique storages) and the process's peak RSS for that step
+in a fresh subprocess, for TAPE and RoPE at N=1024.
+
+    python benchmarks/model_throughput.py                       # tiny + 125m, N 256 1024 2048
+    python benchmarks/model_throughput.py --shapes tiny --seq-lens 256 --out docs/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tape_train.model import POSITIONAL_ENCODINGS, TransformerLM, load_model_config
+from tape_train.model.flops import training_flops_per_token
+
+
+def make_model(shape: str, pe: str, dtype: torch.dtype) -> TransformerLM:
+    torch.manual_seed(0)
+    return TransformerLM(load_model_config(shape, pe=pe, attn_backend="sdpa")).to(dtype)
+
+
+def train_step(model: TransformerLM, ids: torch.Tensor) -> None:
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def throughput(shape: str, seq_len: int, tokens_per_step: int, reps: int, dtype,
+               encodings: list[str]) -> dict[str, float]:
+    batch = max(1, tokens_per_step // seq_len)
+    models = {pe: make_model(shape, pe, dtype) for pe in encodings}
+    ids = torch.randint(0, models[encodings[0]].cfg.vocab_size, (batch, seq_len))
+    for model in models.values():  # warm-up
+        train_step(model, ids)
+    best = {pe: float("inf") for pe in encodings}
+    for _ in range(reps):  # interleaved, so drifts in machine load hit every encoding alike
+        for pe, model in models.items():
+            start = time.perf_counter()
+            train_step(model, ids)
+            best[pe] = min(best[pe], time.perf_counter() - start)
+    return {pe: batch * seq_len / t for pe, t in best.items()}
+
+
+def saved_activation_bytes(shape: str, pe: str, seq_len: int, batch: int, dtype) -> int:
+    model = make_model(shape, pe, dtype)
+    ids = torch.randint(0, model.cfg.vocab_size, (batch, seq_len))
+    storages: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(ids, labels=ids)
+    out.loss.backward()
+    return sum(storages.values())
+
+
+def peak_rss_of_step(shape: str, pe: str, seq_len: int, batch: int, dtype: str) -> int:
+    """Peak RSS (bytes) of a fresh process that builds the model and runs one step, minus the
+    peak after building the model (so the number is the step's own memory)."""
+    code = (
+        "import resource, torch, sys; sys.path.insert(0, 'benchmarks');"
+        "from model_throughput import make_model, train_step;"
+        f"m = make_model({shape!r}, {pe!r}, torch.{dtype});"
+        f"ids = torch.randint(0, m.cfg.vocab_size, ({batch}, {seq_len}));"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
+        "train_step(m, ids);"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    return int(out.stdout.strip().splitlines()[-1]) * 1024
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["tiny", "125m"])
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=[256, 1024, 2048])
+    parser.add_argument("--encodings", nargs="+", default=list(POSITIONAL_ENCODINGS))
+    parser.add_argument("--tokens-per-step", type=int, default=4096)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--memory-seq-len", type=int, default=1024)
+    parser.add_argument("--out", default="docs/model_benchmark.json")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}")
+    results = {"config": vars(args), "throughput": [], "memory": []}
+    for shape in args.shapes:
+        for n in args.seq_lens:
+            tps = throughput(shape, n, args.tokens_per_step, args.reps, dtype, args.encodings)
+            row = {"shape": shape, "seq_len": n, "tokens_per_s": tps}
+            if "tape" in tps and "rope" in tps:
+                measured = tps["tape"] / tps["rope"]
+                predicted = (training_flops_per_token(load_model_config(shape, pe="rope"), n)
+                             / training_flops_per_token(load_model_config(shape, pe="tape"), n))
+                row.update(measured_ratio=measured, predicted_ratio=predicted,
+                           ratio_of_ratios=measured / predicted)
+            results["throughput"].append(row)
+            cells = "  ".join(f"{pe} {v:8.0f}" for pe, v in tps.items())
+            extra = (f"  | TAPE/RoPE measured {row['measured_ratio']:.3f} predicted "
+                     f"{row['predicted_ratio']:.3f} -> {row['ratio_of_ratios']:.3f}"
+                     if "measured_ratio" in row else "")
+            print(f"{shape:>5} N={n:<5} tok/s  {cells}{extra}", flush=True)
+        batch = max(1, args.tokens_per_step // args.memory_seq_len)
+        mem = {}
+        for pe in ("rope", "tape"):
+            mem[pe] = {
+                "saved_activations": saved_activation_bytes(shape, pe, args.memory_seq_len,
+                                                            batch, dtype),
+                "peak_rss_delta": peak_rss_of_step(shape, pe, args.memory_seq_len, batch,
+                                                   args.dtype),
+            }
+        row = {"shape": shape, "seq_len": args.memory_seq_len, "batch": batch, **mem,
+               "saved_ratio": mem["tape"]["saved_activations"] / mem["rope"]["saved_activations"],
+               "rss_ratio": mem["tape"]["peak_rss_delta"] / max(1, mem["rope"]["peak_rss_delta"])}
+        results["memory"].append(row)
+        print(f"{shape:>5} N={args.memory_seq_len} memory: saved activations TAPE/RoPE "
+              f"{row['saved_ratio']:.3f} ({mem['tape']['saved_activations'] / 2**20:.0f} vs "
+              f"{mem['rope']['saved_activations'] / 2**20:.0f} MiB); step peak RSS TAPE/RoPE "
+              f"{row['rss_ratio']:.3f}", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
