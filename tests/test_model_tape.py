@@ -242,6 +242,19 @@ def test_t8_gradcheck_all_five_inputs():
         assert torch.autograd.gradcheck(through_model, (q, k, v, e0, e1))
 
 
+def test_t8_model_modulation_autograd_matches_gradcheck():
+    from tape_train.model.pe.base import apply_rotary
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 3, 5, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    # Tables broadcast over batch (layer 0) or are full (later layers): both reduce correctly.
+    for shape in ((1, 3, 5, 8), (2, 3, 5, 8), (1, 1, 5, 8)):
+        c = torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True)
+        s = torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(apply_rotary, (x, c, s))
+        torch.testing.assert_close(apply_rotary(x, c, s), modulate(x, c, s))
+
+
 def test_t8_modulation_backward_formula():
     gen = torch.Generator().manual_seed(5)
     x, e0, e1, g = (torch.randn(2, 3, 5, 8, generator=gen, dtype=torch.float64) for _ in range(4))

@@ -32,8 +32,47 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float,
     return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
 
 
+def rotate_half_transposed(x: torch.Tensor) -> torch.Tensor:
+    """rotᵀ(x) = [x[D/2:], −x[:D/2]], the adjoint of :func:`rotate_half`."""
+    half = x.shape[-1] // 2
+    return torch.cat((x[..., half:], -x[..., :half]), dim=-1)
+
+
+class _Modulate(torch.autograd.Function):
+    """x̃ = x ⊙ c + rot(x) ⊙ s that saves only (x, c, s) for backward.
+
+    Autograd through the plain expression would also keep rot(x), one more (b, H, N, D)
+    tensor per projection and layer; here it is recomputed. Backward (spec T8):
+    dx = c ⊙ g + rotᵀ(s ⊙ g), dc = x ⊙ g, ds = rot(x) ⊙ g (summed over broadcast axes).
+    """
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        # x is needed only for the tables' gradients (TAPE); RoPE's constant tables skip it.
+        tables_need_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        ctx.save_for_backward(x if tables_need_grad else None, cos, sin)
+        return x * cos + rotate_half(x) * sin
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, cos, sin = ctx.saved_tensors
+        dx = dcos = dsin = None
+        if ctx.needs_input_grad[0]:
+            dx = grad * cos + rotate_half_transposed(grad * sin)
+        if ctx.needs_input_grad[1]:
+            dcos = (grad * x).sum_to_size(cos.shape)
+        if ctx.needs_input_grad[2]:
+            dsin = (grad * rotate_half(x)).sum_to_size(sin.shape)
+        return dx, dcos, dsin
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x̃ = x ⊙ cos + rot(x) ⊙ sin; x (b, H, N, D), tables broadcastable to it."""
+    """x̃ = x ⊙ cos + rot(x) ⊙ sin; x (b, H, N, D), tables broadcastable to it.
+
+    With RoPE the tables are constants; with TAPE they are the state E⁰, E¹ (gradients flow).
+    """
+    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
+        return _Modulate.apply(x, cos, sin)
     return x * cos + rotate_half(x) * sin
 
 
