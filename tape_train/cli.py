@@ -32,3 +32,11 @@ def eval_main() -> None:
 
 def submit_main() -> None:
     _run("tape_train.cluster.submit")
+
+
+def export_main() -> None:
+    _run("tape_train.inference.export")
+
+
+def generate_main() -> None:
+    _run("tape_train.inference.generate")

@@ -1,0 +1,1 @@
+"""Using trained models: export to safetensors / Hugging Face, and text generation."""

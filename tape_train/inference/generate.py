@@ -1,0 +1,67 @@
+"""``tape-generate``: sample text from an exported model or a checkpoint, streaming tokens."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from tape_train.inference.loading import load_for_inference
+
+
+class StreamPrinter:
+    """Prints the decoded continuation as it grows (sentencepiece joins pieces with spaces
+    that only the full decode gets right, so decode the whole suffix and print the delta)."""
+
+    def __init__(self, tokenizer, out=sys.stdout) -> None:
+        self.tokenizer, self.out = tokenizer, out
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def __call__(self, new_ids: torch.Tensor) -> None:
+        self.ids.append(int(new_ids[0]))
+        text = self.tokenizer.decode(self.ids)
+        if text.startswith(self.printed):
+            self.out.write(text[len(self.printed):])
+            self.out.flush()
+            self.printed = text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tape-generate",
+                                     description="Generate text with the KV cache.")
+    parser.add_argument("model", help="export directory, run dir or checkpoint tag dir")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=100)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", help="sentencepiece .model (default: the model's own)")
+    args = parser.parse_args(argv)
+
+    from tape_train.data import load_tokenizer
+
+    try:
+        model, tok_path, _ = load_for_inference(args.model)
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        print(f"tape-generate: {exc}", file=sys.stderr)
+        return 2
+    tok_path = args.tokenizer or tok_path
+    if tok_path is None:
+        print("tape-generate: no tokenizer bundled with the model; pass --tokenizer", file=sys.stderr)
+        return 2
+    tokenizer = load_tokenizer(tok_path)
+    ids = torch.tensor([[tokenizer.bos_id, *tokenizer.encode(args.prompt)]])
+    sys.stdout.write(args.prompt)
+    model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, eos_id=tokenizer.eos_id,
+                   generator=torch.Generator().manual_seed(args.seed),
+                   on_token=StreamPrinter(tokenizer))
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Self-contained exported models: ``save_pretrained`` / ``from_pretrained``, no DeepSpeed.
+
+An export directory holds:
+    model.safetensors   consolidated weights (fp32 or bf16), our parameter names
+    config.json         the ModelConfig
+    tokenizer.model     the sentencepiece model the weights were trained with (if known)
+    export.json         provenance: source checkpoint, step, tokens seen, dtype
+
+For the RoPE baseline ``save_hf_llama`` writes a directory that ``transformers``'
+``LlamaForCausalLM.from_pretrained`` loads (Hugging Face names and config).
+Directories are written to a temporary sibling and renamed, so a partial export never looks
+complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tape_train.model.config import ModelConfig
+from tape_train.model.transformer import TransformerLM
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+TOKENIZER = "tokenizer.model"
+PROVENANCE = "export.json"
+
+
+def _write_dir_atomically(out_dir: Path, write) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        write(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    # safetensors refuses shared storage (tied embeddings): store contiguous copies.
+    return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().clone()
+            for k, v in state.items()}
+
+
+def save_pretrained(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, *,
+                    dtype: torch.dtype = torch.float32, tokenizer: str | Path | None = None,
+                    provenance: dict | None = None) -> Path:
+    """Write an export directory from a (consolidated) state dict."""
+    from safetensors.torch import save_file
+
+    model_keys = set(parameter_names(cfg))
+    if set(state) != model_keys:
+        missing, extra = sorted(model_keys - set(state)), sorted(set(state) - model_keys)
+        raise ValueError(f"state dict does not match the model config: missing {missing[:5]}, "
+                         f"unexpected {extra[:5]}")
+    if cfg.tie_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+
+    def write(tmp: Path) -> None:
+        save_file(_cast(state, dtype), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / TOKENIZER)
+        info = {"dtype": str(dtype).removeprefix("torch."), **(provenance or {})}
+        (tmp / PROVENANCE).write_text(json.dumps(info, indent=2, default=str) + "\n")
+
+    return _write_dir_atomically(Path(out_dir), write)
+
+
+def parameter_names(cfg: ModelConfig) -> list[str]:
+    """Parameter names of ``TransformerLM(cfg)``, without allocating it."""
+    with torch.device("meta"):
+        return list(TransformerLM(cfg).state_dict().keys())
+
+
+def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
+                    device: str | torch.device = "cpu") -> TransformerLM:
+    """Load an export directory written by :func:`save_pretrained` (or ``tape-export``)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    for name in (WEIGHTS, CONFIG):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"{path}: not an exported model (missing {name}); "
+                                    f"create one with `tape-export <checkpoint> --out {path}`")
+    cfg = ModelConfig.from_dict(json.loads((path / CONFIG).read_text()), source=str(path / CONFIG))
+    state = load_file(str(path / WEIGHTS), device=str(device))
+    with torch.device(device):
+        model = TransformerLM(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{path / WEIGHTS}: weights do not match {path / CONFIG}: missing "
+                         f"{missing[:5]}, unexpected {unexpected[:5]}")
+    if dtype is None:
+        dtype = next(iter(state.values())).dtype
+    return model.to(dtype).eval()
+
+
+def save_hf_llama(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, *,
+                  dtype: torch.dtype = torch.float32, tokenizer: str | Path | None = None,
+                  provenance: dict | None = None) -> Path:
+    """Export the RoPE baseline as a Hugging Face Llama directory (no transformers needed)."""
+    from safetensors.torch import save_file
+
+    from tape_train.model.hf import to_hf_llama_state_dict
+
+    if cfg.pe != "rope":
+        raise ValueError(f"--hf export needs pe=rope (Llama has no {cfg.pe!r}); "
+                         f"use the native export and tape_train.model.from_pretrained")
+    hf_state = to_hf_llama_state_dict(state)
+    if cfg.tie_embeddings:
+        hf_state.pop("lm_head.weight", None)
+    hf_config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "initializer_range": cfg.init_std, "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+    def write(tmp: Path) -> None:
+        save_file(_cast(hf_state, dtype), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / TOKENIZER)
+        (tmp / PROVENANCE).write_text(json.dumps({"format": "hf-llama", **(provenance or {})},
+                                                 indent=2, default=str) + "\n")
+
+    return _write_dir_atomically(Path(out_dir), write)

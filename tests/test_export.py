@@ -1,0 +1,57 @@
+"""Export directories: safetensors round trip, Hugging Face Llama export, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from model_utils import small_model, tokens
+from tape_train.model import from_pretrained, save_pretrained
+from tape_train.model.pretrained import save_hf_llama
+
+
+@pytest.mark.parametrize("pe, tie", [("tape", False), ("fire", False), ("rope", True)])
+def test_export_then_load_gives_identical_logits(tmp_path, pe, tie):
+    model = small_model(pe, dtype=torch.float32, tie_embeddings=tie)
+    out = save_pretrained(model.state_dict(), model.cfg, tmp_path / "export",
+                          provenance={"step": 7})
+    loaded = from_pretrained(out)
+    x = tokens()
+    assert torch.equal(loaded(x).logits, model(x).logits)
+    assert json.loads((out / "export.json").read_text())["step"] == 7
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".export.partial")]
+
+
+def test_bf16_export_halves_the_file_and_stays_close(tmp_path):
+    model = small_model("tape", dtype=torch.float32)
+    fp32 = save_pretrained(model.state_dict(), model.cfg, tmp_path / "fp32")
+    bf16 = save_pretrained(model.state_dict(), model.cfg, tmp_path / "bf16", dtype=torch.bfloat16)
+    size = lambda d: (d / "model.safetensors").stat().st_size  # noqa: E731
+    assert size(bf16) < 0.6 * size(fp32)
+    loaded = from_pretrained(bf16, dtype=torch.float32)
+    x = tokens()
+    torch.testing.assert_close(loaded(x).logits, model(x).logits, rtol=0, atol=5e-2)
+
+
+def test_hf_llama_export_loads_in_transformers_with_equal_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = small_model("rope", dtype=torch.float32)
+    out = save_hf_llama(model.state_dict(), model.cfg, tmp_path / "hf")
+    hf = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=x).logits, model(x).logits, rtol=0, atol=1e-5)
+
+
+def test_hf_export_refuses_tape_and_mismatched_states_are_refused(tmp_path):
+    tape = small_model("tape", dtype=torch.float32)
+    with pytest.raises(ValueError, match="needs pe=rope"):
+        save_hf_llama(tape.state_dict(), tape.cfg, tmp_path / "hf")
+    rope = small_model("rope", dtype=torch.float32)
+    with pytest.raises(ValueError, match="missing .*pos_update|unexpected .*pos_update"):
+        save_pretrained(rope.state_dict(), tape.cfg, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(FileNotFoundError, match="not an exported model .missing model.safetensors"):
+        from_pretrained(tmp_path)
