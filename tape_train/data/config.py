@@ -1,0 +1,238 @@
+"""Data configuration: the ``data:`` section of a run config.
+
+Plain dataclasses, validated in ``__post_init__``; every error names the offending key as
+``data.<field>`` (or ``data.sources[i].<field>``). File existence is checked later, when the
+loader is built, so a default ``DataConfig()`` is always constructible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+SHARDING_MODES = ("documents", "global")
+DATA_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "data"
+
+
+class DataError(ValueError):
+    """Bad input data or data configuration; the message names the file:line or key at fault."""
+
+
+def _unknown_keys_error(where: str, unknown: list[str], known: set[str]) -> str:
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(known), 1)
+        hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+    return f"{where}: unknown key(s) {', '.join(hints)}; known keys: {', '.join(sorted(known))}"
+
+
+@dataclass
+class SourceConfig:
+    """One corpus in the training mixture.
+
+    Exactly one of ``path`` and ``hub`` is set.
+
+    Attributes:
+        path: local file, directory (searched recursively), glob, or a list of these. Supported
+            files: ``.jsonl``/``.ndjson`` (optionally ``.gz``/``.zst``), ``.parquet``, and
+            ``.txt``/``.md``/``.rst`` (optionally ``.gz``/``.zst``; one document per file). A
+            directory holding ``manifest.json`` (written by ``tape-data prepare``) means its
+            training shards; its held-out shards feed ``iter_eval_documents``.
+        hub: a Hugging Face dataset name (or a local dataset directory) read with
+            ``datasets.load_dataset(hub, config, split=split, streaming=True)``.
+        config: dataset configuration name for ``hub`` (e.g. ``"en"`` for C4).
+        split: dataset split for ``hub``.
+        data_files: passed to ``load_dataset`` with ``hub`` — e.g. ``hub: json`` plus a glob
+            streams local or remote files through any ``datasets`` builder (csv, arrow, ...).
+        weight: relative probability that the next document of the mixture comes from this
+            source (document-level sampling; need not sum to 1 over sources).
+        text_field: record field holding the document text (JSONL, Parquet, Hub).
+        name: label used in logs and the fingerprint; defaults to the path or hub name.
+    """
+
+    path: str | list[str] | None = None
+    hub: str | None = None
+    config: str | None = None
+    split: str = "train"
+    data_files: str | list[str] | None = None
+    weight: float = 1.0
+    text_field: str = "text"
+    name: str | None = None
+    key: str = field(default="data.sources[?]", repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        k = self.key
+        if (self.path is None) == (self.hub is None):
+            raise DataError(f"{k}: set exactly one of 'path' and 'hub' "
+                            f"(got path={self.path!r}, hub={self.hub!r})")
+        if self.path is not None:
+            paths = [self.path] if isinstance(self.path, str) else self.path
+            if not isinstance(paths, list) or not paths or not all(
+                    isinstance(p, str) and p for p in paths):
+                raise DataError(f"{k}.path must be a non-empty string or list of strings, "
+                                f"got {self.path!r}")
+        if self.hub is not None and (not isinstance(self.hub, str) or not self.hub):
+            raise DataError(f"{k}.hub must be a non-empty string, got {self.hub!r}")
+        if self.data_files is not None and self.hub is None:
+            raise DataError(f"{k}.data_files needs 'hub' (a datasets builder such as json or "
+                            f"parquet); for plain local files use 'path'")
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) \
+                or not self.weight > 0:
+            raise DataError(f"{k}.weight must be a number > 0, got {self.weight!r}")
+        self.weight = float(self.weight)
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise DataError(f"{k}.text_field must be a non-empty string, got {self.text_field!r}")
+        if self.name is None:
+            self.name = self.hub if self.hub is not None else (
+                self.path if isinstance(self.path, str) else ",".join(self.path))
+
+    @property
+    def paths(self) -> list[str]:
+        if self.path is None:
+            return []
+        return [self.path] if isinstance(self.path, str) else list(self.path)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "key"}
+
+    @classmethod
+    def from_dict(cls, data: object, key: str) -> "SourceConfig":
+        if isinstance(data, SourceConfig):
+            return dataclasses.replace(data, key=key)
+        if isinstance(data, str):  # shorthand: a bare path
+            return cls(path=data, key=key)
+        if not isinstance(data, dict):
+            raise DataError(f"{key} must be a mapping like {{path: ..., weight: ...}}, "
+                            f"got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)} - {"key"}
+        data = {k: v for k, v in data.items() if k != "key"}  # dataclasses.asdict round trip
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise DataError(_unknown_keys_error(key, unknown, known))
+        return cls(**data, key=key)
+
+
+def _default_sources() -> list[SourceConfig]:
+    return [SourceConfig(path="data/demo", key="data.sources[0]")]
+
+
+@dataclass
+class DataConfig:
+    """Where the training text comes from and how it becomes batches.
+
+    Attributes:
+        sources: the training mixture (list of ``SourceConfig`` or dicts; a bare string is a
+            path). Relative paths resolve against the working directory.
+        tokenizer: path of a sentencepiece ``.model`` file.
+        eval_sources: explicit held-out sources for ``iter_eval_documents`` (never trained on).
+        eval_fraction: fraction of every training source's documents held out for evaluation,
+            chosen by a hash of the document text (so duplicates land on the same side).
+        eval_max_documents: cap on held-out documents yielded (``None``: all).
+        shuffle: permute shard order per epoch and documents within windows.
+        shuffle_buffer: documents per shuffle window; memory ≈ shuffle_buffer × mean document
+            size. 1 keeps file order within shards.
+        prefetch: batches produced ahead by a background thread (0: produce on demand).
+        skip_bad_records: ``False`` raises on a malformed record (naming file:line); ``True``
+            skips it, counts it and logs it. Empty documents are always skipped and counted.
+        add_bos / add_eos: wrap every document in BOS ... EOS before packing.
+        sharding: ``"documents"``: document g goes to data-parallel rank g mod dp_size, which
+            tokenises and packs only its own documents (scales; a resume needs the same
+            dp_size). ``"global"``: every rank tokenises the whole stream and takes packed
+            blocks r, r+n, ...; the global token stream is independent of dp_size, so a run
+            can resume on a different number of ranks (costs dp_size× tokenisation).
+    """
+
+    sources: list = field(default_factory=_default_sources)
+    tokenizer: str = "data/demo/tokenizer.model"
+    eval_sources: list = field(default_factory=list)
+    eval_fraction: float = 0.0
+    eval_max_documents: int | None = None
+    shuffle: bool = True
+    shuffle_buffer: int = 1024
+    prefetch: int = 4
+    skip_bad_records: bool = False
+    add_bos: bool = True
+    add_eos: bool = True
+    sharding: str = "documents"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sources, list) or not self.sources:
+            raise DataError(f"data.sources must be a non-empty list, got {self.sources!r}")
+        self.sources = [SourceConfig.from_dict(s, f"data.sources[{i}]")
+                        for i, s in enumerate(self.sources)]
+        if not isinstance(self.eval_sources, list):
+            raise DataError(f"data.eval_sources must be a list, got {self.eval_sources!r}")
+        self.eval_sources = [SourceConfig.from_dict(s, f"data.eval_sources[{i}]")
+                             for i, s in enumerate(self.eval_sources)]
+        if not isinstance(self.tokenizer, str) or not self.tokenizer:
+            raise DataError(f"data.tokenizer must be a path to a .model file, "
+                            f"got {self.tokenizer!r}")
+        if isinstance(self.eval_fraction, bool) or not isinstance(
+                self.eval_fraction, (int, float)) or not 0.0 <= self.eval_fraction < 1.0:
+            raise DataError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
+        self.eval_fraction = float(self.eval_fraction)
+        if self.eval_max_documents is not None and not _positive_int(self.eval_max_documents):
+            raise DataError(f"data.eval_max_documents must be a positive integer or null, "
+                            f"got {self.eval_max_documents!r}")
+        if not _positive_int(self.shuffle_buffer):
+            raise DataError(f"data.shuffle_buffer must be a positive integer, "
+                            f"got {self.shuffle_buffer!r}")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) \
+                or self.prefetch < 0:
+            raise DataError(f"data.prefetch must be an integer >= 0, got {self.prefetch!r}")
+        for key in ("shuffle", "skip_bad_records", "add_bos", "add_eos"):
+            if not isinstance(getattr(self, key), bool):
+                raise DataError(f"data.{key} must be true or false, got {getattr(self, key)!r}")
+        if self.sharding not in SHARDING_MODES:
+            close = difflib.get_close_matches(str(self.sharding), SHARDING_MODES, 1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise DataError(f"data.sharding={self.sharding!r} is not one of "
+                            f"{', '.join(SHARDING_MODES)}{hint}")
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["sources"] = [s.to_dict() for s in self.sources]
+        out["eval_sources"] = [s.to_dict() for s in self.eval_sources]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "data config") -> "DataConfig":
+        """Build from a plain mapping (a YAML ``data:`` section); unknown keys are errors that
+        name ``source``, the key path and the closest known key."""
+        if not isinstance(data, dict):
+            raise DataError(f"{source}: the data section must be a mapping, "
+                            f"got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise DataError(f"{source}: " + _unknown_keys_error(
+                "data", [u for u in unknown], known))
+        try:
+            return cls(**data)
+        except DataError as exc:
+            raise DataError(f"{source}: {exc}") from None
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def load_data_config(name_or_path: str, **overrides) -> DataConfig:
+    """A named config from ``configs/data/<name>.yaml`` or a YAML file path, plus overrides."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = DATA_CONFIG_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in DATA_CONFIG_DIR.glob("*.yaml"))
+        raise DataError(f"data config {name_or_path!r} not found (looked for {path}); "
+                        f"named configs: {', '.join(names)}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise DataError(f"{path}: not valid YAML: {exc}") from None
+    data.update(overrides)
+    return DataConfig.from_dict(data, source=str(path))

@@ -1,0 +1,182 @@
+"""Write prepared corpora: JSONL.zst shards + a held-out split + ``manifest.json``.
+
+Layout of a prepared directory::
+
+    train-00000-of-00016.jsonl.zst ... train-00015-of-00016.jsonl.zst
+    eval-00000-of-00001.jsonl.zst
+    manifest.json        # written last, atomically: its presence means "complete"
+
+Each line is ``{"text": ..., "source": ..., "id": ...}``. Documents are deduplicated by
+content, held out by the same text hash the loader uses (``sources.is_held_out``), shuffled in
+seeded buffers of up to ``shuffle_bytes`` and dealt round-robin to shards. The shard count
+defaults to 16, a multiple of every likely data-parallel size up to 16.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from tape_train.data.config import DataError
+from tape_train.data.formats import MANIFEST_NAME
+from tape_train.data.sources import is_held_out
+
+log = logging.getLogger("tape_train.data")
+
+MANIFEST_FORMAT = "tape-data/1"
+
+
+def read_complete_manifest(out_dir: Path) -> dict | None:
+    """The manifest of a complete prepared directory, or None (missing, corrupt, or a listed
+    shard missing / of the wrong size)."""
+    path = Path(out_dir) / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_text())
+        if manifest.get("format") != MANIFEST_FORMAT:
+            return None
+        for shard in manifest["shards"]:
+            f = Path(out_dir) / shard["path"]
+            if not f.is_file() or f.stat().st_size != shard["file_bytes"]:
+                return None
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return None
+    return manifest
+
+
+class _ShardSet:
+    """Round-robin writer over ``n`` zstd-compressed JSONL shards of one split."""
+
+    def __init__(self, directory: Path, split: str, n: int):
+        import zstandard
+
+        self.split = split
+        self.names = [f"{split}-{i:05d}-of-{n:05d}.jsonl.zst" for i in range(n)]
+        self.files = [open(directory / name, "wb") for name in self.names]
+        self.writers = [zstandard.ZstdCompressor(level=3).stream_writer(f) for f in self.files]
+        self.documents = [0] * n
+        self.text_bytes = [0] * n
+        self.next = 0
+
+    def write(self, record: dict, n_bytes: int) -> None:
+        i = self.next
+        self.next = (i + 1) % len(self.writers)
+        self.writers[i].write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+        self.documents[i] += 1
+        self.text_bytes[i] += n_bytes
+
+    def close(self, directory: Path) -> list[dict]:
+        entries = []
+        for i, name in enumerate(self.names):
+            self.writers[i].close()  # also closes the file
+            data = (directory / name).read_bytes()
+            entries.append({"path": name, "split": self.split, "documents": self.documents[i],
+                            "text_bytes": self.text_bytes[i], "file_bytes": len(data),
+                            "sha256": hashlib.sha256(data).hexdigest()})
+        return entries
+
+
+def write_corpus(documents: Iterable[dict], out_dir: str | os.PathLike, *, num_shards: int = 16,
+                 eval_fraction: float = 0.01, seed: int = 0, shuffle_bytes: int = 256 << 20,
+                 config: dict | None = None, extra: dict | None = None) -> dict:
+    """Write ``documents`` (dicts with ``text``, ``source``, ``id``) as a prepared corpus.
+
+    Output goes to a temporary directory inside ``out_dir`` first; shards are moved into place
+    and the manifest is written last with an atomic rename, so an interrupted run never leaves
+    a directory that looks complete. Returns the manifest.
+    """
+    if num_shards <= 0:
+        raise DataError(f"--num-shards must be positive, got {num_shards}")
+    if not 0.0 <= eval_fraction < 1.0:
+        raise DataError(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".tmp-prepare-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    train = _ShardSet(tmp, "train", num_shards)
+    held = _ShardSet(tmp, "eval", 1)
+    rng = np.random.default_rng([seed, 0x5052])
+    seen: set[bytes] = set()
+    per_source: dict[str, dict] = {}
+    counts = {"duplicates": 0, "empty": 0}
+    buffer: list[tuple[dict, int]] = []
+    buffer_bytes = 0
+    started = last_log = time.monotonic()
+
+    def flush() -> None:
+        nonlocal buffer, buffer_bytes
+        for k in rng.permutation(len(buffer)):
+            record, n_bytes = buffer[k]
+            train.write(record, n_bytes)
+        buffer, buffer_bytes = [], 0
+
+    try:
+        for doc in documents:
+            text = doc["text"]
+            stats = per_source.setdefault(doc["source"], {"documents": 0, "text_bytes": 0})
+            if not text.strip():
+                counts["empty"] += 1
+                continue
+            data = text.encode("utf-8")
+            digest = hashlib.blake2b(data, digest_size=16).digest()
+            if digest in seen:
+                counts["duplicates"] += 1
+                continue
+            seen.add(digest)
+            stats["documents"] += 1
+            stats["text_bytes"] += len(data)
+            record = {"text": text, "source": doc["source"], "id": doc["id"]}
+            if is_held_out(text, eval_fraction):
+                held.write(record, len(data))
+            else:
+                buffer.append((record, len(data)))
+                buffer_bytes += len(data)
+                if buffer_bytes >= shuffle_bytes:
+                    flush()
+            if time.monotonic() - last_log > 5.0:
+                last_log = time.monotonic()
+                log.info("prepare: %d documents, %.1f MB so far", len(seen),
+                         sum(s["text_bytes"] for s in per_source.values()) / 1e6)
+        flush()
+        entries = train.close(tmp) + held.close(tmp)
+        if not seen:
+            raise DataError("prepare: no non-empty documents in the input")
+        (out / MANIFEST_NAME).unlink(missing_ok=True)  # never pair an old manifest with new shards
+        for entry in entries:
+            os.replace(tmp / entry["path"], out / entry["path"])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    splits = {}
+    for split in ("train", "eval"):
+        chosen = [e for e in entries if e["split"] == split]
+        splits[split] = {"shards": len(chosen), "documents": sum(e["documents"] for e in chosen),
+                         "text_bytes": sum(e["text_bytes"] for e in chosen)}
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "text_field": "text",
+        "config": config or {},
+        "held_out": {"eval_fraction": eval_fraction,
+                     "rule": "blake2b-64(UTF-8 text) < eval_fraction * 2^64 "
+                             "(tape_train.data.sources.is_held_out)"},
+        "splits": splits,
+        "sources": per_source,
+        "dropped": counts,
+        "shards": entries,
+        **(extra or {}),
+    }
+    manifest_tmp = out / f".{MANIFEST_NAME}.tmp{os.getpid()}"
+    manifest_tmp.write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
+    os.replace(manifest_tmp, out / MANIFEST_NAME)
+    log.info("prepare: wrote %d train + %d eval documents (%.1f MB of text) in %d shards to %s "
+             "in %.1f s", splits["train"]["documents"], splits["eval"]["documents"],
+             (splits["train"]["text_bytes"] + splits["eval"]["text_bytes"]) / 1e6,
+             len(entries), out, time.monotonic() - started)
+    return manifest

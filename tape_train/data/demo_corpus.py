@@ -1,0 +1,209 @@
+"""The demo corpus: real English prose and documentation from Debian packages.
+
+Packages are fetched with ``apt-get download`` into a cache directory and unpacked with
+``dpkg-deb -x`` into a temporary directory — nothing is installed system-wide. Each package
+has an extractor that turns its files into documents:
+
+=====================  ==============================================  ======================
+package                files                                           one document per
+=====================  ==============================================  ======================
+python3.N-doc          ``usr/share/doc/python3.N/html/_sources/**/*.rst.txt``  file (reST)
+perl-doc               ``usr/share/perl/5.*/pod/*.pod``                file (POD)
+dict-jargon/foldoc/    ``usr/share/dictd/*.index`` + ``*.dict.dz``     dictionary entry
+devil
+fortunes, fortunes-min ``usr/share/games/fortunes/*``                  ``%``-separated entry
+gnu-standards          ``usr/share/doc/gnu-standards/*.text.gz``       file
+debian-reference-en    ``usr/share/debian-reference/*.txt.gz``         file
+=====================  ==============================================  ======================
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from tape_train.data.config import DataError
+
+log = logging.getLogger("tape_train.data")
+
+FIXED_PACKAGES = ("perl-doc", "dict-jargon", "dict-foldoc", "dict-devil", "fortunes",
+                  "fortunes-min", "gnu-standards", "debian-reference-en")
+_DICTD_DIGITS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
+
+
+def require_apt() -> None:
+    for tool in ("apt-get", "apt-cache", "dpkg-deb"):
+        if shutil.which(tool) is None:
+            raise DataError(f"prepare --demo needs {tool} (a Debian/Ubuntu machine); use "
+                            f"`tape-data prepare --input <files>` for other text")
+
+
+# python3.N-doc for any N here; the newest the archive has is used.
+_PYTHON_DOC_CANDIDATES = tuple(f"python3.{minor}-doc" for minor in range(8, 21))
+
+
+def available_versions(names: list[str]) -> dict[str, str]:
+    """``{package: candidate version}`` for the names apt knows, in ONE ``apt-cache`` call
+    (each call re-reads the package lists, seconds on a loaded machine)."""
+    out = _run(["apt-cache", "show", "--no-all-versions", *names])
+    found: dict[str, str] = {}
+    for stanza in out.stdout.split("\n\n"):
+        package = re.search(r"^Package: (\S+)", stanza, re.M)
+        version = re.search(r"^Version: (\S+)", stanza, re.M)
+        if package and version:
+            found.setdefault(package.group(1), version.group(1))
+    return found
+
+
+def demo_packages() -> dict[str, str]:
+    """The demo packages apt can fetch, ``{name: version}``: the newest python3.N-doc and
+    every package of FIXED_PACKAGES; missing ones are skipped with a warning."""
+    found = available_versions([*_PYTHON_DOC_CANDIDATES, *FIXED_PACKAGES])
+    python_docs = [n for n in _PYTHON_DOC_CANDIDATES if n in found]
+    chosen = {}
+    if python_docs:
+        chosen[python_docs[-1]] = found[python_docs[-1]]
+    else:
+        log.warning("prepare: no python3.N-doc package in the apt archive; skipping it")
+    for name in FIXED_PACKAGES:
+        if name in found:
+            chosen[name] = found[name]
+        else:
+            log.warning("prepare: package %s is not in the apt archive; skipping it", name)
+    if not chosen:
+        raise DataError(f"prepare --demo: none of the demo packages (python3.N-doc, "
+                        f"{', '.join(FIXED_PACKAGES)}) is available from apt; run "
+                        f"`apt-get update` first (needs network to Debian's archive)")
+    return chosen
+
+
+def download_packages(available: dict[str, str], cache_dir: Path) -> dict[str, tuple[Path, str]]:
+    """``{name: (.deb path, version)}`` for the packages that could be downloaded; others are
+    skipped with a warning. Cached ``.deb`` files of the right version are reused."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+
+    def cached(name: str, version: str) -> Path | None:
+        # apt-get download names files <name>_<version with ':' as %3a>_<arch>.deb
+        quoted = version.replace(":", "%3a")
+        hits = sorted(cache_dir.glob(f"{name}_{quoted}_*.deb"))
+        return hits[0] if hits else None
+
+    missing = [n for n, v in available.items() if cached(n, v) is None]
+    if missing:
+        log.info("prepare: apt-get download %s (into %s)", " ".join(missing), cache_dir)
+        out = _run(["apt-get", "download", *missing], cwd=cache_dir)
+        if out.returncode != 0:
+            log.warning("prepare: apt-get download failed (%s); trying packages one by one",
+                        out.stderr.strip().splitlines()[-1:] or out.returncode)
+            for name in missing:
+                one = _run(["apt-get", "download", name], cwd=cache_dir)
+                if one.returncode != 0:
+                    log.warning("prepare: cannot download %s: %s; skipping it", name,
+                                one.stderr.strip()[-300:])
+    result = {}
+    for name, version in available.items():
+        deb = cached(name, version)
+        if deb is not None:
+            result[name] = (deb, version)
+    if not result:
+        raise DataError("prepare --demo: no demo package could be downloaded")
+    return result
+
+
+def _decode(data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:  # a few old fortune/dictionary files are Latin-1
+        return data.decode("latin-1")
+
+
+def _dictd_number(text: str) -> int:
+    value = 0
+    for ch in text:
+        value = value * 64 + _DICTD_DIGITS.index(ch)
+    return value
+
+
+def _dictd_entries(root: Path) -> Iterator[tuple[str, str]]:
+    for index in sorted(root.glob("usr/share/dictd/*.index")):
+        body = index.with_suffix(".dict.dz")
+        if not body.is_file():
+            log.warning("prepare: %s has no matching .dict.dz; skipping it", index.name)
+            continue
+        data = gzip.decompress(body.read_bytes())  # dictzip is gzip-compatible
+        seen: set[tuple[int, int]] = set()
+        for line in index.read_text(encoding="utf-8", errors="replace").splitlines():
+            parts = line.split("\t")
+            if len(parts) < 3 or parts[0].startswith(("00-database", "00database")):
+                continue  # metadata entries, not dictionary text
+            span = (_dictd_number(parts[1]), _dictd_number(parts[2]))
+            if span in seen:  # several headwords may point at one entry
+                continue
+            seen.add(span)
+            yield f"{index.stem}:{parts[0]}", _decode(data[span[0]:span[0] + span[1]])
+
+
+def _fortunes(root: Path) -> Iterator[tuple[str, str]]:
+    for path in sorted(root.glob("usr/share/games/fortunes/*")):
+        if path.is_symlink() or not path.is_file() or path.suffix in (".dat", ".u8"):
+            continue
+        entries = re.split(r"^%\s*$", _decode(path.read_bytes()), flags=re.M)
+        for i, entry in enumerate(entries):
+            yield f"{path.name}:{i}", entry.strip("\n")
+
+
+def _whole_files(*patterns: str, gz: bool = False):
+    def extract(root: Path) -> Iterator[tuple[str, str]]:
+        seen: set[Path] = set()  # a pattern may reach one file through two directories
+        for pattern in patterns:
+            for path in sorted(root.glob(pattern)):
+                if path.is_file() and not path.is_symlink() and path.resolve() not in seen:
+                    seen.add(path.resolve())
+                    data = path.read_bytes()
+                    yield str(path.relative_to(root)), _decode(gzip.decompress(data) if gz
+                                                               else data)
+    return extract
+
+
+def extractor_for(package: str):
+    if package.startswith("python3") and package.endswith("-doc"):
+        return _whole_files("usr/share/doc/python3*/html/_sources/**/*.rst.txt")
+    return {
+        "perl-doc": _whole_files("usr/share/perl/5.*/pod/*.pod"),
+        "dict-jargon": _dictd_entries, "dict-foldoc": _dictd_entries,
+        "dict-devil": _dictd_entries,
+        "fortunes": _fortunes, "fortunes-min": _fortunes,
+        "gnu-standards": _whole_files("usr/share/doc/gnu-standards/*.text.gz", gz=True),
+        "debian-reference-en": _whole_files("usr/share/debian-reference/*.txt.gz",
+                                            "usr/share/doc/debian-reference-en/**/*.txt.gz",
+                                            gz=True),
+    }[package]
+
+
+def iter_demo_documents(debs: dict[str, tuple[Path, str]]) -> Iterator[dict]:
+    """Unpack each ``.deb`` into a temporary directory and yield its documents as
+    ``{"text", "source", "id"}`` dicts."""
+    for package, (deb, _version) in debs.items():
+        with tempfile.TemporaryDirectory(prefix="tape-demo-") as tmp:
+            out = _run(["dpkg-deb", "-x", str(deb), tmp])
+            if out.returncode != 0:
+                log.warning("prepare: dpkg-deb -x %s failed: %s; skipping it", deb.name,
+                            out.stderr.strip()[-300:])
+                continue
+            n = 0
+            for doc_id, text in extractor_for(package)(Path(tmp)):
+                n += 1
+                yield {"text": text, "source": package, "id": doc_id}
+            log.info("prepare: %s: %d documents", package, n)
+            if n == 0:
+                log.warning("prepare: %s yielded no documents (layout changed?)", package)

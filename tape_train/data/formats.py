@@ -1,0 +1,360 @@
+"""Shards and record readers: turn a source's files (or Hub dataset) into documents.
+
+A *shard* is one file (or one shard of a streamed Hub dataset). ``read_documents(shard,
+start)`` yields ``(record_index, text)`` for every valid, non-empty document from raw record
+``start`` on. Record indices count raw records (JSONL lines, Parquet rows), including blank,
+bad and skipped ones, so a position (shard, record) is stable across runs — the basis of
+exact resume. Skipping to ``start`` in JSONL only counts lines (no JSON parsing).
+
+We read local files ourselves rather than through ``datasets``' JSON builder because that
+builder cannot name the failing line or skip a bad record; Hub datasets go through
+``datasets.load_dataset(..., streaming=True)``.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tape_train.data.config import DataError, SourceConfig
+
+log = logging.getLogger("tape_train.data")
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+TEXT_SUFFIXES = (".txt", ".md", ".rst")
+COMPRESSION_SUFFIXES = (".gz", ".zst")
+MANIFEST_NAME = "manifest.json"
+
+
+class SkipLog:
+    """Counts skipped records per reason and logs them (the first few in full with file:line,
+    then every 1000th), so skipping is never silent."""
+
+    FULL_LOGS_PER_REASON = 10
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def skip(self, reason: str, where: str, detail: str = "") -> None:
+        self.counts[reason] += 1
+        n = self.counts[reason]
+        if n <= self.FULL_LOGS_PER_REASON or n % 1000 == 0:
+            log.warning("data: skipped record (%s) at %s%s [%d %s so far]", reason, where,
+                        f": {detail}" if detail else "", n, reason)
+
+
+def classify(path: Path) -> tuple[str, str] | None:
+    """(kind, compression) of a file name, kind in jsonl/text/parquet; None if unsupported."""
+    name = path.name.lower()
+    compression = ""
+    for suffix in COMPRESSION_SUFFIXES:
+        if name.endswith(suffix):
+            compression, name = suffix[1:], name[: -len(suffix)]
+            break
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl", compression
+    if name.endswith(TEXT_SUFFIXES):
+        return "text", compression
+    if name.endswith(".parquet") and not compression:
+        return "parquet", ""
+    return None
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One readable unit: a local file, or shard ``hub_index`` of a streamed Hub dataset."""
+
+    kind: str  # jsonl | text | parquet | hub
+    path: str  # file path, or "hub:<name>/<config>/<split>#<index>"
+    compression: str = ""
+    size: int = 0  # bytes on disk (0 for hub)
+    hub_index: int = -1
+
+    @property
+    def identity(self) -> list:
+        """What the fingerprint records: file name and size (not the absolute path, so a run
+        can resume after moving the data)."""
+        return [Path(self.path).name if self.kind != "hub" else self.path, self.size]
+
+
+def resolve_local_shards(source: SourceConfig, split: str = "train") -> list[Shard]:
+    """Files of ``source.path`` (files, dirs, globs), sorted; a prepared directory contributes
+    the manifest's shards of ``split``. Errors name the config key and the path."""
+    key = f"{source.key}.path"
+    found: list[Path] = []
+    for pattern in source.paths:
+        p = Path(pattern)
+        if any(ch in pattern for ch in "*?["):
+            matches = sorted(Path(m) for m in glob.glob(pattern, recursive=True))
+            files = [m for m in matches if m.is_file() and classify(m)]
+            if not files:
+                raise DataError(f"{key}: glob {pattern!r} matched no supported files "
+                                f"({len(matches)} paths matched)")
+            found.extend(files)
+        elif p.is_dir():
+            if (p / MANIFEST_NAME).is_file():
+                found.extend(manifest_shard_paths(p, split))
+                continue
+            files = sorted(f for f in p.rglob("*") if f.is_file() and classify(f)
+                           and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            if not files:
+                raise DataError(f"{key}: directory {pattern!r} holds no supported files "
+                                f"(.jsonl/.ndjson[.gz|.zst], .parquet, .txt/.md/.rst[.gz|.zst])")
+            found.extend(files)
+        elif p.is_file():
+            if not classify(p):
+                raise DataError(f"{key}: unsupported file type {pattern!r} (supported: "
+                                f".jsonl/.ndjson[.gz|.zst], .parquet, .txt/.md/.rst[.gz|.zst])")
+            found.append(p)
+        else:
+            raise DataError(f"{key}: no such file or directory {pattern!r}")
+    shards = []
+    for f in found:
+        kind, compression = classify(f)
+        shards.append(Shard(kind, str(f), compression, f.stat().st_size))
+    return shards
+
+
+def manifest_shard_paths(directory: Path, split: str) -> list[Path]:
+    """Shard files of one split listed in ``directory/manifest.json``."""
+    manifest_path = directory / MANIFEST_NAME
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        entries = [s for s in manifest["shards"] if s["split"] == split]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise DataError(f"{manifest_path}: not a valid tape-data manifest ({exc})") from None
+    paths = []
+    for entry in entries:
+        path = directory / entry["path"]
+        if not path.is_file():
+            raise DataError(f"{manifest_path}: listed shard {entry['path']!r} is missing; "
+                            f"re-run `tape-data prepare`")
+        paths.append(path)
+    return paths
+
+
+def _zstd_chunks(path: str, chunk_bytes: int = 1 << 20) -> Iterator[bytes]:
+    """Decompressed chunks of a (possibly multi-frame) zstd file. Raises on a truncated last
+    frame — zstandard's stream_reader just stops there, which would lose data silently."""
+    import zstandard
+
+    dctx = zstandard.ZstdDecompressor()
+    dobj, fed = dctx.decompressobj(), False
+    with open(path, "rb") as fh:
+        while chunk := fh.read(chunk_bytes):
+            while chunk:
+                fed = True
+                try:
+                    out = dobj.decompress(chunk)
+                except zstandard.ZstdError as exc:
+                    raise OSError(f"corrupt zstd data: {exc}") from None
+                if out:
+                    yield out
+                if dobj.eof:  # frame complete; the rest of the chunk starts the next frame
+                    chunk = dobj.unused_data
+                    dobj, fed = dctx.decompressobj(), False
+                else:
+                    chunk = b""
+    if fed and not dobj.eof:
+        raise EOFError("zstd stream ends inside a frame (truncated file)")
+
+
+def _chunk_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    tail = b""
+    for chunk in chunks:
+        lines = (tail + chunk).split(b"\n")
+        tail = lines.pop()
+        yield from lines
+    if tail:
+        yield tail
+
+
+def _iter_lines(shard: Shard) -> Iterator[bytes]:
+    """Raw lines (without the newline) of a plain, gzip or zstd file."""
+    if shard.compression == "zst":
+        yield from _chunk_lines(_zstd_chunks(shard.path))
+        return
+    opener = gzip.open if shard.compression == "gz" else open
+    with opener(shard.path, "rb") as fh:
+        for line in fh:
+            yield line.rstrip(b"\n")
+
+
+def _read_all(shard: Shard) -> bytes:
+    if shard.compression == "zst":
+        return b"".join(_zstd_chunks(shard.path))
+    opener = gzip.open if shard.compression == "gz" else open
+    with opener(shard.path, "rb") as fh:
+        return fh.read()
+
+
+def read_documents(shard: Shard, start: int, text_field: str, skip_bad: bool,
+                   skips: SkipLog, hub_dataset=None) -> Iterator[tuple[int, str]]:
+    """Yield ``(record_index, text)`` of valid non-empty documents from record ``start`` on."""
+    if shard.kind == "jsonl":
+        yield from _read_jsonl(shard, start, text_field, skip_bad, skips)
+    elif shard.kind == "text":
+        if start == 0:
+            yield from _read_text_file(shard, skip_bad, skips)
+    elif shard.kind == "parquet":
+        yield from _read_parquet(shard, start, text_field, skip_bad, skips)
+    elif shard.kind == "hub":
+        yield from _read_hub(shard, hub_dataset, start, text_field, skip_bad, skips)
+    else:
+        raise DataError(f"{shard.path}: unknown shard kind {shard.kind!r}")
+
+
+def _bad(skip_bad: bool, skips: SkipLog, reason: str, where: str, detail: str) -> None:
+    if not skip_bad:
+        raise DataError(f"{where}: {reason}: {detail} (set data.skip_bad_records=true to skip "
+                        f"and count such records instead)")
+    skips.skip(reason, where, detail)
+
+
+def _check_text(text: object, where: str, text_field: str, record: object, skip_bad: bool,
+                skips: SkipLog) -> str | None:
+    if text is _MISSING:
+        fields = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
+        _bad(skip_bad, skips, "missing text field", where,
+             f"record has no field {text_field!r} (it has: {fields})")
+        return None
+    if not isinstance(text, str):
+        _bad(skip_bad, skips, "text not a string", where,
+             f"field {text_field!r} is {type(text).__name__}, not a string")
+        return None
+    if not text.strip():
+        skips.skip("empty document", where)
+        return None
+    try:  # JSON escapes can smuggle in lone surrogates, which no tokenizer can encode
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        _bad(skip_bad, skips, "invalid UTF-8", where,
+             f"lone surrogate {text[exc.start]!r} at character {exc.start}")
+        return None
+    return text
+
+
+_MISSING = object()
+
+
+def _read_jsonl(shard: Shard, start: int, text_field: str, skip_bad: bool,
+                skips: SkipLog) -> Iterator[tuple[int, str]]:
+    line_no = 0
+    try:
+        for line_no, raw in enumerate(_iter_lines(shard), start=1):
+            index = line_no - 1
+            if index < start or not raw.strip():
+                continue
+            where = f"{shard.path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                _bad(skip_bad, skips, "invalid UTF-8", where,
+                     f"byte {exc.start} of the line ({raw[exc.start:exc.start + 4]!r})")
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                _bad(skip_bad, skips, "malformed JSON", where,
+                     f"{exc.msg} at column {exc.colno}")
+                continue
+            value = record.get(text_field, _MISSING) if isinstance(record, dict) else _MISSING
+            text = _check_text(value, where, text_field, record, skip_bad, skips)
+            if text is not None:
+                yield index, text
+    except (OSError, EOFError, ValueError) as exc:
+        if isinstance(exc, DataError):
+            raise
+        raise DataError(f"{shard.path}: cannot read after line {line_no} "
+                        f"({type(exc).__name__}: {exc}); corrupt or truncated file?") from None
+    if line_no == 0:
+        skips.skip("empty file", shard.path)
+
+
+def _read_text_file(shard: Shard, skip_bad: bool, skips: SkipLog) -> Iterator[tuple[int, str]]:
+    try:
+        data = _read_all(shard)
+    except (OSError, EOFError, ValueError) as exc:
+        raise DataError(f"{shard.path}: cannot read ({type(exc).__name__}: {exc})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        _bad(skip_bad, skips, "invalid UTF-8", f"{shard.path}:{line}",
+             f"byte offset {exc.start} ({data[exc.start:exc.start + 4]!r})")
+        return
+    if not data:
+        skips.skip("empty file", shard.path)
+        return
+    checked = _check_text(text, f"{shard.path}:1", "text", None, skip_bad, skips)
+    if checked is not None:
+        yield 0, checked
+
+
+def _read_parquet(shard: Shard, start: int, text_field: str, skip_bad: bool,
+                  skips: SkipLog) -> Iterator[tuple[int, str]]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(shard.path)
+    except Exception as exc:  # pyarrow raises ArrowInvalid/OSError subclasses
+        raise DataError(f"{shard.path}: not a readable Parquet file ({exc})") from None
+    names = pf.schema_arrow.names
+    if text_field not in names:
+        raise DataError(f"{shard.path}: Parquet file has no column {text_field!r} "
+                        f"(columns: {', '.join(names)}); set the source's text_field")
+    if pf.metadata.num_rows == 0:
+        skips.skip("empty file", shard.path)
+        return
+    row = 0
+    for group in range(pf.num_row_groups):
+        n_rows = pf.metadata.row_group(group).num_rows
+        if row + n_rows <= start:  # whole row group before the resume point
+            row += n_rows
+            continue
+        column = pf.read_row_group(group, columns=[text_field]).column(0).to_pylist()
+        for value in column:
+            if row >= start:
+                where = f"{shard.path}:row {row}"
+                text = _check_text(value, where, text_field, {text_field: value}, skip_bad,
+                                   skips)
+                if text is not None:
+                    yield row, text
+            row += 1
+
+
+def hub_shards(source: SourceConfig):
+    """Open ``source.hub`` as a streaming dataset; returns (dataset, shards)."""
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(source.hub, source.config, split=source.split,
+                                   data_files=source.data_files, streaming=True)
+    except Exception as exc:  # network, missing dataset, bad config: all user-facing
+        raise DataError(f"{source.key}.hub: cannot open dataset {source.hub!r} "
+                        f"(config={source.config!r}, split={source.split!r}): "
+                        f"{type(exc).__name__}: {str(exc)[:300]}") from None
+    n = max(1, ds.n_shards)
+    label = f"hub:{source.hub}/{source.config or 'default'}/{source.split}"
+    if source.data_files is not None:
+        label += f"[{source.data_files}]"
+    return ds, [Shard("hub", f"{label}#{i}", hub_index=i) for i in range(n)]
+
+
+def _read_hub(shard: Shard, ds, start: int, text_field: str, skip_bad: bool,
+              skips: SkipLog) -> Iterator[tuple[int, str]]:
+    part = ds.shard(num_shards=max(1, ds.n_shards), index=shard.hub_index)
+    for index, record in enumerate(part):
+        if index < start:
+            continue
+        where = f"{shard.path}:record {index}"
+        value = record.get(text_field, _MISSING)
+        text = _check_text(value, where, text_field, record, skip_bad, skips)
+        if text is not None:
+            yield index, text

@@ -1,0 +1,340 @@
+"""The resumable training loader: document stream → tokenise → pack → shard → batches.
+
+Sharding is over data-parallel ranks only (every rank of a tensor/sequence-parallel group
+passes the same ``dp_rank`` and so receives the identical batch). Two modes
+(``data.sharding``):
+
+* ``documents`` (default): document ``g`` of the global stream belongs to rank ``g mod n``;
+  each rank reads every document but tokenises and packs only its own (tokenisation is the
+  bottleneck, so this scales with n). The state is per rank; resume with the same dp_size.
+* ``global``: every rank tokenises the whole stream into ONE sequence of packed blocks and
+  takes blocks ``J0 + r, J0 + r + n, ...``. The state is identical on all ranks and names a
+  global block index, so a run can resume on a different number of ranks and continue the
+  same global token stream — at n× the tokenisation work per rank.
+
+State (``state_dict()``): the stream position where the next unconsumed block starts (a few
+integers per source), the token offset into that document, the block counter, and the
+fingerprint. With prefetching on, the state travels with each batch through the queue, so it
+always describes what the consumer has *received*.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import atexit
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from tape_train.data.config import DataConfig, DataError
+from tape_train.data.formats import SkipLog
+from tape_train.data.packing import pack_documents, wrap_document
+from tape_train.data.sources import DocumentStream, SourceCursor, iter_held_out_texts
+
+log = logging.getLogger("tape_train.data")
+
+STATE_VERSION = 1
+
+
+def _digest(obj: object) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class TrainLoader:
+    """Endless iterator of ``{"input_ids": (b, L) int64, "labels": (b, L) int64}`` batches.
+
+    ``labels[i, t] == input_ids[i, t + 1]`` within a row's ``L + 1``-token block, i.e. labels
+    are already shifted. Build with ``build_train_loader``.
+    """
+
+    def __init__(self, cfg: DataConfig, tokenizer, seq_len: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int, seed: int):
+        for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size),
+                            ("dp_size", dp_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise DataError(f"build_train_loader: {name} must be a positive integer, "
+                                f"got {value!r}")
+        if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
+            raise DataError(f"build_train_loader: dp_rank must be in [0, {dp_size}), "
+                            f"got {dp_rank!r}")
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = int(seed)
+        self.skips = SkipLog()
+        cursors = [SourceCursor(src, i, self.seed, cfg.shuffle, cfg.shuffle_buffer,
+                                cfg.eval_fraction, cfg.skip_bad_records, self.skips)
+                   for i, src in enumerate(cfg.sources)]
+        self._stream = DocumentStream(cursors, self.seed)
+        self.fingerprint_fields = {
+            "sources": _digest([[c.source.weight, c.source.text_field,
+                                 [s.identity for s in c.shards]] for c in cursors]),
+            "tokenizer": getattr(tokenizer, "sha256", None)
+            or _digest([type(tokenizer).__name__, tokenizer.vocab_size]),
+            "seq_len": seq_len,
+            "seed": self.seed,
+            "packing": _digest([cfg.add_bos, cfg.add_eos, cfg.shuffle, cfg.shuffle_buffer,
+                                cfg.eval_fraction, cfg.sharding]),
+        }
+        self.fingerprint = _digest(self.fingerprint_fields)
+        self._initial_position = {"stream": self._stream.state(), "offset": 0, "blocks": 0}
+        self._position = json.loads(json.dumps(self._initial_position))
+        self.batches_received = 0
+        self.documents_tokenized = 0
+        self.wait_seconds = 0.0
+        self._batches: Iterator | None = None
+        self._prefetcher: _Prefetcher | None = None
+
+    # -- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Small JSON-serialisable state of what the consumer has received so far."""
+        return {
+            "version": STATE_VERSION,
+            "fingerprint": self.fingerprint,
+            "fingerprint_fields": dict(self.fingerprint_fields),
+            "sharding": self.cfg.sharding,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "position": json.loads(json.dumps(self._position)),
+            "batches_received": self.batches_received,
+        }
+
+    def load_state_dict(self, state: dict, allow_mismatch: bool = False) -> None:
+        """Continue exactly where ``state`` was taken.
+
+        A different fingerprint (sources, tokenizer, seq_len, seed, packing options) or, in
+        ``documents`` sharding, a different dp_rank/dp_size is an error unless
+        ``allow_mismatch=True``, which resumes from the saved position anyway (the stream then
+        is *not* the one the original run would have seen).
+        """
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise DataError(f"loader state: unsupported or missing version "
+                            f"(got {state.get('version') if isinstance(state, dict) else state!r}"
+                            f", expected {STATE_VERSION})")
+        problems = []
+        if state.get("fingerprint") != self.fingerprint:
+            saved = state.get("fingerprint_fields", {})
+            differing = [k for k in self.fingerprint_fields
+                         if saved.get(k) != self.fingerprint_fields[k]] or ["fingerprint"]
+            problems.append("data fingerprint differs in " + ", ".join(
+                f"{k} (saved {saved.get(k)!r}, now {self.fingerprint_fields.get(k)!r})"
+                for k in differing))
+        if state.get("sharding") != self.cfg.sharding:
+            problems.append(f"sharding mode differs (saved {state.get('sharding')!r}, "
+                            f"now {self.cfg.sharding!r})")
+        elif self.cfg.sharding == "documents" and (state.get("dp_rank"), state.get("dp_size")) \
+                != (self.dp_rank, self.dp_size):
+            problems.append(f"dp_rank/dp_size differ (saved {state.get('dp_rank')}/"
+                            f"{state.get('dp_size')}, now {self.dp_rank}/{self.dp_size}); "
+                            f"use data.sharding=global to resume on another number of ranks")
+        if problems and not allow_mismatch:
+            raise DataError("cannot resume the data loader: " + "; ".join(problems)
+                            + ". Pass allow_mismatch=True to resume from the saved position "
+                              "anyway")
+        for problem in problems:
+            log.warning("data: resuming despite mismatch (allow_mismatch=True): %s", problem)
+        self._stop()  # the producer thread must not touch the stream while we rewind it
+        try:
+            position = state["position"]
+            self._stream.load_state(position["stream"])  # validates the shape
+            int(position["offset"]), int(position["blocks"])
+        except (DataError, KeyError, TypeError, ValueError) as exc:
+            if not allow_mismatch:
+                raise DataError(f"loader state: position does not fit this config: "
+                                f"{type(exc).__name__}: {exc}") from None
+            log.warning("data: saved position does not fit the new config (%s); starting the "
+                        "stream from the beginning", exc)
+            position = json.loads(json.dumps(self._initial_position))
+        self._position = {"stream": position["stream"], "offset": int(position["offset"]),
+                          "blocks": int(position["blocks"])}
+        self.batches_received = int(state.get("batches_received", 0))
+
+    # -- iteration ----------------------------------------------------------------------------
+    def __iter__(self) -> "TrainLoader":
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        started = time.perf_counter()
+        if self.cfg.prefetch > 0:
+            if self._prefetcher is None:
+                self._prefetcher = _Prefetcher(self._produce(dict(self._position)),
+                                               self.cfg.prefetch)
+            batch, position = self._prefetcher.get()
+        else:
+            if self._batches is None:
+                self._batches = self._produce(dict(self._position))
+            batch, position = next(self._batches)
+        self.wait_seconds += time.perf_counter() - started
+        self._position = position
+        self.batches_received += 1
+        return batch
+
+    def close(self) -> None:
+        """Stop the prefetch thread (iteration may continue afterwards)."""
+        self._stop()
+
+    def __del__(self) -> None:
+        try:
+            self._stop()
+        except Exception:  # interpreter shutdown: attributes may already be gone
+            pass
+
+    def _stop(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.stop()
+            self._prefetcher = None
+        self._batches = None
+
+    @property
+    def epochs(self) -> list[int]:
+        """Per source, the epoch of the next document to be received (for logging)."""
+        return [cursor[0] for cursor in self._position["stream"]["sources"]]
+
+    @property
+    def stats(self) -> dict:
+        return {"batches_received": self.batches_received,
+                "documents_tokenized": self.documents_tokenized,
+                "skipped": dict(self.skips.counts), "wait_seconds": self.wait_seconds}
+
+    # -- production (runs in the prefetch thread when prefetch > 0) ---------------------------
+    def _documents(self) -> Iterator[tuple[dict, list[int]]]:
+        stream, tok, cfg = self._stream, self.tokenizer, self.cfg
+        own_only = cfg.sharding == "documents" and self.dp_size > 1
+        bos = tok.bos_id if cfg.add_bos else None
+        eos = tok.eos_id if cfg.add_eos else None
+        while True:
+            if own_only and stream.g % self.dp_size != self.dp_rank:
+                stream.skip_document()
+                continue
+            position = stream.state()
+            text = stream.next_document()
+            self.documents_tokenized += 1
+            yield position, wrap_document(tok.encode(text), bos, eos)
+
+    def _produce(self, position: dict) -> Iterator[tuple[dict, dict]]:
+        """Yield ``(batch, position after this batch)`` forever from ``position``."""
+        self._stream.load_state(position["stream"])
+        blocks = pack_documents(self._documents(), self.seq_len + 1,
+                                first_offset=position["offset"])
+        base = position["blocks"]
+        stride, phase = ((self.dp_size, self.dp_rank) if self.cfg.sharding == "global"
+                         else (1, 0))
+        numbered = enumerate(blocks, start=base)
+        held = None
+        while True:
+            rows = []
+            while len(rows) < self.micro_batch_size:
+                j, (block, _) = held if held is not None else next(numbered)
+                held = None
+                if (j - base) % stride == phase:
+                    rows.append(block)
+            # Peek to the first block of the next round: its start is the resume position.
+            j, (block, start) = next(numbered)
+            while (j - base) % stride:
+                j, (block, start) = next(numbered)
+            held = (j, (block, start))
+            array = np.asarray(rows, dtype=np.int64)
+            batch = {"input_ids": torch.from_numpy(array[:, :-1].copy()),
+                     "labels": torch.from_numpy(array[:, 1:].copy())}
+            yield batch, {"stream": start[0], "offset": start[1], "blocks": j}
+
+
+class _Prefetcher:
+    """Runs a generator in a daemon thread, ``depth`` items ahead, through a bounded queue.
+    Exceptions in the thread are re-raised in the consumer."""
+
+    def __init__(self, generator: Iterator, depth: int):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop_event = threading.Event()
+        self._generator = generator
+        self._thread = threading.Thread(target=self._run, name="tape-data-prefetch", daemon=True)
+        self._thread.start()
+        _LIVE_PREFETCHERS.add(self)
+
+    def _run(self) -> None:
+        try:
+            for item in self._generator:
+                if not self._put(("item", item)):
+                    return
+        except BaseException as exc:  # delivered to the consumer, which re-raises
+            self._put(("error", exc))
+
+    def _put(self, entry) -> bool:
+        while not self._stop_event.is_set():
+            try:
+                self._queue.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self):
+        while True:
+            try:
+                kind, value = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise DataError("data prefetch thread died without reporting an error")
+        if kind == "error":
+            raise value
+        return value
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        while True:  # unblock a producer waiting on a full queue
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join(timeout=30)
+
+
+# A daemon thread still inside sentencepiece's C++ code while the interpreter finalises aborts
+# the process ("terminate called without an active exception"), so stop them at exit.
+_LIVE_PREFETCHERS: "weakref.WeakSet[_Prefetcher]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_prefetchers() -> None:
+    for prefetcher in list(_LIVE_PREFETCHERS):
+        prefetcher.stop()
+
+
+def build_train_loader(data_cfg: DataConfig | dict, tokenizer, seq_len: int,
+                       micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                       seed: int = 0) -> TrainLoader:
+    """The training loader of data-parallel rank ``dp_rank`` of ``dp_size``. Raises
+    ``DataError`` naming the key or file at fault if a source cannot be resolved."""
+    if isinstance(data_cfg, dict):
+        data_cfg = DataConfig.from_dict(data_cfg)
+    return TrainLoader(data_cfg, tokenizer, seq_len, micro_batch_size, dp_rank, dp_size, seed)
+
+
+def iter_eval_documents(data_cfg: DataConfig | dict, tokenizer) -> Iterator[tuple[list[int], int]]:
+    """Held-out documents, never overlapping training documents, in a fixed order.
+
+    Yields ``(token_ids, n_bytes)``: ids wrapped in BOS/EOS as in training, and the UTF-8 byte
+    count of the document text (for bits per byte).
+    """
+    if isinstance(data_cfg, dict):
+        data_cfg = DataConfig.from_dict(data_cfg)
+    bos = tokenizer.bos_id if data_cfg.add_bos else None
+    eos = tokenizer.eos_id if data_cfg.add_eos else None
+    skips = SkipLog()
+    texts = iter_held_out_texts(data_cfg.sources, data_cfg.eval_sources,
+                                data_cfg.eval_fraction, data_cfg.skip_bad_records, skips)
+    for count, text in enumerate(texts):
+        if data_cfg.eval_max_documents is not None and count >= data_cfg.eval_max_documents:
+            return
+        yield wrap_document(tokenizer.encode(text), bos, eos), len(text.encode("utf-8"))

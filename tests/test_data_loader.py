@@ -1,0 +1,237 @@
+"""Training loader: batch contract, exact resume, data-parallel sharding, fingerprint, prefetch."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from tape_train.data import DataConfig, DataError, build_train_loader
+from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+
+SEQ = 48
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return train_small_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Two sources of uniquely tagged real-text documents: A (3 shards, 45 docs), B (1 shard,
+    6 docs). Small, so a few dozen batches cross several epoch boundaries."""
+    root = tmp_path_factory.mktemp("corpus")
+    docs = real_text_documents()
+    a = [f"[A{i:03d}] {docs[i % len(docs)][:250]}" for i in range(45)]
+    b = [f"[B{i:03d}] {docs[(7 * i + 3) % len(docs)][:150]}" for i in range(6)]
+    for s in range(3):
+        write_jsonl(root / "a" / f"part{s}.jsonl", a[s::3])
+    write_jsonl(root / "b" / "only.jsonl", b)
+    return {"root": root, "a": a, "b": b}
+
+
+def make_cfg(corpus, **kw) -> DataConfig:
+    base = dict(sources=[{"path": str(corpus["root"] / "a"), "weight": 2.0},
+                         {"path": str(corpus["root"] / "b"), "weight": 1.0}],
+                tokenizer="unused-here.model", shuffle_buffer=7, prefetch=2)
+    base.update(kw)
+    return DataConfig(**base)
+
+
+def take(loader, n):
+    out = [next(loader) for _ in range(n)]
+    return [torch.cat([b["input_ids"], b["labels"][:, -1:]], dim=1) for b in out]
+
+
+def split_documents(tok, rows) -> list[str]:
+    """Decode a rank's consecutive blocks back into its complete documents (BOS ... EOS)."""
+    stream = [t for row in rows for t in row.flatten().tolist()]
+    docs, current = [], None
+    for t in stream:
+        if t == tok.bos_id:
+            current = []
+        elif t == tok.eos_id and current is not None:
+            docs.append(tok.decode(current))
+            current = None
+        elif current is not None:
+            current.append(t)
+    return docs
+
+
+def test_batch_contract(tok, corpus):
+    loader = build_train_loader(make_cfg(corpus), tok, seq_len=SEQ, micro_batch_size=3)
+    batch = next(loader)
+    assert set(batch) == {"input_ids", "labels"}
+    for key in ("input_ids", "labels"):
+        assert batch[key].shape == (3, SEQ) and batch[key].dtype == torch.int64
+    assert torch.equal(batch["input_ids"][:, 1:], batch["labels"][:, :-1])  # shifted by one
+    assert batch["input_ids"][0, 0] == tok.bos_id  # the stream starts at a document start
+    assert 0 <= int(batch["input_ids"].min()) and int(batch["input_ids"].max()) < tok.vocab_size
+    assert loader.wait_seconds > 0
+    json.dumps(loader.state_dict())  # JSON-serialisable
+    assert len(json.dumps(loader.state_dict())) < 1000  # small
+    loader.close()
+
+
+@pytest.mark.parametrize("prefetch, sharding, dp", [(2, "documents", (0, 1)),
+                                                     (0, "documents", (1, 2)),
+                                                     (3, "global", (1, 2))])
+def test_exact_resume_at_many_cut_points(tok, corpus, prefetch, sharding, dp):
+    """Shuffle on, a mixture, several epoch boundaries, prefetch on: after restoring the state
+    taken at any cut point, batches are identical to the uninterrupted run."""
+    cfg = make_cfg(corpus, prefetch=prefetch, sharding=sharding)
+    kw = dict(seq_len=SEQ, micro_batch_size=2, dp_rank=dp[0], dp_size=dp[1], seed=5)
+    ref_loader = build_train_loader(cfg, tok, **kw)
+    total = 48
+    reference = take(ref_loader, total)
+    epochs = [c[0] for c in ref_loader.state_dict()["position"]["stream"]["sources"]]
+    assert max(epochs) >= 2, "the test must cross epoch boundaries"
+    ref_loader.close()
+    for cut in (0, 1, 2, 5, 9, 17, 23, 31, 38, 46):
+        first = build_train_loader(cfg, tok, **kw)
+        assert all(torch.equal(x, y) for x, y in zip(take(first, cut), reference[:cut]))
+        state = json.loads(json.dumps(first.state_dict()))
+        first.close()
+        resumed = build_train_loader(cfg, tok, **kw)
+        resumed.load_state_dict(state)
+        got = take(resumed, min(3, total - cut))
+        assert all(torch.equal(x, y) for x, y in zip(got, reference[cut:cut + len(got)])), cut
+        # Resume a resumed loader once more (a second resume must not restart the stream).
+        state2 = json.loads(json.dumps(resumed.state_dict()))
+        resumed.close()
+        again = build_train_loader(cfg, tok, **kw)
+        again.load_state_dict(state2)
+        nxt = cut + len(got)
+        if nxt < total:
+            assert torch.equal(take(again, 1)[0], reference[nxt])
+        again.close()
+
+
+def test_resume_negative_control(tok, corpus):
+    """A different seed gives a different stream (so equality above is not vacuous)."""
+    a = build_train_loader(make_cfg(corpus, prefetch=0), tok, SEQ, 2, seed=1)
+    b = build_train_loader(make_cfg(corpus, prefetch=0), tok, SEQ, 2, seed=2)
+    assert not all(torch.equal(x, y) for x, y in zip(take(a, 5), take(b, 5)))
+
+
+def test_state_reflects_received_batches_not_prefetched_ones(tok, corpus):
+    eager = build_train_loader(make_cfg(corpus, prefetch=6), tok, SEQ, 2, seed=3)
+    lazy = build_train_loader(make_cfg(corpus, prefetch=0), tok, SEQ, 2, seed=3)
+    take(eager, 4)
+    take(lazy, 4)
+    deadline = time.monotonic() + 20
+    while not eager._prefetcher._queue.full() and time.monotonic() < deadline:
+        time.sleep(0.01)  # let the producer run ahead until its queue is full
+    assert eager._prefetcher._queue.full()
+    assert eager.state_dict()["position"] == lazy.state_dict()["position"]
+    assert eager.state_dict()["batches_received"] == 4
+    eager.close()
+
+
+def test_documents_sharding_is_disjoint_and_complete(tok, corpus):
+    """Rank r of n gets exactly documents r, r+n, ... of the single-rank document stream."""
+    cfg = make_cfg(corpus, prefetch=0)
+    single = split_documents(tok, take(build_train_loader(cfg, tok, SEQ, 2, 0, 1, seed=9), 90))
+    n = 3
+    per_rank = [split_documents(tok, take(build_train_loader(cfg, tok, SEQ, 2, r, n, seed=9), 20))
+                for r in range(n)]
+    k = min(len(d) for d in per_rank)
+    assert 5 < k and k * n <= len(single)
+    for r, docs in enumerate(per_rank):
+        assert docs[:k] == single[r::n][:k]
+    # Complete: interleaving the ranks' documents rebuilds the global stream, nothing missing
+    # or repeated (the stream crosses epochs, so tags repeat only across epochs).
+    merged = [per_rank[g % n][g // n] for g in range(k * n)]
+    assert merged == single[:k * n]
+    # Negative control: interleaving in the wrong rank order does not rebuild the stream.
+    swapped = [per_rank[(g + 1) % n][g // n] for g in range(k * n)]
+    assert swapped != single[:k * n]
+
+
+def test_global_sharding_is_independent_of_dp_size(tok, corpus):
+    """Global mode: rank r takes global blocks r, r+n, ...; a run stopped on 2 ranks resumes on
+    3 ranks and continues the same global block stream."""
+    cfg = make_cfg(corpus, prefetch=0, sharding="global")
+    b = 2
+    flat = [row for batch in take(build_train_loader(cfg, tok, SEQ, 1, 0, 1, seed=4), 40)
+            for row in batch]
+    two = [build_train_loader(cfg, tok, SEQ, b, r, 2, seed=4) for r in range(2)]
+    steps = 3
+    for r, loader in enumerate(two):
+        rows = [row for batch in take(loader, steps) for row in batch]
+        assert all(torch.equal(x, y) for x, y in zip(rows, flat[r::2]))
+    states = [loader.state_dict() for loader in two]
+    assert states[0]["position"] == states[1]["position"]  # rank-independent state
+    consumed = steps * b * 2
+    assert states[0]["position"]["blocks"] == consumed
+    for r in range(3):
+        loader = build_train_loader(cfg, tok, SEQ, b, r, 3, seed=4)
+        loader.load_state_dict(states[0])
+        rows = [row for batch in take(loader, 2) for row in batch]
+        assert all(torch.equal(x, y) for x, y in zip(rows, flat[consumed + r::3])), r
+
+
+def test_fingerprint_mismatch_is_an_error_unless_overridden(tok, corpus, tmp_path, caplog):
+    loader = build_train_loader(make_cfg(corpus, prefetch=0), tok, SEQ, 2, seed=1)
+    take(loader, 3)
+    state = loader.state_dict()
+    other_seq = build_train_loader(make_cfg(corpus, prefetch=0), tok, SEQ + 8, 2, seed=1)
+    with pytest.raises(DataError, match="seq_len") as info:
+        other_seq.load_state_dict(state)
+    assert "allow_mismatch" in str(info.value)
+    other_tok = train_small_tokenizer(tmp_path, vocab_size=700)
+    with pytest.raises(DataError, match="tokenizer"):
+        build_train_loader(make_cfg(corpus, prefetch=0), other_tok, SEQ, 2,
+                           seed=1).load_state_dict(state)
+    with pytest.raises(DataError, match="sources"):
+        build_train_loader(make_cfg(corpus, prefetch=0, sources=[
+            {"path": str(corpus["root"] / "a"), "weight": 1.0},
+            {"path": str(corpus["root"] / "b"), "weight": 1.0}]), tok, SEQ, 2,
+            seed=1).load_state_dict(state)
+    with pytest.raises(DataError, match="dp_rank/dp_size"):
+        build_train_loader(make_cfg(corpus, prefetch=0), tok, SEQ, 2, 0, 2,
+                           seed=1).load_state_dict(state)
+    with caplog.at_level("WARNING", logger="tape_train.data"):
+        other_seq.load_state_dict(state, allow_mismatch=True)
+    assert "allow_mismatch=True" in caplog.text
+    assert next(other_seq)["input_ids"].shape == (2, SEQ + 8)
+
+
+def test_bad_loader_arguments(tok, corpus):
+    with pytest.raises(DataError, match="dp_rank"):
+        build_train_loader(make_cfg(corpus), tok, SEQ, 2, dp_rank=2, dp_size=2)
+    with pytest.raises(DataError, match="seq_len"):
+        build_train_loader(make_cfg(corpus), tok, 0, 2)
+    loader = build_train_loader(make_cfg(corpus), tok, SEQ, 2)
+    with pytest.raises(DataError, match="version"):
+        loader.load_state_dict({"position": {}})
+
+
+def test_a_tiny_source_never_runs_dry_on_any_rank(tok, tmp_path):
+    """Sources loop over epochs, so even a one-document corpus feeds every rank forever (no
+    rank can stop early and leave the others hanging in a collective)."""
+    write_jsonl(tmp_path / "one.jsonl", ["a single short document"])
+    cfg = DataConfig(sources=[str(tmp_path / "one.jsonl")], prefetch=0)
+    for rank in range(3):
+        loader = build_train_loader(cfg, tok, SEQ, 2, rank, 3, seed=0)
+        for _ in range(5):
+            assert next(loader)["input_ids"].shape == (2, SEQ)
+        assert loader.state_dict()["position"]["stream"]["sources"][0][0] > 5  # many epochs
+
+
+def test_override_with_an_incompatible_position_restarts_the_stream(tok, corpus, caplog):
+    two = build_train_loader(make_cfg(corpus, prefetch=0), tok, SEQ, 2, seed=1)
+    take(two, 4)
+    state = two.state_dict()
+    one_cfg = make_cfg(corpus, prefetch=0, sources=[str(corpus["root"] / "a")])
+    with pytest.raises(DataError, match="sources"):
+        build_train_loader(one_cfg, tok, SEQ, 2, seed=1).load_state_dict(state)
+    resumed = build_train_loader(one_cfg, tok, SEQ, 2, seed=1)
+    with caplog.at_level("WARNING", logger="tape_train.data"):
+        resumed.load_state_dict(state, allow_mismatch=True)
+    assert "starting the stream from the beginning" in caplog.text
+    fresh = build_train_loader(one_cfg, tok, SEQ, 2, seed=1)
+    assert torch.equal(take(resumed, 1)[0], take(fresh, 1)[0])

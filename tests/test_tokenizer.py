@@ -1,0 +1,120 @@
+"""Tokenizer: training, special ids, round trip on real text, foreign models, bad files, CLI."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+
+from tape_train.data import SPECIAL_IDS, TokenizerError, load_tokenizer
+from tape_train.data import tokenizer_cli
+from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def small_tok(tmp_path_factory):
+    return train_small_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def test_special_ids_are_fixed_and_documented(small_tok):
+    assert (small_tok.pad_id, small_tok.unk_id, small_tok.bos_id, small_tok.eos_id) == (
+        SPECIAL_IDS["pad"], SPECIAL_IDS["unk"], SPECIAL_IDS["bos"], SPECIAL_IDS["eos"])
+    assert [small_tok.id_to_piece(i) for i in range(4)] == ["<pad>", "<unk>", "<s>", "</s>"]
+    assert small_tok.vocab_size == 800
+
+
+def test_round_trip_on_real_text_not_seen_in_training(small_tok):
+    # Text the tokenizer never saw: another stdlib module, plus characters outside its alphabet.
+    import email.message
+    unseen = Path(email.message.__file__).read_text()[:20000]
+    exotic = "naïve café — Größe, 中文, emoji 😀, tabs\tand  double  spaces\n\n    indented"
+    for text in (unseen, exotic):
+        ids = small_tok.encode(text)
+        assert all(0 <= i < small_tok.vocab_size for i in ids)
+        assert small_tok.unk_id not in ids  # byte fallback: nothing is unknown
+        assert small_tok.decode(ids) == text
+    # The tokenizer actually compresses real text (a byte-level model would give ratio 1).
+    assert len(small_tok.encode(unseen)) < 0.5 * len(unseen.encode())
+
+
+def test_training_is_deterministic(tmp_path, small_tok):
+    again = train_small_tokenizer(tmp_path)
+    assert again.sha256 == small_tok.sha256
+    other = train_small_tokenizer(tmp_path, vocab_size=700)  # negative control
+    assert other.sha256 != small_tok.sha256
+
+
+def test_unigram_model_type(tmp_path):
+    tok = train_small_tokenizer(tmp_path, vocab_size=400, model_type="unigram", max_bytes=150_000)
+    text = real_text_documents()[3]
+    assert tok.decode(tok.encode(text)) == text
+
+
+def _train_foreign_model(tmp_path: Path, **ids) -> Path:
+    """A model with sentencepiece's default ids (Llama-style: unk=0, bos=1, eos=2, no pad)."""
+    sentences = [line for doc in real_text_documents(100) for line in doc.splitlines()[:20]
+                 if line.strip()]
+    writer = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=writer,
+                                   vocab_size=300, minloglevel=2, **ids)
+    path = tmp_path / "foreign.model"
+    path.write_bytes(writer.getvalue())
+    return path
+
+
+def test_loads_a_foreign_model_with_its_own_ids(tmp_path):
+    tok = load_tokenizer(_train_foreign_model(tmp_path))
+    assert (tok.unk_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+    assert tok.pad_id == tok.unk_id  # no PAD in the model: documented fallback
+    assert tok.vocab_size == 300
+
+
+def test_model_without_bos_is_rejected(tmp_path):
+    path = _train_foreign_model(tmp_path, bos_id=-1)
+    with pytest.raises(TokenizerError, match="no BOS or EOS"):
+        load_tokenizer(path)
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"),
+    (b"", "file is empty"),
+    (b"this is not a protobuf \x00\xff" * 10, "not a valid sentencepiece model"),
+])
+def test_unreadable_tokenizer_errors_name_the_file(tmp_path, content, message):
+    path = tmp_path / "broken.model"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(TokenizerError, match=message) as info:
+        load_tokenizer(path)
+    assert str(path) in str(info.value)
+
+
+def test_cli_train_and_info(tmp_path, capsys):
+    corpus = write_jsonl(tmp_path / "corpus" / "a.jsonl", real_text_documents())
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("vocab_size: 500\nmodel_type: bpe\nbyte_fallback: true\nnum_threads: 1\n")
+    prefix = tmp_path / "out" / "tok"
+    assert tokenizer_cli.main(["train", "--input", str(corpus.parent), "--spec", str(spec),
+                               "--vocab-size", "450", "--max-bytes", "300000",
+                               "--out", str(prefix)]) == 0
+    tok = load_tokenizer(f"{prefix}.model")
+    assert tok.vocab_size == 450  # the flag beats the spec
+    record = (prefix.parent / "tok.training.json").read_text()
+    assert '"max_bytes": 300000' in record
+    assert tokenizer_cli.main(["info", f"{prefix}.model", "--text", "hello  world"]) == 0
+    out = capsys.readouterr().out
+    assert "vocab_size: 450" in out and "round trip: True" in out and "'<s>'" in out
+
+
+def test_cli_rejects_bad_spec_and_missing_input(tmp_path, capsys):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("vocab_sise: 500\n")
+    assert tokenizer_cli.main(["train", "--input", str(tmp_path), "--spec", str(spec),
+                               "--out", str(tmp_path / "t")]) == 1
+    assert "vocab_sise" in capsys.readouterr().err
+    assert tokenizer_cli.main(["train", "--input", str(tmp_path / "nope.jsonl"),
+                               "--out", str(tmp_path / "t")]) == 1
+    assert "nope.jsonl" in capsys.readouterr().err
+    assert tokenizer_cli.main(["info", str(tmp_path / "missing.model")]) == 1
