@@ -138,3 +138,32 @@ def test_generate_stops_at_eos():
     first = int(model.generate(prompt, 1)[0, -1])
     out = model.generate(prompt, 10, eos_id=first)
     assert out.shape[1] == 5 and int(out[0, -1]) == first
+
+
+def test_fused_kernel_backend_is_routed_through_the_attention_core(monkeypatch):
+    """Backend ``triton`` hands raw q, k and [v|E⁰|E¹] to AttentionCore (so sequence
+    parallelism can wrap it); with the reference standing in for the CUDA kernel the model
+    must equal SDPA, values and gradients."""
+    import tape_train.kernels as kernels
+    from tape_train.model import attention as attention_mod
+    from tape_train.kernels.reference import tape_attention_reference
+
+    calls = []
+
+    def fake_kernel(q, k, v, e0, e1):
+        calls.append((q.shape, v.shape, e0.shape))
+        return tape_attention_reference(q, k, v, e0, e1)
+
+    monkeypatch.setattr(kernels, "tape_attention_triton", fake_kernel)
+    monkeypatch.setattr(attention_mod, "_triton_ok", lambda device: True)
+    x = tokens(length=20)
+    results = {}
+    for backend in ("sdpa", "triton"):
+        model = small_model("tape", attn_backend=backend)
+        out = model(x, labels=x)
+        out.loss.backward()
+        results[backend] = (out.logits, {n: p.grad for n, p in model.named_parameters()})
+    assert len(calls) == model.cfg.num_layers - 1  # the last block attends with plain v
+    torch.testing.assert_close(results["triton"][0], results["sdpa"][0])
+    for name, grad in results["sdpa"][1].items():
+        torch.testing.assert_close(results["triton"][1][name], grad, msg=name)

@@ -128,28 +128,3 @@ def test_shard_batch_reassembles_and_positions_are_global():
     assert torch.equal(torch.cat(chunks, dim=1), ids)
     with pytest.raises(ValueError, match="length 12 is not divisible by parallel.sp=5"):
         shard_batch({"input_ids": ids, "labels": labels}, RankGrid.from_sizes(5, sp=5, rank=0))
-
-
-def test_fused_tape_kernel_is_refused_under_sequence_parallelism():
-    """The Triton TAPE kernel bypasses attn.core (the Ulysses wrapper): it must not run."""
-    from tape_train.parallel.sequence import refuse_fused_kernel
-
-    with pytest.raises(ValueError, match="attn_backend=triton cannot be sequence-parallel"):
-        refuse_fused_kernel(TransformerLM(ModelConfig(**SMALL, attn_backend="triton")))
-    model = TransformerLM(ModelConfig(**SMALL, attn_backend="auto"))
-    handles = refuse_fused_kernel(model)
-    assert len(handles) == SMALL["num_layers"]
-    model(torch.randint(0, 128, (1, 8)))  # CPU: auto resolves to sdpa, the hooks let it pass
-    assert refuse_fused_kernel(TransformerLM(ModelConfig(**SMALL, pe="rope"))) == []
-
-
-def test_auto_backend_choosing_the_fused_kernel_raises_under_sp(monkeypatch):
-    """Negative control of the hook above: pretend ``auto`` resolved to the Triton kernel."""
-    import tape_train.model.attention as attention_mod
-    from tape_train.parallel.sequence import refuse_fused_kernel
-
-    model = TransformerLM(ModelConfig(**SMALL, attn_backend="auto"))
-    monkeypatch.setattr(attention_mod, "resolve_backend", lambda *a, **k: "triton")
-    refuse_fused_kernel(model)
-    with pytest.raises(RuntimeError, match="picked the fused Triton TAPE kernel"):
-        model(torch.randint(0, 128, (1, 8)))

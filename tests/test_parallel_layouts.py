@@ -61,12 +61,12 @@ def _layout_worker(rank, world, out_dir, layouts, pes):
         out[name] = _one_layout(world, out_dir / name, *LAYOUTS[name][1:], pes)
         out[name]["zero_variants"] = [_zero_variant(world, *LAYOUTS[name][1:3], zero)
                                       for layout, zero in ZERO_VARIANTS if layout == name]
-        for layout, pe, act_ckpt in GRAD_ONLY:
+        for layout, pe, variant in GRAD_ONLY:
             if layout == name:
-                extra = _one_layout(world, out_dir / f"{name}_{pe}", *LAYOUTS[name][1:3],
-                                    False, False, False, (pe,), act_ckpt)
+                extra = _one_layout(world, out_dir / f"{name}_{pe}_{variant}",
+                                    *LAYOUTS[name][1:3], False, False, False, (pe,), variant)
                 out[name]["times"] += extra.pop("times")
-                out[name][_grad_only_key(pe, act_ckpt)] = extra[pe]
+                out[name][_grad_only_key(pe, variant)] = extra[pe]
     return out
 
 
@@ -86,8 +86,21 @@ def _zero_variant(world, sp, tp, zero) -> tuple[float, float]:
             torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())).item())
 
 
-def _grad_only_key(pe: str, act_ckpt: bool) -> str:
-    return f"{pe}+activation_checkpointing" if act_ckpt else pe
+def _grad_only_key(pe: str, variant: str) -> str:
+    return f"{pe}+{variant}" if variant else pe
+
+
+def _fused_kernel_stand_in():
+    """Route TAPE through backend ``triton`` on CPU, with the fp64-checked reference standing
+    in for the CUDA kernel: checks that the fused path (raw q, k and [v|E⁰|E¹] handed to
+    ``attn.core``) is exchanged by Ulysses like every other backend."""
+    import tape_train.kernels as kernels
+    from tape_train.kernels.reference import tape_attention_reference
+    from tape_train.model import attention as attention_mod
+
+    kernels.tape_attention_triton = lambda q, k, v, e0, e1: tape_attention_reference(
+        q, k, v, e0, e1)
+    attention_mod._triton_ok = lambda device: True
 
 
 def _checkpointed(model):
@@ -101,7 +114,7 @@ def _checkpointed(model):
     return model
 
 
-def _one_layout(world, out_dir, sp, tp, train, checkpoint, negative, pes, act_ckpt=False):
+def _one_layout(world, out_dir, sp, tp, train, checkpoint, negative, pes, variant=""):
     import time
 
     from tape_train.parallel import RankGrid
@@ -115,7 +128,11 @@ def _one_layout(world, out_dir, sp, tp, train, checkpoint, negative, pes, act_ck
         batch = global_batch(0, grid.dp)
         res["ref_loss"], ref_grads = reference_grads(ref, batch)
         t0 = time.perf_counter()
-        model = _checkpointed(tiny_model(pe)) if act_ckpt else tiny_model(pe)
+        if variant == "fused_kernel":
+            _fused_kernel_stand_in()
+        model = tiny_model(pe, **({"attn_backend": "triton"} if variant == "fused_kernel" else {}))
+        if variant == "act_ckpt":
+            model = _checkpointed(model)
         engine = make_engine(model, grid)
         results["times"].append(("init", time.perf_counter() - t0))
         res["loss"] = engine_step_loss(engine, batch, grid)
@@ -199,7 +216,8 @@ LAYOUTS = {
 ZERO_VARIANTS = (("sp2", {"stage": 1}), ("sp2", {"stage": 3, "reduce_scatter": False}))
 # Gradient check only: a learned dense bias (T5) cut to the local heads under TP.
 # and TAPE with activation checkpointing at TP2×SP2 (collectives recomputed in backward).
-GRAD_ONLY = (("tp2", "t5", False), ("tp2_sp2", "tape", True))
+# And TAPE through the fused-kernel backend at SP2 (the reference stands in for the kernel).
+GRAD_ONLY = (("tp2", "t5", ""), ("tp2_sp2", "tape", "act_ckpt"), ("sp2", "tape", "fused_kernel"))
 # One spawn per world size (process start-up and DeepSpeed's first initialise dominate).
 SPAWNS = {"world2_sp2_then_tp2": ("sp2", "tp2"),
           "world4_dp2sp2_then_tp2sp2": ("dp2_sp2", "tp2_sp2")}
@@ -221,7 +239,7 @@ def test_layouts_match_single_process(spawn, tmp_path):
         for rank, r in enumerate(results):
             for (norm, ref_norm), zero in zip(r[name]["zero_variants"], zeros, strict=True):
                 assert norm == pytest.approx(ref_norm, rel=1e-5), f"{name} {zero} rank {rank}"
-    for name, pe, act_ckpt in GRAD_ONLY:
+    for name, pe, variant in GRAD_ONLY:
         if name in layouts:
-            _check([r[name] for r in results], (_grad_only_key(pe, act_ckpt),), False, False,
+            _check([r[name] for r in results], (_grad_only_key(pe, variant),), False, False,
                    False, name)

@@ -138,10 +138,19 @@ def flash_attention(q, k, v, scale=None, alibi_slopes=None) -> torch.Tensor:
 class AttentionCore(nn.Module):
     """softmax(q̃k̃ᵀ/√D + bias)·V on already-modulated inputs; the backend is chosen per call.
 
-    Sequence parallelism replaces this module on every layer (``tape_train.parallel``).
+    Backend ``triton`` is TAPE's fused kernel: there q and k arrive *unmodulated* and the value
+    is [v | E⁰ | E¹] (the kernel modulates in registers). Every backend returns one tensor
+    (b, H, Nq, Dv), so sequence parallelism can replace this module on every layer
+    (``tape_train.parallel``) whatever the backend.
     """
 
     def forward(self, q, k, v, *, backend: str, bias=None, alibi_slopes=None) -> torch.Tensor:
+        if backend == "triton":
+            from tape_train.kernels import tape_attention_triton
+
+            d = q.shape[-1]
+            v, e0, e1 = v.split((v.shape[-1] - 2 * d, d, d), dim=-1)
+            return torch.cat(tape_attention_triton(q, k, v, e0, e1), dim=-1)
         if backend == "eager":
             return eager_attention(q, k, v, bias)
         if backend == "flash":
@@ -192,19 +201,14 @@ class Attention(nn.Module):
                 k, v = _extend(cache, k=k, v=v)
             o = self.core(q, k, v, backend=backend)
         elif tape_state is not None:
-            e0, e1 = tape_state
-            if backend == "triton":
-                from tape_train.kernels import tape_attention_triton
-
-                o, e0_hat, e1_hat = tape_attention_triton(q, k, v, e0, e1)
-            else:
+            e0, e1 = (e.expand(b, *e.shape[1:]) for e in tape_state)
+            if backend != "triton":  # the fused kernel modulates q and k itself
                 q, k = apply_rotary(q, e0, e1), apply_rotary(k, e0, e1)
-                e0, e1 = e0.expand(b, *e0.shape[1:]), e1.expand(b, *e1.shape[1:])
-                if cache is not None:
-                    k, v, e0, e1 = _extend(cache, k=k, v=v, e0=e0, e1=e1)
-                d = v.shape[-1]
-                out = self.core(q, k, torch.cat((v, e0, e1), dim=-1), backend=backend)
-                o, e0_hat, e1_hat = out.split((d, e0.shape[-1], e1.shape[-1]), dim=-1)
+            if cache is not None:
+                k, v, e0, e1 = _extend(cache, k=k, v=v, e0=e0, e1=e1)
+            d = v.shape[-1]
+            out = self.core(q, k, torch.cat((v, e0, e1), dim=-1), backend=backend)
+            o, e0_hat, e1_hat = out.split((d, e0.shape[-1], e1.shape[-1]), dim=-1)
             e_hat = (e0_hat, e1_hat)
         else:
             if ctx.q_tables is not None:

@@ -33,7 +33,7 @@ from torch import nn
 
 from tape_train.parallel.collectives import group_size
 from tape_train.parallel.grid import RankGrid
-from tape_train.parallel.sequence import ParallelAttentionCore, refuse_fused_kernel
+from tape_train.parallel.sequence import ParallelAttentionCore
 from tape_train.parallel.tensor import autotp_partition_config, shard_tape_state_over_heads
 
 
@@ -45,12 +45,12 @@ def parallelize(model: nn.Module, grid: RankGrid) -> nn.Module:
       1. ``grid.check_model``: heads divisible by tp·sp, encoding supported.
       2. TP, TAPE only: hooks on every ``layer.attn`` that cut the state E to this rank's heads
          and all-gather the attended state Ê (``tensor.shard_tape_state_over_heads``).
-      3. SP + TAPE: refuse the fused Triton kernel, which bypasses ``attn.core``
-         (``sequence.refuse_fused_kernel``).
-      4. Every ``layer.attn.core`` becomes a :class:`ParallelAttentionCore` (Ulysses exchange
+      3. Every ``layer.attn.core`` becomes a :class:`ParallelAttentionCore` (Ulysses exchange
          when sp > 1; per-head bias cut to local heads when tp > 1). It has no parameters, so
-         parameter names, checkpoints and AutoTP's patterns are unchanged.
-      5. AutoTP itself (splitting q/k/v/o/gate/up/down) is done by ``deepspeed.initialize`` from
+         parameter names, checkpoints and AutoTP's patterns are unchanged. TAPE's fused Triton
+         kernel runs inside the core too (raw q, k and [v|E⁰|E¹] are exchanged), so it is
+         sequence-parallel like every other backend.
+      4. AutoTP itself (splitting q/k/v/o/gate/up/down) is done by ``deepspeed.initialize`` from
          :func:`deepspeed_config_updates` — the model is not tensor-parallel until then.
     """
     if getattr(model, "parallel_grid", None) is not None:
@@ -62,8 +62,6 @@ def parallelize(model: nn.Module, grid: RankGrid) -> nn.Module:
     tp_group = groups.tp if groups is not None else None
     sp_group = groups.sp if groups is not None else None
     shard_tape_state_over_heads(model, tp_group)
-    if group_size(sp_group) > 1:
-        refuse_fused_kernel(model)
     if group_size(tp_group) > 1 or group_size(sp_group) > 1:
         for layer in model.layers:
             layer.attn.core = ParallelAttentionCore(layer.attn.core, sp_group, tp_group)

@@ -67,37 +67,6 @@ class ParallelAttentionCore(nn.Module):
         return heads_to_sequence(out, self.sp_group)
 
 
-def refuse_fused_kernel(model: nn.Module) -> list:
-    """Under SP, fail loudly if TAPE's fused Triton kernel would run.
-
-    ``Attention`` calls that kernel directly, bypassing ``attn.core``, so the Ulysses exchange
-    would be skipped and each rank would attend over its own chunk only. ``attn_backend=triton``
-    is refused by ``parallelize`` at once; ``auto`` (which picks the kernel on CUDA) is checked
-    per call by these pre-hooks. Returns the hook handles.
-    """
-    from tape_train.model.attention import resolve_backend
-
-    cfg = model.cfg
-    if cfg.attn_backend == "triton":
-        raise ValueError("model.attn_backend=triton cannot be sequence-parallel: the fused TAPE "
-                         "kernel is called outside the attention core that Ulysses wraps; use "
-                         "sdpa (or eager) with parallel.sp > 1")
-
-    def check(module, args, kwargs):
-        x = args[0]
-        cache = args[2] if len(args) > 2 else kwargs.get("cache")
-        if resolve_backend(cfg.attn_backend, module.pe[0], x.device, x.dtype,
-                           cache is not None) == "triton":
-            raise RuntimeError("model.attn_backend=auto picked the fused Triton TAPE kernel, "
-                               "which cannot be sequence-parallel (it bypasses the attention "
-                               "core); set model.attn_backend=sdpa with parallel.sp > 1")
-
-    if cfg.pe != "tape" or cfg.attn_backend != "auto":
-        return []
-    return [layer.attn.register_forward_pre_hook(check, with_kwargs=True)
-            for layer in model.layers]
-
-
 def sequence_chunk(length: int, grid) -> slice:
     """The token range [start, stop) of the full sequence held by this SP rank."""
     if length % grid.sp:
