@@ -1,0 +1,165 @@
+"""Per-node start-up checks, run on every node (srun --ntasks-per-node=1) before training.
+
+    python -m tape_train.cluster.preflight [--gpus-per-node N] [--min-free-gb G]
+        [--run-dir DIR] [-- --config <yaml> key=value ...]
+
+Checks: the Python version, that the training packages import, that the node sees the GPUs
+requested (or says it is a CPU node), that the run directory is writable and has free space.
+The run directory is `--run-dir`, or `train.run_dir` of the training arguments after `--`.
+Every line starts with `[preflight <node>]` (the node is SLURMD_NODENAME, else the host name)
+so a failure in a multi-node log names its node; any failed check makes the exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Keep in step with requires-python in pyproject.toml.
+MIN_PYTHON = (3, 10)
+# What the trainer imports on start-up: a node missing any of these fails here, in seconds,
+# instead of inside torchrun after the other nodes have reached the rendezvous.
+REQUIRED_MODULES = ("torch", "deepspeed", "yaml", "tape_train", "tape_train.config")
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    ok: bool
+    detail: str
+
+
+def node_name() -> str:
+    """The Slurm node this runs on (several "nodes" may share a host), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def check_python(minimum: tuple[int, int] = MIN_PYTHON) -> CheckResult:
+    version = ".".join(map(str, sys.version_info[:3]))
+    ok = sys.version_info[:2] >= minimum
+    need = ".".join(map(str, minimum))
+    return CheckResult("python", ok, f"{version} at {sys.executable} "
+                       f"({'>=' if ok else 'older than'} {need})")
+
+
+def check_imports(modules: tuple[str, ...] = REQUIRED_MODULES) -> CheckResult:
+    found, missing = [], []
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except Exception as exc:  # any import failure is the finding, whatever its type
+            missing.append(f"{name} ({type(exc).__name__}: {exc})")
+        else:
+            version = getattr(module, "__version__", None)
+            found.append(f"{name} {version}" if version else name)
+    if missing:
+        return CheckResult("imports", False, "cannot import " + "; ".join(missing))
+    return CheckResult("imports", True, ", ".join(found))
+
+
+def check_devices(gpus_per_node: int) -> CheckResult:
+    """CUDA devices visible vs. requested; on CPU jobs just reports that it is a CPU node."""
+    try:
+        import torch
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception as exc:
+        return CheckResult("devices", False, f"cannot query CUDA devices: {exc}")
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+    if gpus_per_node == 0:
+        return CheckResult("devices", True, f"CPU node: no GPUs requested, training on CPU with "
+                           f"gloo ({visible} CUDA device(s) visible, unused)")
+    ok = visible >= gpus_per_node
+    return CheckResult("devices", ok, f"{visible} CUDA device(s) visible, {gpus_per_node} "
+                       f"requested (CUDA_VISIBLE_DEVICES={cvd})")
+
+
+def check_run_dir_writable(run_dir: Path, node: str) -> CheckResult:
+    """Create the run directory if needed and write, read back and remove a probe file."""
+    probe = run_dir / f".preflight-{node}-{os.getpid()}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_text(node)
+        if probe.read_text() != node:
+            return CheckResult("run dir writable", False, f"{probe} did not read back")
+        probe.unlink()
+    except OSError as exc:
+        return CheckResult("run dir writable", False, f"{run_dir}: {exc}")
+    return CheckResult("run dir writable", True, str(run_dir))
+
+
+def check_free_disk(run_dir: Path, min_free_gb: float) -> CheckResult:
+    """Free space where the run directory is (or would be created), in GB of 10^9 bytes."""
+    where = run_dir
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free_gb = shutil.disk_usage(where).free / 1e9
+    except OSError as exc:
+        return CheckResult("free disk", False, f"{where}: {exc}")
+    ok = free_gb >= min_free_gb
+    return CheckResult("free disk", ok, f"{free_gb:.1f} GB free at {where} "
+                       f"({'>=' if ok else 'below the'} {min_free_gb:g} GB required)")
+
+
+def run_checks(run_dir: Path, gpus_per_node: int, min_free_gb: float,
+               node: str | None = None) -> list[CheckResult]:
+    node = node or node_name()
+    return [
+        check_python(),
+        check_imports(),
+        check_devices(gpus_per_node),
+        check_run_dir_writable(run_dir, node),
+        check_free_disk(run_dir, min_free_gb),
+    ]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tape_train.cluster.preflight",
+                                description="Per-node start-up checks before training.")
+    p.add_argument("--gpus-per-node", type=int, default=0)
+    p.add_argument("--min-free-gb", type=float, default=10.0)
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="default: train.run_dir from the training arguments after --")
+    p.add_argument("train_args", nargs=argparse.REMAINDER,
+                   help="-- --config <yaml> [key=value ...] (the tape-train arguments)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    node = node_name()
+    prefix = f"[preflight {node}]"
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    start = time.monotonic()
+    run_dir = args.run_dir
+    if run_dir is None:
+        try:
+            from tape_train.cluster.run_args import resolve_run_dir
+            run_dir = resolve_run_dir(train_args)
+        except Exception as exc:  # a broken config or install: report it as this node's failure
+            print(f"{prefix} FAILED: cannot determine the run directory from the training "
+                  f"arguments {train_args}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+    results = run_checks(run_dir.resolve(), args.gpus_per_node, args.min_free_gb, node)
+    for r in results:
+        print(f"{prefix} {'ok    ' if r.ok else 'FAILED'} {r.name}: {r.detail}",
+              file=sys.stdout if r.ok else sys.stderr, flush=True)
+    failed = [r.name for r in results if not r.ok]
+    if failed:
+        print(f"{prefix} FAILED {len(failed)} of {len(results)} start-up checks on node {node}: "
+              f"{', '.join(failed)}", file=sys.stderr, flush=True)
+        return 1
+    print(f"{prefix} all {len(results)} start-up checks passed in "
+          f"{time.monotonic() - start:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""Render `launch/slurm/*.sbatch` from cluster options: the templates are the scripts themselves.
+
+Each batch script has two marked blocks::
+
+    # >>> sbatch header ...        the #SBATCH lines (defaults for plain `sbatch` use)
+    # <<< sbatch header
+    # >>> run settings ...         shell variables: the command arguments and launch settings
+    # <<< run settings
+
+`render_train_script` / `render_eval_script` replace exactly those two blocks and keep every
+other line, so the script body exists once, in the file users can also submit by hand.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HEADER_BEGIN, HEADER_END = "# >>> sbatch header", "# <<< sbatch header"
+SETTINGS_BEGIN, SETTINGS_END = "# >>> run settings", "# <<< run settings"
+
+# Slurm checks signal deadlines every 30 s, so a USR1 may come up to 30 s late (notes/slurm.md).
+SLURM_SIGNAL_CHECK_SECONDS = 30
+# Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
+_TIME_FORMATS = tuple(re.compile(p) for p in (
+    r"^(?P<m>\d+)$",
+    r"^(?P<m>\d+):(?P<s>\d+)$",
+    r"^(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)$",
+    r"^(?P<d>\d+)-(?P<h>\d+)$",
+    r"^(?P<d>\d+)-(?P<h>\d+):(?P<m>\d+)$",
+    r"^(?P<d>\d+)-(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)$",
+))
+# Values that end up on an `#SBATCH --key=value` line: no whitespace, no shell/sbatch quoting.
+_SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.,:+@%/=-]+$")
+
+
+class RenderError(ValueError):
+    """An option or template is invalid; the message names the option or file at fault."""
+
+
+def parse_time_limit(text: str) -> int:
+    """Seconds in a Slurm time limit: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S. Raises RenderError."""
+    for pattern in _TIME_FORMATS:
+        match = pattern.match(text.strip())
+        if match:
+            parts = {k: int(v) for k, v in match.groupdict().items() if v is not None}
+            seconds = (parts.get("d", 0) * 86400 + parts.get("h", 0) * 3600
+                       + parts.get("m", 0) * 60 + parts.get("s", 0))
+            if seconds <= 0:
+                raise RenderError(f"--time {text!r} is zero; give a positive time limit")
+            return seconds
+    raise RenderError(f"--time {text!r} is not a Slurm time limit: use minutes (90), "
+                      "HH:MM:SS (04:00:00) or D-HH:MM:SS (1-12:00:00)")
+
+
+@dataclass
+class ClusterOptions:
+    """Where and how big a job is; every field maps to one `#SBATCH` line or run setting.
+
+    Attributes:
+        nodes: nodes in the allocation (one torchrun per node).
+        gpus_per_node: GPUs per node; 0 means CPU nodes (gloo) with `procs_per_node` trainers.
+        procs_per_node: CPU only: trainer processes per node (torchrun --nproc_per_node).
+        cpus_per_task: CPUs per node-task (shared by that node's trainer processes).
+        time: Slurm time limit (see `parse_time_limit`).
+        partition, account, qos: passed through when set.
+        job_name: Slurm job name (also names the log file `<log_dir>/<job_name>-<jobid>.out`).
+        signal_grace: seconds before the time limit at which Slurm sends USR1 to the batch
+            shell; the trainer must checkpoint within it (and Slurm may be 30 s late).
+        log_dir: directory for the per-job logs (created by tape-submit; absolute once rendered).
+        workdir: the job's working directory (`--chdir`); relative config paths and run
+            directories are relative to it.
+        socket_ifname: network interface for gloo (and NCCL on GPU), e.g. `ib0`; empty lets
+            torch choose; `lo` when every "node" is this one machine.
+        python: interpreter with tape_train installed, on every node.
+        min_free_gb: preflight: free space required in the run directory, in GB (10^9 bytes).
+        max_requeues: the script stops requeueing itself after this many restarts.
+        train_module: the module torchrun runs with `-m` (the trainer; a fork may swap it).
+        extra_sbatch: further sbatch options, e.g. `--constraint=a100`, one `#SBATCH` line each.
+    """
+
+    nodes: int = 1
+    gpus_per_node: int = 0
+    procs_per_node: int = 1
+    cpus_per_task: int = 8
+    time: str = "04:00:00"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    job_name: str = "tape-train"
+    signal_grace: int = 300
+    log_dir: str = "logs/slurm"
+    workdir: str = "."
+    socket_ifname: str = ""
+    python: str = field(default_factory=lambda: sys.executable)
+    min_free_gb: float = 10.0
+    max_requeues: int = 100
+    train_module: str = "tape_train.train.cli"
+    extra_sbatch: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "procs_per_node", "cpus_per_task"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("gpus_per_node", self.gpus_per_node, minimum=0)
+        _check_int("signal_grace", self.signal_grace, minimum=1)
+        _check_int("max_requeues", self.max_requeues, minimum=0)
+        if self.gpus_per_node > 0 and self.procs_per_node not in (1, self.gpus_per_node):
+            raise RenderError(f"--procs-per-node {self.procs_per_node} is for CPU nodes; with "
+                              f"--gpus-per-node {self.gpus_per_node} there is one process per GPU")
+        limit = parse_time_limit(self.time)
+        if self.signal_grace >= limit:
+            raise RenderError(f"--signal-grace {self.signal_grace} s must be shorter than the "
+                              f"time limit --time {self.time} ({limit} s)")
+        if self.signal_grace < 2 * SLURM_SIGNAL_CHECK_SECONDS:
+            warnings.warn(f"--signal-grace {self.signal_grace} s: Slurm may deliver USR1 up to "
+                          f"{SLURM_SIGNAL_CHECK_SECONDS} s late, leaving little time to "
+                          "checkpoint", stacklevel=2)
+        if not re.match(r"^[A-Za-z0-9_.-]+$", self.job_name):
+            raise RenderError(f"--job-name {self.job_name!r}: use letters, digits, '_', '.', '-'")
+        for name in ("partition", "account", "qos"):
+            value = getattr(self, name)
+            if value is not None and not _SAFE_VALUE.match(value):
+                raise RenderError(f"--{name} {value!r} contains characters sbatch cannot take "
+                                  "in a header line")
+        if self.socket_ifname and not re.match(r"^[A-Za-z0-9_.^,!-]+$", self.socket_ifname):
+            raise RenderError(f"--socket-ifname {self.socket_ifname!r} is not an interface "
+                              "name (or NCCL-style list/prefix)")
+        for name in ("log_dir", "workdir"):
+            if re.search(r"\s", getattr(self, name)):
+                raise RenderError(f"{name} {getattr(self, name)!r} contains whitespace, which "
+                                  "an #SBATCH line cannot hold")
+        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
+                        self.train_module):
+            raise RenderError(f"--train-module {self.train_module!r} is not a module name")
+        if not self.min_free_gb >= 0:
+            raise RenderError(f"--min-free-gb must be >= 0, got {self.min_free_gb}")
+        for line in self.extra_sbatch:
+            if not line.startswith("--") or "\n" in line:
+                raise RenderError(f"--sbatch-arg {line!r} must be one long option like "
+                                  "--constraint=a100")
+
+    @property
+    def procs(self) -> int:
+        """Trainer processes per node (torchrun --nproc_per_node)."""
+        return self.gpus_per_node if self.gpus_per_node > 0 else self.procs_per_node
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        flag = "--" + name.replace("_", "-")
+        raise RenderError(f"{flag} must be an integer >= {minimum}, got {value!r}")
+
+
+def train_header(opts: ClusterOptions) -> list[str]:
+    """`#SBATCH` lines for the training job."""
+    lines = [
+        f"--job-name={opts.job_name}",
+        f"--nodes={opts.nodes}",
+        "--ntasks-per-node=1",
+        f"--cpus-per-task={opts.cpus_per_task}",
+        f"--time={opts.time}",
+    ]
+    if opts.gpus_per_node > 0:
+        lines.append(f"--gpus-per-node={opts.gpus_per_node}")
+    lines += _placement(opts)
+    lines += [
+        f"--signal=B:USR1@{opts.signal_grace}",
+        "--requeue",
+        "--open-mode=append",
+        f"--output={opts.log_dir}/%x-%j.out",
+        f"--chdir={opts.workdir}",
+        *opts.extra_sbatch,
+    ]
+    return [f"#SBATCH {line}" for line in lines]
+
+
+def eval_header(opts: ClusterOptions, time: str) -> list[str]:
+    """`#SBATCH` lines for the evaluation job: one task on one node (one GPU on GPU nodes)."""
+    parse_time_limit(time)
+    lines = [
+        f"--job-name={opts.job_name}-eval",
+        "--nodes=1",
+        "--ntasks=1",
+        f"--cpus-per-task={opts.cpus_per_task}",
+        f"--time={time}",
+    ]
+    if opts.gpus_per_node > 0:
+        lines.append("--gpus-per-node=1")
+    lines += _placement(opts)
+    lines += [
+        "--requeue",
+        "--open-mode=append",
+        f"--output={opts.log_dir}/%x-%j.out",
+        f"--chdir={opts.workdir}",
+        *opts.extra_sbatch,
+    ]
+    return [f"#SBATCH {line}" for line in lines]
+
+
+def _placement(opts: ClusterOptions) -> list[str]:
+    return [f"--{name}={getattr(opts, name)}" for name in ("partition", "account", "qos")
+            if getattr(opts, name) is not None]
+
+
+def _assign(name: str, value: object) -> str:
+    return f"{name}={shlex.quote(str(value))}"
+
+
+def _array(name: str, items: list[str]) -> str:
+    return f"{name}=({' '.join(shlex.quote(x) for x in items)})"
+
+
+def train_settings(opts: ClusterOptions, train_args: list[str]) -> list[str]:
+    """The run-settings block of train.sbatch: fixed values, no environment fallbacks."""
+    return [
+        _array("TRAIN_ARGS", train_args),
+        _assign("TAPE_PYTHON", opts.python),
+        _assign("TAPE_GPUS_PER_NODE", opts.gpus_per_node),
+        _assign("TAPE_PROCS_PER_NODE", opts.procs),
+        _assign("TAPE_SOCKET_IFNAME", opts.socket_ifname),
+        _assign("TAPE_SIGNAL_GRACE", opts.signal_grace),
+        _assign("TAPE_MIN_FREE_GB", opts.min_free_gb),
+        _assign("TAPE_MAX_REQUEUES", opts.max_requeues),
+        _assign("TAPE_TRAIN_MODULE", opts.train_module),
+    ]
+
+
+def eval_settings(opts: ClusterOptions, eval_args: list[str]) -> list[str]:
+    return [_array("EVAL_ARGS", eval_args), _assign("TAPE_PYTHON", opts.python)]
+
+
+def replace_blocks(template: str, source: str, header: list[str], settings: list[str]) -> str:
+    """Replace the marked header and settings blocks of `template` (read from `source`).
+
+    The marker lines stay (so a rendered script can be rendered again); everything between
+    them is replaced. Raises RenderError naming `source` when a marker is missing or repeated.
+    """
+    lines = template.splitlines()
+    out = lines
+    for begin, end, body in ((HEADER_BEGIN, HEADER_END, header),
+                             (SETTINGS_BEGIN, SETTINGS_END, settings)):
+        starts = [i for i, ln in enumerate(out) if ln.startswith(begin)]
+        ends = [i for i, ln in enumerate(out) if ln.startswith(end)]
+        if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
+            raise RenderError(f"{source}: expected one '{begin}' line followed by one '{end}' "
+                              f"line (found {len(starts)} and {len(ends)})")
+        out = out[:starts[0] + 1] + body + out[ends[0]:]
+    return "\n".join(out) + "\n"
+
+
+def render_train_script(template: str, opts: ClusterOptions, train_args: list[str],
+                        source: str = "train.sbatch") -> str:
+    """train.sbatch with its header and settings rendered for `opts` and `train_args`."""
+    return replace_blocks(template, source, train_header(opts), train_settings(opts, train_args))
+
+
+def render_eval_script(template: str, opts: ClusterOptions, eval_args: list[str],
+                       time: str = "01:00:00", source: str = "eval.sbatch") -> str:
+    """eval.sbatch with its header and settings rendered for `opts` and `eval_args`."""
+    return replace_blocks(template, source, eval_header(opts, time), eval_settings(opts, eval_args))
+
+
+def default_template_dir() -> Path:
+    """`launch/slurm/` of the source tree tape_train was installed from (editable install)."""
+    return Path(__file__).resolve().parents[2] / "launch" / "slurm"
+
+
+def read_template(path: Path) -> str:
+    if not path.is_file():
+        raise RenderError(f"batch script template {path} not found (pass --template-dir "
+                          "pointing at the repository's launch/slurm)")
+    return path.read_text()

@@ -1,0 +1,182 @@
+"""`tape-submit`: render launch/slurm/train.sbatch for a run config and submit it with sbatch.
+
+    tape-submit --config configs/train/<recipe>.yaml [key=value ...] \\
+        --nodes 4 --gpus-per-node 8 --partition gpu --account proj --time 2-00:00:00 \\
+        [--eval-after] [--dry-run]
+
+The config and overrides are checked with the project's config loader before anything is
+queued, and passed to tape-train unchanged. `--dry-run` prints the rendered script (with
+`--eval-after` the evaluation script follows after a separator line) and submits nothing.
+Otherwise the rendered scripts are kept next to the logs (`<log-dir>/<job-name>.<time>.*.sbatch`),
+the training job is submitted, and its id is printed on stdout (the evaluation job's id on a
+second line with `--eval-after`); progress messages go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tape_train.cluster.render import (
+    ClusterOptions,
+    RenderError,
+    default_template_dir,
+    parse_time_limit,
+    read_template,
+    render_eval_script,
+    render_train_script,
+)
+from tape_train.cluster.run_args import TrainArgsError, resolve_run_dir
+
+EVAL_SEPARATOR = "# ---- eval.sbatch, submitted with --dependency=afterok:<training job id> ----"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tape-submit",
+        description="Render launch/slurm/train.sbatch for a run config and submit it.",
+        epilog="Overrides (dotted key=value) after the options are passed to tape-train.")
+    p.add_argument("--config", required=True, help="run config YAML (configs/train/*.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted config overrides, e.g. train.max_steps=1000")
+    g = p.add_argument_group("allocation")
+    g.add_argument("--nodes", type=int, default=1)
+    g.add_argument("--gpus-per-node", type=int, default=0,
+                   help="GPUs per node; 0 (default) runs on CPU nodes with gloo")
+    g.add_argument("--procs-per-node", type=int, default=1,
+                   help="CPU nodes only: trainer processes per node")
+    g.add_argument("--cpus-per-task", type=int, default=8,
+                   help="CPUs per node for that node's trainer processes")
+    g.add_argument("--time", default="04:00:00", help="time limit, e.g. 90, 04:00:00, 2-00:00:00")
+    g.add_argument("--partition")
+    g.add_argument("--account")
+    g.add_argument("--qos")
+    g.add_argument("--job-name", help="default: tape-<config file stem>")
+    g.add_argument("--sbatch-arg", action="append", default=[], metavar="=--OPTION=VALUE",
+                   help="extra sbatch option, one #SBATCH line each (repeatable); write it "
+                        "attached: --sbatch-arg=--constraint=a100")
+    r = p.add_argument_group("run behaviour")
+    r.add_argument("--signal-grace", type=int, default=300,
+                   help="seconds before the time limit at which the job checkpoints (USR1)")
+    r.add_argument("--log-dir", default="logs/slurm", help="per-job logs and rendered scripts")
+    r.add_argument("--socket-ifname", default="",
+                   help="network interface for gloo/NCCL (e.g. ib0); lo for one-machine tests")
+    r.add_argument("--python", default=sys.executable,
+                   help="interpreter on the nodes (default: the one running tape-submit)")
+    r.add_argument("--min-free-gb", type=float, default=10.0,
+                   help="preflight: free disk required in the run directory (GB)")
+    r.add_argument("--max-requeues", type=int, default=100)
+    r.add_argument("--train-module", default="tape_train.train.cli",
+                   help="module torchrun runs with -m (default: the trainer)")
+    r.add_argument("--template-dir", type=Path, default=None,
+                   help="directory holding train.sbatch and eval.sbatch (default: launch/slurm)")
+    e = p.add_argument_group("evaluation after training")
+    e.add_argument("--eval-after", action="store_true",
+                   help="also submit eval.sbatch with --dependency=afterok:<training job>")
+    e.add_argument("--eval-lengths", type=int, nargs="+", default=None,
+                   help="context lengths for tape-eval (default: tape-eval's own)")
+    e.add_argument("--eval-out", default=None, help="default: <run_dir>/eval")
+    e.add_argument("--eval-time", default="01:00:00")
+    e.add_argument("--eval-arg", action="append", default=[], metavar="=--OPTION=VALUE",
+                   help="extra tape-eval argument (repeatable), attached: "
+                        "--eval-arg=--max-tokens=8192")
+    p.add_argument("--dry-run", action="store_true", help="print the script(s), submit nothing")
+    return p
+
+
+def _job_name(config: str, explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    return "tape-" + re.sub(r"[^A-Za-z0-9_.-]", "-", Path(config).stem)
+
+
+def _sbatch(args: list[str]) -> int:
+    """Run `sbatch --parsable ...` and return the job id; RuntimeError with sbatch's message."""
+    proc = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"sbatch {' '.join(args)} failed (exit {proc.returncode}): "
+                           f"{proc.stderr.strip() or proc.stdout.strip()}")
+    first = proc.stdout.strip().split(";")[0]
+    if not first.isdigit():
+        raise RuntimeError(f"sbatch printed no job id: {proc.stdout!r}")
+    return int(first)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_intermixed_args(argv)
+    workdir = Path.cwd()
+    train_args = ["--config", args.config, *args.overrides]
+    try:
+        run_dir = resolve_run_dir(train_args, base_dir=workdir)
+        log_dir = (workdir / args.log_dir).resolve()
+        opts = ClusterOptions(
+            nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+            procs_per_node=args.procs_per_node, cpus_per_task=args.cpus_per_task,
+            time=args.time, partition=args.partition, account=args.account, qos=args.qos,
+            job_name=_job_name(args.config, args.job_name), signal_grace=args.signal_grace,
+            log_dir=str(log_dir), workdir=str(workdir), socket_ifname=args.socket_ifname,
+            python=args.python, min_free_gb=args.min_free_gb, max_requeues=args.max_requeues,
+            train_module=args.train_module, extra_sbatch=args.sbatch_arg)
+        template_dir = args.template_dir or default_template_dir()
+        train_path = template_dir / "train.sbatch"
+        train_script = render_train_script(read_template(train_path), opts, train_args,
+                                           source=str(train_path))
+        eval_script = None
+        if args.eval_after:
+            parse_time_limit(args.eval_time)
+            eval_out = Path(args.eval_out) if args.eval_out else run_dir / "eval"
+            eval_args = ["--checkpoint", str(run_dir), "--out", str(workdir / eval_out)]
+            if args.eval_lengths:
+                eval_args += ["--lengths", *map(str, args.eval_lengths)]
+            eval_args += args.eval_arg
+            eval_path = template_dir / "eval.sbatch"
+            eval_script = render_eval_script(read_template(eval_path), opts, eval_args,
+                                             time=args.eval_time, source=str(eval_path))
+    except (RenderError, TrainArgsError, ValueError) as exc:
+        # ConfigError is a ValueError: it names the config file, line and key.
+        print(f"tape-submit: error: {exc}", file=sys.stderr)
+        return 2
+
+    if args.dry_run:
+        sys.stdout.write(train_script)
+        if eval_script is not None:
+            sys.stdout.write(f"\n{EVAL_SEPARATOR}\n{eval_script}")
+        return 0
+
+    if shutil.which("sbatch") is None:
+        print("tape-submit: error: sbatch not found on PATH; run on a Slurm login node, or use "
+              "--dry-run to print the script", file=sys.stderr)
+        return 2
+    log_dir.mkdir(parents=True, exist_ok=True)  # Slurm does not create the --output directory
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    train_file = log_dir / f"{opts.job_name}.{stamp}.train.sbatch"
+    train_file.write_text(train_script)
+    try:
+        job_id = _sbatch([str(train_file)])
+        print(f"tape-submit: training job {job_id}: {opts.nodes} node(s) x {opts.procs} "
+              f"process(es), run dir {run_dir}, log {log_dir}/{opts.job_name}-{job_id}.out",
+              file=sys.stderr)
+        print(job_id, flush=True)
+        if eval_script is not None:
+            eval_file = log_dir / f"{opts.job_name}.{stamp}.eval.sbatch"
+            eval_file.write_text(eval_script)
+            # Without kill-on-invalid-dep a failed training job would leave the evaluation
+            # pending forever (DependencyNeverSatisfied).
+            eval_id = _sbatch([f"--dependency=afterok:{job_id}", "--kill-on-invalid-dep=yes",
+                               str(eval_file)])
+            print(f"tape-submit: evaluation job {eval_id} runs after {job_id} succeeds",
+                  file=sys.stderr)
+            print(eval_id, flush=True)
+    except RuntimeError as exc:
+        print(f"tape-submit: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Per-node start-up checks (python -m tape_train.cluster.preflight), in-process and fast.
+
+Each failing check is provoked for real (an impossible free-space requirement, GPUs on a CPU
+machine, a run directory under a regular file, a module that does not exist) and must name the
+node; the same invocation with sane values is the positive control.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+
+from tape_train.cluster import preflight
+
+
+def run_preflight(args: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = preflight.main(args)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(autouse=True)
+def node_name(monkeypatch):
+    monkeypatch.setenv("SLURMD_NODENAME", "gpu-node-17")
+
+
+def test_all_checks_pass_on_a_sane_node(tmp_path):
+    rc, out, err = run_preflight(["--run-dir", str(tmp_path / "run"), "--min-free-gb", "0.001"])
+    assert rc == 0, err
+    assert "[preflight gpu-node-17] all 5 start-up checks passed" in out
+    assert "CPU node: no GPUs requested" in out
+    assert (tmp_path / "run").is_dir() and not list((tmp_path / "run").iterdir())
+
+
+def test_run_dir_comes_from_the_training_arguments(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("model: tiny\ntrain:\n  run_dir: runs/from-config\n")
+    rc, out, err = run_preflight(["--min-free-gb", "0", "--", "--config", "run.yaml",
+                                  "train.run_dir=runs/from-override"])
+    assert rc == 0, err
+    assert f"run dir writable: {tmp_path / 'runs' / 'from-override'}" in out
+
+
+def test_bad_training_arguments_fail_naming_the_node(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run_preflight(["--", "--config", "missing.yaml"])
+    assert rc == 1
+    assert "[preflight gpu-node-17] FAILED: cannot determine the run directory" in err
+    assert "missing.yaml" in err
+
+
+def test_not_enough_free_disk_fails_naming_node_and_amount(tmp_path):
+    rc, out, err = run_preflight(["--run-dir", str(tmp_path), "--min-free-gb", "1e12"])
+    assert rc == 1
+    assert "[preflight gpu-node-17] FAILED free disk:" in err
+    assert "below the 1e+12 GB required" in err
+    assert "FAILED 1 of 5 start-up checks on node gpu-node-17: free disk" in err
+
+
+def test_gpus_requested_but_not_visible_fails(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA devices; the check would pass")
+    rc, out, err = run_preflight(["--run-dir", str(tmp_path), "--min-free-gb", "0",
+                                  "--gpus-per-node", "8"])
+    assert rc == 1
+    assert "[preflight gpu-node-17] FAILED devices: 0 CUDA device(s) visible, 8 requested" in err
+
+
+def test_unwritable_run_dir_fails(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    rc, out, err = run_preflight(["--run-dir", str(blocker / "run"), "--min-free-gb", "0"])
+    assert rc == 1
+    assert f"[preflight gpu-node-17] FAILED run dir writable: {blocker / 'run'}" in err
+
+
+def test_missing_module_is_named():
+    result = preflight.check_imports(("json", "tape_train_no_such_module"))
+    assert not result.ok
+    assert "cannot import tape_train_no_such_module (ModuleNotFoundError" in result.detail
+    assert preflight.check_imports(("json",)).ok
+
+
+def test_old_python_is_refused():
+    assert not preflight.check_python(minimum=(99, 0)).ok
+    assert preflight.check_python().ok
+
+
+def test_node_name_falls_back_to_the_host_name(monkeypatch):
+    import socket
+    monkeypatch.delenv("SLURMD_NODENAME")
+    assert preflight.node_name() == socket.gethostname()
+
+
+def test_free_disk_is_measured_at_the_nearest_existing_parent(tmp_path):
+    result = preflight.check_free_disk(tmp_path / "not" / "yet" / "created", 0.0)
+    assert result.ok and f"free at {tmp_path}" in result.detail
+    assert not Path(tmp_path / "not").exists()

@@ -1,0 +1,214 @@
+"""tape-submit and the batch-script rendering, without a cluster (fast).
+
+The rendered scripts are checked against sbatch on the local cluster in test_slurm_cluster.py;
+here: option validation, the #SBATCH header for CPU and GPU jobs, that rendering replaces only
+the two marked blocks of launch/slurm/*.sbatch (the body exists once), and tape-submit's
+error messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tape_train.cluster import submit
+from tape_train.cluster.render import (
+    HEADER_BEGIN,
+    SETTINGS_END,
+    ClusterOptions,
+    RenderError,
+    default_template_dir,
+    parse_time_limit,
+    render_eval_script,
+    render_train_script,
+)
+
+TEMPLATES = default_template_dir()
+
+
+def train_template() -> str:
+    return (TEMPLATES / "train.sbatch").read_text()
+
+
+def strip_blocks(script: str) -> list[str]:
+    """The script without its header and settings blocks: what rendering must not touch."""
+    out, skipping = [], False
+    for line in script.splitlines():
+        if line.startswith("# >>> "):
+            skipping = True
+        elif line.startswith("# <<< "):
+            skipping = False
+        elif not skipping:
+            out.append(line)
+    return out
+
+
+def sbatch_lines(script: str) -> list[str]:
+    return [ln[len("#SBATCH "):] for ln in script.splitlines() if ln.startswith("#SBATCH ")]
+
+
+def run_submit(args: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = submit.main(args)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("text,seconds", [
+    ("90", 5400), ("10:30", 630), ("04:00:00", 14400), ("2-00", 172800),
+    ("1-12:30", 131400), ("1-00:00:05", 86405),
+])
+def test_parse_time_limit_accepts_slurm_formats(text, seconds):
+    assert parse_time_limit(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "4h", "1:2:3:4", "-5", "0", "00:00:00", "1-"])
+def test_parse_time_limit_rejects_other_text_naming_the_option(text):
+    with pytest.raises(RenderError, match="--time"):
+        parse_time_limit(text)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(nodes=0), "--nodes"),
+    (dict(gpus_per_node=-1), "--gpus-per-node"),
+    (dict(time="00:05:00", signal_grace=300), "--signal-grace 300 s must be shorter"),
+    (dict(gpus_per_node=4, procs_per_node=2), "--procs-per-node 2 is for CPU nodes"),
+    (dict(job_name="my job"), "--job-name"),
+    (dict(partition="gpu debug"), "--partition"),
+    (dict(log_dir="my logs"), "whitespace"),
+    (dict(train_module="tape_train/train"), "--train-module"),
+    (dict(extra_sbatch=["constraint=a100"]), "--sbatch-arg"),
+])
+def test_cluster_options_reject_bad_values_naming_them(kwargs, match):
+    with pytest.raises(RenderError, match=match):
+        ClusterOptions(**kwargs)
+
+
+def test_short_signal_grace_warns_about_slurms_30s_granularity():
+    with pytest.warns(UserWarning, match="30 s late"):
+        ClusterOptions(signal_grace=30)
+
+
+def test_cpu_render_header_settings_and_untouched_body():
+    opts = ClusterOptions(nodes=1, procs_per_node=2, cpus_per_task=4, time="00:30:00",
+                          log_dir="/logs", workdir="/work", python="/venv/bin/python",
+                          socket_ifname="lo", signal_grace=120)
+    script = render_train_script(train_template(), opts,
+                                 ["--config", "configs/train/demo.yaml", "train.lr=3e-4",
+                                  "train.run_dir=runs/it's here"])
+    header = sbatch_lines(script)
+    assert header == [
+        "--job-name=tape-train", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=4",
+        "--time=00:30:00", "--signal=B:USR1@120", "--requeue", "--open-mode=append",
+        "--output=/logs/%x-%j.out", "--chdir=/work"]
+    assert not any(ln.startswith("--gpus") for ln in header)
+    # Arguments are shell-quoted: the one with a quote and a space survives as one word.
+    assert ("TRAIN_ARGS=(--config configs/train/demo.yaml train.lr=3e-4 "
+            "'train.run_dir=runs/it'\"'\"'s here')") in script
+    for line in ("TAPE_PYTHON=/venv/bin/python", "TAPE_GPUS_PER_NODE=0",
+                 "TAPE_PROCS_PER_NODE=2", "TAPE_SOCKET_IFNAME=lo", "TAPE_SIGNAL_GRACE=120",
+                 "TAPE_TRAIN_MODULE=tape_train.train.cli"):
+        assert f"\n{line}\n" in script
+    # The body is the template's, line for line: one source of truth.
+    assert strip_blocks(script) == strip_blocks(train_template())
+    # Rendering a rendered script again gives the same script (markers are kept).
+    assert render_train_script(script, opts, ["--config", "configs/train/demo.yaml",
+                                              "train.lr=3e-4", "train.run_dir=runs/it's here"]
+                               ) == script
+
+
+def test_gpu_render_four_nodes_with_placement_options():
+    opts = ClusterOptions(nodes=4, gpus_per_node=8, cpus_per_task=64, time="2-00:00:00",
+                          partition="gpu", account="proj42", qos="high", job_name="big",
+                          extra_sbatch=["--constraint=a100", "--exclusive"])
+    script = render_train_script(train_template(), opts, ["--config", "x.yaml"])
+    header = sbatch_lines(script)
+    for line in ("--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8", "--partition=gpu",
+                 "--account=proj42", "--qos=high", "--job-name=big", "--time=2-00:00:00",
+                 "--constraint=a100", "--exclusive", "--requeue", "--signal=B:USR1@300"):
+        assert line in header, line
+    assert "\nTAPE_GPUS_PER_NODE=8\n" in script and "\nTAPE_PROCS_PER_NODE=8\n" in script
+    assert opts.world_size == 32
+
+
+def test_eval_render_one_task_one_gpu_and_arguments():
+    opts = ClusterOptions(nodes=4, gpus_per_node=8, partition="gpu", job_name="big")
+    script = render_eval_script((TEMPLATES / "eval.sbatch").read_text(), opts,
+                                ["--checkpoint", "/runs/a", "--out", "/runs/a/eval",
+                                 "--lengths", "256", "512"], time="00:20:00")
+    header = sbatch_lines(script)
+    for line in ("--job-name=big-eval", "--nodes=1", "--ntasks=1", "--gpus-per-node=1",
+                 "--partition=gpu", "--time=00:20:00"):
+        assert line in header, line
+    assert "EVAL_ARGS=(--checkpoint /runs/a --out /runs/a/eval --lengths 256 512)" in script
+    assert strip_blocks(script) == strip_blocks((TEMPLATES / "eval.sbatch").read_text())
+
+
+def test_missing_marker_is_an_error_naming_the_template():
+    broken = train_template().replace(SETTINGS_END, "# settings end")
+    with pytest.raises(RenderError, match=r"my\.sbatch: expected one '# >>> run settings'"):
+        render_train_script(broken, ClusterOptions(), ["--config", "x"], source="my.sbatch")
+    doubled = train_template().replace(HEADER_BEGIN, HEADER_BEGIN + "\n" + HEADER_BEGIN, 1)
+    with pytest.raises(RenderError, match="found 2 and 1"):
+        render_train_script(doubled, ClusterOptions(), ["--config", "x"])
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("name", ["train.sbatch", "eval.sbatch"])
+def test_templates_are_valid_bash(name):
+    proc = subprocess.run(["bash", "-n", str(TEMPLATES / name)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def write_config(tmp_path: Path) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text("model: tiny\ntrain:\n  run_dir: runs/exp1\n")
+    return path
+
+
+def test_tape_submit_dry_run_prints_the_script(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = write_config(tmp_path)
+    rc, out, err = run_submit(["--config", str(config), "train.max_steps=7", "--nodes", "2",
+                               "--time", "01:00:00", "--sbatch-arg=--exclusive",
+                               "--eval-after", "--eval-lengths", "128", "256",
+                               "--eval-arg=--max-tokens=512", "--dry-run"])
+    assert rc == 0, err
+    train, _, evaluation = out.partition(submit.EVAL_SEPARATOR)
+    assert train.startswith("#!/bin/bash\n")
+    assert "#SBATCH --nodes=2\n" in train and "#SBATCH --job-name=tape-run\n" in train
+    assert "#SBATCH --exclusive\n" in train
+    assert f"#SBATCH --chdir={tmp_path}\n" in train
+    assert f"#SBATCH --output={tmp_path}/logs/slurm/%x-%j.out\n" in train
+    assert f"TRAIN_ARGS=(--config {config} train.max_steps=7)" in train
+    run_dir = tmp_path / "runs" / "exp1"
+    assert (f"EVAL_ARGS=(--checkpoint {run_dir} --out {run_dir}/eval --lengths 128 256 "
+            "--max-tokens=512)" in evaluation)
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["train.no_such_key=1"], "train.no_such_key"),
+    (["--time", "4h"], "--time '4h'"),
+    (["--nodes", "0"], "--nodes must be an integer >= 1"),
+])
+def test_tape_submit_rejects_bad_config_or_options_before_submitting(tmp_path, monkeypatch,
+                                                                     extra, match):
+    monkeypatch.chdir(tmp_path)
+    config = write_config(tmp_path)
+    rc, out, err = run_submit(["--config", str(config), *extra, "--dry-run"])
+    assert rc == 2 and out == ""
+    assert match in err
+
+
+def test_tape_submit_without_sbatch_says_so(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    config = write_config(tmp_path)
+    rc, out, err = run_submit(["--config", str(config)])
+    assert rc == 2 and "sbatch not found on PATH" in err
