@@ -1,0 +1,244 @@
+"""``tape-eval``: perplexity of one or more checkpoints at growing context lengths.
+
+    tape-eval --checkpoint runs/tape runs/rope --label TAPE RoPE --lengths 256 512 1024 2048 \\
+              --out results/extrapolation
+
+Each checkpoint is a run directory (→ its latest complete checkpoint) or a tag directory.
+Weights are consolidated from the sharded checkpoint without optimizer state, so any world size
+works: under ``torchrun --nproc_per_node N`` every process holds the whole model and scores
+every N-th batch of windows, and the sums are all-reduced. Rank 0 prints the table and writes
+``eval.md``, ``ppl_vs_length.png`` and, last, ``eval.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger("tape_train.eval")
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp64": "float64"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tape_train.eval.config import PROTOCOLS, EvalConfig
+
+    default = EvalConfig()
+    p = argparse.ArgumentParser(
+        prog="tape-eval", description="Token-weighted perplexity at growing context lengths "
+        "(spec §7) for one or more checkpoints; writes a table, JSON and a plot.")
+    p.add_argument("--checkpoint", nargs="+", required=True, metavar="PATH",
+                   help="run directories (latest complete checkpoint) or checkpoint tag dirs")
+    p.add_argument("--label", nargs="+", metavar="NAME",
+                   help="one display name per checkpoint (default: run name and encoding)")
+    p.add_argument("--lengths", nargs="+", type=int, metavar="L",
+                   help="context lengths in tokens (default: L, 2L, 4L, 8L of each "
+                        "checkpoint's training length)")
+    p.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS))
+    p.add_argument("--stride", type=int, default=None,
+                   help="sliding-window stride S < every length (default: L // 2)")
+    p.add_argument("--max-tokens", default=str(default.max_tokens), metavar="N|all",
+                   help="scored tokens per (length, protocol); 'all' scores the whole held-out "
+                        "set (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=default.batch_size,
+                   help="windows per forward call (default: %(default)s)")
+    p.add_argument("--data", default=None, metavar="YAML|NAME|DIR",
+                   help="data config (YAML path or name in configs/data) or a prepared data "
+                        "directory (default: the data section of the first checkpoint's config)")
+    p.add_argument("--tokenizer", default=None, metavar="MODEL",
+                   help="sentencepiece model (default: the data config's tokenizer)")
+    p.add_argument("--out", default="eval_results", metavar="DIR",
+                   help="output directory (default: %(default)s)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                   help="evaluation dtype of the weights (default: fp32)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def _parse_max_tokens(text: str) -> int | None:
+    if text.lower() in ("all", "none"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"--max-tokens must be a positive integer or 'all', got {text!r}")
+    return value
+
+
+def _init_distributed(device_arg: str):
+    """(rank, world size, device, reduce) — a process group only when launched by torchrun."""
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_arg == "auto":
+        device_arg = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(f"cuda:{local_rank}" if device_arg == "cuda" else device_arg)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world == 1:
+        return 0, 1, device, None
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+    def reduce(tensor: torch.Tensor) -> torch.Tensor:
+        # gloo and nccl both sum float64; move to the collective's device and back.
+        moved = tensor.to(device)
+        dist.all_reduce(moved)
+        return moved.cpu()
+
+    return dist.get_rank(), world, device, reduce
+
+
+def _data_config(arg: str | None, meta_config: dict, tokenizer_arg: str | None):
+    """(DataConfig, description) from ``--data`` or the checkpoint's data section."""
+    from tape_train.data import DataConfig, load_data_config
+
+    base = dict(meta_config.get("data") or {})
+    if arg is None:
+        cfg = DataConfig.from_dict(base, source="checkpoint config [data]")
+        desc = "checkpoint data config"
+    elif Path(arg).is_dir():
+        # A prepared directory: its held-out split; tokenizer and wrapping from the checkpoint.
+        base.update(sources=[{"path": arg}], eval_sources=[])
+        cfg = DataConfig.from_dict(base, source=f"--data {arg}")
+        desc = f"prepared data dir {arg}"
+    else:
+        cfg = load_data_config(arg)
+        desc = f"data config {arg}"
+    if tokenizer_arg is not None:
+        cfg.tokenizer = tokenizer_arg
+    return cfg, desc
+
+
+def _documents(args, meta: dict, longest: int, model_cfg):
+    """Held-out documents for the first checkpoint's data (shared by every checkpoint)."""
+    config = meta.get("config") or {}
+    train = config.get("train") or {}
+    if args.data is None and train.get("synthetic_data"):
+        # A run trained on synthetic tokens has no corpus: evaluate on the same kind of
+        # deterministic random documents the trainer's scheduled evaluation uses.
+        from tape_train.train.synthetic import synthetic_eval_documents
+
+        docs = synthetic_eval_documents(model_cfg.vocab_size, 4, 2 * longest + 1,
+                                        int(train.get("seed", 0)))
+        return docs, "synthetic random tokens (the run trained on synthetic data)"
+    from tape_train.data import iter_eval_documents, load_tokenizer
+
+    data_cfg, desc = _data_config(args.data, config, args.tokenizer)
+    tokenizer = load_tokenizer(data_cfg.tokenizer)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"tokenizer {data_cfg.tokenizer} has {tokenizer.vocab_size} tokens but "
+                         f"the model's vocabulary is {model_cfg.vocab_size}: wrong tokenizer?")
+    return iter_eval_documents(data_cfg, tokenizer), desc
+
+
+def _default_label(tag_dir: Path, meta: dict, model_cfg) -> str:
+    parent = tag_dir.parent
+    run = parent.parent.name if parent.name == "checkpoints" else parent.name
+    step = meta.get("step")
+    return f"{run} ({model_cfg.pe}, step {step})" if step is not None else f"{run} ({model_cfg.pe})"
+
+
+def run(args) -> int:
+    import torch
+
+    from tape_train.eval.config import EvalConfig
+    from tape_train.eval.perplexity import evaluate_perplexity, materialize_documents
+    from tape_train.eval.report import format_table, write_reports
+    from tape_train.model import TransformerLM
+    from tape_train.train.checkpoint import load_model_from_checkpoint, resolve_checkpoint
+
+    if args.label is not None and len(args.label) != len(args.checkpoint):
+        raise ValueError(f"--label got {len(args.label)} name(s) for {len(args.checkpoint)} "
+                         f"checkpoint(s): give one per checkpoint, in the same order")
+    max_tokens = _parse_max_tokens(args.max_tokens)
+    # Validates lengths, stride, batch size with the same messages as the run config.
+    settings = EvalConfig(lengths=args.lengths, protocols=args.protocols,
+                          sliding_stride=args.stride, max_tokens=max_tokens,
+                          batch_size=args.batch_size)
+    rank, world, device, reduce = _init_distributed(args.device)
+    dtype = getattr(torch, DTYPES[args.dtype])
+    tag_dirs = [resolve_checkpoint(p) for p in args.checkpoint]
+
+    runs, docs, data_desc = [], None, None
+    for i, tag_dir in enumerate(tag_dirs):
+        model_cfg, state, meta = load_model_from_checkpoint(tag_dir, map_dtype=None)
+        train_seq_len = int(((meta.get("config") or {}).get("train") or {}).get("seq_len", 0)) \
+            or None
+        if args.lengths is None and train_seq_len is None:
+            raise ValueError(f"{tag_dir}: the checkpoint's config has no train.seq_len; "
+                             f"pass --lengths")
+        lengths = settings.resolve_lengths(train_seq_len) if args.lengths is None \
+            else list(args.lengths)
+        if docs is None:
+            source, data_desc = _documents(args, meta, max(lengths), model_cfg)
+            docs = materialize_documents(source, max_tokens)
+            if rank == 0:
+                log.info("held-out data: %s, %d documents, %d predictions", data_desc,
+                         len(docs), sum(t.numel() - 1 for t, _ in docs))
+        model = TransformerLM(model_cfg)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{tag_dir}: weights do not match the model config "
+                             f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+        model.to(device=device, dtype=dtype)
+        label = args.label[i] if args.label else _default_label(tag_dir, meta, model_cfg)
+        if rank == 0:
+            log.info("evaluating %s: %s, %s, step %s, lengths %s", label, tag_dir,
+                     model_cfg.pe, meta.get("step"), lengths)
+        results = []
+        for protocol in settings.protocols:
+            results += evaluate_perplexity(
+                model, docs, lengths=lengths, protocol=protocol, stride=args.stride,
+                max_tokens=max_tokens, batch_size=args.batch_size, device=device,
+                progress=rank == 0 and not args.no_progress, reduce=reduce, dp_rank=rank,
+                dp_size=world)
+        runs.append({"label": label, "checkpoint": str(tag_dir), "step": meta.get("step"),
+                     "pe": model_cfg.pe, "model": model_cfg.name,
+                     "train_seq_len": train_seq_len, "results": results})
+        del model, state
+
+    labels = [r["label"] for r in runs]
+    if len(set(labels)) != len(labels):
+        for j, r in enumerate(runs):
+            r["label"] = f"{r['label']} #{j + 1}"
+    if rank == 0:
+        print(format_table(runs), end="", flush=True)
+        paths = write_reports(args.out, runs, settings={
+            "protocols": settings.protocols, "sliding_stride": args.stride,
+            "max_tokens": max_tokens, "batch_size": args.batch_size, "data": data_desc,
+            "world_size": world, "dtype": args.dtype, "device": str(device)})
+        print(f"wrote {paths['markdown']}, {paths['plot']}, {paths['json']}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        rank = os.environ.get("RANK", "0")
+        logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                            stream=sys.stderr)
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        # CheckpointError, DataError and TokenizerError derive from these.
+        print(f"tape-eval: error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

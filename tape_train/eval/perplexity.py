@@ -1,0 +1,425 @@
+"""Token-weighted perplexity at growing context lengths (spec §7).
+
+Vocabulary used throughout (see docs/evaluation.md for the picture):
+
+* A document is ``t[0..n-1]`` with BOS first and EOS last. It has ``P = n - 1`` *predictions*:
+  token ``t[k]`` (k = 1..P) is predicted by the model output at input position ``k - 1``.
+* A window of **length L** is what the model sees: ``L`` input tokens ``t[a:e]`` (positions
+  0..L-1) with labels ``t[a+1:e+1]``, i.e. ``L`` predictions. A window of length L therefore
+  predicts each of its tokens from 1..L tokens of context (counting the token right before
+  it); in the spec's words, the L scored tokens of a non-overlapping window plus the one
+  token in front of them form the window.
+* ``nonoverlap``: windows start at a = 0, L, 2L, … and score all their labels, so every
+  prediction of the document is scored exactly once; the last window (or a document with
+  P < L) is shorter than L.
+* ``sliding`` (stride S < L, the standard Hugging Face recipe made exact): the first window
+  scores its first min(L, P) predictions; each following window ends S predictions later
+  (or at the document end), is L long, and scores only the predictions the previous window
+  did not, so every prediction is scored exactly once and each one after the first window
+  sees at least L − S + 1 tokens.
+
+Perplexity is exp(total NLL / total scored tokens) over all documents: token-weighted, never a
+mean of per-document perplexities. Bits per byte is total NLL / (ln 2 · bytes of the scored
+text); a document's UTF-8 bytes are attributed to its predictions in proportion (each scored
+prediction carries ``n_bytes / P``), which is exact for fully scored documents and prorates
+the one document the ``max_tokens`` cap cuts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from tape_train.eval.config import PROTOCOLS, EvalConfig, resolve_stride
+
+log = logging.getLogger("tape_train.eval")
+
+IGNORE_INDEX = -100
+# Short windows (document tails, short documents) are pooled, sorted by length and padded to
+# the longest of their batch; pooling this many batches' worth keeps the padding small.
+_SHORT_POOL_BATCHES = 8
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class WindowSpan:
+    """One forward window over a document, in token indices of that document.
+
+    The model sees inputs ``t[start:end]`` and labels ``t[start+1:end+1]``; the scored
+    predictions are the tokens ``t[k]`` for ``first_scored <= k <= end``.
+    """
+
+    start: int
+    first_scored: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def num_scored(self) -> int:
+        return self.end - self.first_scored + 1
+
+
+def window_spans(num_predictions: int, length: int, protocol: str,
+                 stride: int | None = None) -> Iterator[WindowSpan]:
+    """Windows covering predictions 1..``num_predictions`` of one document, each exactly once.
+
+    Args:
+        num_predictions: P = (tokens in the document) − 1.
+        length: L, input tokens per window.
+        protocol: ``nonoverlap`` or ``sliding``.
+        stride: S for ``sliding`` (``None`` → L // 2); ignored by ``nonoverlap``.
+    """
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol={protocol!r} is not one of {', '.join(PROTOCOLS)}")
+    if length < 1:
+        raise ValueError(f"window length must be >= 1, got {length}")
+    if protocol == "nonoverlap":
+        for start in range(0, num_predictions, length):
+            yield WindowSpan(start, start + 1, min(start + length, num_predictions))
+        return
+    stride = resolve_stride(length, stride)
+    scored_until = 0        # predictions 1..scored_until are done
+    end = min(length, num_predictions)
+    while scored_until < num_predictions:
+        yield WindowSpan(max(0, end - length), scored_until + 1, end)
+        scored_until = end
+        end = min(end + stride, num_predictions)
+
+
+@dataclass
+class _Window:
+    input_ids: torch.Tensor     # (n,) int64
+    labels: torch.Tensor        # (n,) int64, IGNORE_INDEX where not scored
+    num_scored: int
+    num_bytes: float            # UTF-8 bytes attributed to the scored predictions
+
+
+def _document_windows(tokens: torch.Tensor, n_bytes: int, length: int, protocol: str,
+                      stride: int | None, budget: int | None) -> Iterator[_Window]:
+    """Windows of one document; stops after ``budget`` scored predictions (None: no cap).
+
+    Capping cuts the window at the last allowed prediction: the scored tokens keep exactly the
+    context they would have had (the model is causal), so a capped evaluation scores a prefix
+    of the uncapped one with identical per-token losses.
+    """
+    num_predictions = tokens.numel() - 1
+    bytes_per_prediction = n_bytes / num_predictions
+    for span in window_spans(num_predictions, length, protocol, stride):
+        end = span.end
+        if budget is not None and span.num_scored > budget:
+            end = span.first_scored + budget - 1
+        labels = tokens[span.start + 1:end + 1].clone()
+        labels[:span.first_scored - span.start - 1] = IGNORE_INDEX
+        num_scored = end - span.first_scored + 1
+        yield _Window(tokens[span.start:end], labels, num_scored,
+                      num_scored * bytes_per_prediction)
+        if budget is not None:
+            budget -= num_scored
+            if budget <= 0:
+                return
+
+
+def _batches(windows: Iterable[_Window], length: int,
+             batch_size: int) -> Iterator[list[_Window]]:
+    """Group windows into forward batches: full-length windows together, short ones pooled."""
+    full: list[_Window] = []
+    short: list[_Window] = []
+
+    def drain_short() -> Iterator[list[_Window]]:
+        short.sort(key=lambda w: w.input_ids.numel())
+        for i in range(0, len(short), batch_size):
+            yield short[i:i + batch_size]
+        short.clear()
+
+    for window in windows:
+        if window.input_ids.numel() == length:
+            full.append(window)
+            if len(full) == batch_size:
+                yield full
+                full = []
+        else:
+            short.append(window)
+            if len(short) >= _SHORT_POOL_BATCHES * batch_size:
+                yield from drain_short()
+    if full:
+        yield full
+    yield from drain_short()
+
+
+def _collate(batch: list[_Window]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad to the longest window: (b, n) input ids (pad 0) and labels (pad ignored).
+
+    Right padding is exact for a causal model: no real position attends to a pad.
+    """
+    width = max(w.input_ids.numel() for w in batch)
+    input_ids = torch.zeros(len(batch), width, dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
+    for row, window in enumerate(batch):
+        n = window.input_ids.numel()
+        input_ids[row, :n] = window.input_ids
+        labels[row, :n] = window.labels
+    return input_ids, labels
+
+
+def materialize_documents(documents: Iterable, max_tokens: int | None = None
+                          ) -> list[tuple[torch.Tensor, int]]:
+    """Validate held-out documents and keep them as int64 tensors.
+
+    Reading stops once the documents hold ``max_tokens`` predictions, so a capped evaluation
+    tokenises only what it scores. Documents with fewer than two tokens predict nothing and are
+    dropped.
+
+    Args:
+        documents: iterable of ``(token_ids, n_bytes)``; ``token_ids`` a list of ints or a 1-D
+            integer tensor including BOS/EOS, ``n_bytes`` the UTF-8 size of the text.
+    """
+    kept: list[tuple[torch.Tensor, int]] = []
+    predictions = 0
+    for index, item in enumerate(documents):
+        if max_tokens is not None and predictions >= max_tokens:
+            break
+        try:
+            token_ids, n_bytes = item
+        except (TypeError, ValueError):
+            raise ValueError(f"held-out document {index}: expected a (token_ids, n_bytes) pair, "
+                             f"got {type(item).__name__}") from None
+        if not isinstance(n_bytes, int) or isinstance(n_bytes, bool) or n_bytes < 0:
+            raise ValueError(f"held-out document {index}: n_bytes must be a non-negative "
+                             f"integer, got {n_bytes!r}")
+        try:
+            tokens = torch.as_tensor(token_ids)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"held-out document {index}: token_ids are not a list of "
+                             f"integers ({err})") from None
+        if tokens.dim() != 1 or (tokens.numel() and (tokens.dtype.is_floating_point
+                                                     or tokens.dtype == torch.bool)):
+            raise ValueError(f"held-out document {index}: token_ids must be a flat list of "
+                             f"integers, got shape {tuple(tokens.shape)} dtype {tokens.dtype}")
+        if tokens.numel() and int(tokens.min()) < 0:
+            raise ValueError(f"held-out document {index}: negative token id "
+                             f"{int(tokens.min())}")
+        if tokens.numel() < 2:
+            continue
+        kept.append((tokens.long(), n_bytes))
+        predictions += tokens.numel() - 1
+    return kept
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    """Where inputs go: a DeepSpeed engine's ``device``, else where the module lives."""
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    for tensor in model.parameters():       # only the .device attribute is read
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def evaluate_perplexity(model: torch.nn.Module, documents: Iterable, *, lengths: list[int],
+                        protocol: str = "nonoverlap", stride: int | None = None,
+                        max_tokens: int | None = None, batch_size: int = 1,
+                        device: torch.device | str | None = None, progress: bool = False,
+                        reduce: Reduce | None = None, dp_rank: int = 0,
+                        dp_size: int = 1) -> list[dict]:
+    """Token-weighted perplexity of ``model`` at each context length, for one protocol.
+
+    Args:
+        model: follows the model contract ``model(input_ids, labels=labels) -> out`` with
+            ``out.loss_sum`` (sum of NLL in nats over labels != -100) and ``out.num_tokens``;
+            a DeepSpeed engine works (only ``model(...)``, ``.eval()``/``.train()`` are used).
+        documents: held-out ``(token_ids, n_bytes)`` pairs, e.g. from
+            ``tape_train.data.iter_eval_documents``; read once and kept for all lengths.
+        lengths: context lengths L (input tokens per window).
+        protocol: ``nonoverlap`` or ``sliding``.
+        stride: sliding stride S (< every L); ``None`` → L // 2 per length.
+        max_tokens: score only the first ``max_tokens`` predictions of the stream (the same
+            ones for every length and protocol); ``None`` scores everything.
+        batch_size: windows per forward call.
+        device: where the inputs go; ``None`` asks the model.
+        progress: show a tqdm bar per length.
+        reduce: under data parallelism, a function summing a float64 tensor across the
+            data-parallel ranks (e.g. an all-reduce returning its input); called exactly once
+            per call, on every rank, with shape (len(lengths), 3) = (nll_sum, tokens, bytes).
+        dp_rank, dp_size: this rank's data-parallel coordinates. Every rank must pass the
+            same documents: rank r runs batches r, r + dp_size, …, and ranks with fewer
+            batches run a discarded extra forward so all ranks call the model equally often
+            (ZeRO-3 gathers parameters collectively inside every forward).
+
+    Returns:
+        One dict per length, in the order given, with keys ``length``, ``protocol``,
+        ``stride`` (None for nonoverlap), ``perplexity``, ``loss`` (NLL per token, nats),
+        ``nll_sum`` (nats), ``tokens`` (scored predictions), ``bytes`` (UTF-8 bytes of the
+        scored text), ``bits_per_byte``, ``documents`` (documents touched), ``windows``
+        (forward windows, all ranks), ``max_tokens``.
+    """
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol={protocol!r} is not one of {', '.join(PROTOCOLS)}")
+    if not lengths:
+        raise ValueError("lengths is empty: give at least one context length")
+    for length in lengths:
+        if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+            raise ValueError(f"context length must be a positive integer, got {length!r}")
+        if protocol == "sliding":
+            resolve_stride(length, stride)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens}")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} is outside 0..dp_size-1 (dp_size={dp_size})")
+
+    docs = materialize_documents(documents, max_tokens)
+    if not docs:
+        raise ValueError("no held-out document has two or more tokens: nothing to score")
+    device = torch.device(device) if device is not None else _model_device(model)
+    was_training = model.training
+    model.eval()
+    rows, stats = [], []
+    try:
+        with torch.no_grad():
+            for length in lengths:
+                sums, info = _evaluate_length(model, docs, length, protocol, stride, max_tokens,
+                                              batch_size, device, progress, dp_rank, dp_size)
+                stats.append(sums)
+                rows.append(info)
+    finally:
+        model.train(was_training)
+
+    totals = torch.tensor(stats, dtype=torch.float64)
+    if reduce is not None:
+        totals = reduce(totals)
+    results = []
+    for info, (nll_sum, tokens, n_bytes) in zip(rows, totals.tolist()):
+        result = dict(info, **summarize(nll_sum, round(tokens), n_bytes))
+        results.append(result)
+        log.info("eval L=%d protocol=%s stride=%s ppl=%.4f loss=%.5f tokens=%d bpb=%.5f",
+                 result["length"], protocol, result["stride"], result["perplexity"],
+                 result["loss"], result["tokens"], result["bits_per_byte"])
+    return results
+
+
+def summarize(nll_sum: float, tokens: int, n_bytes: float) -> dict:
+    """Perplexity, loss and bits per byte from token-weighted sums (NLL in nats)."""
+    if tokens <= 0:
+        raise ValueError("no tokens were scored")
+    loss = nll_sum / tokens
+    return {
+        "perplexity": math.exp(loss) if loss < 700 else math.inf,
+        "loss": loss,
+        "nll_sum": nll_sum,
+        "tokens": tokens,
+        "bytes": n_bytes,
+        "bits_per_byte": nll_sum / (math.log(2) * n_bytes) if n_bytes > 0 else math.nan,
+    }
+
+
+def _evaluate_length(model, docs, length, protocol, stride, max_tokens, batch_size, device,
+                     progress, dp_rank, dp_size) -> tuple[list[float], dict]:
+    """Sums (nll, tokens, bytes) of this rank's batches at one length, and global counts."""
+    total = sum(t.numel() - 1 for t, _ in docs)
+    if max_tokens is not None:
+        total = min(total, max_tokens)
+    counts = {"documents": 0, "windows": 0}
+
+    def windows() -> Iterator[_Window]:
+        budget = max_tokens
+        for tokens, n_bytes in docs:
+            if budget is not None and budget <= 0:
+                return
+            counts["documents"] += 1
+            for window in _document_windows(tokens, n_bytes, length, protocol, stride, budget):
+                counts["windows"] += 1
+                if budget is not None:
+                    budget -= window.num_scored
+                yield window
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        stride_note = f" S={resolve_stride(length, stride)}" if protocol == "sliding" else ""
+        bar = tqdm(total=total, desc=f"eval {protocol} L={length}{stride_note}", unit="tok",
+                   dynamic_ncols=True, leave=False)
+    nll_sum, scored, scored_bytes = 0.0, 0, 0.0
+    own_batches = 0
+    first_batch = None
+    num_batches = 0
+    for index, batch in enumerate(_batches(windows(), length, batch_size)):
+        num_batches += 1
+        if first_batch is None:
+            first_batch = batch
+        if index % dp_size == dp_rank:
+            own_batches += 1
+            nll, n = _forward(model, batch, device)
+            nll_sum += nll
+            scored += n
+            scored_bytes += sum(w.num_bytes for w in batch)
+        if bar is not None:
+            bar.update(sum(w.num_scored for w in batch))
+    # Keep the forward count identical on every rank (collectives inside ZeRO-3's forward).
+    for _ in range(math.ceil(num_batches / dp_size) - own_batches):
+        _forward(model, first_batch, device)
+    if bar is not None:
+        bar.close()
+    info = {"length": length, "protocol": protocol,
+            "stride": resolve_stride(length, stride) if protocol == "sliding" else None,
+            "documents": counts["documents"], "windows": counts["windows"],
+            "max_tokens": max_tokens}
+    return [nll_sum, float(scored), scored_bytes], info
+
+
+def _forward(model, batch: list[_Window], device: torch.device) -> tuple[float, int]:
+    input_ids, labels = _collate(batch)
+    out = model(input_ids.to(device), labels=labels.to(device))
+    expected = sum(w.num_scored for w in batch)
+    got = int(out.num_tokens)
+    if got != expected:
+        raise RuntimeError(f"the model reported num_tokens={got} for a batch with {expected} "
+                           f"labels != {IGNORE_INDEX}: it must sum the NLL over exactly those")
+    return float(out.loss_sum.detach().double()), got
+
+
+def evaluate_schedule(model: torch.nn.Module, documents: Iterable, config: EvalConfig, *,
+                      train_seq_len: int, device: torch.device | str | None = None,
+                      progress: bool = False, reduce: Reduce | None = None, dp_rank: int = 0,
+                      dp_size: int = 1) -> list[dict]:
+    """Every (length, protocol) of an ``EvalConfig``: what the trainer runs each interval.
+
+    Lengths come from ``config.resolve_lengths(train_seq_len)``; the documents are read once
+    and shared by all protocols. Results are ordered by protocol, then length.
+    """
+    lengths = config.resolve_lengths(train_seq_len)
+    docs = materialize_documents(documents, config.max_tokens)
+    results = []
+    for protocol in config.protocols:
+        results += evaluate_perplexity(
+            model, docs, lengths=lengths, protocol=protocol, stride=config.sliding_stride,
+            max_tokens=config.max_tokens, batch_size=config.batch_size, device=device,
+            progress=progress, reduce=reduce, dp_rank=dp_rank, dp_size=dp_size)
+    return results
+
+
+def scalar_metrics(results: list[dict], prefix: str = "eval") -> dict[str, float]:
+    """Flat ``{tag: value}`` for TensorBoard/JSONL: one curve per length and protocol.
+
+    Tags look like ``eval/ppl/sliding/L1024``, ``eval/bpb/nonoverlap/L512``,
+    ``eval/tokens/...``.
+    """
+    metrics = {}
+    for r in results:
+        suffix = f"{r['protocol']}/L{r['length']}"
+        metrics[f"{prefix}/ppl/{suffix}"] = r["perplexity"]
+        metrics[f"{prefix}/loss/{suffix}"] = r["loss"]
+        metrics[f"{prefix}/bpb/{suffix}"] = r["bits_per_byte"]
+        metrics[f"{prefix}/tokens/{suffix}"] = float(r["tokens"])
+    return metrics

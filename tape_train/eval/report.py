@@ -1,0 +1,141 @@
+"""Evaluation reports: a Markdown table, a JSON file and a perplexity-vs-length plot.
+
+A *run* here is one evaluated model: ``{"label": str, "train_seq_len": int | None,
+"results": [result dicts from evaluate_perplexity]}`` (extra keys are kept in the JSON).
+Every file is written atomically (temporary file in the same directory, then rename), so a
+reader never mistakes a half-written report for a complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+REPORT_FORMAT = "tape-eval/1"
+
+
+def format_table(runs: list[dict]) -> str:
+    """Markdown table, one row per (model, protocol, length): ppl, loss, bpb, tokens scored."""
+    lines = ["| model | protocol | L | L/L_train | stride | perplexity | loss (nats) | "
+             "bits/byte | tokens |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for run in runs:
+        train_len = run.get("train_seq_len")
+        for r in sorted(run["results"], key=lambda r: (r["protocol"], r["length"])):
+            ratio = f"{r['length'] / train_len:g}×" if train_len else "–"
+            stride = str(r["stride"]) if r.get("stride") is not None else "–"
+            lines.append(f"| {run['label']} | {r['protocol']} | {r['length']} | {ratio} | "
+                         f"{stride} | {_num(r['perplexity'], 3)} | {_num(r['loss'], 4)} | "
+                         f"{_num(r['bits_per_byte'], 4)} | {r['tokens']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _num(value: float, digits: int) -> str:
+    return f"{value:.{digits}f}" if math.isfinite(value) else str(value)
+
+
+def _json_safe(value):
+    """NaN/inf are not JSON: write them as null (a perplexity overflow, zero-byte text)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_atomic(path: str | os.PathLike, write, mode: str = "w") -> Path:
+    """Call ``write(file)`` on a temporary file next to ``path``, fsync, then rename onto it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        # mkstemp creates 0600; give the report the permissions a plain open() would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json(path: str | os.PathLike, runs: list[dict], settings: dict | None = None) -> Path:
+    """``{"format", "settings", "models": runs}`` with non-finite numbers as null."""
+    payload = {"format": REPORT_FORMAT, "settings": settings or {}, "models": runs}
+    text = json.dumps(_json_safe(payload), indent=2, allow_nan=False) + "\n"
+    return write_atomic(path, lambda f: f.write(text))
+
+
+def write_markdown(path: str | os.PathLike, runs: list[dict], title: str = "Perplexity vs "
+                   "context length") -> Path:
+    text = f"# {title}\n\n{format_table(runs)}"
+    return write_atomic(path, lambda f: f.write(text))
+
+
+def plot_perplexity_vs_length(runs: list[dict], path: str | os.PathLike) -> Path:
+    """PNG: one panel per protocol side by side, one line per model, log2 x, log y.
+
+    A dashed vertical line marks each model's training length, so extrapolation is everything
+    to its right. Uses matplotlib's Agg canvas directly (no pyplot, no display needed).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import LogFormatter, NullFormatter, ScalarFormatter
+
+    protocols = sorted({r["protocol"] for run in runs for r in run["results"]})
+    if not protocols:
+        raise ValueError("nothing to plot: no results")
+    fig = Figure(figsize=(5.2 * len(protocols), 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(protocols), sharey=True, squeeze=False)[0]
+    train_lens = sorted({run["train_seq_len"] for run in runs if run.get("train_seq_len")})
+    for ax, protocol in zip(axes, protocols):
+        for run in runs:
+            points = sorted((r["length"], r["perplexity"]) for r in run["results"]
+                            if r["protocol"] == protocol and math.isfinite(r["perplexity"]))
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o", label=run["label"])
+        for i, train_len in enumerate(train_lens):
+            ax.axvline(train_len, color="0.4", linestyle="--", linewidth=1,
+                       label="training length" if i == 0 else None)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        # Plain numbers on both axes: 512 reads better than 2^9 next to a table.
+        lengths = sorted({r["length"] for run in runs for r in run["results"]} | set(train_lens))
+        ax.set_xticks(lengths)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlim(lengths[0] / 1.3, lengths[-1] * 1.3)
+        ax.yaxis.set_major_formatter(LogFormatter())
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+        ax.set_xlabel("context length L (tokens)")
+        ax.set_title(protocol + (" (sliding window)" if protocol == "sliding" else
+                                 " (non-overlapping windows)"))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[0].set_ylabel("perplexity")
+    return write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120), mode="wb")
+
+
+def write_reports(out_dir: str | os.PathLike, runs: list[dict],
+                  settings: dict | None = None) -> dict[str, Path]:
+    """``eval.json``, ``eval.md`` and ``ppl_vs_length.png`` in ``out_dir``; returns the paths.
+
+    The JSON is written last: its presence means the whole report is there.
+    """
+    out = Path(out_dir)
+    paths = {"markdown": write_markdown(out / "eval.md", runs),
+             "plot": plot_perplexity_vs_length(runs, out / "ppl_vs_length.png")}
+    paths["json"] = write_json(out / "eval.json", runs, settings)
+    return paths

@@ -1,0 +1,247 @@
+"""Perplexity protocols (spec §7) against a direct per-token computation on the real model.
+
+The direct computation defines each protocol independently of the implementation: token k of a
+document (k ≥ 1) is predicted from ``t[context_start(k):k]``, with the context start given in
+closed form below, by one forward call per token. A recording stand-in model (loss = the label
+id) then checks windowing facts exactly: every prediction scored once, context bounds, the cap,
+and the data-parallel split.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tape_train.eval.perplexity import evaluate_perplexity, window_spans
+from tape_train.model import TransformerLM, load_model_config
+
+DOC_LENGTHS = (1, 2, 5, 8, 9, 13, 23)   # tokens incl. BOS/EOS; 1 predicts nothing
+
+
+def tiny_model(pe: str = "tape", seed: int = 0) -> TransformerLM:
+    torch.manual_seed(seed)
+    model = TransformerLM(load_model_config("tiny", num_layers=1, hidden_size=32, num_heads=2,
+                                            intermediate_size=64, vocab_size=50, pe=pe,
+                                            tape_position_size=8, attn_backend="eager"))
+    # Live TAPE weights (W_up, W_pa start at zero) so the positional state depends on content.
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model.double()
+
+
+def documents(seed: int = 0, lengths=DOC_LENGTHS, vocab: int = 50):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, (n,), generator=gen).tolist(), 3 * n + 1) for n in lengths]
+
+
+def context_start(k: int, num_predictions: int, length: int, protocol: str, stride: int) -> int:
+    """First context token of prediction k (1-based), straight from the protocol definition."""
+    if protocol == "nonoverlap":
+        return (k - 1) // length * length
+    if k <= length:                                   # the document's first window
+        return 0
+    windows_after_first = math.ceil((k - length) / stride)
+    end = min(length + windows_after_first * stride, num_predictions)
+    return end - length
+
+
+def direct_nll(model, docs, length, protocol, stride, max_tokens=None):
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for tokens, _ in docs:
+            for k in range(1, len(tokens)):
+                if max_tokens is not None and count == max_tokens:
+                    return nll, count
+                a = context_start(k, len(tokens) - 1, length, protocol, stride)
+                assert 0 <= a < k and k - a <= length
+                logits = model(torch.tensor([tokens[a:k]])).logits[0, -1]
+                nll -= torch.log_softmax(logits.double(), -1)[tokens[k]].item()
+                count += 1
+    return nll, count
+
+
+@pytest.mark.parametrize("protocol,stride,batch_size,length", [
+    ("nonoverlap", None, 3, 4), ("sliding", None, 1, 8), ("sliding", 3, 4, 4)])
+def test_matches_direct_per_token_computation(protocol, stride, batch_size, length):
+    model, docs = tiny_model(), documents()
+    # A second length in the same call checks results come back per length, in order.
+    results = evaluate_perplexity(model, docs, lengths=[length, 2], protocol=protocol,
+                                  stride=stride if stride is None else 1,
+                                  batch_size=batch_size)
+    results = evaluate_perplexity(model, docs, lengths=[length], protocol=protocol,
+                                  stride=stride, batch_size=batch_size) + results[1:]
+    s = stride if stride is not None else length // 2
+    expected, count = direct_nll(model, docs, length, protocol, s)
+    r = results[0]
+    assert r["length"] == length and r["protocol"] == protocol and results[1]["length"] == 2
+    assert r["tokens"] == count == sum(n - 1 for n in DOC_LENGTHS)
+    assert r["nll_sum"] == pytest.approx(expected, rel=1e-6)
+    assert r["perplexity"] == pytest.approx(math.exp(expected / count), rel=1e-6)
+    # Negative control: context matters here, so a different context length gives another NLL.
+    assert abs(results[1]["nll_sum"] - expected) > 1e-4 * abs(expected)
+
+
+def test_token_weighted_not_mean_of_document_perplexities():
+    model, docs = tiny_model(seed=3), documents(seed=3)
+    with torch.no_grad():   # peaked predictions: per-document perplexities spread widely
+        model.lm_head.weight.mul_(40)
+    whole = evaluate_perplexity(model, docs, lengths=[4])[0]
+    per_doc = [evaluate_perplexity(model, [d], lengths=[4])[0] for d in docs if len(d[0]) > 1]
+    weighted = math.exp(sum(r["nll_sum"] for r in per_doc) / sum(r["tokens"] for r in per_doc))
+    mean_of_ppl = sum(r["perplexity"] for r in per_doc) / len(per_doc)
+    assert whole["perplexity"] == pytest.approx(weighted, rel=1e-6)
+    assert abs(mean_of_ppl - weighted) / weighted > 0.05   # the two really differ here
+
+
+class RecordingModel(torch.nn.Module):
+    """Model contract stand-in: the 'NLL' of a label is its id; records what it scored.
+
+    ``scored`` holds (label id, context length) per scored label; with documents made of
+    globally unique ids this identifies every prediction exactly.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(()))
+        self.scored: list[tuple[int, int]] = []
+        self.calls = 0
+        self.grad_enabled: set[bool] = set()
+
+    def forward(self, input_ids, labels=None):
+        self.calls += 1
+        self.grad_enabled.add(torch.is_grad_enabled())
+        mask = labels != -100
+        for row, col in mask.nonzero().tolist():
+            self.scored.append((int(labels[row, col]), col + 1))
+        loss_sum = (labels * mask).sum().double()
+        return SimpleNamespace(loss_sum=loss_sum, num_tokens=mask.sum(), logits=None)
+
+
+def unique_documents(lengths=DOC_LENGTHS):
+    docs, offset = [], 0
+    for n in lengths:
+        docs.append((list(range(offset, offset + n)), 2 * n))
+        offset += n
+    return docs
+
+
+def expected_predictions(docs, limit=None):
+    ids = [t for tokens, _ in docs for t in tokens[1:]]
+    return ids if limit is None else ids[:limit]
+
+
+@pytest.mark.parametrize("protocol,stride,length", [
+    (protocol, stride, length) for length in (1, 4, 6, 30)
+    for protocol, stride in (("nonoverlap", None), ("sliding", None), ("sliding", 1),
+                             ("sliding", 5))
+    if stride is None or stride < length])
+def test_every_prediction_scored_exactly_once_with_bounded_context(protocol, stride, length):
+    docs = unique_documents()
+    model = RecordingModel()
+    r = evaluate_perplexity(model, docs, lengths=[length], protocol=protocol, stride=stride,
+                            batch_size=3)[0]
+    scored_ids = [i for i, _ in model.scored]
+    assert Counter(scored_ids) == Counter(expected_predictions(docs))
+    assert r["tokens"] == len(scored_ids) == sum(n - 1 for n in DOC_LENGTHS)
+    assert r["nll_sum"] == sum(scored_ids)
+    assert r["bytes"] == pytest.approx(sum(b for t, b in docs if len(t) > 1))
+    position = {t: k for tokens, _ in docs for k, t in enumerate(tokens)}
+    s = stride if stride is not None else max(1, length // 2)
+    for token, context in model.scored:
+        k = position[token]   # tokens before it in its document
+        assert 1 <= context <= min(k, length)
+        if protocol == "sliding":   # spec §7: at least L − S tokens (+1: the token in front)
+            assert context >= min(k, length - s + 1)
+    assert model.grad_enabled == {False}
+    assert model.training   # mode restored after evaluation
+
+
+def test_exactly_once_check_catches_double_scoring():
+    """Negative control: scoring every label of every sliding window double-counts."""
+    docs = unique_documents()
+    naive = Counter()
+    for tokens, _ in docs:
+        for span in window_spans(len(tokens) - 1, 4, "sliding", 2):
+            naive.update(tokens[span.start + 1:span.end + 1])
+    assert naive != Counter(expected_predictions(docs))
+
+
+@pytest.mark.parametrize("protocol", ["nonoverlap", "sliding"])
+def test_max_tokens_scores_the_same_prefix_with_unchanged_context(protocol):
+    docs = unique_documents()
+    cap = 17       # cuts the 9-token document (predictions 1+4+7 = 12 < 17 < 20 = 12+8)
+    full_model, capped_model = RecordingModel(), RecordingModel()
+    evaluate_perplexity(full_model, docs, lengths=[6], protocol=protocol)
+    r = evaluate_perplexity(capped_model, docs, lengths=[6], protocol=protocol,
+                            max_tokens=cap, batch_size=2)[0]
+    first = expected_predictions(docs, cap)
+    assert sorted(i for i, _ in capped_model.scored) == sorted(first)
+    assert r["tokens"] == cap and r["max_tokens"] == cap
+    context_full = dict(full_model.scored)
+    assert all(context_full[i] == c for i, c in capped_model.scored)
+    # Bytes (2 per token here): the 2-, 5- and 8-token documents fully, the 9-token one
+    # prorated by 5 of its 8 predictions.
+    assert r["bytes"] == pytest.approx(2 * (2 + 5 + 8) + 2 * 9 * 5 / 8)
+    assert r["documents"] == 4   # the 1-token document predicts nothing; the 13 and 23 unread
+    assert r["bits_per_byte"] == pytest.approx(r["nll_sum"] / (math.log(2) * r["bytes"]))
+
+
+def test_bits_per_byte_and_cap_on_the_real_model():
+    model, docs = tiny_model(seed=5), documents(seed=5)
+    r = evaluate_perplexity(model, docs, lengths=[4], protocol="sliding", max_tokens=20)[0]
+    expected, count = direct_nll(model, docs, 4, "sliding", 2, max_tokens=20)
+    assert r["tokens"] == count == 20
+    assert r["nll_sum"] == pytest.approx(expected, rel=1e-6)
+    assert r["bytes"] == pytest.approx(sum(3 * n + 1 for n in (2, 5, 8, 9)))  # exactly 4 docs
+    assert r["bits_per_byte"] == pytest.approx(r["nll_sum"] / (math.log(2) * r["bytes"]),
+                                               rel=1e-12)
+    assert r["loss"] == pytest.approx(expected / 20)
+
+
+def test_data_parallel_split_sums_to_single_rank_with_equal_forward_counts():
+    docs = unique_documents()
+    single = evaluate_perplexity(RecordingModel(), docs, lengths=[4, 6], protocol="sliding",
+                                 batch_size=2)
+    dp_size, calls, shards, reduced_shapes = 3, [], [], []
+    for rank in range(dp_size):
+        model = RecordingModel()
+
+        def reduce(t):
+            reduced_shapes.append(tuple(t.shape))
+            return t
+        shards.append(evaluate_perplexity(model, docs, lengths=[4, 6], protocol="sliding",
+                                          batch_size=2, reduce=reduce, dp_rank=rank,
+                                          dp_size=dp_size))
+        calls.append(model.calls)
+    assert len(set(calls)) == 1             # ZeRO-3 needs the same number of forwards per rank
+    assert reduced_shapes == [(2, 3)] * dp_size
+    for i, whole in enumerate(single):
+        for key in ("nll_sum", "tokens", "bytes"):
+            assert sum(s[i][key] for s in shards) == pytest.approx(whole[key])
+        assert all(0 < s[i]["tokens"] < whole["tokens"] for s in shards)   # really split
+
+
+def test_bad_input_is_named():
+    model = RecordingModel()
+    with pytest.raises(ValueError, match="document 1: n_bytes"):
+        evaluate_perplexity(model, [([1, 2], 3), ([1, 2], -1)], lengths=[4])
+    with pytest.raises(ValueError, match="document 0: token_ids must be a flat list"):
+        evaluate_perplexity(model, [([[1, 2]], 3)], lengths=[4])
+    with pytest.raises(ValueError, match="sliding_stride=4 must be smaller"):
+        evaluate_perplexity(model, [([1, 2], 3)], lengths=[8, 4], protocol="sliding", stride=4)
+    with pytest.raises(ValueError, match="nothing to score"):
+        evaluate_perplexity(model, [([1], 3)], lengths=[4])
+
+    class IgnoresMask(RecordingModel):
+        def forward(self, input_ids, labels=None):
+            return SimpleNamespace(loss_sum=torch.zeros(()),
+                                   num_tokens=torch.tensor(labels.numel()))
+    with pytest.raises(RuntimeError, match="num_tokens="):
+        evaluate_perplexity(IgnoresMask(), [([1, 2, 3, 4], 3)], lengths=[2], protocol="sliding",
+                            stride=1)

@@ -1,0 +1,209 @@
+"""Reports (table, JSON, plot; atomic writes) and `tape-eval` end to end on real checkpoints.
+
+Checkpoints are written by the trainer's own ``save_checkpoint`` (layout, marker, discovery)
+through a stand-in engine that stores the model's state dict the way DeepSpeed does at ZeRO
+stage 0, so ``load_model_from_checkpoint`` reads them without DeepSpeed start-up cost.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tape_train.eval import report
+from tape_train.eval.cli import main
+from tape_train.eval.perplexity import evaluate_perplexity
+from tape_train.model import TransformerLM, load_model_config
+from tape_train.train import checkpoint as ckpt
+from tape_train.train.synthetic import synthetic_eval_documents
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _result(length, protocol, ppl, tokens=100, nbytes=300.0):
+    nll = math.log(ppl) * tokens
+    return {"length": length, "protocol": protocol, "stride": length // 2 if protocol ==
+            "sliding" else None, "perplexity": ppl, "loss": nll / tokens, "nll_sum": nll,
+            "tokens": tokens, "bytes": nbytes,
+            "bits_per_byte": nll / (math.log(2) * nbytes) if nbytes else math.nan}
+
+
+def _runs():
+    tape = [_result(L, p, 20 + L / 64) for L in (64, 128, 256) for p in ("nonoverlap", "sliding")]
+    rope = [_result(L, p, 20 + L) for L in (64, 128, 256) for p in ("nonoverlap", "sliding")]
+    rope[-1] = _result(256, "sliding", math.inf, nbytes=0)     # overflow and zero bytes
+    return [{"label": "TAPE", "train_seq_len": 64, "results": tape},
+            {"label": "RoPE", "train_seq_len": 64, "results": rope}]
+
+
+def test_reports_written_complete_and_atomic(tmp_path):
+    paths = report.write_reports(tmp_path / "out", _runs(), settings={"max_tokens": 100})
+    table = (tmp_path / "out" / "eval.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| TAPE") or
+            line.startswith("| RoPE")]
+    assert len(rows) == 12
+    assert "| TAPE | nonoverlap | 128 | 2× | – | 22.000 |" in table
+    payload = json.loads(paths["json"].read_text())
+    assert payload["format"] == report.REPORT_FORMAT and payload["settings"]["max_tokens"] == 100
+    assert [m["label"] for m in payload["models"]] == ["TAPE", "RoPE"]
+    assert payload["models"][1]["results"][-1]["perplexity"] is None   # inf → null, valid JSON
+    png = paths["plot"].read_bytes()
+    assert png.startswith(PNG_MAGIC)
+    import matplotlib.image
+    image = matplotlib.image.imread(paths["plot"])
+    assert image.shape[0] > 300 and image.shape[1] > 2 * image.shape[0] * 0.9  # two panels
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "eval.json", "eval.md", "ppl_vs_length.png"]                         # no temp files
+
+
+def test_failed_write_keeps_previous_file(tmp_path):
+    target = tmp_path / "eval.json"
+    target.write_text("previous")
+
+    def crash(f):
+        f.write("half")
+        raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"):
+        report.write_atomic(target, crash)
+    assert target.read_text() == "previous"
+    assert [p.name for p in tmp_path.iterdir()] == ["eval.json"]
+
+
+class StateDictEngine:
+    """Writes the model states file DeepSpeed writes at ZeRO stage 0/1."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        tag_dir = ckpt.Path(save_dir) / tag
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        torch.save({"module": self.model.state_dict()}, tag_dir / "mp_rank_00_model_states.pt")
+
+
+def make_checkpoint(run_dir, pe, seed, step=5, vocab_size=50, data=None, seq_len=8):
+    torch.manual_seed(seed)
+    cfg = load_model_config("tiny", num_layers=1, hidden_size=32, num_heads=2,
+                            intermediate_size=64, vocab_size=vocab_size, pe=pe,
+                            tape_position_size=8)
+    model = TransformerLM(cfg)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    config = {"model": cfg.to_dict(), "train": {"seq_len": seq_len, "seed": 7,
+                                                "synthetic_data": data is None}}
+    if data is not None:
+        config["data"] = data
+    ckpt.save_checkpoint(StateDictEngine(model), run_dir, step, rank=0,
+                         meta={"step": step, "world_size": 1, "zero_stage": 0,
+                               "config": config},
+                         rank_state={"rng": ckpt.capture_rng_state(), "loader": None}, keep=2)
+    return model
+
+
+def test_tape_eval_two_checkpoints_end_to_end(tmp_path, capsys):
+    tape = make_checkpoint(tmp_path / "tape", "tape", seed=1)
+    rope = make_checkpoint(tmp_path / "rope", "rope", seed=2)
+    out = tmp_path / "report"
+    rc = main(["--checkpoint", str(tmp_path / "tape"),
+               str(tmp_path / "rope" / "checkpoints" / "step_00000005"),
+               "--label", "TAPE", "RoPE", "--lengths", "8", "16", "--max-tokens", "40",
+               "--batch-size", "3", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert "| TAPE | sliding | 16 | 2× | 8 |" in stdout and "eval.json" in stdout
+    payload = json.loads((out / "eval.json").read_text())
+    assert [m["label"] for m in payload["models"]] == ["TAPE", "RoPE"]
+    assert [m["pe"] for m in payload["models"]] == ["tape", "rope"]
+    assert (out / "ppl_vs_length.png").read_bytes().startswith(PNG_MAGIC)
+    # Same numbers as evaluating the saved weights directly on the run's synthetic documents.
+    for model, entry in zip((tape, rope), payload["models"]):
+        assert entry["step"] == 5 and entry["train_seq_len"] == 8
+        docs = list(synthetic_eval_documents(50, 4, 2 * 16 + 1, 7))
+        for protocol in ("nonoverlap", "sliding"):
+            want = evaluate_perplexity(model.float(), docs, lengths=[8, 16], protocol=protocol,
+                                       max_tokens=40)
+            got = [r for r in entry["results"] if r["protocol"] == protocol]
+            for w, g in zip(want, got):
+                assert g["tokens"] == w["tokens"] == 40
+                assert g["nll_sum"] == pytest.approx(w["nll_sum"], rel=1e-5)
+    # Negative control: the two models really produce different numbers.
+    assert payload["models"][0]["results"][0]["nll_sum"] != pytest.approx(
+        payload["models"][1]["results"][0]["nll_sum"], rel=1e-6)
+
+
+def test_tape_eval_on_a_data_config_with_real_text(tmp_path):
+    from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+
+    tok = train_small_tokenizer(tmp_path / "tok", vocab_size=512, max_bytes=300_000)
+    texts = real_text_documents(max_documents=12)
+    write_jsonl(tmp_path / "train.jsonl", texts[:6])
+    write_jsonl(tmp_path / "heldout.jsonl", texts[6:])
+    data = {"sources": [{"path": str(tmp_path / "train.jsonl")}], "tokenizer": tok.path,
+            "eval_sources": [{"path": str(tmp_path / "heldout.jsonl")}]}
+    make_checkpoint(tmp_path / "run", "tape", seed=3, vocab_size=tok.vocab_size, data=data)
+    out = tmp_path / "report"
+    rc = main(["--checkpoint", str(tmp_path / "run"), "--protocols", "nonoverlap",
+               "--max-tokens", "300", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    results = json.loads((out / "eval.json").read_text())["models"][0]["results"]
+    assert [r["length"] for r in results] == [8, 16, 32, 64]    # default L..8L of seq_len 8
+    for r in results:
+        assert r["tokens"] == 300 and 300 < r["bytes"] < 300 * 16   # bytes of real text
+        assert r["bits_per_byte"] == pytest.approx(r["nll_sum"] / (math.log(2) * r["bytes"]))
+        assert r["bytes"] == pytest.approx(results[0]["bytes"])     # same text at every L
+
+
+def test_tape_eval_errors_are_clear(tmp_path, capsys):
+    make_checkpoint(tmp_path / "run", "rope", seed=4)
+    assert main(["--checkpoint", str(tmp_path / "run"), "--label", "a", "b",
+                 "--out", str(tmp_path / "o")]) == 1
+    assert "--label got 2 name(s) for 1 checkpoint(s)" in capsys.readouterr().err
+    assert main(["--checkpoint", str(tmp_path / "nothing-here"),
+                 "--out", str(tmp_path / "o")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["--checkpoint", str(tmp_path / "empty"), "--out", str(tmp_path / "o")]) == 1
+    assert "no complete checkpoint" in capsys.readouterr().err
+    assert main(["--checkpoint", str(tmp_path / "run"), "--lengths", "8", "--protocols",
+                 "sliding", "--stride", "8", "--out", str(tmp_path / "o")]) == 1
+    assert "eval.sliding_stride=8 must be smaller" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def _evaluate_rank(run_dir):
+    """One data-parallel rank of a real gloo group: its share of windows, all-reduced."""
+    import torch.distributed as dist
+
+    from tape_train.train.checkpoint import load_model_from_checkpoint
+
+    cfg, state, _ = load_model_from_checkpoint(run_dir)
+    model = TransformerLM(cfg)
+    model.load_state_dict(state)
+
+    def reduce(t):
+        dist.all_reduce(t)
+        return t
+    docs = synthetic_eval_documents(50, 4, 33, 7)
+    return evaluate_perplexity(model, docs, lengths=[8, 16], protocol="sliding", batch_size=2,
+                               max_tokens=70, reduce=reduce, dp_rank=dist.get_rank(),
+                               dp_size=dist.get_world_size())
+
+
+@pytest.mark.distributed
+def test_two_gloo_ranks_match_one_process(tmp_path):
+    from distributed import run_distributed_test
+
+    model = make_checkpoint(tmp_path / "run", "tape", seed=6)
+    ranks = run_distributed_test(_evaluate_rank, world_size=2, args=(str(tmp_path / "run"),))
+    single = evaluate_perplexity(model.float(), synthetic_eval_documents(50, 4, 33, 7),
+                                 lengths=[8, 16], protocol="sliding", max_tokens=70)
+    for rank_results in ranks:
+        for got, want in zip(rank_results, single):
+            assert got["tokens"] == want["tokens"] == 70
+            assert got["bytes"] == pytest.approx(want["bytes"])
+            assert got["nll_sum"] == pytest.approx(want["nll_sum"], rel=1e-6)
