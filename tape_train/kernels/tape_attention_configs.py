@@ -1,0 +1,147 @@
+"""Launch configurations of the fused TAPE attention kernels, per GPU generation and head dim.
+
+The tables are explicit (no generated search space) so that the ahead-of-time test in
+``tests/test_kernel_aot.py`` compiles exactly what autotuning may pick on a real GPU, and
+checks each entry for register spills and shared-memory fit. This module imports nothing
+from Triton: it is plain data, importable on any machine.
+
+Block-shape rules the kernels rely on (checked by :func:`validate_config`):
+- forward and dq kernels loop over key blocks inside a query block: ``BLOCK_M % BLOCK_N == 0``
+  so the causal diagonal starts on a key-block boundary;
+- the dk/dv kernel loops over query blocks inside a key block: ``BLOCK_N % BLOCK_M == 0``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KERNELS = ("fwd", "bwd_dkv", "bwd_dq")
+HEAD_DIMS = (32, 64, 128)
+#: Compute capabilities with a tuned table; other GPUs use the nearest lower one.
+ARCHS = (80, 90)
+#: Shared memory per thread block that a kernel may request (bytes): the opt-in maximum.
+SHARED_MEMORY_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One launch configuration: tile sizes (tokens) and Triton's warps / pipeline stages."""
+
+    block_m: int  # query rows per tile
+    block_n: int  # key rows per tile
+    num_warps: int
+    num_stages: int
+
+    def label(self) -> str:
+        return f"M{self.block_m}_N{self.block_n}_w{self.num_warps}_s{self.num_stages}"
+
+
+@dataclass(frozen=True)
+class TapeKernelConfigs:
+    """One pinned configuration per kernel (skips autotuning)."""
+
+    fwd: KernelConfig
+    bwd_dkv: KernelConfig
+    bwd_dq: KernelConfig
+
+
+def validate_config(kernel: str, cfg: KernelConfig) -> None:
+    """Raise ValueError if ``cfg`` breaks the tiling rules of ``kernel``."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
+    for name in ("block_m", "block_n"):
+        value = getattr(cfg, name)
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{kernel} config {cfg}: {name}={value} must be a power of 2 >= 16")
+    if kernel in ("fwd", "bwd_dq") and cfg.block_m % cfg.block_n:
+        raise ValueError(f"{kernel} config {cfg}: block_m must be a multiple of block_n")
+    if kernel == "bwd_dkv" and cfg.block_n % cfg.block_m:
+        raise ValueError(f"{kernel} config {cfg}: block_n must be a multiple of block_m")
+
+
+def _c(block_m: int, block_n: int, num_warps: int, num_stages: int) -> KernelConfig:
+    return KernelConfig(block_m, block_n, num_warps, num_stages)
+
+
+# Why these shapes: the forward keeps three D-wide fp32 accumulators ([O | Ê⁰ | Ê¹]) per query
+# row, the dk/dv kernel four per key row (dv, dÊ-value-path for E⁰ and E¹, dk̃), so tiles are
+# smaller than FlashAttention-2's for the same head dim (on sm_80, mma.sync also keeps the
+# 3D-wide B operands in registers). Entries were chosen from a search of spill-free shapes;
+# every one is compiled for its architecture, in both dk/dv variants, by
+# `python -m tape_train.kernels.aot` (0 spills, shared memory within SHARED_MEMORY_LIMIT);
+# docs/kernel.md lists registers and shared memory. Shapes that spilled were removed (e.g.
+# dk/dv 16×32 at D=64 on sm_80, and at D=128 on sm_90 for the deterministic variant).
+AUTOTUNE_CONFIGS: dict[int, dict[int, dict[str, tuple[KernelConfig, ...]]]] = {
+    80: {
+        32: {
+            "fwd": (_c(128, 64, 8, 3), _c(64, 64, 4, 3), _c(128, 32, 4, 4)),
+            "bwd_dkv": (_c(32, 64, 4, 2), _c(16, 64, 4, 3)),
+            "bwd_dq": (_c(128, 32, 8, 2), _c(64, 32, 4, 2), _c(64, 16, 4, 3)),
+        },
+        64: {
+            "fwd": (_c(128, 16, 8, 2), _c(64, 32, 4, 3), _c(64, 16, 4, 2)),
+            "bwd_dkv": (_c(16, 16, 4, 2),),
+            "bwd_dq": (_c(64, 16, 8, 2), _c(64, 16, 4, 2), _c(32, 16, 4, 2)),
+        },
+        128: {
+            "fwd": (_c(32, 32, 4, 2), _c(32, 16, 4, 2)),
+            "bwd_dkv": (_c(16, 32, 8, 2), _c(16, 16, 4, 2), _c(16, 16, 4, 1)),
+            "bwd_dq": (_c(32, 32, 8, 2), _c(32, 16, 8, 2), _c(16, 16, 4, 2)),
+        },
+    },
+    90: {
+        32: {
+            "fwd": (_c(128, 64, 4, 3), _c(128, 128, 8, 3), _c(64, 64, 4, 4)),
+            "bwd_dkv": (_c(32, 128, 8, 3), _c(32, 64, 4, 3), _c(16, 64, 8, 2)),
+            "bwd_dq": (_c(128, 32, 8, 3), _c(128, 64, 8, 2), _c(64, 32, 4, 3)),
+        },
+        64: {
+            "fwd": (_c(128, 64, 8, 3), _c(128, 128, 8, 2), _c(64, 64, 4, 4)),
+            "bwd_dkv": (_c(32, 64, 8, 2), _c(16, 64, 8, 2)),
+            "bwd_dq": (_c(128, 64, 8, 2), _c(128, 32, 8, 2), _c(64, 32, 4, 2)),
+        },
+        128: {
+            "fwd": (_c(64, 32, 8, 3), _c(64, 32, 8, 2), _c(128, 16, 8, 2)),
+            "bwd_dkv": (_c(16, 16, 4, 2),),
+            "bwd_dq": (_c(64, 32, 8, 2), _c(64, 16, 8, 2)),
+        },
+    },
+}
+
+#: Small tiles for Triton's CPU interpreter (tests): several blocks and a masked tail at N≈40.
+INTERPRETER_CONFIGS = TapeKernelConfigs(
+    fwd=_c(32, 16, 1, 1), bwd_dkv=_c(16, 32, 1, 1), bwd_dq=_c(32, 16, 1, 1)
+)
+
+
+def arch_for_capability(major: int, minor: int) -> int:
+    """Pick the config table for a GPU: the largest tuned arch not newer than it."""
+    cc = 10 * major + minor
+    usable = [a for a in ARCHS if a <= cc]
+    if not usable:
+        raise ValueError(f"fused TAPE attention needs compute capability >= 8.0, got {major}.{minor}")
+    return max(usable)
+
+
+def autotune_configs(arch: int, head_dim: int, kernel: str) -> tuple[KernelConfig, ...]:
+    """The autotuning candidates of ``kernel`` for an arch (80/90) and a head dim."""
+    try:
+        return AUTOTUNE_CONFIGS[arch][head_dim][kernel]
+    except KeyError:
+        raise ValueError(
+            f"no {kernel} configs for arch {arch}, head dim {head_dim}; "
+            f"tuned: archs {ARCHS}, head dims {HEAD_DIMS}"
+        ) from None
+
+
+def _validate_tables() -> None:
+    for per_dim in AUTOTUNE_CONFIGS.values():
+        for per_kernel in per_dim.values():
+            for kernel, cfgs in per_kernel.items():
+                for cfg in cfgs:
+                    validate_config(kernel, cfg)
+    for kernel in KERNELS:
+        validate_config(kernel, getattr(INTERPRETER_CONFIGS, kernel))
+
+
+_validate_tables()
