@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The README demo (`make demo`): a tiny TAPE language model trained on CPU in a few minutes.
+#
+#   1. demo corpus      tape-data prepare --demo --out data/demo        (Debian docs, ~30 MB)
+#   2. tokenizer        tape-tokenizer train ... --out data/demo/tokenizer   (8k BPE)
+#   3. training         launch/local.sh 1 --config configs/train/demo.yaml   (runs/demo)
+#   4. evaluation       tape-eval: perplexity at 4 context lengths -> runs/demo/eval
+#
+# Idempotent: a complete corpus/tokenizer is reused, training resumes from its latest
+# checkpoint (or reports it is complete), evaluation is redone (it takes seconds).
+# Extra arguments are passed to tape-train as overrides, e.g. `bash launch/demo.sh
+# train.max_steps=100`.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+bin=.venv/bin
+if [[ ! -x $bin/python ]]; then
+    echo "demo.sh: no virtualenv at .venv; run 'make demo' (it creates one)" >&2
+    exit 2
+fi
+export PYTHON="$PWD/$bin/python"
+export PYTHONUNBUFFERED=1
+data=data/demo
+run_dir=runs/demo
+lengths=(128 256 512 1024)
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "1/4 demo corpus -> $data"
+if [[ -f $data/manifest.json ]]; then
+    echo "present ($data/manifest.json); delete $data to rebuild"
+else
+    "$bin/tape-data" prepare --demo --out "$data"
+fi
+
+step "2/4 sentencepiece tokenizer -> $data/tokenizer.model"
+if [[ -f $data/tokenizer.model ]]; then
+    echo "present; delete $data/tokenizer.model to retrain"
+else
+    "$bin/tape-tokenizer" train --input "$data" --spec tokenizer/demo.yaml --out "$data/tokenizer"
+fi
+
+step "3/4 training the tiny TAPE model on CPU -> $run_dir"
+bash launch/local.sh 1 --config configs/train/demo.yaml "train.run_dir=$run_dir" "$@"
+
+step "4/4 perplexity at context lengths ${lengths[*]} -> $run_dir/eval"
+"$bin/tape-eval" --checkpoint "$run_dir" --lengths "${lengths[@]}" --max-tokens 16384 \
+    --out "$run_dir/eval"
+
+cat <<MSG
+
+Done.
+  metrics (JSON lines):  $run_dir/metrics.jsonl
+  TensorBoard:           $bin/tensorboard --logdir $run_dir/tensorboard
+  perplexity plot:       $run_dir/eval/ppl_vs_length.png   (table: $run_dir/eval/eval.md)
+  checkpoints:           $run_dir/checkpoints   (re-run this script to resume / re-evaluate)
+MSG

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Train on one machine with N processes:  launch/local.sh N --config <yaml> [key=value ...]
+#
+# Runs `torchrun --standalone --nproc_per_node N -m tape_train.train.cli ...` (N=1 runs the
+# trainer directly, no torchrun). Exit code: the trainer's own (0 done, 75 stopped on
+# SIGUSR1/SIGTERM after a checkpoint, 130 Ctrl-C after a checkpoint, 1 error), which torchrun
+# alone would flatten to 1: the trainer writes it to $TAPE_TRAIN_EXIT_FILE and we re-raise it.
+# SIGUSR1/SIGTERM sent to this script are forwarded to the workers (one worker is enough: the
+# ranks agree at the next step boundary).
+set -uo pipefail
+
+if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ || "$1" -lt 1 ]]; then
+    echo "usage: $0 NUM_PROCESSES --config <yaml> [section.key=value ...]" >&2
+    exit 2
+fi
+nproc=$1
+shift
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+python="${PYTHON:-}"
+if [[ -z "$python" ]]; then
+    if [[ -x "$here/.venv/bin/python" ]]; then python="$here/.venv/bin/python"; else python=python3; fi
+fi
+# Share the cores between the workers unless the caller decided.
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+    cores=$(nproc 2>/dev/null || echo 1)
+    export OMP_NUM_THREADS=$(( cores / nproc > 0 ? cores / nproc : 1 ))
+fi
+
+exit_file="$(mktemp "${TMPDIR:-/tmp}/tape-train-exit.XXXXXX")"
+trap 'rm -f "$exit_file"' EXIT
+export TAPE_TRAIN_EXIT_FILE="$exit_file"
+
+if [[ "$nproc" -eq 1 ]]; then
+    cmd=("$python" -m tape_train.train.cli "$@")
+else
+    cmd=("$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc"
+         -m tape_train.train.cli "$@")
+fi
+
+"${cmd[@]}" &
+child=$!
+
+forward() {  # deliver $1 to the training processes (torchrun's children, or the trainer)
+    local pids
+    if [[ "$nproc" -eq 1 ]]; then pids=$child; else pids=$(pgrep -P "$child" || true); fi
+    for pid in $pids; do kill -s "$1" "$pid" 2>/dev/null || true; done
+}
+trap 'forward USR1' USR1
+trap 'forward TERM' TERM
+# Ctrl-C in a terminal reaches the workers directly; this covers `kill -INT <script>`.
+trap 'forward INT' INT
+
+# `wait` returns early when a trapped signal arrives: keep waiting until the child is gone.
+while true; do
+    wait "$child"
+    rc=$?
+    kill -0 "$child" 2>/dev/null || break
+done
+
+code="$(tr -d '[:space:]' < "$exit_file" 2>/dev/null)"
+if [[ -n "$code" ]]; then
+    exit "$code"
+fi
+exit "$rc"

@@ -1,0 +1,577 @@
+"""The run configuration: every section's dataclass composed into one ``RunConfig``.
+
+A run is described by one YAML file (``configs/train/*.yaml``) plus dotted command-line
+overrides (``model.pe=rope train.lr=3e-4``; values are parsed as YAML scalars)::
+
+    cfg = load_run_config("configs/train/demo.yaml", ["train.max_steps=50"])
+    cfg.to_dict()        # plain, YAML-able; RunConfig.from_dict(cfg.to_dict()) == cfg
+
+Sections and who owns them:
+
+- ``model``      ``tape_train.model.ModelConfig``; in YAML a size name (``model: tiny``) or a
+  mapping ``{base: tiny, pe: rope, ...}`` (``base`` omitted: every field given explicitly).
+- ``data``       ``tape_train.data.config.DataConfig`` (built with ``DataConfig.from_dict``).
+- ``eval``       ``tape_train.eval.config.EvalConfig`` (built with ``EvalConfig.from_dict``).
+- ``train``, ``optim``, ``checkpoint``, ``parallel``, ``logging``: defined here.
+
+Every section validates itself in ``__post_init__`` (the one place its invariants live).
+Unknown keys and ill-typed values fail with a ``ConfigError`` naming the file and line (or the
+override) and the full dotted key, with a did-you-mean suggestion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from tape_train.model.config import ModelConfig, load_model_config
+
+SECTIONS = ("model", "data", "eval", "train", "optim", "checkpoint", "parallel", "logging")
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names the key and its source."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Sections owned by the trainer
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainConfig:
+    """What to train for how long, and the learning-rate schedule.
+
+    Attributes:
+        run_dir: directory of the run: ``config.yaml``, ``metrics.jsonl``, ``tensorboard/``,
+            ``checkpoints/``. Re-running with the same run_dir resumes.
+        seq_len: L, tokens per training sequence.
+        micro_batch_size: sequences per rank per forward/backward.
+        grad_accum_steps: micro-batches per optimizer step; the global batch is
+            ``micro_batch_size * grad_accum_steps * dp`` sequences.
+        max_steps: optimizer steps of the whole run (the schedule's horizon).
+        lr: peak learning rate, reached at the end of warm-up.
+        warmup_steps: linear warm-up length in steps; ``None`` means ``warmup_fraction``.
+        warmup_fraction: warm-up as a fraction of ``max_steps`` when ``warmup_steps`` is None
+            (spec §6: 2 %).
+        decay: shape after warm-up: ``linear`` or ``cosine`` to ``min_lr_ratio * lr`` at
+            ``max_steps``, or ``constant``.
+        min_lr_ratio: final learning rate as a fraction of ``lr``.
+        dtype: ``bf16`` (parameters and activations in bfloat16, fp32 master weights) or
+            ``fp32``.
+        activation_checkpointing: recompute each decoder layer in the backward pass.
+        seed: seeds Python, NumPy and torch on every rank (rank-specific streams derive from it).
+        max_bad_steps: stop (with a checkpoint) after this many consecutive steps whose loss
+            was NaN/inf; such steps are skipped, not applied.
+        device: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``.
+        synthetic_data: train (and evaluate) on deterministic random tokens instead of the
+            ``data`` section: no corpus or tokenizer needed (benchmarks, smoke tests).
+        synthetic_mask_fraction: with ``synthetic_data``, mask a random prefix of up to this
+            fraction of every row's labels (uneven target-token counts).
+    """
+
+    run_dir: str = "runs/default"
+    seq_len: int = 256
+    micro_batch_size: int = 8
+    grad_accum_steps: int = 1
+    max_steps: int = 1000
+    lr: float = 1e-4
+    warmup_steps: int | None = None
+    warmup_fraction: float = 0.02
+    decay: Literal["linear", "cosine", "constant"] = "linear"
+    min_lr_ratio: float = 0.0
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    activation_checkpointing: bool = False
+    seed: int = 1234
+    max_bad_steps: int = 5
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    synthetic_data: bool = False
+    synthetic_mask_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "train")
+        for key in ("seq_len", "micro_batch_size", "grad_accum_steps", "max_steps",
+                    "max_bad_steps"):
+            _require(getattr(self, key) > 0, f"train.{key} must be > 0, got {getattr(self, key)}")
+        _require(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+        _require(0.0 <= self.warmup_fraction < 1.0,
+                 f"train.warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
+        if self.warmup_steps is not None:
+            _require(0 <= self.warmup_steps <= self.max_steps,
+                     f"train.warmup_steps must be in [0, train.max_steps={self.max_steps}], "
+                     f"got {self.warmup_steps}")
+        _require(0.0 <= self.min_lr_ratio <= 1.0,
+                 f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _require(bool(self.run_dir), "train.run_dir must not be empty")
+        _require(0.0 <= self.synthetic_mask_fraction < 1.0,
+                 f"train.synthetic_mask_fraction must be in [0, 1), got "
+                 f"{self.synthetic_mask_fraction}")
+
+    @property
+    def resolved_warmup_steps(self) -> int:
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return int(round(self.warmup_fraction * self.max_steps))
+
+
+@dataclass
+class OptimConfig:
+    """AdamW hyper-parameters (the schedule lives in ``train``).
+
+    Attributes:
+        betas: AdamW (β1, β2).
+        eps: AdamW ε.
+        weight_decay: decoupled weight decay on matrices. Never applied to norms, biases and
+            TAPE's gates (W_pa, W_up, W_dn, spec §6).
+        decay_embeddings: also decay the token embedding and the LM head.
+        grad_clip: global gradient-norm clip; 0 disables. Always passed to DeepSpeed explicitly
+            (its silent default is 1.0).
+    """
+
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    decay_embeddings: bool = True
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "optim")
+        _require(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+                 f"optim.betas must be two numbers in [0, 1), got {self.betas}")
+        _require(self.eps > 0, f"optim.eps must be > 0, got {self.eps}")
+        _require(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got "
+                 f"{self.weight_decay}")
+        _require(self.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 disables), got "
+                 f"{self.grad_clip}")
+
+
+@dataclass
+class CheckpointConfig:
+    """When to write sharded checkpoints and how many to keep.
+
+    Attributes:
+        interval: save every this many optimizer steps (and always at the end and on a stop
+            signal).
+        keep: number of complete checkpoints kept (≥ 2, so a checkpoint being written never
+            leaves the run without a complete one).
+    """
+
+    interval: int = 1000
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "checkpoint")
+        _require(self.interval > 0, f"checkpoint.interval must be > 0, got {self.interval}")
+        _require(self.keep >= 2, f"checkpoint.keep must be >= 2 (the previous complete "
+                 f"checkpoint is kept while the next one is written), got {self.keep}")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees and ZeRO settings.
+
+    Attributes:
+        dp: data-parallel degree; ``None`` infers ``world_size / (sp * tp)``.
+        sp: sequence-parallel (Ulysses) degree.
+        tp: tensor-parallel degree.
+        zero_stage: DeepSpeed ZeRO stage 0–3 (3 shards parameters, gradients and optimizer).
+        zero3_param_persistence_threshold: ZeRO-3 keeps parameters with fewer elements than
+            this unpartitioned (fewer gathers for small tensors such as norms and TAPE gates).
+    """
+
+    dp: int | None = None
+    sp: int = 1
+    tp: int = 1
+    zero_stage: int = 3
+    zero3_param_persistence_threshold: int = 100_000
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "parallel")
+        _require(self.dp is None or self.dp > 0, f"parallel.dp must be > 0, got {self.dp}")
+        _require(self.zero_stage in (0, 1, 2, 3),
+                 f"parallel.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        _require(self.zero3_param_persistence_threshold >= 0,
+                 "parallel.zero3_param_persistence_threshold must be >= 0")
+        # Sequence and tensor parallelism are implemented in tape_train.parallel but not yet
+        # wired into the trainer: refuse instead of silently training data-parallel.
+        _require(self.sp == 1, f"parallel.sp={self.sp}: sequence parallelism is not wired into "
+                 f"the trainer yet; use parallel.sp=1")
+        _require(self.tp == 1, f"parallel.tp={self.tp}: tensor parallelism is not wired into "
+                 f"the trainer yet; use parallel.tp=1")
+
+    def resolve_dp(self, world_size: int) -> int:
+        """The data-parallel degree for ``world_size`` processes; raises if inconsistent."""
+        model_parallel = self.sp * self.tp
+        if world_size % model_parallel:
+            raise ConfigError(f"world size {world_size} is not divisible by parallel.sp * "
+                              f"parallel.tp = {model_parallel}")
+        dp = world_size // model_parallel
+        if self.dp is not None and self.dp != dp:
+            raise ConfigError(f"parallel.dp={self.dp} but world size {world_size} / (sp*tp) = "
+                              f"{dp}; drop parallel.dp to infer it")
+        return dp
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics and console output.
+
+    Attributes:
+        interval: write metrics (TensorBoard, metrics.jsonl) every this many steps.
+        console_interval: print the one-line summary every this many steps.
+        tensorboard: write TensorBoard events under ``<run_dir>/tensorboard``.
+        progress_bar: tqdm bar with ETA on rank 0: ``true``/``on``, ``false``/``off``, or
+            ``auto`` (only when stderr is a terminal).
+        all_ranks: log from every rank (prefixed with the rank), not only rank 0.
+        peak_tflops: peak FLOP/s (in TFLOP/s) per device used for MFU; ``None`` measures a
+            GEMM peak at start-up on CPU and uses a known table value on GPU when possible.
+    """
+
+    interval: int = 1
+    console_interval: int = 10
+    tensorboard: bool = True
+    progress_bar: bool | Literal["auto"] = "auto"
+    all_ranks: bool = False
+    peak_tflops: float | None = None
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "logging")
+        _require(self.interval > 0, f"logging.interval must be > 0, got {self.interval}")
+        _require(self.console_interval > 0,
+                 f"logging.console_interval must be > 0, got {self.console_interval}")
+        _require(self.peak_tflops is None or self.peak_tflops > 0,
+                 f"logging.peak_tflops must be > 0, got {self.peak_tflops}")
+
+
+_OWN_SECTIONS = {"train": TrainConfig, "optim": OptimConfig, "checkpoint": CheckpointConfig,
+                 "parallel": ParallelConfig, "logging": LoggingConfig}
+
+
+def _external_section_classes() -> dict[str, type]:
+    """Data and eval sections are owned by their packages; imported lazily."""
+    from tape_train.data.config import DataConfig
+    from tape_train.eval.config import EvalConfig
+
+    return {"data": DataConfig, "eval": EvalConfig}
+
+
+# ----------------------------------------------------------------------------------------------
+# The composed run configuration
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a training run. Build with ``load_run_config`` or ``from_dict``."""
+
+    model: ModelConfig
+    data: Any
+    eval: Any
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict:
+        """Plain nested dict (YAML/JSON-able); ``model`` is fully expanded (no ``base``)."""
+        return {name: _section_to_dict(getattr(self, name)) for name in SECTIONS}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "<dict>",
+                  lines: dict[str, int] | None = None) -> "RunConfig":
+        """Build and validate from a nested mapping (as read from YAML, overrides applied).
+
+        ``lines`` maps dotted keys to line numbers in ``source`` for error messages.
+        """
+        lines = lines or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: a run config must be a mapping of sections, got "
+                              f"{type(data).__name__}")
+        _check_unknown(data, SECTIONS, "", source, lines)
+        classes = {**_OWN_SECTIONS, **_external_section_classes()}
+        built: dict[str, Any] = {}
+        for name in SECTIONS:
+            raw = data.get(name)
+            where = _where(source, lines, name)
+            if name == "model":
+                built[name] = _build_model(raw, source, lines)
+                continue
+            raw = {} if raw is None else raw
+            if not isinstance(raw, dict):
+                raise ConfigError(f"{where}: section '{name}' must be a mapping, got {raw!r}")
+            section_cls = classes[name]
+            _check_unknown(raw, [f.name for f in dataclasses.fields(section_cls)], name + ".",
+                           source, lines)
+            try:
+                if hasattr(section_cls, "from_dict"):
+                    built[name] = section_cls.from_dict(dict(raw), source=f"{source} [{name}]")
+                else:
+                    built[name] = section_cls(**raw)
+            except ConfigError as exc:
+                raise ConfigError(f"{_where_of_message(source, lines, exc)}: {exc}") from None
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(f"{_where_of_message(source, lines, exc)}: {exc}") from None
+        try:
+            return cls(**built)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()
+                    ) -> RunConfig:
+    """Read a YAML run config, apply dotted ``key=value`` overrides, validate.
+
+    Raises ``ConfigError`` naming the file and line (or the override) and the full key path.
+    """
+    data: dict = {}
+    lines: dict[str, int] = {}
+    source = "<defaults>"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        text = path.read_text()
+        try:
+            data = yaml.safe_load(text) or {}
+            lines = _key_lines(yaml.compose(text))
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    for item in overrides:
+        _apply_override(data, item)
+        parts = item.split("=", 1)[0].strip().split(".")
+        for n in range(len(parts), 0, -1):  # an unknown section is reported at its prefix
+            key = ".".join(parts[:n])
+            if n == len(parts) or key not in lines:
+                lines[key] = f"override '{item}'"  # type: ignore[assignment]
+    return RunConfig.from_dict(data, source=source, lines=lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"train.lr=3e-4"`` → (["train", "lr"], 3e-4). Values are YAML scalars (or flow lists)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {item!r}: empty key segment in {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from None
+    return parts, value
+
+
+def diff_configs(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
+    """Dotted keys whose values differ between two ``RunConfig.to_dict()`` results."""
+    flat_old, flat_new = _flatten(old), _flatten(new)
+    return [(k, flat_old.get(k, "<absent>"), flat_new.get(k, "<absent>"))
+            for k in sorted(set(flat_old) | set(flat_new)) if flat_old.get(k, "<absent>")
+            != flat_new.get(k, "<absent>")]
+
+
+# ----------------------------------------------------------------------------------------------
+# Type checking shared by the sections
+# ----------------------------------------------------------------------------------------------
+
+
+def check_field_types(obj: Any, section: str) -> None:
+    """Check (and gently coerce) every field of dataclass ``obj`` against its annotation.
+
+    Coercions: int → float for float fields; numeric strings such as ``"3e-4"`` → float (YAML
+    1.1 reads ``3e-4`` as a string). Everything else must match exactly, bools are not ints.
+    """
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        ok, coerced = _conform(value, hints[f.name])
+        if not ok:
+            raise ConfigError(f"{section}.{f.name}: expected {_type_name(hints[f.name])}, got "
+                              f"{value!r}" + _choice_hint(value, hints[f.name]))
+        setattr(obj, f.name, coerced)
+
+
+def _conform(value: Any, hint: Any) -> tuple[bool, Any]:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        for arg in args:
+            ok, coerced = _conform(value, arg)
+            if ok:
+                return True, coerced
+        return False, value
+    if origin is Literal:
+        return value in args, value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        out = []
+        for item in value:
+            ok, coerced = _conform(item, args[0] if args else Any)
+            if not ok:
+                return False, value
+            out.append(coerced)
+        return True, out
+    if hint is Any:
+        return True, value
+    if hint is type(None):
+        return value is None, value
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        if isinstance(value, bool):
+            return False, value
+        if isinstance(value, (int, float)):
+            return True, float(value)
+        if isinstance(value, str):
+            try:
+                return True, float(value)
+            except ValueError:
+                return False, value
+        return False, value
+    if hint is str:
+        return isinstance(value, str), value
+    return isinstance(value, hint), value
+
+
+def _type_name(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        return " or ".join(_type_name(a) for a in args)
+    if origin is list:
+        return f"a list of {_type_name(args[0])}" if args else "a list"
+    if hint is type(None):
+        return "null"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _choice_hint(value: Any, hint: Any) -> str:
+    choices = [a for a in typing.get_args(hint) if isinstance(a, str)]
+    if typing.get_origin(hint) is Literal and isinstance(value, str):
+        close = difflib.get_close_matches(value, choices, 1)
+        if close:
+            return f" (did you mean {close[0]!r}?)"
+    return ""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers: model section, unknown keys, line numbers, overrides
+# ----------------------------------------------------------------------------------------------
+
+
+def _build_model(raw: Any, source: str, lines: dict) -> ModelConfig:
+    where = _where(source, lines, "model")
+    if raw is None:
+        raise ConfigError(f"{source}: section 'model' is required (a size name such as 'tiny' "
+                          f"or a mapping with 'base: <size>' and field overrides)")
+    if isinstance(raw, str):
+        raw = {"base": raw}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: 'model' must be a size name or a mapping, got {raw!r}")
+    raw = dict(raw)
+    known = [f.name for f in dataclasses.fields(ModelConfig)] + ["base"]
+    _check_unknown(raw, known, "model.", source, lines)
+    base = raw.pop("base", None)
+    try:
+        if base is not None:
+            return load_model_config(str(base), **raw)
+        return ModelConfig.from_dict(raw, source=source)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{_where(source, lines, 'model.base')}: {exc}") from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{_where_of_message(source, lines, exc)}: {exc}") from None
+
+
+def _check_unknown(mapping: dict, known: Any, prefix: str, source: str, lines: dict) -> None:
+    known = list(known)
+    for key in mapping:
+        if key in known:
+            continue
+        full = f"{prefix}{key}"
+        close = difflib.get_close_matches(str(key), known, 1, cutoff=0.5)
+        hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+        raise ConfigError(f"{_where(source, lines, full)}: unknown key '{full}'{hint}; valid "
+                          f"keys{' under ' + prefix.rstrip('.') if prefix else ''}: "
+                          f"{', '.join(known)}")
+
+
+def _where(source: str, lines: dict, key: str) -> str:
+    """``file:line`` (or the override) for a dotted key, falling back to its parents."""
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        k = ".".join(parts[:n])
+        if k in lines:
+            loc = lines[k]
+            return loc if isinstance(loc, str) else f"{source}:{loc}"
+    return source
+
+
+def _where_of_message(source: str, lines: dict, exc: Exception) -> str:
+    """Locate the first dotted key (``section.key``) a validation message mentions."""
+    import re
+
+    match = re.search(r"\b(" + "|".join(SECTIONS) + r")\.([A-Za-z_][A-Za-z0-9_]*)", str(exc))
+    return _where(source, lines, match.group(0)) if match else source
+
+
+def _key_lines(node: yaml.Node, prefix: str = "") -> dict[str, int]:
+    """Map dotted keys of a composed YAML mapping to 1-based line numbers."""
+    out: dict[str, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = f"{prefix}{key_node.value}"
+            out[key] = key_node.start_mark.line + 1
+            out.update(_key_lines(value_node, key + "."))
+    return out
+
+
+def _apply_override(data: dict, item: str) -> None:
+    parts, value = parse_override(item)
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if i == 0 and part == "model" and isinstance(child, str):
+            child = {"base": child}  # `model: tiny` + `model.pe=rope` → {base: tiny, pe: rope}
+        if child is None:
+            child = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: '{'.'.join(parts[:i + 1])}' is {child!r}, "
+                              f"not a section")
+        node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def _section_to_dict(section: Any) -> dict:
+    if hasattr(section, "to_dict"):
+        return section.to_dict()
+    return dataclasses.asdict(section)
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return {prefix.rstrip("."): data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(_flatten(value, f"{prefix}{key}."))
+    return out

@@ -1,0 +1,459 @@
+"""The training loop: set-up, resume, token-weighted steps, metrics, evaluation, checkpoints.
+
+``Trainer(cfg).run()`` returns the process exit code (0 finished, 75 stopped on SIGUSR1/SIGTERM
+after a checkpoint, 130 on SIGINT after a checkpoint, 1 error). Every rank runs the same code;
+all decisions that must agree (stop, skip a non-finite update) go through one all-reduce.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tape_train.config import RunConfig, diff_configs
+from tape_train.train import checkpoint as ckpt
+from tape_train.train import distributed as tdist
+from tape_train.train.engine import build_engine, count_target_tokens, forward_backward
+from tape_train.train.metrics import (MetricsWriter, device_peak_tflops, format_summary,
+                                      memory_metrics, setup_logging)
+from tape_train.train.optim import LRSchedule
+from tape_train.train.signals import StopRequest
+
+log = logging.getLogger("tape_train.train")
+
+EXIT_OK, EXIT_ERROR = 0, 1
+EXIT_FILE_ENV = "TAPE_TRAIN_EXIT_FILE"
+
+# Config keys whose change between a checkpoint and a resumed run would silently corrupt the
+# run (another model, other data, another batch geometry or numerics). Prefix match.
+PROTECTED_KEYS = ("model.", "data.", "parallel.", "train.seq_len", "train.micro_batch_size",
+                  "train.grad_accum_steps", "train.seed", "train.dtype", "train.synthetic")
+# Keys under a protected prefix that are safe to change.
+HARMLESS_KEYS = ("model.name", "model.attn_backend", "data.prefetch", "data.eval_sources",
+                 "data.eval_max_documents", "data.skip_bad_records")
+
+LoaderFactory = Callable[[int, int], object]  # (dp_rank, dp_size) -> resumable loader
+
+
+@dataclass
+class TrainState:
+    """Run-level counters saved in every checkpoint."""
+
+    step: int = 0                # optimizer steps done
+    tokens_seen: int = 0         # input tokens consumed, all ranks
+    skipped_steps: int = 0       # non-finite updates skipped in the whole run
+    bad_steps_in_row: int = 0
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def protected_differences(diffs: list[tuple[str, object, object]]) -> list[str]:
+    return [key for key, _, _ in diffs
+            if key.startswith(PROTECTED_KEYS) and not key.startswith(HARMLESS_KEYS)]
+
+
+class Trainer:
+    """One training run. ``setup()`` then ``train()``; or ``run()`` for both plus clean-up.
+
+    Args:
+        cfg: the resolved run config.
+        resume_from: a run dir, checkpoint root or tag dir to resume from; ``None`` resumes
+            from the latest complete checkpoint of ``cfg.train.run_dir`` if there is one.
+        allow_config_change: resume even if protected config keys differ from the checkpoint.
+        loader_factory: ``(dp_rank, dp_size) -> loader`` (tests inject synthetic data);
+            default ``tape_train.data.build_train_loader`` on ``cfg.data``.
+        eval_documents: ``() -> iterable of (token_ids, n_bytes)``; default
+            ``tape_train.data.iter_eval_documents``.
+    """
+
+    def __init__(self, cfg: RunConfig, *, resume_from: str | Path | None = None,
+                 allow_config_change: bool = False, loader_factory: LoaderFactory | None = None,
+                 eval_documents: Callable[[], Iterable] | None = None) -> None:
+        self.cfg = cfg
+        self.resume_from = resume_from
+        self.allow_config_change = allow_config_change
+        self.loader_factory = loader_factory
+        self.eval_documents_fn = eval_documents
+        self.run_dir = Path(cfg.train.run_dir)
+        self.state = TrainState()
+        self.stop = StopRequest()
+        self.writer: MetricsWriter | None = None
+        self._eval_docs = None
+        self._last_saved_step = -1
+
+    # ------------------------------------------------------------------------------------------
+    # Set-up
+    # ------------------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.stop.install()  # early: a SIGTERM during set-up stops at the first step boundary
+        self.dist = tdist.init_distributed(cfg.train.device)
+        self.rank = self.dist.rank
+        setup_logging(self.rank, cfg.logging.all_ranks)
+        self.dp_size = cfg.parallel.resolve_dp(self.dist.world_size)
+        self.dp_rank = self.rank // (cfg.parallel.sp * cfg.parallel.tp)
+        restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+        log.info("tape-train: world size %d (dp %d), device %s, run dir %s, "
+                 "SLURM_RESTART_COUNT=%s", self.dist.world_size, self.dp_size, self.dist.device,
+                 self.run_dir, restarts)
+
+        # Find the checkpoint and compare configs before building anything expensive.
+        self._resume_tag = self._find_resume_checkpoint()
+        if self._resume_tag is not None:
+            self._check_config(ckpt.read_marker(self._resume_tag).get("config", {}),
+                               self._resume_tag)
+
+        # Same seed on every rank for the weights (ZeRO partitions each rank's copy), then a
+        # per-rank stream for anything stochastic during training.
+        seed_everything(cfg.train.seed)
+        from tape_train.model import TransformerLM
+
+        self.model = TransformerLM(cfg.model)
+        self.engine, self.optimizer = build_engine(cfg, self.model)
+        seed_everything(cfg.train.seed + 1_000_003 * self.rank)
+        self.schedule = LRSchedule.from_config(cfg.train)
+        self.dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
+
+        self.loader = self._build_loader()
+        resumed_from = self._maybe_resume()
+        self.data_iter = iter(self.loader)
+
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        self.writer = MetricsWriter(self.run_dir, enabled=self.rank == 0,
+                                    tensorboard=cfg.logging.tensorboard)
+        self._setup_mfu()
+        self.writer.write("event", self.state.step, {
+            "event": "resume" if resumed_from else "start", "checkpoint": resumed_from,
+            "world_size": self.dist.world_size, "slurm_restart_count": int(restarts or 0),
+            "code_version": ckpt.code_version()})
+
+    def _build_loader(self):
+        if self.loader_factory is not None:
+            return self.loader_factory(self.dp_rank, self.dp_size)
+        train = self.cfg.train
+        if train.synthetic_data:
+            from tape_train.train.synthetic import SyntheticLoader
+
+            return SyntheticLoader(self.cfg.model.vocab_size, train.seq_len,
+                                   train.micro_batch_size, train.grad_accum_steps, self.dp_rank,
+                                   self.dp_size, train.seed, train.synthetic_mask_fraction)
+        from tape_train.data import build_train_loader, load_tokenizer
+
+        self.tokenizer = load_tokenizer(self.cfg.data.tokenizer)
+        if self.tokenizer.vocab_size > self.cfg.model.vocab_size:
+            raise ValueError(f"tokenizer {self.cfg.data.tokenizer} has {self.tokenizer.vocab_size}"
+                             f" tokens but model.vocab_size is {self.cfg.model.vocab_size}")
+        return build_train_loader(self.cfg.data, self.tokenizer, seq_len=self.cfg.train.seq_len,
+                                  micro_batch_size=self.cfg.train.micro_batch_size,
+                                  dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                  seed=self.cfg.train.seed)
+
+    def _find_resume_checkpoint(self) -> Path | None:
+        if self.resume_from is not None:
+            return ckpt.resolve_checkpoint(self.resume_from)
+        return ckpt.find_latest_complete(self.run_dir, warn=self.rank == 0)
+
+    def _maybe_resume(self) -> str | None:
+        tag_dir = self._resume_tag
+        if tag_dir is None:
+            return None
+        meta, rank_state = ckpt.load_training_state(self.engine, tag_dir, self.rank)
+        self.state = TrainState(**meta["train_state"])
+        ckpt.restore_rng_state(rank_state["rng"])
+        if rank_state.get("loader") is not None:
+            self.loader.load_state_dict(rank_state["loader"])
+        self._last_saved_step = self.state.step
+        log.info("resumed from %s at step %d (%d tokens seen)", tag_dir, self.state.step,
+                 self.state.tokens_seen)
+        return str(tag_dir)
+
+    def _check_config(self, saved: dict, tag_dir: Path) -> None:
+        diffs = diff_configs(saved, self.cfg.to_dict())
+        if not diffs:
+            return
+        lines = "\n".join(f"  {k}: {old!r} -> {new!r}" for k, old, new in diffs)
+        log.warning("config differs from checkpoint %s:\n%s", tag_dir, lines)
+        protected = protected_differences(diffs)
+        if protected and not self.allow_config_change:
+            raise ckpt.CheckpointError(
+                f"refusing to resume from {tag_dir}: these changes would corrupt the run: "
+                f"{', '.join(protected)} (checkpoint vs now:\n{lines}\n). Use another "
+                f"train.run_dir for a new run, or pass --allow-config-change if you mean it")
+
+    def _setup_mfu(self) -> None:
+        from tape_train.model.flops import training_flops_per_token
+
+        self.flops_per_token = training_flops_per_token(self.cfg.model, self.cfg.train.seq_len)
+        self.peak_tflops = None
+        if self.rank == 0:
+            self.peak_tflops, source = device_peak_tflops(self.dist.device, self.dtype,
+                                                          self.cfg.logging.peak_tflops)
+            log.info("MFU: %.3f GFLOP/token (train, N=%d); peak %s TFLOP/s per rank (%s)",
+                     self.flops_per_token / 1e9, self.cfg.train.seq_len,
+                     f"{self.peak_tflops:.2f}" if self.peak_tflops else "unknown", source)
+        tdist.barrier()  # the other ranks must not compete with the peak measurement
+
+    # ------------------------------------------------------------------------------------------
+    # The loop
+    # ------------------------------------------------------------------------------------------
+
+    def _next_micro_batches(self) -> tuple[list[dict], float]:
+        start = time.perf_counter()
+        batches = [next(self.data_iter) for _ in range(self.cfg.train.grad_accum_steps)]
+        return batches, time.perf_counter() - start
+
+    def train_step(self) -> dict:
+        """One optimizer step on every rank; returns its metrics (same on all ranks)."""
+        cfg = self.cfg
+        step_start = time.perf_counter()
+        micro_batches, data_wait = self._next_micro_batches()
+        local_tokens = count_target_tokens(micro_batches)
+        global_tokens = int(tdist.all_reduce_sum(torch.tensor([local_tokens]))[0])
+        lr = cfg.train.lr * self.schedule(self.state.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+        agreed: dict = {}
+
+        def agree_before_update(local_loss_sum: torch.Tensor) -> None:
+            # One all-reduce: a NaN/inf anywhere makes the global sum non-finite on all ranks.
+            total = float(tdist.all_reduce_sum(local_loss_sum.reshape(1).clone())[0])
+            agreed["loss_sum"] = total
+            agreed["skip"] = not math.isfinite(total) or global_tokens == 0
+            self.optimizer.skip_next_step = agreed["skip"]
+
+        try:
+            forward_backward(self.engine, micro_batches, dp_size=self.dp_size,
+                             global_tokens=global_tokens, before_last_step=agree_before_update)
+        finally:
+            self.optimizer.skip_next_step = False
+        step_time = time.perf_counter() - step_start
+
+        input_tokens = sum(mb["input_ids"].numel() for mb in micro_batches) * self.dp_size
+        self.state.step += 1
+        self.state.tokens_seen += input_tokens
+        if agreed["skip"]:
+            self.state.skipped_steps += 1
+            self.state.bad_steps_in_row += 1
+            log.warning("step %d: loss is %s (or no target tokens); update skipped (%d in a "
+                        "row)", self.state.step, agreed["loss_sum"], self.state.bad_steps_in_row)
+        else:
+            self.state.bad_steps_in_row = 0
+        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else None
+        tokens_per_s = input_tokens / step_time
+        metrics = {
+            "loss": agreed["loss_sum"] / max(global_tokens, 1),
+            "lr": lr,
+            "grad_norm": None if agreed["skip"] else grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "tokens_seen": self.state.tokens_seen,
+            "target_tokens": global_tokens,
+            "step_time_s": step_time,
+            "data_wait_frac": data_wait / step_time,
+            "skipped_steps": self.state.skipped_steps,
+        }
+        if self.peak_tflops:
+            metrics["mfu"] = (tokens_per_s * self.flops_per_token
+                              / (self.peak_tflops * 1e12 * self.dist.world_size))
+        return metrics
+
+    def train(self) -> int:
+        cfg = self.cfg
+        max_steps = cfg.train.max_steps
+        if self.state.step >= max_steps:
+            log.info("run already complete: step %d of train.max_steps=%d (raise "
+                     "train.max_steps to continue it)", self.state.step, max_steps)
+            return EXIT_OK
+        bar = self._progress_bar()
+        exit_code = EXIT_OK
+        try:
+            while self.state.step < max_steps:
+                metrics = self.train_step()
+                step = self.state.step
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+                if step % cfg.logging.interval == 0 or step == max_steps:
+                    self.writer.write("train", step, {**metrics, **memory_metrics(
+                        self.dist.device)})
+                if step % cfg.logging.console_interval == 0 or step == max_steps:
+                    self._console(format_summary(step, max_steps, metrics), bar)
+                if cfg.eval.enabled and step % cfg.eval.interval == 0 and step < max_steps:
+                    self.evaluate()
+                if self.state.bad_steps_in_row >= cfg.train.max_bad_steps:
+                    self.save()
+                    log.error("stopping: %d consecutive steps with a non-finite loss "
+                              "(train.max_bad_steps); checkpoint %s written",
+                              self.state.bad_steps_in_row, ckpt.tag_for_step(step))
+                    return EXIT_ERROR
+                stop_code = self.stop.agreed(tdist.all_reduce_max_int)
+                if stop_code:
+                    self.save()
+                    log.warning("stopping on %s at step %d after writing a checkpoint; exit %d",
+                                self.stop.signal_name or "a signal on another rank", step,
+                                stop_code)
+                    self.writer.write("event", step, {"event": "stop", "exit_code": stop_code})
+                    return stop_code
+                if step % cfg.checkpoint.interval == 0:
+                    self.save()
+            if self._last_saved_step != self.state.step:
+                self.save()
+            if cfg.eval.enabled:
+                self.evaluate()
+            self.writer.write("event", self.state.step, {"event": "done"})
+            return exit_code
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _progress_bar(self):
+        mode = self.cfg.logging.progress_bar
+        show = self.rank == 0 and (mode is True or (mode == "auto" and sys.stderr.isatty()))
+        if not show:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.cfg.train.max_steps, initial=self.state.step, unit="step",
+                    dynamic_ncols=True, file=sys.stderr)
+
+    def _console(self, line: str, bar) -> None:
+        if self.rank != 0 and not self.cfg.logging.all_ranks:
+            return
+        prefix = f"[rank{self.rank}] " if self.cfg.logging.all_ranks else ""
+        if bar is not None:
+            bar.write(prefix + line, file=sys.stdout)
+        else:
+            print(prefix + line, flush=True)
+
+    # ------------------------------------------------------------------------------------------
+    # Evaluation and checkpoints
+    # ------------------------------------------------------------------------------------------
+
+    def evaluate(self) -> list[dict]:
+        """Perplexity at every (length, protocol) of ``cfg.eval`` on the held-out stream.
+
+        Every rank holds the same documents and scores its share of the windows (ZeRO-3 gathers
+        parameters collectively in each forward, so all ranks run the same number of
+        forwards); the (nll, tokens, bytes) sums are all-reduced, so every rank gets the same
+        results. RNG states are saved and restored around it so evaluation never changes the
+        training trajectory.
+        """
+        from tape_train.eval.perplexity import evaluate_schedule, scalar_metrics
+
+        if self._eval_docs is None:
+            self._eval_docs = list(self._eval_document_source())
+        rng = ckpt.capture_rng_state()
+        start = time.perf_counter()
+        results = evaluate_schedule(self.engine, self._eval_docs, self.cfg.eval,
+                                    train_seq_len=self.cfg.train.seq_len,
+                                    reduce=tdist.all_reduce_sum, dp_rank=self.dp_rank,
+                                    dp_size=self.dp_size)
+        ckpt.restore_rng_state(rng)
+        scalars = scalar_metrics(results)
+        self.writer.write("eval", self.state.step, {**scalars, "results": results,
+                                                    "eval_time_s": time.perf_counter() - start})
+        for r in results:
+            self._console(f"eval step {self.state.step} | {r['protocol']} L={r['length']} | "
+                          f"ppl {r['perplexity']:.3f} | bpb {r['bits_per_byte']:.4f} | "
+                          f"tokens {r['tokens']}", None)
+        return results
+
+    def _eval_document_source(self) -> Iterable:
+        if self.eval_documents_fn is not None:
+            return self.eval_documents_fn()
+        if self.cfg.train.synthetic_data:
+            from tape_train.train.synthetic import synthetic_eval_documents
+
+            longest = max(self.cfg.eval.resolve_lengths(self.cfg.train.seq_len))
+            return synthetic_eval_documents(self.cfg.model.vocab_size, 4, 2 * longest + 1,
+                                            self.cfg.train.seed)
+        from tape_train.data import iter_eval_documents, load_tokenizer
+
+        if getattr(self, "tokenizer", None) is None:
+            self.tokenizer = load_tokenizer(self.cfg.data.tokenizer)
+        docs = iter_eval_documents(self.cfg.data, self.tokenizer)
+        if self.cfg.eval.max_tokens is None:
+            return docs
+        from tape_train.eval.perplexity import materialize_documents
+
+        return [(t.tolist(), n) for t, n in materialize_documents(docs,
+                                                                  self.cfg.eval.max_tokens)]
+
+    def save(self) -> Path:
+        meta = {
+            "train_state": vars(self.state).copy(),
+            "step": self.state.step,
+            "tokens_seen": self.state.tokens_seen,
+            "world_size": self.dist.world_size,
+            "dp_size": self.dp_size,
+            "zero_stage": self.cfg.parallel.zero_stage,
+            "dtype": self.cfg.train.dtype,
+            "config": self.cfg.to_dict(),
+            "code_version": ckpt.code_version(),
+        }
+        rank_state = {"rng": ckpt.capture_rng_state(),
+                      "loader": self.loader.state_dict() if hasattr(self.loader, "state_dict")
+                      else None}
+        path = ckpt.save_checkpoint(self.engine, self.run_dir, self.state.step, rank=self.rank,
+                                    meta=meta, rank_state=rank_state,
+                                    keep=self.cfg.checkpoint.keep)
+        self._last_saved_step = self.state.step
+        self.writer.write("event", self.state.step, {"event": "checkpoint", "path": str(path)})
+        return path
+
+    # ------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.stop.close()
+        if self.writer is not None:
+            self.writer.close()
+        closer = getattr(self.loader, "close", None) if hasattr(self, "loader") else None
+        if callable(closer):
+            closer()
+
+    def run(self) -> int:
+        """set-up + train + clean-up; errors are logged and mapped to exit code 1."""
+        code = EXIT_ERROR
+        try:
+            self.setup()
+            code = self.train()
+        except ckpt.CheckpointError as exc:
+            log.error("%s", exc)
+            code = EXIT_ERROR
+        finally:
+            self.close()
+            _write_exit_file(code if code is not None else EXIT_ERROR)
+        return code
+
+
+def _write_exit_file(code: int) -> None:
+    """Under torchrun a worker's exit code is lost (torchrun exits 1 for any failure): the
+    launcher passes ``TAPE_TRAIN_EXIT_FILE`` and reads the intended code back (75 → requeue)."""
+    path = os.environ.get(EXIT_FILE_ENV)
+    if not path:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        try:
+            Path(path).write_text(f"{code}\n")
+        except OSError as exc:
+            log.warning("could not write exit code to %s: %s", path, exc)
+

@@ -1,0 +1,180 @@
+"""Training metrics: TensorBoard + ``metrics.jsonl`` on rank 0, console summary, MFU, memory.
+
+``metrics.jsonl`` holds one JSON object per line: ``{"kind": "train", "step": ..., ...}`` per
+logged step, ``{"kind": "eval", ...}`` per evaluation result and ``{"kind": "event", ...}``
+for starts/resumes/stops. Floats are written with ``repr`` precision, so a loss read back is
+bit-identical to the one computed (the exact-resume test relies on it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tape_train.train")
+
+# Dense bf16 tensor-core peaks (TFLOP/s) of common accelerators, by substring of the name.
+_GPU_PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0,
+                         "A6000": 155.0, "V100": 125.0}
+
+
+def measure_gemm_peak_tflops(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    """Best observed FLOP/s (in TFLOP/s) of a square ``size`` GEMM in ``dtype`` on the CPU.
+
+    This is the denominator of MFU on CPU: what this process, with its thread count, reaches
+    on the operation training is made of. One warm-up, then the best of ``repeats``.
+    """
+    a = torch.randn(size, size, dtype=torch.float32).to(dtype)
+    b = torch.randn(size, size, dtype=torch.float32).to(dtype)
+    torch.mm(a, b)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size ** 3 / best / 1e12
+
+
+def device_peak_tflops(device: torch.device, dtype: torch.dtype, configured: float | None
+                       ) -> tuple[float | None, str]:
+    """Peak TFLOP/s per rank for MFU and where it came from."""
+    if configured is not None:
+        return configured, "logging.peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in _GPU_PEAK_BF16_TFLOPS.items():
+            if key in name:
+                return (peak if dtype == torch.bfloat16 else peak / 2), f"table ({name})"
+        return None, f"unknown GPU {name!r}: set logging.peak_tflops for MFU"
+    return measure_gemm_peak_tflops(dtype), (
+        f"measured {str(dtype).replace('torch.', '')} GEMM, {torch.get_num_threads()} threads")
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """Resident set size (GiB; peak too) and, on CUDA, allocated/reserved memory (GiB)."""
+    out = {}
+    try:
+        with open("/proc/self/statm") as fh:
+            out["mem/rss_gib"] = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except OSError:
+        pass
+    out["mem/peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    if device.type == "cuda":
+        out["mem/cuda_allocated_gib"] = torch.cuda.memory_allocated(device) / 2**30
+        out["mem/cuda_reserved_gib"] = torch.cuda.memory_reserved(device) / 2**30
+        out["mem/cuda_peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return out
+
+
+def format_summary(step: int, max_steps: int, m: dict) -> str:
+    """The greppable one-line summary: ``step 120/1000 | loss 4.1230 | lr 3.00e-04 | ...``."""
+    parts = [f"step {step}/{max_steps}", f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}"]
+    if m.get("grad_norm") is not None:
+        parts.append(f"gnorm {m['grad_norm']:.3f}")
+    parts.append(f"tok/s {m['tokens_per_s']:.0f}")
+    if m.get("mfu") is not None:
+        parts.append(f"mfu {100 * m['mfu']:.1f}%")
+    parts.append(f"step {m['step_time_s']:.3f}s")
+    parts.append(f"data {100 * m['data_wait_frac']:.1f}%")
+    parts.append(f"tokens {m['tokens_seen']:.3g}")
+    if m.get("skipped_steps"):
+        parts.append(f"skipped {m['skipped_steps']}")
+    return " | ".join(parts)
+
+
+class MetricsWriter:
+    """Rank-0 sink for scalars: TensorBoard (optional) and ``metrics.jsonl`` (always).
+
+    On other ranks every method is a no-op, so call sites need no rank checks.
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool) -> None:
+        self.enabled = enabled
+        self._jsonl = None
+        self._tb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def write(self, kind: str, step: int, values: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"kind": kind, "step": step, "time": time.time(), **values}
+        self._jsonl.write(json.dumps(record, default=_json_default) + "\n")
+        if self._tb is not None and kind in ("train", "eval"):
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                        and math.isfinite(value):
+                    tag = key if "/" in key else f"{kind}/{key}"
+                    self._tb.add_scalar(tag, value, step)
+
+    def flush(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
+        if self._jsonl is not None:
+            self._jsonl.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+
+
+def _json_default(obj):
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    return repr(obj)
+
+
+def setup_logging(rank: int, all_ranks: bool) -> None:
+    """Rank 0 logs at INFO; other ranks only warnings unless ``all_ranks``."""
+    level = logging.INFO if rank == 0 or all_ranks else logging.WARNING
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("tape_train")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
+    """Records of ``kind`` from ``metrics.jsonl``; for a step logged several times (a run that
+    was killed after logging it, then resumed), the last record wins. Sorted by step."""
+    path = Path(run_dir) / "metrics.jsonl"
+    by_step: dict[int, dict] = {}
+    extra: list[dict] = []
+    if not path.exists():
+        return []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by SIGKILL
+        if record.get("kind") != kind:
+            continue
+        if kind == "train":
+            by_step[record["step"]] = record
+        else:
+            extra.append(record)
+    return [by_step[s] for s in sorted(by_step)] if kind == "train" else extra

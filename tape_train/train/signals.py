@@ -1,0 +1,61 @@
+"""Stop requests from the outside world (Slurm pre-emption, Ctrl-C) → a clean checkpointed stop.
+
+The handlers only set a flag (a signal can land inside a collective or a checkpoint write; the
+only safe thing there is to remember it). At each step boundary the trainer calls
+``StopRequest.agreed(all_reduce_max)`` so every rank sees the same decision at the same step,
+then checkpoints and exits with ``exit_code``:
+
+- SIGUSR1 / SIGTERM → 75 (EX_TEMPFAIL): the Slurm batch script requeues the job on 75.
+- SIGINT (Ctrl-C)   → 130 (128 + SIGINT), the shell convention; a second Ctrl-C while the
+  checkpoint is being written is ignored with a message (use SIGKILL to abandon it).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable
+
+EXIT_REQUEUE = 75
+EXIT_INTERRUPTED = 130
+
+# Encoded for the all-reduce: larger wins, so a requeue request (which asks the scheduler to
+# continue the job) dominates an interrupt (which asks it to stop) when both arrive.
+_NONE, _INTERRUPT, _REQUEUE = 0, 1, 2
+_CODES = {_NONE: 0, _INTERRUPT: EXIT_INTERRUPTED, _REQUEUE: EXIT_REQUEUE}
+
+
+class StopRequest:
+    """Installs handlers for SIGUSR1, SIGTERM and SIGINT; restores the old ones on ``close``."""
+
+    def __init__(self) -> None:
+        self.local = _NONE
+        self.signal_name: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> "StopRequest":
+        for sig, kind in ((signal.SIGUSR1, _REQUEUE), (signal.SIGTERM, _REQUEUE),
+                          (signal.SIGINT, _INTERRUPT)):
+            self._previous[sig] = signal.signal(sig, self._make_handler(kind))
+        return self
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _make_handler(self, kind: int):
+        def handler(signum, frame) -> None:
+            if self.local != _NONE and kind == _INTERRUPT:
+                print("tape-train: stop already requested; finishing the checkpoint "
+                      "(SIGKILL abandons it)", file=sys.stderr, flush=True)
+            self.local = max(self.local, kind)
+            self.signal_name = signal.Signals(signum).name
+        return handler
+
+    def agreed(self, all_reduce_max: Callable[[int], int]) -> int:
+        """The exit code every rank agrees on (0: keep training). Collective: call on all ranks.
+
+        ``all_reduce_max`` maps this rank's integer to the maximum over all ranks.
+        """
+        return _CODES[all_reduce_max(self.local)]

@@ -1,0 +1,134 @@
+"""Checkpoint layout rules without DeepSpeed: completeness, rotation, failures, discovery.
+
+A stand-in engine writes shard files the way DeepSpeed does (into ``<root>/<tag>/``); the
+rules under test (marker written last, keep-k rotation, skip partial/corrupt tags, a failed
+save leaves the previous checkpoint as the one to resume) live in
+``tape_train.train.checkpoint``. The end-to-end versions with the real engine and SIGKILL are
+in test_train_resume.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+
+from tape_train.train import checkpoint as ckpt
+
+
+class FakeEngine:
+    """Writes two shard files per save; can fail half-way like a full disk."""
+
+    def __init__(self) -> None:
+        self.fail_with: OSError | None = None
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        assert save_latest is False  # `latest` is ours, written after the marker
+        tag_dir = ckpt.Path(save_dir) / tag
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        (tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"m" * 64)
+        if self.fail_with is not None:
+            (tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"o" * 10)
+            raise self.fail_with
+        (tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"o" * 128)
+
+
+def _save(engine, run_dir, step, keep=2):
+    return ckpt.save_checkpoint(engine, run_dir, step, rank=0,
+                                meta={"step": step, "world_size": 1, "config": {}},
+                                rank_state={"rng": ckpt.capture_rng_state(), "loader": None},
+                                keep=keep)
+
+
+def test_marker_lists_every_file_and_latest_is_written_last(tmp_path):
+    tag = _save(FakeEngine(), tmp_path, 3)
+    marker = json.loads((tag / ckpt.MARKER).read_text())
+    assert set(marker["files"]) == {"zero_pp_rank_0_mp_rank_00_model_states.pt",
+                                    "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                    ckpt.rank_state_name(0)}
+    assert (tmp_path / "checkpoints" / ckpt.LATEST).read_text() == "step_00000003"
+    assert ckpt.find_latest_complete(tmp_path) == tag
+    assert ckpt.find_latest_complete(tmp_path / "checkpoints") == tag
+
+
+def test_keep_k_rotation_deletes_only_older_complete_checkpoints(tmp_path):
+    engine = FakeEngine()
+    for step in (1, 2, 3, 4):
+        _save(engine, tmp_path, step, keep=3)
+    names = [p.name for p in ckpt.list_tags(tmp_path / "checkpoints")]
+    assert names == ["step_00000002", "step_00000003", "step_00000004"]
+    _save(engine, tmp_path, 5, keep=2)
+    names = [p.name for p in ckpt.list_tags(tmp_path / "checkpoints")]
+    assert names == ["step_00000004", "step_00000005"]
+
+
+def test_partial_and_corrupt_checkpoints_are_skipped(tmp_path, caplog):
+    engine = FakeEngine()
+    good, no_marker, truncated, garbled = (_save(engine, tmp_path, s, keep=10)
+                                           for s in (10, 20, 30, 40))
+    (no_marker / ckpt.MARKER).unlink()                      # killed before the marker
+    shard = truncated / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shard.write_bytes(shard.read_bytes()[:7])               # size differs from the marker
+    (garbled / ckpt.MARKER).write_text("{not json")
+    with caplog.at_level("WARNING", logger="tape_train.train"):
+        assert ckpt.find_latest_complete(tmp_path) == good
+    text = caplog.text
+    assert "step_00000040: unreadable" in text and "step_00000030: file" in text
+    assert "step_00000020: no COMPLETE.json" in text
+    with pytest.raises(ckpt.CheckpointError, match="not complete"):
+        ckpt.resolve_checkpoint(no_marker)
+    assert ckpt.resolve_checkpoint(tmp_path) == good
+    # The next complete save garbage-collects the incomplete tags older than itself.
+    _save(engine, tmp_path, 50, keep=2)
+    assert [p.name for p in ckpt.list_tags(tmp_path / "checkpoints")] == [
+        "step_00000010", "step_00000050"]
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   PermissionError(errno.EACCES, "Permission denied")])
+def test_failed_save_keeps_previous_checkpoint_for_resume(tmp_path, error):
+    engine = FakeEngine()
+    previous = _save(engine, tmp_path, 5)
+    engine.fail_with = error
+    with pytest.raises(ckpt.CheckpointError) as err:
+        _save(engine, tmp_path, 6)
+    msg = str(err.value)
+    assert error.strerror in msg and str(previous) in msg
+    assert not (tmp_path / "checkpoints" / "step_00000006").exists()  # partial removed
+    assert ckpt.find_latest_complete(tmp_path) == previous
+    assert (tmp_path / "checkpoints" / ckpt.LATEST).read_text() == "step_00000005"
+    assert ckpt.why_incomplete(previous) is None  # untouched
+
+
+def test_leftover_partial_tag_is_replaced_and_complete_tag_not_rewritten(tmp_path):
+    engine = FakeEngine()
+    tag = tmp_path / "checkpoints" / "step_00000007"
+    tag.mkdir(parents=True)
+    (tag / "junk").write_text("from a killed save")
+    _save(engine, tmp_path, 7)
+    assert not (tag / "junk").exists() and ckpt.why_incomplete(tag) is None
+    before = (tag / ckpt.MARKER).read_text()
+    engine.fail_with = OSError(errno.EIO, "should not be called")
+    _save(engine, tmp_path, 7)  # already complete: nothing is written
+    assert (tag / ckpt.MARKER).read_text() == before
+
+
+def test_no_checkpoint_at_all(tmp_path):
+    assert ckpt.find_latest_complete(tmp_path) is None
+    with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
+        ckpt.resolve_checkpoint(tmp_path)
+    with pytest.raises(ckpt.CheckpointError, match="does not exist"):
+        ckpt.resolve_checkpoint(tmp_path / "missing")
+
+
+def test_rng_state_round_trip():
+    import random
+
+    import numpy as np
+    import torch
+
+    state = ckpt.capture_rng_state()
+    first = (random.random(), np.random.rand(), torch.rand(1).item())
+    ckpt.restore_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == first

@@ -1,0 +1,137 @@
+"""RunConfig: YAML + dotted overrides, validation messages, round trip, resume diffs."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from tape_train.config import (ConfigError, RunConfig, diff_configs, load_run_config,
+                               parse_override)
+
+BASE = """\
+model: tiny
+train:
+  run_dir: runs/x
+  seq_len: 64
+  lr: 3.0e-4
+eval:
+  interval: 10
+"""
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "run.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_yaml_and_overrides_compose(tmp_path):
+    cfg = load_run_config(_write(tmp_path, BASE),
+                          ["model.pe=rope", "train.lr=3e-4", "train.max_steps=50",
+                           "eval.lengths=[64,128]", "optim.betas=[0.9,0.95]"])
+    assert cfg.model.pe == "rope" and cfg.model.hidden_size == 256  # tiny + override
+    assert cfg.train.lr == 3e-4 and isinstance(cfg.train.lr, float)  # "3e-4" is a YAML string
+    assert cfg.train.max_steps == 50 and cfg.eval.lengths == [64, 128]
+    assert cfg.optim.betas == [0.9, 0.95]
+    assert cfg.data.tokenizer  # data section defaults
+
+
+def test_model_mapping_with_base_and_field_overrides(tmp_path):
+    cfg = load_run_config(_write(tmp_path, """\
+        model: {base: tiny, num_layers: 2}
+        """), ["model.hidden_size=64"])
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.vocab_size) == (2, 64, 8000)
+
+
+def test_round_trip_through_dict_and_yaml(tmp_path):
+    import yaml
+
+    cfg = load_run_config(_write(tmp_path, BASE), ["model.pe=alibi"])
+    again = RunConfig.from_dict(yaml.safe_load(cfg.to_yaml()))
+    assert again == cfg
+    assert "base" not in cfg.to_dict()["model"]  # the model is fully expanded
+
+
+def test_unknown_key_names_file_line_and_suggests(tmp_path):
+    path = _write(tmp_path, BASE + "  max_step: 3\n")  # line 8, under eval
+    with pytest.raises(ConfigError) as err:
+        load_run_config(path)
+    msg = str(err.value)
+    assert f"{path}:8" in msg and "'eval.max_step'" in msg and "did you mean 'eval.max_tokens'" in msg
+
+
+def test_unknown_override_key_is_named_with_suggestion(tmp_path):
+    with pytest.raises(ConfigError, match=r"override 'train\.lrr=1'.*unknown key 'train\.lrr'"
+                                          r" \(did you mean 'train\.lr'\?\)"):
+        load_run_config(_write(tmp_path, BASE), ["train.lrr=1"])
+
+
+def test_unknown_section_and_nested_model_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'trian' \(did you mean 'train'\?\)"):
+        load_run_config(_write(tmp_path, BASE), ["trian.lr=1"])
+    with pytest.raises(ConfigError, match=r"'model\.hidden'.*did you mean 'model\.hidden_size'"):
+        load_run_config(_write(tmp_path, BASE), ["model.hidden=3"])
+
+
+@pytest.mark.parametrize("override, pattern", [
+    ("train.dtype=bf15", r"train\.dtype: expected one of 'bf16', 'fp32', got 'bf15' "
+                         r"\(did you mean 'bf16'\?\)"),
+    ("train.max_steps=abc", r"train\.max_steps: expected int, got 'abc'"),
+    ("train.max_steps=0", r"train\.max_steps must be > 0"),
+    ("train.micro_batch_size=true", r"train\.micro_batch_size: expected int, got True"),
+    ("checkpoint.keep=1", r"checkpoint\.keep must be >= 2"),
+    ("optim.betas=[0.9]", r"optim\.betas must be two numbers"),
+    ("parallel.sp=2", r"parallel\.sp=2: sequence parallelism is not wired"),
+    ("model.pe=ropee", r"model\.pe='ropee' is not one of .*did you mean 'rope'"),
+    ("eval.lengths=[0]", r"eval\.lengths\[0\] must be a positive integer"),
+    ("data.sharding=globl", r"data\.sharding='globl'.*did you mean 'global'"),
+])
+def test_invalid_values_name_the_key(tmp_path, override, pattern):
+    with pytest.raises(ConfigError, match=pattern) as err:
+        load_run_config(_write(tmp_path, BASE), [override])
+    assert f"override '{override}'" in str(err.value)
+
+
+def test_bad_value_in_file_names_the_line(tmp_path):
+    path = _write(tmp_path, BASE.replace("seq_len: 64", "seq_len: -4"))
+    with pytest.raises(ConfigError, match=rf"{path}:4: train\.seq_len must be > 0"):
+        load_run_config(path)
+
+
+def test_malformed_override_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not of the form"):
+        parse_override("train.lr")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_run_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="section 'model' is required"):
+        load_run_config(_write(tmp_path, "train: {seq_len: 8}\n"))
+
+
+def test_parse_override_values_are_yaml_scalars():
+    assert parse_override("a.b=3") == (["a", "b"], 3)
+    assert parse_override("a.b=null") == (["a", "b"], None)
+    assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
+    assert parse_override("a.b=rope") == (["a", "b"], "rope")
+
+
+def test_dp_is_inferred_and_checked():
+    from tape_train.config import ParallelConfig
+
+    assert ParallelConfig().resolve_dp(4) == 4
+    with pytest.raises(ConfigError, match="parallel.dp=2 but world size 4"):
+        ParallelConfig(dp=2).resolve_dp(4)
+
+
+def test_diff_and_protected_keys(tmp_path):
+    from tape_train.train.loop import protected_differences
+
+    old = load_run_config(_write(tmp_path, BASE)).to_dict()
+    new = load_run_config(_write(tmp_path, BASE), ["model.hidden_size=128", "train.lr=1e-3",
+                                                   "model.attn_backend=eager",
+                                                   "train.seq_len=128"]).to_dict()
+    diffs = diff_configs(old, new)
+    keys = {k for k, _, _ in diffs}
+    assert {"model.hidden_size", "train.lr", "model.attn_backend", "train.seq_len"} <= keys
+    assert sorted(protected_differences(diffs)) == ["model.hidden_size", "train.seq_len"]
+    assert diff_configs(old, old) == []
