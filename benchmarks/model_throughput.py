@@ -5,9 +5,9 @@ TAPE/RoPE ratio is comparable even on a noisy machine. For each shape and N it p
 tokens/s per encoding, the measured TAPE/RoPE throughput ratio, and the ratio the FLOP model
 predicts (RoPE FLOPs / TAPE FLOPs); the target is measured ≥ 0.95 × predicted.
 
-Memory: the bytes of activations saved for backward in one training step (exact, counted
-with ``saved_tensors_hooks`` over unique storages) and the process's peak RSS for that step
-in a fresh subprocess, for TAPE and RoPE at N=1024.
+Memory, TAPE vs RoPE at N=1024: the bytes of activations saved for backward in one training
+step (exact, counted with ``saved_tensors_hooks`` over unique storages), and the step's peak
+by accounting (those activations + weights, gradients and AdamW moments in fp32).
 
     python benchmarks/model_throughput.py                       # tiny + 125m, N 256 1024 2048
     python benchmarks/model_throughput.py --shapes tiny --seq-lens 256 --out docs/x.json
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -74,20 +72,13 @@ def saved_activation_bytes(shape: str, pe: str, seq_len: int, batch: int, dtype)
     return sum(storages.values())
 
 
-def peak_rss_of_step(shape: str, pe: str, seq_len: int, batch: int, dtype: str) -> int:
-    """Peak RSS (bytes) of a fresh process that builds the model and runs one step, minus the
-    peak after building the model (so the number is the step's own memory)."""
-    code = (
-        "import resource, torch, sys; sys.path.insert(0, 'benchmarks');"
-        "from model_throughput import make_model, train_step;"
-        f"m = make_model({shape!r}, {pe!r}, torch.{dtype});"
-        f"ids = torch.randint(0, m.cfg.vocab_size, ({batch}, {seq_len}));"
-        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
-        "train_step(m, ids);"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[1])
-    return int(out.stdout.strip().splitlines()[-1]) * 1024
+def step_memory_bytes(shape: str, pe: str, saved: int) -> int:
+    """Peak memory of an fp32 AdamW training step, by accounting: weights, gradients and the
+    two Adam moments (4 × parameter bytes) plus the activations saved for backward (the
+    largest live set, reached at the start of backward)."""
+    from tape_train.model.flops import count_parameters
+
+    return 4 * 4 * count_parameters(load_model_config(shape, pe=pe))["total"] + saved
 
 
 def main() -> int:
@@ -123,20 +114,19 @@ def main() -> int:
         batch = max(1, args.tokens_per_step // args.memory_seq_len)
         mem = {}
         for pe in ("rope", "tape"):
-            mem[pe] = {
-                "saved_activations": saved_activation_bytes(shape, pe, args.memory_seq_len,
-                                                            batch, dtype),
-                "peak_rss_delta": peak_rss_of_step(shape, pe, args.memory_seq_len, batch,
-                                                   args.dtype),
-            }
+            saved = saved_activation_bytes(shape, pe, args.memory_seq_len, batch, dtype)
+            mem[pe] = {"saved_activations": saved,
+                       "step_peak": step_memory_bytes(shape, pe, saved)}
         row = {"shape": shape, "seq_len": args.memory_seq_len, "batch": batch, **mem,
                "saved_ratio": mem["tape"]["saved_activations"] / mem["rope"]["saved_activations"],
-               "rss_ratio": mem["tape"]["peak_rss_delta"] / max(1, mem["rope"]["peak_rss_delta"])}
+               "step_ratio": mem["tape"]["step_peak"] / mem["rope"]["step_peak"]}
         results["memory"].append(row)
-        print(f"{shape:>5} N={args.memory_seq_len} memory: saved activations TAPE/RoPE "
-              f"{row['saved_ratio']:.3f} ({mem['tape']['saved_activations'] / 2**20:.0f} vs "
-              f"{mem['rope']['saved_activations'] / 2**20:.0f} MiB); step peak RSS TAPE/RoPE "
-              f"{row['rss_ratio']:.3f}", flush=True)
+        mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
+        print(f"{shape:>5} N={args.memory_seq_len} b={batch} memory TAPE/RoPE: saved activations "
+              f"{row['saved_ratio']:.3f} ({mib(mem['tape']['saved_activations'])} vs "
+              f"{mib(mem['rope']['saved_activations'])}); training step "
+              f"{row['step_ratio']:.3f} ({mib(mem['tape']['step_peak'])} vs "
+              f"{mib(mem['rope']['step_peak'])})", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")

@@ -177,7 +177,8 @@ class ParallelConfig:
     """Parallel degrees and ZeRO settings.
 
     Attributes:
-        dp: data-parallel degree; ``None`` infers ``world_size / (sp * tp)``.
+        dp: data-parallel degree; ``None`` infers ``world_size / (sp * tp)``. The layout is
+            checked against the world size by ``tape_train.parallel.RankGrid`` at start-up.
         sp: sequence-parallel (Ulysses) degree.
         tp: tensor-parallel degree.
         zero_stage: DeepSpeed ZeRO stage 0–3 (3 shards parameters, gradients and optimizer).
@@ -198,24 +199,8 @@ class ParallelConfig:
                  f"parallel.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         _require(self.zero3_param_persistence_threshold >= 0,
                  "parallel.zero3_param_persistence_threshold must be >= 0")
-        # Sequence and tensor parallelism are implemented in tape_train.parallel but not yet
-        # wired into the trainer: refuse instead of silently training data-parallel.
-        _require(self.sp == 1, f"parallel.sp={self.sp}: sequence parallelism is not wired into "
-                 f"the trainer yet; use parallel.sp=1")
-        _require(self.tp == 1, f"parallel.tp={self.tp}: tensor parallelism is not wired into "
-                 f"the trainer yet; use parallel.tp=1")
-
-    def resolve_dp(self, world_size: int) -> int:
-        """The data-parallel degree for ``world_size`` processes; raises if inconsistent."""
-        model_parallel = self.sp * self.tp
-        if world_size % model_parallel:
-            raise ConfigError(f"world size {world_size} is not divisible by parallel.sp * "
-                              f"parallel.tp = {model_parallel}")
-        dp = world_size // model_parallel
-        if self.dp is not None and self.dp != dp:
-            raise ConfigError(f"parallel.dp={self.dp} but world size {world_size} / (sp*tp) = "
-                              f"{dp}; drop parallel.dp to infer it")
-        return dp
+        _require(self.sp >= 1, f"parallel.sp must be >= 1, got {self.sp}")
+        _require(self.tp >= 1, f"parallel.tp must be >= 1, got {self.tp}")
 
 
 @dataclass
@@ -278,6 +263,16 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        # Cross-section checks, before any process group exists: can this model be split this
+        # way (heads over tp·sp, encoding support), and can the sequence be cut over sp?
+        from tape_train.parallel import RankGrid
+
+        sp, tp = self.parallel.sp, self.parallel.tp
+        RankGrid.from_sizes(sp * tp, sp=sp, tp=tp, rank=0).check_model(self.model)
+        _require(self.train.seq_len % sp == 0, f"train.seq_len={self.train.seq_len} is not "
+                 f"divisible by parallel.sp={sp} (each rank holds seq_len/sp tokens)")
 
     def to_dict(self) -> dict:
         """Plain nested dict (YAML/JSON-able); ``model`` is fully expanded (no ``base``)."""

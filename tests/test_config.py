@@ -82,7 +82,7 @@ def test_unknown_section_and_nested_model_key(tmp_path):
     ("train.micro_batch_size=true", r"train\.micro_batch_size: expected int, got True"),
     ("checkpoint.keep=1", r"checkpoint\.keep must be >= 2"),
     ("optim.betas=[0.9]", r"optim\.betas must be two numbers"),
-    ("parallel.sp=2", r"parallel\.sp=2: sequence parallelism is not wired"),
+    ("parallel.tp=0", r"parallel\.tp must be >= 1"),
     ("model.pe=ropee", r"model\.pe='ropee' is not one of .*did you mean 'rope'"),
     ("eval.lengths=[0]", r"eval\.lengths\[0\] must be a positive integer"),
     ("data.sharding=globl", r"data\.sharding='globl'.*did you mean 'global'"),
@@ -115,12 +115,19 @@ def test_parse_override_values_are_yaml_scalars():
     assert parse_override("a.b=rope") == (["a", "b"], "rope")
 
 
-def test_dp_is_inferred_and_checked():
-    from tape_train.config import ParallelConfig
+def test_parallel_layout_is_checked_against_the_model_before_any_process_group(tmp_path):
+    import torch.distributed as dist
 
-    assert ParallelConfig().resolve_dp(4) == 4
-    with pytest.raises(ConfigError, match="parallel.dp=2 but world size 4"):
-        ParallelConfig(dp=2).resolve_dp(4)
+    path = _write(tmp_path, BASE)
+    cfg = load_run_config(path, ["parallel.sp=2", "parallel.tp=2"])
+    assert (cfg.parallel.sp, cfg.parallel.tp) == (2, 2)
+    with pytest.raises(ConfigError, match=r"num_heads=\d+ is not divisible by parallel.tp × parallel.sp"):
+        load_run_config(path, ["parallel.sp=4", "parallel.tp=4"])
+    with pytest.raises(ConfigError, match="model.pe=alibi is not supported with parallel.sp=2"):
+        load_run_config(path, ["parallel.sp=2", "model.pe=alibi"])
+    with pytest.raises(ConfigError, match="train.seq_len=.* is not divisible by parallel.sp=3"):
+        load_run_config(path, ["parallel.sp=3", "model.num_heads=6", "model.hidden_size=96"])
+    assert not dist.is_initialized()
 
 
 def test_diff_and_protected_keys(tmp_path):

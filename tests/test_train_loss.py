@@ -41,6 +41,7 @@ def _deepspeed_gradients(run_dir: str) -> dict[str, torch.Tensor]:
     from deepspeed.utils import safe_get_full_grad
 
     from tape_train.model import TransformerLM
+    from tape_train.parallel import RankGrid, parallelize
     from tape_train.train import distributed as tdist
     from tape_train.train.engine import build_engine, count_target_tokens, forward_backward
     from tape_train.train.synthetic import SyntheticLoader
@@ -48,9 +49,11 @@ def _deepspeed_gradients(run_dir: str) -> dict[str, torch.Tensor]:
     tdist.init_distributed("cpu")
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = _run_cfg(world, run_dir)
+    grid = RankGrid.from_sizes(world, rank=rank)
+    grid.build()
     torch.manual_seed(SEED)
-    model = TransformerLM(cfg.model)
-    engine, _ = build_engine(cfg, model)
+    model = parallelize(TransformerLM(cfg.model), grid)
+    engine, _ = build_engine(cfg, model, grid)
     loader = SyntheticLoader(MODEL["vocab_size"], SEQ, MICRO, GAS, rank, world, SEED, MASK)
     batches = [next(loader) for _ in range(GAS)]
     local = count_target_tokens(batches)
@@ -61,7 +64,7 @@ def _deepspeed_gradients(run_dir: str) -> dict[str, torch.Tensor]:
         for name, param in engine.module.named_parameters():
             grads[name] = safe_get_full_grad(param).detach().clone()
 
-    forward_backward(engine, batches, dp_size=world, global_tokens=global_tokens,
+    forward_backward(engine, batches, grid=grid, global_tokens=global_tokens,
                      before_last_step=capture)
     return {"grads": grads, "local_tokens": local}
 

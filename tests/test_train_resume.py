@@ -123,6 +123,29 @@ def test_two_processes_match_one_process_on_the_same_global_batch(ref_1p, ref_2p
     assert len({round(v, 4) for v in one.values()}) > 5
 
 
+@pytest.mark.parametrize("layout", ["parallel.sp=2", "parallel.tp=2"])
+def test_sequence_and_tensor_parallel_training_match_one_process(layout, ref_1p,
+                                                                 tmp_path_factory):
+    """The trainer end to end at SP2 / TP2 (dp = 1, same global batch as one process with two
+    accumulated micro-batches): per-step losses and the scheduled evaluation agree."""
+    from tape_train.train.metrics import read_metrics
+
+    run_dir = tmp_path_factory.mktemp(layout.replace("parallel.", "").replace("=", ""))
+    result = _run(_command(2, _config(tmp_path_factory), run_dir, 2, layout))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    one, par = _losses(ref_1p), _losses(run_dir)
+    assert sorted(par) == sorted(one)
+    for step in one:
+        assert par[step] == pytest.approx(one[step], rel=1e-5, abs=1e-6), (layout, step)
+    ref_eval, par_eval = read_metrics(ref_1p, "eval"), read_metrics(run_dir, "eval")
+    assert [r["step"] for r in par_eval] == [r["step"] for r in ref_eval] != []
+    for ref_row, par_row in zip(ref_eval, par_eval):
+        keys = [k for k in ref_row if k.startswith("eval/")]
+        assert keys
+        for key in keys:
+            assert par_row[key] == pytest.approx(ref_row[key], rel=1e-5), (layout, key)
+
+
 def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -13,6 +13,8 @@ uses so no transposes are added around it.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -110,3 +112,38 @@ def sequence_parallel_loss(model: nn.Module, input_ids: torch.Tensor, labels: to
     if group_size(sp_group) > 1:
         dist.all_reduce(totals, group=sp_group)
     return totals[0], totals[1].long()
+
+
+class SequenceParallelEvalModel:
+    """Adapter for evaluation code written against ``model(input_ids, labels=labels)`` on full
+    sequences (``tape_train.eval.perplexity``): every rank of an SP group calls it with the same
+    (b, N) windows; they are right-padded to a multiple of sp with ignored labels (exact for a
+    causal model: no real position attends to a pad), cut over the SP group, and the returned
+    ``loss_sum`` / ``num_tokens`` are the SP-summed totals of the full windows.
+    """
+
+    def __init__(self, model, grid) -> None:
+        self.model, self.grid = model, grid
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        pad = (-input_ids.shape[1]) % self.grid.sp
+        if pad:
+            input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=0)
+            labels = torch.nn.functional.pad(labels, (0, pad), value=-100)
+        loss_sum, num_tokens = sequence_parallel_loss(self.model, input_ids, labels, self.grid)
+        return SimpleNamespace(loss_sum=loss_sum, num_tokens=num_tokens, logits=None)
+
+    def eval(self):
+        self.model.eval()
+        return self
+
+    def train(self, mode: bool = True):
+        self.model.train(mode)
+        return self
+
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+    def parameters(self):
+        return self.model.parameters()

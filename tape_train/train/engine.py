@@ -60,15 +60,25 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     return len(model.layers)
 
 
-def build_engine(cfg: RunConfig, model: nn.Module):
-    """``(engine, optimizer)``; the optimizer is our ``SkippableAdamW`` inside ZeRO."""
+def build_engine(cfg: RunConfig, model: nn.Module, grid):
+    """``(engine, optimizer)``; the optimizer is our ``SkippableAdamW`` inside ZeRO.
+
+    ``model`` has been through ``tape_train.parallel.parallelize(model, grid)``; AutoTP's
+    section is merged into the DeepSpeed config here (DeepSpeed shards the Linear layers in
+    ``initialize`` and remaps the client optimizer's parameters), and no ``mpu`` is passed:
+    DeepSpeed's data-parallel group is then dp×sp, which ``verify_engine`` checks.
+    """
     import deepspeed
+
+    from tape_train.parallel import deepspeed_config_updates, verify_engine
 
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     optimizer = build_optimizer(model, cfg.optim, cfg.train)
+    config = {**deepspeed_config(cfg), **deepspeed_config_updates(grid)}
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=deepspeed_config(cfg), dist_init_required=False)
+        model=model, optimizer=optimizer, config=config, dist_init_required=False)
+    verify_engine(engine, grid)
     return engine, optimizer
 
 
@@ -77,39 +87,43 @@ def count_target_tokens(micro_batches: Sequence[dict]) -> int:
     return int(sum(int((mb["labels"] != -100).sum()) for mb in micro_batches))
 
 
-def loss_scale_factor(dp_size: int) -> float:
-    """The factor ``f`` in ``backward(loss_sum · f / global_tokens)``.
-
-    DeepSpeed averages gradients over the data-parallel ranks (ZeRO-0/1/2 all-reduce and ZeRO-3
-    reduce-scatter both divide by dp), so each rank backprops ``dp · loss_sum / G`` where G is
-    the number of target tokens of the whole global batch; the average over ranks is then
-    exactly ``Σ_all loss_sum / G``, the token mean of the global batch, however unevenly the
-    valid tokens fall on ranks and micro-batches. (With sequence parallelism under ZeRO-3 the
-    factor becomes dp·sp; see docs/training.md.)
-    """
-    return float(dp_size)
-
-
-def forward_backward(engine, micro_batches: Sequence[dict], *, dp_size: int,
+def forward_backward(engine, micro_batches: Sequence[dict], *, grid,
                      global_tokens: int, before_last_step=None) -> torch.Tensor:
     """Forward/backward/step over one optimizer step's micro-batches on this rank.
 
+    Loss normalisation: DeepSpeed averages gradients over its data-parallel group, which is
+    dp×sp here (``tape_train.parallel.loss_scale``), so each rank backprops
+    ``loss_sum · dp·sp / G`` with G the target tokens of the whole global batch: the average
+    over ranks is then exactly the token mean of the global batch, however unevenly the valid
+    tokens fall on ranks, sequence chunks and micro-batches.
+
     Args:
-        micro_batches: ``grad_accum_steps`` dicts with ``input_ids``/``labels`` (b, L) int64.
-        global_tokens: target tokens of the global batch (all ranks, all micro-batches),
-            already all-reduced; the loss of every micro-batch is divided by it.
+        micro_batches: ``grad_accum_steps`` dicts with ``input_ids``/``labels`` (b, L) int64,
+            this data-parallel rank's (identical on the ranks of its SP/TP group); each is cut
+            to this rank's sequence chunk here when sp > 1.
+        grid: the ``tape_train.parallel.RankGrid``.
+        global_tokens: target tokens of the global batch (all dp ranks, all micro-batches);
+            the loss of every micro-batch is divided by it.
         before_last_step: called with the local ``loss_sum`` (fp64) after the last backward
             and before the optimizer step (the accumulation boundary), e.g. to agree on
             skipping a non-finite update.
 
     Returns this rank's summed NLL (fp64 scalar, nats) over its micro-batches.
     """
-    factor = loss_scale_factor(dp_size) / max(global_tokens, 1)
+    from tape_train.parallel import loss_scale, shard_batch
+
+    factor = loss_scale(grid) / max(global_tokens, 1)
     local_sum = torch.zeros((), dtype=torch.float64)
     for i, mb in enumerate(micro_batches):
-        input_ids = mb["input_ids"].to(engine.device, non_blocking=True)
-        labels = mb["labels"].to(engine.device, non_blocking=True)
-        out = engine(input_ids, labels=labels)
+        kwargs = {}
+        if grid.sp > 1:  # this rank's chunk, with its global layer-0 positions
+            input_ids, labels, positions = shard_batch(mb, grid)
+            kwargs["positions"] = positions.to(engine.device)
+        else:  # no positions: RandPE / TAPE's train_offset draw their own in training
+            input_ids, labels = mb["input_ids"], mb["labels"]
+        input_ids = input_ids.to(engine.device, non_blocking=True)
+        labels = labels.to(engine.device, non_blocking=True)
+        out = engine(input_ids, labels=labels, **kwargs)
         # scale_wrt_gas=False: the 1/G normalisation already spans all micro-batches.
         engine.backward(out.loss_sum * factor, scale_wrt_gas=False)
         local_sum += out.loss_sum.detach().double().cpu()

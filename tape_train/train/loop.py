@@ -102,15 +102,24 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         self.stop.install()  # early: a SIGTERM during set-up stops at the first step boundary
+        from tape_train.parallel import RankGrid
+
+        # The rank grid is validated before any process group exists (bad layouts fail here).
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.grid = RankGrid.from_sizes(world, dp=cfg.parallel.dp, sp=cfg.parallel.sp,
+                                        tp=cfg.parallel.tp,
+                                        rank=int(os.environ.get("RANK", "0")))
+        self.grid.check_model(cfg.model)
         self.dist = tdist.init_distributed(cfg.train.device)
         self.rank = self.dist.rank
         setup_logging(self.rank, cfg.logging.all_ranks)
-        self.dp_size = cfg.parallel.resolve_dp(self.dist.world_size)
-        self.dp_rank = self.rank // (cfg.parallel.sp * cfg.parallel.tp)
+        self.grid.build()
+        # Data is sharded over dp only: every rank of an SP/TP group gets the same batch.
+        self.dp_size, self.dp_rank = self.grid.dp_size, self.grid.dp_rank
         restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
-        log.info("tape-train: world size %d (dp %d), device %s, run dir %s, "
-                 "SLURM_RESTART_COUNT=%s", self.dist.world_size, self.dp_size, self.dist.device,
-                 self.run_dir, restarts)
+        log.info("tape-train: world size %d (%s), device %s, run dir %s, "
+                 "SLURM_RESTART_COUNT=%s", self.dist.world_size, self.grid.describe(),
+                 self.dist.device, self.run_dir, restarts)
 
         # Find the checkpoint and compare configs before building anything expensive.
         self._resume_tag = self._find_resume_checkpoint()
@@ -122,9 +131,10 @@ class Trainer:
         # per-rank stream for anything stochastic during training.
         seed_everything(cfg.train.seed)
         from tape_train.model import TransformerLM
+        from tape_train.parallel import parallelize
 
-        self.model = TransformerLM(cfg.model)
-        self.engine, self.optimizer = build_engine(cfg, self.model)
+        self.model = parallelize(TransformerLM(cfg.model), self.grid)
+        self.engine, self.optimizer = build_engine(cfg, self.model, self.grid)
         seed_everything(cfg.train.seed + 1_000_003 * self.rank)
         self.schedule = LRSchedule.from_config(cfg.train)
         self.dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
@@ -178,7 +188,8 @@ class Trainer:
         self.state = TrainState(**meta["train_state"])
         ckpt.restore_rng_state(rank_state["rng"])
         if rank_state.get("loader") is not None:
-            self.loader.load_state_dict(rank_state["loader"])
+            self.loader.load_state_dict(rank_state["loader"],
+                                        allow_mismatch=self.allow_config_change)
         self._last_saved_step = self.state.step
         log.info("resumed from %s at step %d (%d tokens seen)", tag_dir, self.state.step,
                  self.state.tokens_seen)
@@ -225,7 +236,9 @@ class Trainer:
         step_start = time.perf_counter()
         micro_batches, data_wait = self._next_micro_batches()
         local_tokens = count_target_tokens(micro_batches)
-        global_tokens = int(tdist.all_reduce_sum(torch.tensor([local_tokens]))[0])
+        # The sp·tp ranks of a data-parallel rank hold the same (unsharded) micro-batches.
+        model_parallel = self.grid.sp * self.grid.tp
+        global_tokens = int(tdist.all_reduce_sum(torch.tensor([local_tokens]))[0]) // model_parallel
         lr = cfg.train.lr * self.schedule(self.state.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -234,13 +247,14 @@ class Trainer:
 
         def agree_before_update(local_loss_sum: torch.Tensor) -> None:
             # One all-reduce: a NaN/inf anywhere makes the global sum non-finite on all ranks.
-            total = float(tdist.all_reduce_sum(local_loss_sum.reshape(1).clone())[0])
+            # Each sequence chunk's loss is held by the tp ranks of its group: count it once.
+            total = float(tdist.all_reduce_sum(local_loss_sum.reshape(1).clone())[0]) / self.grid.tp
             agreed["loss_sum"] = total
             agreed["skip"] = not math.isfinite(total) or global_tokens == 0
             self.optimizer.skip_next_step = agreed["skip"]
 
         try:
-            forward_backward(self.engine, micro_batches, dp_size=self.dp_size,
+            forward_backward(self.engine, micro_batches, grid=self.grid,
                              global_tokens=global_tokens, before_last_step=agree_before_update)
         finally:
             self.optimizer.skip_next_step = False
@@ -362,10 +376,18 @@ class Trainer:
             self._eval_docs = list(self._eval_document_source())
         rng = ckpt.capture_rng_state()
         start = time.perf_counter()
-        results = evaluate_schedule(self.engine, self._eval_docs, self.cfg.eval,
+        model = self.engine
+        if self.grid.sp > 1:  # windows longer than one rank holds: cut over the SP group
+            from tape_train.parallel import SequenceParallelEvalModel
+
+            model = SequenceParallelEvalModel(self.engine, self.grid)
+        # Windows are shared out over dp only; the sp·tp ranks of a dp rank report the same
+        # sums, so the world all-reduce counts each of them sp·tp times.
+        replicas = self.grid.sp * self.grid.tp
+        results = evaluate_schedule(model, self._eval_docs, self.cfg.eval,
                                     train_seq_len=self.cfg.train.seq_len,
-                                    reduce=tdist.all_reduce_sum, dp_rank=self.dp_rank,
-                                    dp_size=self.dp_size)
+                                    reduce=lambda t: tdist.all_reduce_sum(t) / replicas,
+                                    dp_rank=self.dp_rank, dp_size=self.dp_size)
         ckpt.restore_rng_state(rng)
         scalars = scalar_metrics(results)
         self.writer.write("eval", self.state.step, {**scalars, "results": results,

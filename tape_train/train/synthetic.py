@@ -64,8 +64,8 @@ class SyntheticLoader:
     def state_dict(self) -> dict:
         return {"position": self.position, "dp_rank": self.dp_rank, "dp_size": self.dp_size}
 
-    def load_state_dict(self, state: dict) -> None:
-        if (state["dp_rank"], state["dp_size"]) != (self.dp_rank, self.dp_size):
+    def load_state_dict(self, state: dict, allow_mismatch: bool = False) -> None:
+        if (state["dp_rank"], state["dp_size"]) != (self.dp_rank, self.dp_size) and not allow_mismatch:
             raise ValueError(f"synthetic loader state is for dp rank {state['dp_rank']}/"
                              f"{state['dp_size']}, this is {self.dp_rank}/{self.dp_size}")
         self.position = int(state["position"])
