@@ -70,9 +70,15 @@ class TapeStateUpdate(nn.Module):
         return e + torch.einsum("mk,bknd->bmnd", self.w_pa.to(e_hat.dtype), e_hat)
 
     def mixing_matrices(self, y: torch.Tensor) -> torch.Tensor:
-        """K_n = W_dn·diag(g_n)·W_up with g = silu(y·W_x): y (b, N, C) → (b, N, M, M)."""
+        """K_n = W_dn·diag(g_n)·W_up with g = silu(y·W_x): y (b, N, C) → (b, N, M, M).
+
+        K_n[m, k] = Σ_p g_n[p]·W_dn[m, p]·W_up[p, k] is linear in g_n, so all tokens' K_n are
+        one GEMM g·Z with Z[p, (m, k)] = W_dn[m, p]·W_up[p, k] — not b·N tiny batched products.
+        """
+        m = self.cfg.num_heads
         g = F.silu(self.w_x(y))                                    # (b, N, P)
-        return torch.einsum("mp,bnp,pk->bnmk", self.w_dn, g, self.w_up)
+        z = (self.w_dn.t()[:, :, None] * self.w_up[:, None, :]).reshape(-1, m * m)
+        return (g @ z.to(g.dtype)).view(*g.shape[:-1], m, m)
 
     def after_mlp(self, state: tuple[torch.Tensor, ...], y: torch.Tensor) -> tuple:
         """E^c_n ← E^c_n + K_n·E^c_n for each table (mixes heads, never channels).
