@@ -304,3 +304,38 @@ def test_consolidated_checkpoint_reproduces_logged_perplexity(which, request):
     early = [r for r in read_metrics(run_dir, "eval") if r["step"] == EVAL_EVERY][-1]
     assert early["eval/ppl/nonoverlap/L32"] != pytest.approx(results[0]["perplexity"],
                                                              rel=1e-5)
+
+
+def test_export_of_a_zero3_checkpoint_loads_without_deepspeed_and_partial_is_refused(
+        ref_2p, tmp_path):
+    """tape-export on the 2-rank ZeRO-3 run: the exported model gives the consolidated
+    checkpoint's logits; tape-generate streams from it; an incomplete checkpoint is refused."""
+    import torch
+
+    from tape_train.model import TransformerLM, from_pretrained
+    from tape_train.train.checkpoint import find_latest_complete, load_model_from_checkpoint
+
+    out = tmp_path / "export"
+    result = _run([sys.executable, "-m", "tape_train.inference.export", str(ref_2p),
+                   "--out", str(out)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} == {"model.safetensors", "config.json",
+                                               "tokenizer.model", "export.json"}
+    cfg, state, _ = load_model_from_checkpoint(ref_2p)
+    direct = TransformerLM(cfg).eval()
+    direct.load_state_dict(state)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(from_pretrained(out)(ids).logits, direct(ids).logits)
+    gen = _run([sys.executable, "-m", "tape_train.inference.generate", str(out), "--prompt",
+                "The", "--max-new-tokens", "8", "--temperature", "0"])
+    assert gen.returncode == 0 and gen.stdout.startswith("The"), gen.stderr[-2000:]
+    # A checkpoint without its completion marker is refused, and nothing is written.
+    partial = tmp_path / "partial_run"
+    shutil.copytree(ref_2p, partial)
+    tag = find_latest_complete(partial)
+    (tag / "COMPLETE.json").unlink()
+    bad = _run([sys.executable, "-m", "tape_train.inference.export", str(tag), "--out",
+                str(tmp_path / "bad")])
+    assert bad.returncode == 2 and "is not complete" in bad.stderr, bad.stderr[-2000:]
+    assert not (tmp_path / "bad").exists()
