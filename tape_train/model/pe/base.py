@@ -42,8 +42,11 @@ class _Modulate(torch.autograd.Function):
     """x̃ = x ⊙ c + rot(x) ⊙ s that saves only (x, c, s) for backward.
 
     Autograd through the plain expression would also keep rot(x), one more (b, H, N, D)
-    tensor per projection and layer; here it is recomputed. Backward (spec T8):
-    dx = c ⊙ g + rotᵀ(s ⊙ g), dc = x ⊙ g, ds = rot(x) ⊙ g (summed over broadcast axes).
+    tensor per projection and layer; here it is never materialised: the rotation is applied
+    on half-width slices with in-place multiply-adds (rot(x) ⊙ s = [−x₂s₁, x₁s₂]), which on
+    CPU, where this elementwise work is memory-bound, also saves the cat/neg temporaries.
+    Backward (spec T8): dx = c ⊙ g + rotᵀ(s ⊙ g), dc = x ⊙ g, ds = rot(x) ⊙ g (summed over
+    broadcast axes).
     """
 
     @staticmethod
@@ -51,18 +54,28 @@ class _Modulate(torch.autograd.Function):
         # x is needed only for the tables' gradients (TAPE); RoPE's constant tables skip it.
         tables_need_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         ctx.save_for_backward(x if tables_need_grad else None, cos, sin)
-        return x * cos + rotate_half(x) * sin
+        h = x.shape[-1] // 2
+        out = x * cos
+        out[..., :h].addcmul_(x[..., h:], sin[..., :h], value=-1.0)
+        out[..., h:].addcmul_(x[..., :h], sin[..., h:])
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         x, cos, sin = ctx.saved_tensors
+        h = grad.shape[-1] // 2
         dx = dcos = dsin = None
         if ctx.needs_input_grad[0]:
-            dx = grad * cos + rotate_half_transposed(grad * sin)
+            dx = grad * cos                                  # + rotᵀ(s ⊙ g) = [g₂s₂, −g₁s₁]
+            dx[..., :h].addcmul_(grad[..., h:], sin[..., h:])
+            dx[..., h:].addcmul_(grad[..., :h], sin[..., :h], value=-1.0)
         if ctx.needs_input_grad[1]:
             dcos = (grad * x).sum_to_size(cos.shape)
         if ctx.needs_input_grad[2]:
-            dsin = (grad * rotate_half(x)).sum_to_size(sin.shape)
+            rot_x_grad = torch.empty_like(grad)              # rot(x) ⊙ g = [−x₂g₁, x₁g₂]
+            torch.mul(x[..., h:], grad[..., :h], out=rot_x_grad[..., :h]).neg_()
+            torch.mul(x[..., :h], grad[..., h:], out=rot_x_grad[..., h:])
+            dsin = rot_x_grad.sum_to_size(sin.shape)
         return dx, dcos, dsin
 
 
