@@ -32,7 +32,8 @@ def runs_of(exp: dict, encodings: list[str]) -> list[tuple[str, int]]:
 
 
 def train(exp: dict, pe: str, seed: int, run_dir: Path, extra: list[str]) -> float:
-    overrides = [f"{k}={v}" for k, v in exp.get("train_overrides", {}).items()]
+    overrides = [f"{k}={v if isinstance(v, str) else json.dumps(v)}"  # YAML scalars: null
+                 for k, v in exp.get("train_overrides", {}).items()]
     cmd = [sys.executable, "-m", "tape_train.train.cli", "--config", exp["recipe"], *overrides,
            f"model.pe={pe}", f"train.seed={seed}", f"train.run_dir={run_dir}",
            "logging.progress_bar=false", *extra]
