@@ -139,6 +139,9 @@ class Trainer:
         self.schedule = LRSchedule.from_config(cfg.train)
         self.dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
 
+        # Measure the CPU GEMM peak before the loader's prefetch thread exists: tokenising in
+        # the background during the measurement would lower the peak and inflate every MFU.
+        self._setup_mfu()
         self.loader = self._build_loader()
         resumed_from = self._maybe_resume()
         self.data_iter = iter(self.loader)
@@ -148,7 +151,6 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
         self.writer = MetricsWriter(self.run_dir, enabled=self.rank == 0,
                                     tensorboard=cfg.logging.tensorboard)
-        self._setup_mfu()
         self.writer.write("event", self.state.step, {
             "event": "resume" if resumed_from else "start", "checkpoint": resumed_from,
             "world_size": self.dist.world_size, "slurm_restart_count": int(restarts or 0),
