@@ -19,8 +19,10 @@ class FIRE(PositionalEncoding):
         super().__init__(cfg)
         self.mlp = nn.Sequential(nn.Linear(1, cfg.fire_hidden), nn.ReLU(),
                                  nn.Linear(cfg.fire_hidden, cfg.num_heads))
-        self.c = nn.Parameter(torch.tensor(float(cfg.fire_init_c)))
-        self.threshold = nn.Parameter(torch.tensor(float(cfg.fire_init_L)))
+        # Shape (1,), not 0-d: DeepSpeed's parameter broadcast views every parameter as bytes,
+        # which a 0-d bf16 tensor cannot do.
+        self.c = nn.Parameter(torch.full((1,), float(cfg.fire_init_c)))
+        self.threshold = nn.Parameter(torch.full((1,), float(cfg.fire_init_L)))
 
     def reset_parameters(self) -> None:
         for layer in (self.mlp[0], self.mlp[2]):
