@@ -18,7 +18,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -31,16 +30,14 @@ def runs_of(exp: dict, encodings: list[str]) -> list[tuple[str, int]]:
     return [(pe, seed) for pe in encodings for seed in seeds.get(pe, seeds.get("default", [1]))]
 
 
-def train(exp: dict, pe: str, seed: int, run_dir: Path, extra: list[str]) -> float:
+def train(exp: dict, pe: str, seed: int, run_dir: Path, extra: list[str]) -> None:
     overrides = [f"{k}={v if isinstance(v, str) else json.dumps(v)}"  # YAML scalars: null
                  for k, v in exp.get("train_overrides", {}).items()]
     cmd = [sys.executable, "-m", "tape_train.train.cli", "--config", exp["recipe"], *overrides,
            f"model.pe={pe}", f"train.seed={seed}", f"train.run_dir={run_dir}",
            "logging.progress_bar=false", *extra]
     print(f"== train {pe} seed {seed}: {' '.join(cmd[2:])}", flush=True)
-    start = time.time()
     subprocess.run(cmd, check=True, cwd=ROOT)
-    return time.time() - start
 
 
 def evaluate(exp: dict, runs: list[tuple[str, int]], run_root: Path, out: Path) -> dict:
@@ -98,6 +95,19 @@ def plot(table, lengths, protocols, train_len, path: Path) -> None:
     fig.savefig(path, format="png", dpi=120)
 
 
+def run_summary(run_dir: Path) -> dict:
+    """Final loss, median throughput and wall-clock time of one run, from its metrics log."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
+    train_records = [r for r in records if r.get("kind") == "train"]
+    if not train_records:
+        raise SystemExit(f"{run_dir / 'metrics.jsonl'}: no training steps logged")
+    return {"loss": statistics.mean(r["loss"] for r in train_records[-20:]),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train_records),
+            "minutes": (records[-1]["time"] - records[0]["time"]) / 60,
+            "steps": train_records[-1]["step"]}
+
+
 def write_results(exp, table, timings, out_dir: Path, results_md: Path) -> None:
     ev = exp["eval"]
     lengths, protocols = ev["lengths"], ev["protocols"]
@@ -120,9 +130,12 @@ def write_results(exp, table, timings, out_dir: Path, results_md: Path) -> None:
             lines.append(f"| {pe} | " + " | ".join(cell(cells[(protocol, n)]) for n in lengths)
                          + " |")
         lines.append("")
-    lines += ["## Training time per run (this machine)", "",
-              "| run | minutes |", "|---|---:|"]
-    lines += [f"| {name} | {sec / 60:.1f} |" for name, sec in timings.items()]
+    lines += ["## Training runs (this machine)", "",
+              "| run | final loss (mean of last 20 steps) | median tokens/s | wall-clock minutes |",
+              "|---|---:|---:|---:|"]
+    for name, t in timings.items():
+        lines.append(f"| {name} | {t['loss']:.3f} | {t['tokens_per_s']:.0f} | "
+                     f"{t['minutes']:.1f} |")
     results_md.write_text("\n".join(lines) + "\n")
     print(f"wrote {results_md} and {plot_path}")
 
@@ -150,10 +163,10 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     extra = [f"train.max_steps={args.max_steps}"] if args.max_steps else []
     runs = runs_of(exp, encodings)
-    timings = {}
     if not args.skip_train:
         for pe, seed in runs:
-            timings[f"{pe}-seed{seed}"] = train(exp, pe, seed, run_root / f"{pe}-seed{seed}", extra)
+            train(exp, pe, seed, run_root / f"{pe}-seed{seed}", extra)
+    timings = {f"{pe}-seed{seed}": run_summary(run_root / f"{pe}-seed{seed}") for pe, seed in runs}
     report = evaluate(exp, runs, run_root, out_dir / "eval")
     write_results(exp, aggregate(report), timings, out_dir, ROOT / args.results)
     return 0

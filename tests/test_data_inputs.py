@@ -234,6 +234,23 @@ def test_eval_documents_are_held_out_from_training(tok, texts, tmp_path):
     assert len(capped) == 2
 
 
+def test_eval_min_tokens_keeps_only_long_documents(tok, texts, tmp_path):
+    write_jsonl(tmp_path / "heldout.jsonl", texts[:12])
+    base = dict(eval_sources=[str(tmp_path / "heldout.jsonl")])
+    every = list(iter_eval_documents(cfg_for(tmp_path / "heldout.jsonl", **base), tok))
+    lengths = sorted(len(ids) for ids, _ in every)
+    threshold = lengths[len(lengths) // 2]
+    assert lengths[0] < threshold  # the filter has something to drop (negative control)
+    long = list(iter_eval_documents(
+        cfg_for(tmp_path / "heldout.jsonl", eval_min_tokens=threshold, **base), tok))
+    assert long == [d for d in every if len(d[0]) >= threshold]  # same order, only long ones
+    capped = list(iter_eval_documents(cfg_for(tmp_path / "heldout.jsonl", eval_min_tokens=threshold,
+                                              eval_max_documents=2, **base), tok))
+    assert capped == long[:2]  # the cap counts kept documents only
+    with pytest.raises(DataError, match="data.eval_min_tokens must be a positive integer"):
+        cfg_for(tmp_path / "heldout.jsonl", eval_min_tokens=0)
+
+
 def test_eval_sources_and_missing_eval_data(tok, texts, tmp_path):
     write_jsonl(tmp_path / "train.jsonl", texts[:20])
     write_jsonl(tmp_path / "heldout.jsonl", texts[20:25])

@@ -132,6 +132,9 @@ class DataConfig:
         eval_fraction: fraction of every training source's documents held out for evaluation,
             chosen by a hash of the document text (so duplicates land on the same side).
         eval_max_documents: cap on held-out documents yielded (``None``: all).
+        eval_min_tokens: held-out documents with fewer tokens (BOS/EOS included) are skipped,
+            so a long-context evaluation scores only documents that fill its longest window
+            (``None``: keep all). Skipped documents do not count towards ``eval_max_documents``.
         shuffle: permute shard order per epoch and documents within windows.
         shuffle_buffer: documents per shuffle window; memory ≈ shuffle_buffer × mean document
             size. 1 keeps file order within shards.
@@ -151,6 +154,7 @@ class DataConfig:
     eval_sources: list = field(default_factory=list)
     eval_fraction: float = 0.0
     eval_max_documents: int | None = None
+    eval_min_tokens: int | None = None
     shuffle: bool = True
     shuffle_buffer: int = 1024
     prefetch: int = 4
@@ -178,6 +182,9 @@ class DataConfig:
         if self.eval_max_documents is not None and not _positive_int(self.eval_max_documents):
             raise DataError(f"data.eval_max_documents must be a positive integer or null, "
                             f"got {self.eval_max_documents!r}")
+        if self.eval_min_tokens is not None and not _positive_int(self.eval_min_tokens):
+            raise DataError(f"data.eval_min_tokens must be a positive integer or null, "
+                            f"got {self.eval_min_tokens!r}")
         if not _positive_int(self.shuffle_buffer):
             raise DataError(f"data.shuffle_buffer must be a positive integer, "
                             f"got {self.shuffle_buffer!r}")

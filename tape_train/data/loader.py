@@ -334,7 +334,12 @@ def iter_eval_documents(data_cfg: DataConfig | dict, tokenizer) -> Iterator[tupl
     skips = SkipLog()
     texts = iter_held_out_texts(data_cfg.sources, data_cfg.eval_sources,
                                 data_cfg.eval_fraction, data_cfg.skip_bad_records, skips)
-    for count, text in enumerate(texts):
+    count = 0
+    for text in texts:
         if data_cfg.eval_max_documents is not None and count >= data_cfg.eval_max_documents:
             return
-        yield wrap_document(tokenizer.encode(text), bos, eos), len(text.encode("utf-8"))
+        ids = wrap_document(tokenizer.encode(text), bos, eos)
+        if data_cfg.eval_min_tokens is not None and len(ids) < data_cfg.eval_min_tokens:
+            continue
+        count += 1
+        yield ids, len(text.encode("utf-8"))

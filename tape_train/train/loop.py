@@ -40,7 +40,8 @@ PROTECTED_KEYS = ("model.", "data.", "parallel.", "train.seq_len", "train.micro_
                   "train.grad_accum_steps", "train.seed", "train.dtype", "train.synthetic")
 # Keys under a protected prefix that are safe to change.
 HARMLESS_KEYS = ("model.name", "model.attn_backend", "data.prefetch", "data.eval_sources",
-                 "data.eval_max_documents", "data.skip_bad_records")
+                 "data.eval_max_documents", "data.eval_min_tokens",
+                 "data.skip_bad_records")
 
 LoaderFactory = Callable[[int, int], object]  # (dp_rank, dp_size) -> resumable loader
 
