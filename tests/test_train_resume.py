@@ -97,9 +97,12 @@ def _config(tmp_path_factory) -> Path:
     return path
 
 
-def _reference(tmp_path_factory, nproc: int, gas: int) -> Path:
-    run_dir = tmp_path_factory.mktemp(f"ref{nproc}p")
-    result = _run(_command(nproc, _config(tmp_path_factory), run_dir, gas))
+def _reference(tmp_path_factory, nproc: int, gas: int, *extra: str) -> Path:
+    name = "".join(e.replace("parallel.", "").replace("=", "") for e in extra)
+    run_dir = tmp_path_factory.mktemp(f"ref{nproc}p{name}")
+    # keep=4: the step-10 checkpoints survive for the resume-on-another-layout tests.
+    result = _run(_command(nproc, _config(tmp_path_factory), run_dir, gas, "checkpoint.keep=4",
+                           *extra))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert sorted(_losses(run_dir)) == list(range(1, MAX_STEPS + 1))
     return run_dir
@@ -115,6 +118,17 @@ def ref_2p(tmp_path_factory) -> Path:
     return _reference(tmp_path_factory, nproc=2, gas=1)
 
 
+@pytest.fixture(scope="module")
+def ref_sp2(tmp_path_factory) -> Path:
+    """2 processes at SP2 (dp = 1, two accumulated micro-batches: one process's global batch)."""
+    return _reference(tmp_path_factory, 2, 2, "parallel.sp=2")
+
+
+@pytest.fixture(scope="module")
+def ref_tp2(tmp_path_factory) -> Path:
+    return _reference(tmp_path_factory, 2, 2, "parallel.tp=2")
+
+
 def test_two_processes_match_one_process_on_the_same_global_batch(ref_1p, ref_2p):
     one, two = _losses(ref_1p), _losses(ref_2p)
     for step in one:
@@ -123,16 +137,13 @@ def test_two_processes_match_one_process_on_the_same_global_batch(ref_1p, ref_2p
     assert len({round(v, 4) for v in one.values()}) > 5
 
 
-@pytest.mark.parametrize("layout", ["parallel.sp=2", "parallel.tp=2"])
-def test_sequence_and_tensor_parallel_training_match_one_process(layout, ref_1p,
-                                                                 tmp_path_factory):
+@pytest.mark.parametrize("layout", ["ref_sp2", "ref_tp2"])
+def test_sequence_and_tensor_parallel_training_match_one_process(layout, ref_1p, request):
     """The trainer end to end at SP2 / TP2 (dp = 1, same global batch as one process with two
     accumulated micro-batches): per-step losses and the scheduled evaluation agree."""
     from tape_train.train.metrics import read_metrics
 
-    run_dir = tmp_path_factory.mktemp(layout.replace("parallel.", "").replace("=", ""))
-    result = _run(_command(2, _config(tmp_path_factory), run_dir, 2, layout))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    run_dir = request.getfixturevalue(layout)
     one, par = _losses(ref_1p), _losses(run_dir)
     assert sorted(par) == sorted(one)
     for step in one:
@@ -339,3 +350,79 @@ def test_export_of_a_zero3_checkpoint_loads_without_deepspeed_and_partial_is_ref
                 str(tmp_path / "bad")])
     assert bad.returncode == 2 and "is not complete" in bad.stderr, bad.stderr[-2000:]
     assert not (tmp_path / "bad").exists()
+
+
+RESUME_STEP = 2 * CKPT_EVERY
+
+
+@pytest.mark.parametrize("source", ["ref_2p", "ref_sp2", "ref_tp2"])
+def test_resume_on_another_layout_continues_like_the_run_at_the_new_layout(
+        source, ref_1p, request, tmp_path_factory):
+    """DP2 → DP1, SP2 → SP1, TP2 → TP1: the step-10 ZeRO-3 checkpoint of the 2-process run,
+    resumed by one process (grad_accum 2: the same global batch of 4 sequences), is converted
+    to DeepSpeed's universal form once (cached inside the tag) and continues exactly like the
+    uninterrupted one-process run: losses of steps 11..16, learning rate, token counter and
+    the step-16 evaluation within 1e-5."""
+    from tape_train.train.checkpoint import why_incomplete
+    from tape_train.train.metrics import read_metrics
+
+    tag = f"step_{RESUME_STEP:08d}"
+    run_dir = tmp_path_factory.mktemp(f"relayout_{source}") / "run"
+    shutil.copytree(request.getfixturevalue(source) / "checkpoints" / tag,
+                    run_dir / "checkpoints" / tag)
+    result = _run(_command(1, _config(tmp_path_factory), run_dir, 2, "checkpoint.keep=4"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "resumed on another layout" in result.stderr
+    universal = run_dir / "checkpoints" / tag / "universal"
+    assert universal.is_dir() and why_incomplete(universal.parent) is None
+    ref = {r["step"]: r for r in read_metrics(ref_1p, "train")}
+    got = {r["step"]: r for r in read_metrics(run_dir, "train")}
+    assert sorted(got) == list(range(RESUME_STEP + 1, MAX_STEPS + 1))
+    for step, row in got.items():
+        assert row["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5, abs=1e-6), step
+        assert row["lr"] == pytest.approx(ref[step]["lr"], rel=1e-12), step
+        assert row["tokens_seen"] == ref[step]["tokens_seen"], step
+    ref_eval = [r for r in read_metrics(ref_1p, "eval") if r["step"] == MAX_STEPS][-1]
+    got_eval = [r for r in read_metrics(run_dir, "eval") if r["step"] == MAX_STEPS][-1]
+    for key in (k for k in ref_eval if k.startswith("eval/ppl")):
+        assert got_eval[key] == pytest.approx(ref_eval[key], rel=1e-5), key
+    resume = [e for e in _events(run_dir) if e["event"] == "resume"][-1]
+    assert resume["relayout_from"]["dp"] * resume["relayout_from"]["sp"] * \
+        resume["relayout_from"]["tp"] == 2 and resume["layout"] == {"dp": 1, "sp": 1, "tp": 1}
+
+
+def test_resume_on_another_layout_with_another_global_batch_is_refused(ref_2p,
+                                                                       tmp_path_factory):
+    """Negative control: one process with grad_accum 1 would halve the global batch: refused
+    before anything is built or converted, naming the fix; the checkpoint is untouched."""
+    from tape_train.train.checkpoint import why_incomplete
+
+    tag = f"step_{RESUME_STEP:08d}"
+    run_dir = tmp_path_factory.mktemp("relayout_refused") / "run"
+    shutil.copytree(ref_2p / "checkpoints" / tag, run_dir / "checkpoints" / tag)
+    result = _run(_command(1, _config(tmp_path_factory), run_dir, 1))
+    assert result.returncode == 1
+    assert "global batch changes from 4 to 2 sequences" in result.stderr, result.stderr[-3000:]
+    assert "train.grad_accum_steps=2" in result.stderr
+    assert not (run_dir / "checkpoints" / tag / "universal").exists()
+    assert why_incomplete(run_dir / "checkpoints" / tag) is None
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_export_of_a_tensor_parallel_checkpoint_matches_the_one_process_weights(
+        ref_1p, ref_tp2, tmp_path):
+    """zero_to_fp32 cannot merge TP shards; the universal route does: the TP2 step-10
+    weights equal the one-process run's at step 10 (same global batches) to float rounding,
+    and differ from its step-5 weights (the comparison has teeth)."""
+    from tape_train.train.checkpoint import load_model_from_checkpoint
+
+    def weights(run_dir, step):
+        return load_model_from_checkpoint(run_dir / "checkpoints" / f"step_{step:08d}")[1]
+
+    tp, one, early = weights(ref_tp2, RESUME_STEP), weights(ref_1p, RESUME_STEP), \
+        weights(ref_1p, CKPT_EVERY)
+    assert set(tp) == set(one)
+    for name in one:
+        assert tp[name].shape == one[name].shape, name
+        assert (tp[name] - one[name]).abs().max() < 1e-5, name
+    assert max((early[n] - one[n]).abs().max() for n in one) > 1e-3

@@ -9,8 +9,12 @@ Layout of a run directory::
             zero_pp_rank_*_mp_rank_00_{model,optim}_states.pt   DeepSpeed's shards
             trainer_state_rank00000.pt one per rank: RNG states, data-loader state
             COMPLETE.json              written last, by rank 0, after every rank finished:
-                                       step, tokens, world size, resolved config, code
-                                       version, and the size of every file of the tag
+                                       step, tokens, layout (dp, sp, tp), resolved config,
+                                       code version, and the size of every file of the tag
+            universal/                 only after a resume on another layout: DeepSpeed's
+                                       universal form of the shards, converted once and
+                                       renamed into place when complete (its presence means
+                                       complete); deleted with its tag
 
 A tag counts only if ``COMPLETE.json`` exists, parses, and every file it lists exists with the
 recorded size. Anything else (killed mid-write, disk full, truncated file) is skipped with a
@@ -40,6 +44,7 @@ log = logging.getLogger("tape_train.train")
 
 CHECKPOINT_DIR = "checkpoints"
 MARKER = "COMPLETE.json"
+UNIVERSAL = "universal"
 LATEST = "latest"
 _TAG_RE = re.compile(r"^step_(\d{8,})$")
 
@@ -294,37 +299,143 @@ def rotate_checkpoints(root: Path, keep: int) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------------------------
+# Layout and DeepSpeed's universal form (resuming or exporting on another layout)
+# ----------------------------------------------------------------------------------------------
+
+
+def saved_layout(marker: dict) -> dict[str, int]:
+    """``{"dp", "sp", "tp"}`` a checkpoint was written with (older markers: from its config)."""
+    if "layout" in marker:
+        return {k: int(marker["layout"][k]) for k in ("dp", "sp", "tp")}
+    parallel = (marker.get("config") or {}).get("parallel") or {}
+    sp, tp = int(parallel.get("sp", 1)), int(parallel.get("tp", 1))
+    world = int(marker.get("world_size", sp * tp))
+    return {"dp": int(marker.get("dp_size", world // (sp * tp))), "sp": sp, "tp": tp}
+
+
+def ensure_universal(tag_dir: Path, out_dir: Path | None = None) -> Path:
+    """DeepSpeed's universal form of a complete ZeRO checkpoint, converted once.
+
+    Converts ``tag_dir`` with ``deepspeed.checkpoint.ds_to_universal`` into a temporary sibling
+    and renames it to ``<tag_dir>/universal`` (or ``out_dir``) only when the conversion
+    finished, so an interrupted conversion is never mistaken for a complete one and is simply
+    redone. Runs on one process (no process group); returns the universal directory.
+    """
+    import sys
+
+    tag_dir = Path(tag_dir)
+    target = Path(out_dir) if out_dir is not None else tag_dir / UNIVERSAL
+    if target.is_dir():
+        return target
+    reason = why_incomplete(tag_dir)
+    if reason is not None:
+        raise CheckpointError(f"checkpoint {tag_dir} is not complete ({reason}); refusing to "
+                              f"convert it")
+    if read_marker(tag_dir).get("zero_stage", 3) < 1:
+        raise CheckpointError(f"checkpoint {tag_dir} was written with ZeRO stage 0; DeepSpeed's "
+                              f"universal conversion needs ZeRO-1/2/3 optimizer shards")
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in target.parent.glob(f".{target.name}.tmp*"):  # left by a killed conversion
+        shutil.rmtree(stale, ignore_errors=True)
+    start = time.perf_counter()
+    log.info("converting %s to DeepSpeed's universal format (once; cached in %s)", tag_dir,
+             target)
+    workers = str(max(1, min(4, os.cpu_count() or 1)))
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+           str(tag_dir), "--output_folder", str(tmp), "--num_extract_workers", workers,
+           "--num_merge_workers", "1", "--inject_missing_state"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
+        raise CheckpointError(f"converting {tag_dir} to the universal format failed (exit "
+                              f"{result.returncode}); the checkpoint itself is untouched. "
+                              f"Last output:\n{tail}")
+    (tmp / "CONVERTED.json").write_text(json.dumps(
+        {"source": tag_dir.name, "seconds": round(time.perf_counter() - start, 2)}))
+    os.replace(tmp, target)
+    log.info("universal checkpoint ready in %.1f s: %s", time.perf_counter() - start, target)
+    return target
+
+
+def read_universal_weights(universal_dir: Path) -> dict[str, torch.Tensor]:
+    """Full fp32 parameters of a universal checkpoint (every TP shard merged)."""
+    zero = Path(universal_dir) / "zero"
+    state = {}
+    for param_dir in sorted(p for p in zero.iterdir() if (p / "fp32.pt").is_file()):
+        state[param_dir.name] = torch.load(param_dir / "fp32.pt", map_location="cpu",
+                                           weights_only=False)["param"]
+    if not state:
+        raise CheckpointError(f"{universal_dir}: no parameters under zero/*/fp32.pt")
+    return state
+
+
+# ----------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------
 
 
-def load_training_state(engine, tag_dir: Path, rank: int) -> tuple[dict, dict]:
-    """Load engine (weights, optimizer, scheduler) and this rank's state from a complete tag.
+def load_training_state(engine, tag_dir: Path, rank: int, *, universal: bool = False,
+                        state_rank: int | None = None) -> tuple[dict, dict]:
+    """Load engine (weights, optimizer, scheduler) and one rank's state from a complete tag.
+
+    Args:
+        universal: load ``<tag_dir>/universal`` (see ``ensure_universal``; the engine was built
+            with ``checkpoint.load_universal``): the checkpoint's layout differs from this run's.
+        state_rank: whose ``trainer_state_rank*.pt`` to read (default: ``rank``); on another
+            layout the caller maps this rank to one of the saved ranks.
 
     Returns ``(meta, rank_state)``. Collective (DeepSpeed loads on all ranks).
     """
     tag_dir = Path(tag_dir)
     marker = read_marker(tag_dir)
-    if marker.get("world_size") != tdist.world_size():
+    if not universal and marker.get("world_size") != tdist.world_size():
         raise CheckpointError(
             f"checkpoint {tag_dir} was written by {marker.get('world_size')} ranks, this run "
-            f"has {tdist.world_size()}; resume with the same world size (or convert it with "
-            f"deepspeed.checkpoint.ds_to_universal)")
+            f"has {tdist.world_size()} but was not set up for a resume on another layout")
+    load_dir, tag = (tag_dir, UNIVERSAL) if universal else (tag_dir.parent, tag_dir.name)
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
     try:
         load_path, client_state = engine.load_checkpoint(
-            str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True,
-            load_lr_scheduler_states=True)
+            str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     except Exception as exc:  # noqa: BLE001 - shape mismatches surface as many types
-        raise CheckpointError(f"could not load checkpoint {tag_dir}: {type(exc).__name__}: "
-                              f"{exc}") from exc
+        raise CheckpointError(f"could not load checkpoint {tag_dir}"
+                              f"{' (universal form)' if universal else ''}: "
+                              f"{type(exc).__name__}: {exc}") from exc
+    if universal:
+        _repair_universal_optimizer_state(engine, hyper, tag_dir)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed found no checkpoint at {tag_dir}")
-    state_path = tag_dir / rank_state_name(rank)
+    state_path = tag_dir / rank_state_name(rank if state_rank is None else state_rank)
     try:
         rank_state = torch.load(state_path, map_location="cpu", weights_only=False)
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"could not read {state_path}: {exc}") from exc
     return client_state or marker, rank_state
+
+
+def _repair_universal_optimizer_state(engine, hyper: list[dict], tag_dir: Path) -> None:
+    """Undo two silent errors of DeepSpeed 0.19.8's ZeRO-3 universal load (both would make a
+    resumed run drift away from the saved one without any error):
+
+    - it puts ONE ``step`` tensor into the state of every parameter sub-group, and torch's
+      AdamW increments ``step`` in place once per sub-group, so the bias correction ran
+      ``#groups`` times too fast after the resume: every state gets its own copy;
+    - it copies parameter group 0's hyperparameters onto every group (e.g. weight decay onto
+      the no-decay group): the hyperparameters of the run config, read before the load, are
+      put back.
+    """
+    groups = engine.optimizer.param_groups
+    if len(groups) != len(hyper):
+        raise CheckpointError(f"loading {tag_dir} (universal form) changed the number of "
+                              f"optimizer parameter groups ({len(hyper)} -> {len(groups)})")
+    for group, values in zip(groups, hyper):
+        group.update(values)
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for state in inner.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
 
 
 def load_model_from_checkpoint(path: str | Path, map_dtype: torch.dtype | None = torch.float32
@@ -348,10 +459,17 @@ def load_model_from_checkpoint(path: str | Path, map_dtype: torch.dtype | None =
     meta = read_marker(tag_dir)
     model_cfg = ModelConfig.from_dict(dict(meta["config"]["model"]),
                                       source=f"{tag_dir / MARKER} [model]")
-    if meta.get("zero_stage", 3) >= 1:  # ZeRO-1/2/3: fp32 master weights live in the shards
+    if meta.get("zero_stage", 3) >= 1 and saved_layout(meta)["tp"] > 1:
+        # zero_to_fp32 cannot merge tensor-parallel shards: go through the universal form.
+        state = read_universal_weights(_universal_for_reading(tag_dir))
+    elif meta.get("zero_stage", 3) >= 1:  # ZeRO-1/2/3: fp32 master weights in the shards
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    elif saved_layout(meta)["tp"] > 1:
+        raise CheckpointError(f"{tag_dir}: a ZeRO-0 checkpoint with tensor parallelism holds "
+                              f"only weight shards per file and cannot be consolidated; train "
+                              f"with parallel.zero_stage >= 1 to export tensor-parallel runs")
     else:
         states = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
         if not states:
@@ -360,3 +478,16 @@ def load_model_from_checkpoint(path: str | Path, map_dtype: torch.dtype | None =
     state = {k: (v.to(map_dtype) if map_dtype is not None and v.is_floating_point() else v)
              for k, v in state.items()}
     return model_cfg, state, meta
+
+
+def _universal_for_reading(tag_dir: Path) -> Path:
+    """The cached universal form, converted next to the checkpoint if that directory is
+    writable, else into a temporary directory that lives until the process exits."""
+    if (tag_dir / UNIVERSAL).is_dir() or os.access(tag_dir, os.W_OK):
+        return ensure_universal(tag_dir)
+    import atexit
+    import tempfile
+
+    scratch = Path(tempfile.mkdtemp(prefix="tape-universal-"))
+    atexit.register(shutil.rmtree, scratch, True)
+    return ensure_universal(tag_dir, out_dir=scratch / UNIVERSAL)

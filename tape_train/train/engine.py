@@ -60,8 +60,11 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     return len(model.layers)
 
 
-def build_engine(cfg: RunConfig, model: nn.Module, grid):
+def build_engine(cfg: RunConfig, model: nn.Module, grid, *, load_universal: bool = False):
     """``(engine, optimizer)``; the optimizer is our ``SkippableAdamW`` inside ZeRO.
+
+    ``load_universal``: the engine will load a DeepSpeed universal checkpoint (a resume on
+    another layout); DeepSpeed reads this flag at ``initialize``.
 
     ``model`` has been through ``tape_train.parallel.parallelize(model, grid)``; AutoTP's
     section is merged into the DeepSpeed config here (DeepSpeed shards the Linear layers in
@@ -76,6 +79,8 @@ def build_engine(cfg: RunConfig, model: nn.Module, grid):
         apply_activation_checkpointing(model)
     optimizer = build_optimizer(model, cfg.optim, cfg.train)
     config = {**deepspeed_config(cfg), **deepspeed_config_updates(grid)}
+    if load_universal:
+        config["checkpoint"] = {**config["checkpoint"], "load_universal": True}
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=config, dist_init_required=False)
     verify_engine(engine, grid)

@@ -23,6 +23,7 @@ import torch
 from tape_train.config import RunConfig, diff_configs
 from tape_train.train import checkpoint as ckpt
 from tape_train.train import distributed as tdist
+from tape_train.train import relayout
 from tape_train.train.engine import build_engine, count_target_tokens, forward_backward
 from tape_train.train.metrics import (MetricsWriter, device_peak_tflops, format_summary,
                                       memory_metrics, setup_logging)
@@ -124,9 +125,13 @@ class Trainer:
 
         # Find the checkpoint and compare configs before building anything expensive.
         self._resume_tag = self._find_resume_checkpoint()
+        self._relayout = None
         if self._resume_tag is not None:
-            self._check_config(ckpt.read_marker(self._resume_tag).get("config", {}),
-                               self._resume_tag)
+            marker = ckpt.read_marker(self._resume_tag)
+            self._relayout = relayout.plan(marker, cfg, self.grid)
+            self._check_config(marker, self._resume_tag)
+            if self._relayout is not None and self._relayout.universal:
+                self._convert_to_universal(self._resume_tag)
 
         # Same seed on every rank for the weights (ZeRO partitions each rank's copy), then a
         # per-rank stream for anything stochastic during training.
@@ -135,7 +140,9 @@ class Trainer:
         from tape_train.parallel import parallelize
 
         self.model = parallelize(TransformerLM(cfg.model), self.grid)
-        self.engine, self.optimizer = build_engine(cfg, self.model, self.grid)
+        self.engine, self.optimizer = build_engine(
+            cfg, self.model, self.grid,
+            load_universal=self._relayout is not None and self._relayout.universal)
         seed_everything(cfg.train.seed + 1_000_003 * self.rank)
         self.schedule = LRSchedule.from_config(cfg.train)
         self.dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
@@ -155,6 +162,8 @@ class Trainer:
         self.writer.write("event", self.state.step, {
             "event": "resume" if resumed_from else "start", "checkpoint": resumed_from,
             "world_size": self.dist.world_size, "slurm_restart_count": int(restarts or 0),
+            "layout": relayout.current_layout(self.grid),
+            "relayout_from": self._relayout.saved if resumed_from and self._relayout else None,
             "code_version": ckpt.code_version()})
 
     def _build_loader(self):
@@ -187,7 +196,10 @@ class Trainer:
         tag_dir = self._resume_tag
         if tag_dir is None:
             return None
-        meta, rank_state = ckpt.load_training_state(self.engine, tag_dir, self.rank)
+        moved = self._relayout
+        meta, rank_state = ckpt.load_training_state(
+            self.engine, tag_dir, self.rank, universal=moved is not None and moved.universal,
+            state_rank=relayout.source_rank(moved.saved, self.grid) if moved else self.rank)
         self.state = TrainState(**meta["train_state"])
         ckpt.restore_rng_state(rank_state["rng"])
         if rank_state.get("loader") is not None:
@@ -196,15 +208,46 @@ class Trainer:
         self._last_saved_step = self.state.step
         log.info("resumed from %s at step %d (%d tokens seen)", tag_dir, self.state.step,
                  self.state.tokens_seen)
+        if moved is not None:
+            log.info("resumed on another layout: %s; the global token stream, step, token "
+                     "counters and learning-rate schedule continue (per-rank random streams "
+                     "are re-assigned: see tape_train.train.relayout)", moved.describe())
         return str(tag_dir)
 
-    def _check_config(self, saved: dict, tag_dir: Path) -> None:
-        diffs = diff_configs(saved, self.cfg.to_dict())
+    def _convert_to_universal(self, tag_dir: Path) -> None:
+        """Rank 0 converts the checkpoint (once, cached in the tag) while the others wait; a
+        failure is raised on every rank."""
+        error = None
+        if self.rank == 0:
+            try:
+                ckpt.ensure_universal(tag_dir)
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                error = exc
+        if tdist.all_reduce_max_int(1 if error is not None else 0):
+            if error is not None:
+                raise error if isinstance(error, ckpt.CheckpointError) else ckpt.CheckpointError(
+                    f"converting {tag_dir} to the universal format failed: {error}") from error
+            raise ckpt.CheckpointError(f"converting {tag_dir} to the universal format failed "
+                                       f"on rank 0 (see its log)")
+
+    def _check_config(self, marker: dict, tag_dir: Path) -> None:
+        diffs = diff_configs(marker.get("config", {}), self.cfg.to_dict())
+        protected = protected_differences(diffs)
+        layout_keys = [k for k in protected if k.startswith(relayout.LAYOUT_KEYS)]
+        if layout_keys or self._relayout is not None:
+            # Layout and batch geometry may change if the run continues the same way.
+            found = relayout.problems(marker, self.cfg, self.grid)
+            if found and not self.allow_config_change:
+                where = self._relayout.describe() if self._relayout else "same layout"
+                raise ckpt.CheckpointError(
+                    f"refusing to resume from {tag_dir} ({where}): " + "; ".join(found)
+                    + ". Pass --allow-config-change to resume anyway (the run then differs "
+                      "from the one that was saved)")
+            protected = [k for k in protected if k not in layout_keys]
         if not diffs:
             return
         lines = "\n".join(f"  {k}: {old!r} -> {new!r}" for k, old, new in diffs)
         log.warning("config differs from checkpoint %s:\n%s", tag_dir, lines)
-        protected = protected_differences(diffs)
         if protected and not self.allow_config_change:
             raise ckpt.CheckpointError(
                 f"refusing to resume from {tag_dir}: these changes would corrupt the run: "
@@ -429,6 +472,7 @@ class Trainer:
             "tokens_seen": self.state.tokens_seen,
             "world_size": self.dist.world_size,
             "dp_size": self.dp_size,
+            "layout": relayout.current_layout(self.grid),
             "zero_stage": self.cfg.parallel.zero_stage,
             "dtype": self.cfg.train.dtype,
             "config": self.cfg.to_dict(),

@@ -62,13 +62,16 @@ class SyntheticLoader:
                 "labels": torch.stack([r[1] for r in rows])}
 
     def state_dict(self) -> dict:
-        return {"position": self.position, "dp_rank": self.dp_rank, "dp_size": self.dp_size}
+        """Taken at optimizer-step boundaries: the stream is indexed by (step, global batch),
+        so the state does not depend on the rank or the layout."""
+        return {"steps": self.position // self.gas, "global_batch": self.b * self.gas * self.dp_size}
 
     def load_state_dict(self, state: dict, allow_mismatch: bool = False) -> None:
-        if (state["dp_rank"], state["dp_size"]) != (self.dp_rank, self.dp_size) and not allow_mismatch:
-            raise ValueError(f"synthetic loader state is for dp rank {state['dp_rank']}/"
-                             f"{state['dp_size']}, this is {self.dp_rank}/{self.dp_size}")
-        self.position = int(state["position"])
+        global_batch = self.b * self.gas * self.dp_size
+        if state["global_batch"] != global_batch and not allow_mismatch:
+            raise ValueError(f"synthetic loader state is for a global batch of "
+                             f"{state['global_batch']} samples, this run's is {global_batch}")
+        self.position = int(state["steps"]) * self.gas
 
 
 def synthetic_eval_documents(vocab_size: int, num_documents: int, length: int, seed: int):

@@ -1,0 +1,114 @@
+"""Resuming a checkpoint on another parallel layout (dp, sp, tp): what is allowed, and how.
+
+A run saved on 64 GPUs can continue on 32, or with another TP/SP split. What continues
+exactly:
+
+- weights and AdamW moments: DeepSpeed's universal checkpoint (``checkpoint.ensure_universal``,
+  converted once and cached inside the tag) re-partitions them for the new layout;
+- step, token counters and the learning-rate schedule: ours, in the checkpoint metadata;
+- the global token stream, when the global batch (micro_batch_size × grad_accum_steps × dp, in
+  sequences) is unchanged and either dp is unchanged or ``data.sharding: global`` (whose stream
+  does not depend on the number of ranks). ``micro_batch_size`` and ``grad_accum_steps`` may
+  change for that purpose (e.g. dp 2 → 1 with grad_accum_steps 1 → 2).
+
+What cannot continue exactly: per-process random streams. Each new rank continues the RNG of
+the saved rank holding its data-parallel coordinate (only RandPE and TAPE's
+``tape_train_offset`` draw random numbers in training), so those two encodings resume on a
+deterministic but different random stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Config keys a layout change may legitimately change (checked by ``problems`` instead).
+LAYOUT_KEYS = ("parallel.dp", "parallel.sp", "parallel.tp", "train.micro_batch_size",
+               "train.grad_accum_steps")
+
+
+@dataclass(frozen=True)
+class Relayout:
+    """A resume whose layout differs from the checkpoint's.
+
+    Attributes:
+        saved / current: ``{"dp", "sp", "tp"}``.
+        universal: load through DeepSpeed's universal form (ZeRO-1/2/3); ZeRO-0 checkpoints
+            hold whole replicated weights per tensor-parallel rank and load directly when only
+            dp or sp change.
+    """
+
+    saved: dict
+    current: dict
+    universal: bool
+
+    def describe(self) -> str:
+        fmt = lambda d: f"dp={d['dp']} sp={d['sp']} tp={d['tp']}"  # noqa: E731
+        route = "DeepSpeed universal checkpoint" if self.universal else "direct load"
+        return f"{fmt(self.saved)} -> {fmt(self.current)} ({route})"
+
+
+def current_layout(grid) -> dict[str, int]:
+    return {"dp": grid.dp, "sp": grid.sp, "tp": grid.tp}
+
+
+def plan(marker: dict, cfg, grid) -> Relayout | None:
+    """``None`` when the checkpoint described by ``marker`` has this run's layout."""
+    from tape_train.train.checkpoint import saved_layout
+
+    saved, current = saved_layout(marker), current_layout(grid)
+    if saved == current:
+        return None
+    return Relayout(saved, current, universal=int(marker.get("zero_stage", 3)) >= 1)
+
+
+def global_batch(train: dict, dp: int) -> int:
+    """Sequences per optimizer step over all data-parallel ranks."""
+    return int(train.get("micro_batch_size", 1)) * int(train.get("grad_accum_steps", 1)) * dp
+
+
+def problems(marker: dict, cfg, grid) -> list[str]:
+    """Why resuming this checkpoint with ``cfg`` on ``grid`` would not continue the same run
+    (empty: it would). Covers layout and batch-geometry changes only; other config keys are
+    compared by the trainer."""
+    from tape_train.train.checkpoint import saved_layout
+
+    saved, current = saved_layout(marker), current_layout(grid)
+    saved_cfg = marker.get("config") or {}
+    saved_train = saved_cfg.get("train") or {}
+    now_train = {"micro_batch_size": cfg.train.micro_batch_size,
+                 "grad_accum_steps": cfg.train.grad_accum_steps}
+    found = []
+    before, after = global_batch(saved_train, saved["dp"]), global_batch(now_train, current["dp"])
+    if before != after:
+        per_step = cfg.train.micro_batch_size * current["dp"]
+        fix = (f"; set train.grad_accum_steps={before // per_step} to keep it"
+               if before % per_step == 0 else
+               f"; no train.grad_accum_steps keeps it at train.micro_batch_size="
+               f"{cfg.train.micro_batch_size} and dp={current['dp']}")
+        found.append(
+            f"the global batch changes from {before} to {after} sequences "
+            f"(train.micro_batch_size × train.grad_accum_steps × dp = "
+            f"{saved_train.get('micro_batch_size')} × {saved_train.get('grad_accum_steps')} × "
+            f"{saved['dp']} then, {now_train['micro_batch_size']} × "
+            f"{now_train['grad_accum_steps']} × {current['dp']} now){fix}")
+    synthetic = bool(saved_train.get("synthetic_data"))
+    sharding = (saved_cfg.get("data") or {}).get("sharding", "documents")
+    if saved["dp"] != current["dp"] and not synthetic and sharding != "global":
+        found.append(f"data.sharding={sharding!r} ties the token stream to the number of "
+                     f"data-parallel ranks (saved dp={saved['dp']}, now dp={current['dp']}); "
+                     f"resume at dp={saved['dp']}, or train with data.sharding: global to be "
+                     f"able to change it")
+    zero_stage = int(marker.get("zero_stage", 3))
+    if zero_stage == 0 and saved["tp"] != current["tp"]:
+        found.append(f"a ZeRO-0 checkpoint stores one weight shard per tensor-parallel rank "
+                     f"and cannot be re-split (saved tp={saved['tp']}, now tp={current['tp']}); "
+                     f"DeepSpeed's universal conversion needs ZeRO-1/2/3")
+    return found
+
+
+def source_rank(saved: dict, grid) -> int:
+    """The saved rank whose trainer state (data-loader position, RNG) this rank continues:
+    the one at data-parallel coordinate ``grid.dp_rank mod saved dp``, sp = tp = 0. Its loader
+    state is the right one for ``documents`` sharding at the same dp, and equals every other
+    rank's in ``global`` sharding (the global position after a step is rank-independent)."""
+    return (grid.dp_rank % saved["dp"]) * saved["sp"] * saved["tp"]
