@@ -63,10 +63,11 @@ def aggregate(report: dict) -> dict[str, dict[tuple[str, int], list[float]]]:
     return table
 
 
-def cell(values: list[float]) -> str:
+def cell(values: list[float], digits: int = 2) -> str:
     if len(values) == 1:
-        return f"{values[0]:.2f}"
-    return f"{statistics.mean(values):.2f} ± {(max(values) - min(values)) / 2:.2f}"
+        return f"{values[0]:.{digits}f}"
+    return (f"{statistics.mean(values):.{digits}f} ± "
+            f"{(max(values) - min(values)) / 2:.{digits}f}")
 
 
 def plot(table, lengths, protocols, train_len, path: Path) -> None:
@@ -96,19 +97,17 @@ def plot(table, lengths, protocols, train_len, path: Path) -> None:
 
 
 def run_summary(run_dir: Path) -> dict:
-    """Final loss, median throughput and wall-clock time of one run, from its metrics log."""
+    """Final loss, steps and tokens of one run, from its metrics log."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                if line.strip()]
     train_records = [r for r in records if r.get("kind") == "train"]
     if not train_records:
         raise SystemExit(f"{run_dir / 'metrics.jsonl'}: no training steps logged")
     return {"loss": statistics.mean(r["loss"] for r in train_records[-20:]),
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train_records),
-            "minutes": (records[-1]["time"] - records[0]["time"]) / 60,
-            "steps": train_records[-1]["step"]}
+            "steps": train_records[-1]["step"], "tokens": train_records[-1]["tokens_seen"]}
 
 
-def write_results(exp, table, timings, out_dir: Path, results_md: Path) -> None:
+def write_results(exp, table, summaries, out_dir: Path, results_md: Path) -> None:
     ev = exp["eval"]
     lengths, protocols = ev["lengths"], ev["protocols"]
     train_len = int(exp["train_overrides"]["train.seq_len"])
@@ -123,19 +122,28 @@ def write_results(exp, table, timings, out_dir: Path, results_md: Path) -> None:
              "`python benchmarks/length_extrapolation.py`.", "",
              f"![perplexity vs context length]({os.path.relpath(plot_path, results_md.parent)})",
              ""]
+    longest = lengths[-1]
     for protocol in protocols:
         lines += [f"## {protocol}", "", "| encoding | " + " | ".join(f"L={n}" for n in lengths)
-                  + " |", "|---|" + "---:|" * len(lengths)]
+                  + f" | ppl(L={longest}) / ppl(L={train_len}) |",
+                  "|---|" + "---:|" * (len(lengths) + 1)]
         for pe, cells in table.items():
+            growth = [hi / lo for hi, lo in zip(cells[(protocol, longest)],
+                                                cells[(protocol, train_len)])]
             lines.append(f"| {pe} | " + " | ".join(cell(cells[(protocol, n)]) for n in lengths)
-                         + " |")
+                         + f" | {cell(growth, 3)} |")
         lines.append("")
-    lines += ["## Training runs (this machine)", "",
-              "| run | final loss (mean of last 20 steps) | median tokens/s | wall-clock minutes |",
+    lines += [f"The last column is the extrapolation in one number: below 1, the model uses "
+              f"the context beyond its training length; above 1, it degrades there.", "",
+              f"Held-out text: {ev.get('data_note', 'see the experiment config')}.", ""]
+    lines += ["## Training runs", "",
+              "Same data order, token budget and schedule for every run; throughput per "
+              "encoding is measured separately, on an idle machine, in "
+              "[benchmarks.md](benchmarks.md).", "",
+              "| run | steps | tokens | final training loss (mean of the last 20 steps) |",
               "|---|---:|---:|---:|"]
-    for name, t in timings.items():
-        lines.append(f"| {name} | {t['loss']:.3f} | {t['tokens_per_s']:.0f} | "
-                     f"{t['minutes']:.1f} |")
+    for name, t in summaries.items():
+        lines.append(f"| {name} | {t['steps']} | {t['tokens']:,} | {t['loss']:.3f} |")
     results_md.write_text("\n".join(lines) + "\n")
     print(f"wrote {results_md} and {plot_path}")
 
@@ -148,6 +156,8 @@ def main() -> int:
     parser.add_argument("--run-root", help="override run_root")
     parser.add_argument("--results", default="docs/results.md")
     parser.add_argument("--skip-train", action="store_true", help="evaluate existing runs only")
+    parser.add_argument("--skip-eval", action="store_true",
+                        help="rewrite the results from the last evaluation's eval.json")
     parser.add_argument("--eval-max-tokens", type=int, help="override eval.max_tokens (smoke runs)")
     parser.add_argument("--out-dir", help="override out_dir (plots and eval outputs)")
     args = parser.parse_args()
@@ -166,9 +176,12 @@ def main() -> int:
     if not args.skip_train:
         for pe, seed in runs:
             train(exp, pe, seed, run_root / f"{pe}-seed{seed}", extra)
-    timings = {f"{pe}-seed{seed}": run_summary(run_root / f"{pe}-seed{seed}") for pe, seed in runs}
-    report = evaluate(exp, runs, run_root, out_dir / "eval")
-    write_results(exp, aggregate(report), timings, out_dir, ROOT / args.results)
+    summaries = {f"{pe}-seed{seed}": run_summary(run_root / f"{pe}-seed{seed}") for pe, seed in runs}
+    if args.skip_eval:
+        report = json.loads((out_dir / "eval" / "eval.json").read_text())
+    else:
+        report = evaluate(exp, runs, run_root, out_dir / "eval")
+    write_results(exp, aggregate(report), summaries, out_dir, ROOT / args.results)
     return 0
 
 
