@@ -22,7 +22,6 @@ override) and the full dotted key, with a did-you-mean suggestion.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any, Literal
 
 import yaml
 
+from tape_train.hints import did_you_mean
 from tape_train.model.config import ModelConfig, load_model_config
 
 SECTIONS = ("model", "data", "eval", "train", "optim", "checkpoint", "parallel", "logging")
@@ -458,9 +458,7 @@ def _type_name(hint: Any) -> str:
 def _choice_hint(value: Any, hint: Any) -> str:
     choices = [a for a in typing.get_args(hint) if isinstance(a, str)]
     if typing.get_origin(hint) is Literal and isinstance(value, str):
-        close = difflib.get_close_matches(value, choices, 1)
-        if close:
-            return f" (did you mean {close[0]!r}?)"
+        return did_you_mean(value, choices)
     return ""
 
 
@@ -503,8 +501,7 @@ def _check_unknown(mapping: dict, known: Any, prefix: str, source: str, lines: d
         if key in known:
             continue
         full = f"{prefix}{key}"
-        close = difflib.get_close_matches(str(key), known, 1, cutoff=0.5)
-        hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+        hint = did_you_mean(key, known, prefix, cutoff=0.5)
         raise ConfigError(f"{_where(source, lines, full)}: unknown key '{full}'{hint}; valid "
                           f"keys{' under ' + prefix.rstrip('.') if prefix else ''}: "
                           f"{', '.join(known)}")

@@ -53,5 +53,5 @@ def test_bare_string_source_is_a_path():
 
 
 def test_unknown_named_config():
-    with pytest.raises(DataError, match="named configs: .*demo"):
+    with pytest.raises(DataError, match="named data configs: .*demo"):
         load_data_config("no-such-config")

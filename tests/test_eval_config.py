@@ -20,8 +20,8 @@ def test_defaults_resolve_to_multiples_of_the_training_length():
 
 
 @pytest.mark.parametrize("data,message", [
-    ({"lenghts": [1]}, r"eval\.lenghts \(did you mean eval\.lengths\?\)"),
-    ({"max_token": 5}, r"eval\.max_token \(did you mean eval\.max_tokens\?\)"),
+    ({"lenghts": [1]}, r"'eval\.lenghts' \(did you mean 'eval\.lengths'\?\)"),
+    ({"max_token": 5}, r"'eval\.max_token' \(did you mean 'eval\.max_tokens'\?\)"),
     ({"interval": -1}, r"eval\.interval must be an integer >= 0, got -1"),
     ({"lengths": [128, 0]}, r"eval\.lengths\[1\] must be a positive integer, got 0"),
     ({"lengths": [128, 128]}, r"eval\.lengths has duplicates: \[128\]"),

@@ -65,7 +65,7 @@ def test_unknown_yaml_key_and_missing_size(tmp_path):
     bad.write_text("hidden_size: 64\nnum_haeds: 4\n")
     with pytest.raises(ValueError, match=r"m.yaml: unknown model key.*'num_haeds' .did you mean 'num_heads'"):
         load_model_config(str(bad))
-    with pytest.raises(FileNotFoundError, match="named sizes: .*tiny"):
+    with pytest.raises(FileNotFoundError, match="named model configs: .*tiny"):
         load_model_config("13b")
 
 

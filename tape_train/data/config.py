@@ -8,11 +8,10 @@ loader is built, so a default ``DataConfig()`` is always constructible.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
+from tape_train.hints import choice_error, read_named_yaml, unknown_keys
 
 SHARDING_MODES = ("documents", "global")
 DATA_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "data"
@@ -23,11 +22,8 @@ class DataError(ValueError):
 
 
 def _unknown_keys_error(where: str, unknown: list[str], known: set[str]) -> str:
-    hints = []
-    for key in unknown:
-        close = difflib.get_close_matches(key, sorted(known), 1)
-        hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
-    return f"{where}: unknown key(s) {', '.join(hints)}; known keys: {', '.join(sorted(known))}"
+    return (f"{where}: unknown key(s) {unknown_keys(unknown, known)}; known keys: "
+            f"{', '.join(sorted(known))}")
 
 
 @dataclass
@@ -195,10 +191,7 @@ class DataConfig:
             if not isinstance(getattr(self, key), bool):
                 raise DataError(f"data.{key} must be true or false, got {getattr(self, key)!r}")
         if self.sharding not in SHARDING_MODES:
-            close = difflib.get_close_matches(str(self.sharding), SHARDING_MODES, 1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise DataError(f"data.sharding={self.sharding!r} is not one of "
-                            f"{', '.join(SHARDING_MODES)}{hint}")
+            raise DataError(choice_error("data.sharding", self.sharding, SHARDING_MODES))
 
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -230,16 +223,6 @@ def _positive_int(value: object) -> bool:
 
 def load_data_config(name_or_path: str, **overrides) -> DataConfig:
     """A named config from ``configs/data/<name>.yaml`` or a YAML file path, plus overrides."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = DATA_CONFIG_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
-        names = sorted(p.stem for p in DATA_CONFIG_DIR.glob("*.yaml"))
-        raise DataError(f"data config {name_or_path!r} not found (looked for {path}); "
-                        f"named configs: {', '.join(names)}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise DataError(f"{path}: not valid YAML: {exc}") from None
+    path, data = read_named_yaml(name_or_path, DATA_CONFIG_DIR, "data", DataError)
     data.update(overrides)
     return DataConfig.from_dict(data, source=str(path))

@@ -7,8 +7,9 @@ Every error names the offending key as ``eval.<field>`` so a bad YAML value or d
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass, field
+
+from tape_train.hints import choice_error, unknown_keys
 
 PROTOCOLS = ("nonoverlap", "sliding")
 # How many multiples of the training length the default schedule evaluates (L, 2L, 4L, 8L).
@@ -72,7 +73,7 @@ class EvalConfig:
             raise ValueError(f"eval.protocols is empty: choose from {', '.join(PROTOCOLS)}")
         for i, protocol in enumerate(self.protocols):
             if protocol not in PROTOCOLS:
-                raise ValueError(_choice_error(f"eval.protocols[{i}]", protocol, PROTOCOLS))
+                raise ValueError(choice_error(f"eval.protocols[{i}]", protocol, PROTOCOLS))
         if len(set(self.protocols)) != len(self.protocols):
             raise ValueError(f"eval.protocols has duplicates: {self.protocols}")
         if self.lengths is not None:
@@ -112,12 +113,7 @@ class EvalConfig:
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(data) - set(known))
         if unknown:
-            hints = []
-            for key in unknown:
-                close = difflib.get_close_matches(str(key), known, 1)
-                hints.append(f"eval.{key} (did you mean eval.{close[0]}?)" if close
-                             else f"eval.{key}")
-            raise ValueError(f"{source}: unknown key(s) {', '.join(hints)}; "
+            raise ValueError(f"{source}: unknown key(s) {unknown_keys(unknown, known, 'eval.')}; "
                              f"known: {', '.join(known)}")
         try:
             return cls(**data)
@@ -144,8 +140,3 @@ def _check_int(key: str, value: object, *, minimum: int) -> None:
         bound = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise ValueError(f"eval.{key} must be {bound}, got {value!r}")
 
-
-def _choice_error(key: str, value: object, choices: tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(str(value), choices, 1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"{key}={value!r} is not one of {', '.join(choices)}{hint}"

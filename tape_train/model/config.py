@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
+from tape_train.hints import choice_error, read_named_yaml, unknown_keys
 
 POSITIONAL_ENCODINGS = ("tape", "rope", "nope", "alibi", "randpe", "fire", "xpos", "t5")
 ROTARY_ENCODINGS = ("tape", "rope", "randpe", "xpos")
@@ -86,12 +86,12 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"model.{key} must be a positive integer, got {value!r}")
         if self.pe not in POSITIONAL_ENCODINGS:
-            raise ValueError(_choice_error("model.pe", self.pe, POSITIONAL_ENCODINGS))
+            raise ValueError(choice_error("model.pe", self.pe, POSITIONAL_ENCODINGS))
         if self.attn_backend not in ATTENTION_BACKENDS:
-            raise ValueError(_choice_error("model.attn_backend", self.attn_backend,
+            raise ValueError(choice_error("model.attn_backend", self.attn_backend,
                                            ATTENTION_BACKENDS))
         if self.tape_post_attn not in ("headmix", "rowsum"):
-            raise ValueError(_choice_error("model.tape_post_attn", self.tape_post_attn,
+            raise ValueError(choice_error("model.tape_post_attn", self.tape_post_attn,
                                            ("headmix", "rowsum")))
         if self.hidden_size % self.num_heads:
             raise ValueError(f"model.hidden_size ({self.hidden_size}) must be divisible by "
@@ -124,32 +124,15 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            import difflib
-
-            hints = [f"{u!r} (did you mean {difflib.get_close_matches(u, known, 1)[0]!r}?)"
-                     if difflib.get_close_matches(u, known, 1) else repr(u) for u in unknown]
-            raise ValueError(f"{source}: unknown model key(s) {', '.join(hints)}")
+            raise ValueError(f"{source}: unknown model key(s) {unknown_keys(unknown, known)}")
         return cls(**data)
 
 
 def load_model_config(name_or_path: str, **overrides) -> ModelConfig:
     """A named size from ``configs/model/<name>.yaml`` or a YAML file path, plus overrides."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = MODEL_CONFIG_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
-        names = sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.yaml"))
-        raise FileNotFoundError(f"model config {name_or_path!r} not found (looked for {path}); "
-                                f"named sizes: {', '.join(names)}")
-    data = yaml.safe_load(path.read_text()) or {}
+    path, data = read_named_yaml(name_or_path, MODEL_CONFIG_DIR, "model", ValueError,
+                                 missing=FileNotFoundError)
     data.setdefault("name", path.stem)
     data.update(overrides)
     return ModelConfig.from_dict(data, source=str(path))
 
-
-def _choice_error(key: str, value: object, choices: tuple[str, ...]) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(str(value), choices, 1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"{key}={value!r} is not one of {', '.join(choices)}{hint}"

@@ -1,0 +1,52 @@
+"""Error-message helpers shared by every config module: did-you-mean suggestions and named
+YAML configs (``configs/<kind>/<name>.yaml`` or a path)."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from pathlib import Path
+
+import yaml
+
+
+def did_you_mean(value: object, choices: Iterable, prefix: str = "", cutoff: float = 0.6) -> str:
+    """``" (did you mean '<prefix><closest>'?)"``, or ``""`` when nothing is close."""
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], 1, cutoff)
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+
+
+def choice_error(key: str, value: object, choices: Iterable[str]) -> str:
+    """``"<key>=<value> is not one of a, b (did you mean 'a'?)"``."""
+    choices = list(choices)
+    return f"{key}={value!r} is not one of {', '.join(choices)}{did_you_mean(value, choices)}"
+
+
+def unknown_keys(unknown: Iterable, known: Iterable, prefix: str = "") -> str:
+    """``"'<prefix>x' (did you mean '<prefix>y'?), '<prefix>z'"`` for the unknown keys."""
+    known = sorted(str(k) for k in known)
+    return ", ".join(f"'{prefix}{key}'{did_you_mean(key, known, prefix)}" for key in unknown)
+
+
+def read_named_yaml(name_or_path: str, directory: Path, kind: str,
+                    error: type[Exception], missing: type[Exception] | None = None
+                    ) -> tuple[Path, dict]:
+    """``(path, mapping)`` of ``<directory>/<name>.yaml`` for a bare name, else of the path.
+
+    Raises ``missing`` (default ``error``) naming the path and the available names when the
+    file does not exist, ``error`` naming the file for invalid YAML or a non-mapping.
+    """
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = directory / f"{name_or_path}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in directory.glob("*.yaml"))
+        raise (missing or error)(f"{kind} config {name_or_path!r} not found (looked for {path}); named "
+                    f"{kind} configs: {', '.join(names)}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise error(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a mapping of keys, got {type(data).__name__}")
+    return path, data
