@@ -1,0 +1,102 @@
+"""``benchmarks/run.py --quick`` end to end on a shrunken model: every part runs in its own
+processes and the JSON, Markdown and PNGs come out with sane numbers. Slow-ish (~30 s on 2
+quiet cores): it spawns three trainers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "run.py"
+SHRINK = ["model.num_layers=2", "model.vocab_size=512"]
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_quick_run_writes_a_consistent_report(tmp_path):
+    from tape_train.config import load_run_config
+    from tape_train.model.flops import training_flops_per_token
+
+    out = tmp_path / "docs"
+    proc = _run("--quick", "--out-dir", str(out), "--work-dir", str(tmp_path),
+                "--encodings", "tape", "rope", "--seq-lens", "64", "--tokens-per-step", "128",
+                "--steps", "2", "--checkpoint-reps", "2", "--stdlib-text",
+                "--data-megabytes", "0.3", "--set", *SHRINK)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[training] N=64 round 1/1" in proc.stdout  # progress lines as it goes
+    report = json.loads((out / "benchmarks" / "benchmarks.json").read_text())
+    assert set(report) >= {"command", "machine", "load_average", "elapsed_s", "data",
+                           "checkpoint", "training"}
+    assert {"cpu", "logical_cpus", "torch", "date"} <= set(report["machine"])
+
+    training = report["training"]
+    assert 0 < training["gemm_peak_tflops"] < 100
+    assert [(r["pe"], r["seq_len"], r["micro_batch"]) for r in training["rows"]] == [
+        ("tape", 64, 2), ("rope", 64, 2)]
+    for row in training["rows"]:
+        assert len(row["step_times_s"]) == len(row["preemptions_per_step"]) == 2
+        assert row["step_s"] > 0
+        assert row["tokens_per_s"] == pytest.approx(128 / row["step_s"])
+        assert 0 < row["mfu"] < 1
+        assert row["peak_rss_mib"] >= row["setup_peak_rss_mib"] > 50
+        # FLOPs come from the one FLOP model, for the config that actually ran.
+        cfg = load_run_config(ROOT / "configs/train/demo.yaml",
+                              [f"model.pe={row['pe']}", *SHRINK]).model
+        assert row["flops_per_token"] == training_flops_per_token(cfg, 64)
+    [ratio] = training["tape_vs_rope"]
+    tape, rope = training["rows"]
+    assert ratio["time_ratio"] == pytest.approx(tape["step_s"] / rope["step_s"])
+    assert ratio["flop_ratio"] == pytest.approx(tape["flops_per_token"] / rope["flops_per_token"])
+    assert ratio["flop_ratio"] > 1  # TAPE does more work than RoPE
+
+    data = report["data"]
+    assert data["raw_tokens_per_s"] > 0 and data["pipeline_tokens_per_s"] > 0
+
+    ckpt = report["checkpoint"]
+    assert [r["raw_first"] for r in ckpt["reps"]] == [False, True]  # the order alternates
+    for rep in ckpt["reps"]:
+        assert rep["bytes"] > 1e6 and rep["files"] >= 2  # DeepSpeed's shards and our state
+        assert rep["raw_bytes"] == pytest.approx(rep["bytes"], rel=1e-3)  # as many bytes raw
+    for key in ("save_gbps", "save_durable_gbps", "raw_write_gbps", "raw_write_durable_gbps",
+                "load_gbps", "raw_read_gbps"):
+        assert ckpt[key] > 0, key
+
+    md = (out / "benchmarks.md").read_text()
+    assert "python benchmarks/run.py --quick" in md and "| tape |" in md
+    for section in ("## Training throughput", "### TAPE vs RoPE", "## Peak memory",
+                    "## Data pipeline", "## Checkpoint save and load"):
+        assert section in md
+    for png in ("throughput.png", "memory.png"):
+        assert (out / "benchmarks" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob("tape-bench-*"))  # scratch removed after success
+
+
+def test_bad_request_fails_before_measuring(tmp_path):
+    proc = _run("--quick", "--out-dir", str(tmp_path), "--seq-lens", "96",
+                "--tokens-per-step", "128", timeout=60)
+    assert proc.returncode == 2
+    assert "not a positive multiple of N=96" in proc.stderr
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the failure injected is 'no CUDA'")
+def test_worker_failure_is_reported_with_its_traceback(tmp_path):
+    # Valid config, but the trainer cannot start on this machine: the child's error must reach
+    # the parent's stderr with the traceback and the log's path, and nothing is written.
+    proc = _run("--quick", "--parts", "checkpoint", "--out-dir", str(tmp_path / "docs"),
+                "--work-dir", str(tmp_path), "--set", "train.device=cuda", timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "checkpoint worker (tiny) failed" in proc.stderr
+    assert "torch.cuda.is_available() is False" in proc.stderr
+    assert "checkpoint.log" in proc.stderr and "scratch kept" in proc.stderr
+    assert not (tmp_path / "docs").exists()
