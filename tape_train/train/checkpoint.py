@@ -239,6 +239,10 @@ def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
         try:
             buffer = _serialize(rank_state)
             _write_atomic(tag_dir / rank_state_name(rank), buffer)
+            # DeepSpeed's torch.save does not fsync its shards: flush this node's dirty pages
+            # so that the marker, written after every rank returns here, never vouches for
+            # shards that a crash could still lose.
+            os.sync()
         except Exception as exc:  # noqa: BLE001
             error = exc
     failed_ranks = tdist.all_reduce_max_int(1 if error is not None else 0)
