@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench extrapolation clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,10 @@ demo: $(STAMP)
 	bash launch/demo.sh
 
 bench: $(STAMP)
-	$(PY) benchmarks/model_throughput.py
+	$(PY) benchmarks/run.py
+
+extrapolation: $(STAMP)
+	$(PY) benchmarks/length_extrapolation.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
