@@ -144,6 +144,9 @@ def write_results(exp, table, summaries, out_dir: Path, results_md: Path) -> Non
               "|---|---:|---:|---:|"]
     for name, t in summaries.items():
         lines.append(f"| {name} | {t['steps']} | {t['tokens']:,} | {t['loss']:.3f} |")
+    notes = out_dir / "notes.md"  # the human reading of the numbers, kept across re-runs
+    if notes.is_file():
+        lines += ["", notes.read_text().rstrip()]
     results_md.write_text("\n".join(lines) + "\n")
     print(f"wrote {results_md} and {plot_path}")
 
