@@ -96,6 +96,10 @@ def render_markdown(report: dict) -> str:
            "machine; ratios measured side by side are less affected."
            if max(load["start"][0], load["end"][0]) > 0.5 * m["logical_cpus"] else "") + "\n",
     ]
+    for rerun in report.get("updates", []):
+        out.append(f"Re-measured later, the rest of the report unchanged: "
+                   f"{', '.join(rerun['parts'])} by `{rerun['command']}` on {rerun['date']} "
+                   f"(load average {rerun['load_average'][0]:.1f}).\n")
     for key, render in (("training", _training_md), ("data", _data_md),
                         ("checkpoint", _checkpoint_md)):
         if key in report:
@@ -160,7 +164,8 @@ def _data_md(report: dict) -> str:
     rows = [["raw sentencepiece `encode` (tokens/s per core)", f"{d['raw_tokens_per_s']:,.0f}"],
             ["full pipeline, no prefetch (tokens/s per core)",
              f"{d['pipeline_tokens_per_s']:,.0f}"],
-            ["pipeline overhead over raw encode (target ≤ 20 %)", f"{100 * d['overhead']:+.1f} %"]]
+            ["pipeline overhead over raw encode, median of back-to-back pairs (target ≤ 20 %)",
+             f"{100 * d['overhead']:+.1f} %"]]
     if "train_tokens_per_s" in d:
         rows += [["`tiny` fp32 plain training, 1 thread (tokens/s)",
                   f"{d['train_tokens_per_s']:,.0f}"],

@@ -76,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="scratch (run dirs, checkpoints, logs); its filesystem is the one the "
                         "checkpoint I/O measures (default: the system temp dir)")
     p.add_argument("--keep-work-dir", action="store_true")
+    p.add_argument("--update", action="store_true",
+                   help="re-measure only --parts and merge them into the existing report in "
+                        "--out-dir (e.g. one part that a busy machine disturbed)")
     p.add_argument("--recipe", type=Path, default=ROOT / "configs" / "train" / "demo.yaml")
     p.add_argument("--model", default="tiny", help="model size for the training part")
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
@@ -115,6 +118,9 @@ def check_args(args) -> None:
     from tape_train.model import POSITIONAL_ENCODINGS, load_model_config
     from tape_train.model.flops import count_parameters
 
+    if args.update and not (args.out_dir / "benchmarks" / "benchmarks.json").is_file():
+        raise BenchmarkError(f"--update: no report to update in {args.out_dir} "
+                             f"(benchmarks/benchmarks.json); run without --update first")
     if args.encodings is None:
         args.encodings = list(POSITIONAL_ENCODINGS)
     unknown = [pe for pe in args.encodings if pe not in POSITIONAL_ENCODINGS]
@@ -350,6 +356,21 @@ def machine_info() -> dict:
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
+def merge_into_existing(report: dict, args) -> dict:
+    """The report in ``--out-dir`` with the parts just measured replaced, and the update
+    recorded (command, date, load) so the page says which numbers are from which run."""
+    path = args.out_dir / "benchmarks" / "benchmarks.json"
+    if not path.is_file():
+        raise BenchmarkError(f"--update: no report to update at {path}")
+    merged = json.loads(path.read_text())
+    for part in args.parts:
+        merged[part] = report[part]
+    merged.setdefault("updates", []).append(
+        {"parts": list(args.parts), "command": args.command, "date": report["machine"]["date"],
+         "load_average": report["load_average"]["end"]})
+    return merged
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -375,6 +396,8 @@ def main(argv=None) -> int:
         return 1
     report["load_average"]["end"] = os.getloadavg()
     report["elapsed_s"] = time.perf_counter() - start
+    if args.update:
+        report = merge_into_existing(report, args)
     written = write_report(report, args.out_dir)
     if not args.keep_work_dir:
         shutil.rmtree(work, ignore_errors=True)
