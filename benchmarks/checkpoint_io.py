@@ -160,7 +160,9 @@ def measure_checkpoint(args, work: Path) -> dict:
     summary.update(save_vs_raw=summary["save_durable_gbps"] / summary["raw_write_durable_gbps"],
                    load_vs_raw=summary["load_gbps"] / summary["raw_read_gbps"])
     return {"model": args.checkpoint_model, "overrides": args.set,
-            "directory": str(run_dir / "checkpoints"),
+            # Where, without this machine's paths: the filesystem is what the I/O measures.
+            "directory": "scratch directory on the filesystem of "
+                         + ("the system temp dir" if args.work_dir is None else "--work-dir"),
             "zero_stage": cfg.parallel.zero_stage, "dtype": cfg.train.dtype,
             "bytes": reps[-1]["bytes"],
             "reads": "cold in this VM's page cache (posix_fadvise DONTNEED after fsync); the "

@@ -45,7 +45,8 @@ def evaluate(exp: dict, runs: list[tuple[str, int]], run_root: Path, out: Path) 
     cmd = [sys.executable, "-m", "tape_train.eval.cli", "--out", str(out),
            "--lengths", *map(str, ev["lengths"]), "--protocols", *ev["protocols"],
            "--max-tokens", str(ev["max_tokens"]), "--checkpoint"]
-    cmd += [str(run_root / f"{pe}-seed{seed}") for pe, seed in runs]
+    # Relative to the repository (the command runs there): the report carries no machine paths.
+    cmd += [os.path.relpath(run_root / f"{pe}-seed{seed}", ROOT) for pe, seed in runs]
     cmd += ["--label", *[f"{pe}-seed{seed}" for pe, seed in runs]]
     print(f"== evaluate: {' '.join(cmd[2:])}", flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)

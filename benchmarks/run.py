@@ -270,7 +270,7 @@ def measure_training(args, work: Path) -> dict:
     peak = max(peaks)
     for row in rows:
         row["mfu"] = row["tokens_per_s"] * row["flops_per_token"] / (peak * 1e12)
-    return {"model": args.model, "overrides": args.set, "recipe": str(args.recipe),
+    return {"model": args.model, "overrides": args.set, "recipe": _shown(args.recipe),
             "dtype": dtype_name,
             "tokens_per_step": args.tokens_per_step, "warmup_steps": args.warmup,
             "rounds": args.rounds, "steps_per_round": args.steps,
@@ -354,6 +354,12 @@ def machine_info() -> dict:
             "deepspeed": version("deepspeed"), "platform": platform.platform(),
             "code_version": code_version(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when inside it (reports carry no machine paths)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
 def merge_into_existing(report: dict, args) -> dict:
