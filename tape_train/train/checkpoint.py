@@ -338,10 +338,9 @@ def ensure_universal(tag_dir: Path, out_dir: Path | None = None) -> Path:
     if read_marker(tag_dir).get("zero_stage", 3) < 1:
         raise CheckpointError(f"checkpoint {tag_dir} was written with ZeRO stage 0; DeepSpeed's "
                               f"universal conversion needs ZeRO-1/2/3 optimizer shards")
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     for stale in target.parent.glob(f".{target.name}.tmp*"):  # left by a killed conversion
         shutil.rmtree(stale, ignore_errors=True)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
     start = time.perf_counter()
     log.info("converting %s to DeepSpeed's universal format (once; cached in %s)", tag_dir,
              target)
