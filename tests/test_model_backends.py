@@ -15,25 +15,51 @@ from tape_train.model.generate import sample_next
 ALL_PE = ["tape", "rope", "nope", "alibi", "randpe", "fire", "xpos", "t5"]
 
 
-@pytest.mark.parametrize("pe", ALL_PE)
-def test_sdpa_matches_eager_values_and_gradients(pe):
+BIAS_PE = ("alibi", "fire", "t5")  # dense logit bias: no blocked backend
+
+
+@pytest.mark.parametrize("backend, pe", [("sdpa", pe) for pe in ALL_PE]
+                         + [("blocked", pe) for pe in ALL_PE if pe not in BIAS_PE])
+def test_backend_matches_eager_values_and_gradients(backend, pe):
     x = tokens(length=20)
     grads = {}
-    for backend in ("eager", "sdpa"):
-        model = small_model(pe, dtype=torch.float32, attn_backend=backend)
+    for name in ("eager", backend):
+        model = small_model(pe, dtype=torch.float32, attn_backend=name)
         out = model(x, labels=x)
         out.loss.backward()
-        grads[backend] = (out.logits.detach(), {n: p.grad for n, p in model.named_parameters()})
-    torch.testing.assert_close(grads["sdpa"][0], grads["eager"][0], rtol=1e-4, atol=1e-5)
+        grads[name] = (out.logits.detach(), {n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(grads[backend][0], grads["eager"][0], rtol=1e-4, atol=1e-5)
     for name, g in grads["eager"][1].items():
-        torch.testing.assert_close(grads["sdpa"][1][name], g, rtol=1e-3, atol=1e-6, msg=name)
+        torch.testing.assert_close(grads[backend][1][name], g, rtol=1e-3, atol=1e-6, msg=name)
 
 
-def test_auto_backend_on_cpu_is_sdpa_and_unsupported_requests_fail_clearly():
+def test_blocked_backend_in_fp64_equals_eager():
+    x = tokens(length=20)
+    outs = {}
+    for backend in ("eager", "blocked"):
+        model = small_model("tape", attn_backend=backend)
+        outs[backend] = model(x, labels=x)
+        outs[backend].loss.backward()
+        outs[backend] = (outs[backend].logits, [p.grad for p in model.parameters()])
+    torch.testing.assert_close(outs["blocked"][0], outs["eager"][0], rtol=1e-10, atol=1e-10)
+    for got, ref in zip(outs["blocked"][1], outs["eager"][1]):
+        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-11)
+
+
+def test_auto_backend_on_cpu_and_unsupported_requests_fail_clearly():
     cpu = torch.device("cpu")
     for pe in ALL_PE:
         model = small_model(pe, attn_backend="auto")
-        assert resolve_backend("auto", model.pe, cpu, torch.float32, False) == "sdpa"
+        bias = pe in BIAS_PE
+        # TAPE's 3D-wide value: blocked in every dtype; bias-free encodings in bf16 only.
+        assert resolve_backend("auto", model.pe, cpu, torch.float32, False, has_bias=bias) == (
+            "blocked" if pe == "tape" else "sdpa")
+        assert resolve_backend("auto", model.pe, cpu, torch.bfloat16, False, has_bias=bias) == (
+            "sdpa" if bias else "blocked")
+        # Decoding with a cache (Nq != Nk) stays on SDPA.
+        assert resolve_backend("auto", model.pe, cpu, torch.bfloat16, True, has_bias=bias) == "sdpa"
+    with pytest.raises(ValueError, match="attn_backend=blocked has no dense logit bias"):
+        resolve_backend("blocked", small_model("t5").pe, cpu, torch.float32, False, has_bias=True)
     tape = small_model("tape")
     with pytest.raises(ValueError, match="attn_backend=flash does not support pe=tape"):
         resolve_backend("flash", tape.pe, cpu, torch.bfloat16, False)

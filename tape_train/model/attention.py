@@ -6,6 +6,8 @@ Backends (``ModelConfig.attn_backend``):
             3D-wide value [v | E⁰ | E¹]: one softmax for all three outputs.
     flash   flash-attn 2 (CUDA, fp16/bf16) for encodings without a dense bias.
     triton  the fused TAPE kernel of ``tape_train.kernels`` (CUDA, or Triton's interpreter).
+    blocked causal attention in query blocks on plain GEMMs (``blocked_attention``): logits at
+            the key width, value at any width, saves only output and LSE. No dense bias.
     auto    the fastest correct one for the device, dtype and encoding.
 
 The attention *core* (``AttentionCore``) sees already-modulated q̃, k̃ and the (possibly
@@ -21,9 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tape_train.model.blocked_attention import blocked_attention
 from tape_train.model.pe.base import PositionContext, apply_rotary
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_HALF_DTYPES = _FLASH_DTYPES
 
 
 def flash_attn_installed() -> bool:
@@ -31,11 +35,16 @@ def flash_attn_installed() -> bool:
 
 
 def resolve_backend(requested: str, pe, device: torch.device, dtype: torch.dtype,
-                    has_cache: bool, plain_value: bool = False) -> str:
+                    has_cache: bool, plain_value: bool = False, has_bias: bool = False) -> str:
     """Pick the backend for one call. Explicit requests that cannot run raise.
 
     ``plain_value``: TAPE's last block, whose attention needs no 3D-wide value: it may use
     flash-attn like RoPE, and the fused TAPE kernel is not needed there.
+    ``has_bias``: the encoding adds a dense logit bias (ALiBi, FIRE, T5).
+
+    On CPU, ``auto`` picks ``blocked`` for TAPE's 3D-wide value in any dtype and for every
+    bias-free encoding in fp16/bf16 (PyTorch's CPU flash kernel is slower there, measured in
+    docs/model.md), else ``sdpa``; decoding with a cache always uses ``sdpa``.
     """
     is_tape = pe.__class__.__name__ == "TapeEncoding" and not plain_value
     flash_ok = pe.flash_ok or plain_value
@@ -46,7 +55,14 @@ def resolve_backend(requested: str, pe, device: torch.device, dtype: torch.dtype
             return "triton"
         if flash_ok and flash_here:
             return "flash"
+        if not on_cuda and not has_cache and not has_bias and (is_tape or dtype in _HALF_DTYPES):
+            return "blocked"
         return "sdpa"
+    if requested == "blocked":
+        if has_bias:
+            raise ValueError(f"model.attn_backend=blocked has no dense logit bias; "
+                             f"pe={pe.cfg.pe} should use sdpa or eager")
+        return "sdpa" if has_cache else "blocked"
     if requested == "triton" and plain_value:
         return "flash" if flash_here else "sdpa"
     if requested == "flash":
@@ -153,6 +169,8 @@ class AttentionCore(nn.Module):
             return torch.cat(tape_attention_triton(q, k, v, e0, e1), dim=-1)
         if backend == "eager":
             return eager_attention(q, k, v, bias)
+        if backend == "blocked":
+            return blocked_attention(q, k, v)
         if backend == "flash":
             return flash_attention(q, k, v, alibi_slopes=alibi_slopes)
         return sdpa_attention(q, k, v, bias)
@@ -193,7 +211,8 @@ class Attention(nn.Module):
         q, k, v = self._heads(x, self.q_proj), self._heads(x, self.k_proj), self._heads(x, self.v_proj)
         plain = tape_state is None or not need_e_hat
         backend = resolve_backend(self.cfg.attn_backend, self.pe[0], x.device, x.dtype,
-                                  cache is not None, plain_value=plain)
+                                  cache is not None, plain_value=plain,
+                                  has_bias=ctx.bias is not None)
         e_hat = None
         if tape_state is not None and not need_e_hat:
             q, k = apply_rotary(q, *tape_state), apply_rotary(k, *tape_state)

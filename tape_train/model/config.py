@@ -14,7 +14,7 @@ from tape_train.hints import choice_error, read_named_yaml, unknown_keys
 
 POSITIONAL_ENCODINGS = ("tape", "rope", "nope", "alibi", "randpe", "fire", "xpos", "t5")
 ROTARY_ENCODINGS = ("tape", "rope", "randpe", "xpos")
-ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "flash", "triton")
+ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "blocked", "flash", "triton")
 MODEL_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
 
 
