@@ -24,12 +24,17 @@ from pathlib import Path
 import torch
 
 from tape_train.model import POSITIONAL_ENCODINGS, TransformerLM, load_model_config
+from tape_train.model.config import ATTENTION_BACKENDS
 from tape_train.model.flops import training_flops_per_token
+from tape_train.train.host_memory import keep_freed_memory
+
+
+BACKEND = "auto"  # set from --backend: every encoding on the backend auto picks for it
 
 
 def make_model(shape: str, pe: str, dtype: torch.dtype) -> TransformerLM:
     torch.manual_seed(0)
-    return TransformerLM(load_model_config(shape, pe=pe, attn_backend="sdpa")).to(dtype)
+    return TransformerLM(load_model_config(shape, pe=pe, attn_backend=BACKEND)).to(dtype)
 
 
 def train_step(model: TransformerLM, ids: torch.Tensor) -> None:
@@ -90,10 +95,18 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--memory-seq-len", type=int, default=1024)
+    parser.add_argument("--backend", default="auto", choices=ATTENTION_BACKENDS,
+                        help="model.attn_backend for every encoding (default: auto, as training)")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc malloc untuned (the trainer tunes it on CPU)")
     parser.add_argument("--out", default="docs/model_benchmark.json")
     args = parser.parse_args()
+    global BACKEND
+    BACKEND = args.backend
+    tuned = False if args.default_malloc else keep_freed_memory()
     dtype = getattr(torch, args.dtype)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
+          f"attn_backend={args.backend}, malloc {'tuned' if tuned else 'default'}")
     results = {"config": vars(args), "throughput": [], "memory": []}
     for shape in args.shapes:
         for n in args.seq_lens:

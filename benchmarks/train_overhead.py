@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="an extra trainer variant with config overrides, e.g. "
                         "'z3persist:parallel.zero_stage=3,"
                         "parallel.zero3_param_persistence_threshold=1000000000'")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="keep glibc malloc's defaults (train.keep_freed_memory=false) for "
+                        "every variant, plain loop included")
     p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args(argv)
 
@@ -92,7 +95,8 @@ class OurStep:
             "train.synthetic_data=true", "train.max_steps=1000000", "train.device=cpu",
             "train.lr=1e-4", f"parallel.zero_stage={stage}", "checkpoint.interval=1000000",
             "eval.interval=0", "logging.peak_tflops=1.0", "logging.tensorboard=false",
-            "logging.progress_bar=false", *extra])
+            "logging.progress_bar=false",
+            f"train.keep_freed_memory={str(not args.default_malloc).lower()}", *extra])
         self.trainer = Trainer(cfg)
         self.trainer.setup()
 
@@ -109,6 +113,10 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.default_malloc:  # as the trainer does on CPU; the plain loop shares the process
+        from tape_train.train.host_memory import keep_freed_memory
+
+        keep_freed_memory()
     from tape_train.model import load_model_config
     from tape_train.model.flops import training_flops_per_token
     from tape_train.train.metrics import measure_gemm_peak_tflops

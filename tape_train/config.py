@@ -70,6 +70,8 @@ class TrainConfig:
         max_bad_steps: stop (with a checkpoint) after this many consecutive steps whose loss
             was NaN/inf; such steps are skipped, not applied.
         device: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``.
+        keep_freed_memory: on CPU, set glibc's malloc to reuse freed memory instead of
+            returning large buffers to the OS every step (``train.host_memory``; faster).
         synthetic_data: train (and evaluate) on deterministic random tokens instead of the
             ``data`` section: no corpus or tokenizer needed (benchmarks, smoke tests).
         synthetic_mask_fraction: with ``synthetic_data``, mask a random prefix of up to this
@@ -91,6 +93,7 @@ class TrainConfig:
     seed: int = 1234
     max_bad_steps: int = 5
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    keep_freed_memory: bool = True
     synthetic_data: bool = False
     synthetic_mask_fraction: float = 0.0
 

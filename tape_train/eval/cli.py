@@ -165,6 +165,10 @@ def run(args) -> int:
                           sliding_stride=args.stride, max_tokens=max_tokens,
                           batch_size=args.batch_size)
     rank, world, device, reduce = _init_distributed(args.device)
+    if device.type == "cpu":
+        from tape_train.train.host_memory import keep_freed_memory
+
+        keep_freed_memory()
     dtype = getattr(torch, DTYPES[args.dtype])
     tag_dirs = [resolve_checkpoint(p) for p in args.checkpoint]
 

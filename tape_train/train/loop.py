@@ -25,6 +25,7 @@ from tape_train.train import checkpoint as ckpt
 from tape_train.train import distributed as tdist
 from tape_train.train import relayout
 from tape_train.train.engine import build_engine, count_target_tokens, forward_backward
+from tape_train.train.host_memory import keep_freed_memory
 from tape_train.train.metrics import (MetricsWriter, device_peak_tflops, format_summary,
                                       memory_metrics, setup_logging)
 from tape_train.train.optim import LRSchedule
@@ -115,6 +116,8 @@ class Trainer:
         self.dist = tdist.init_distributed(cfg.train.device)
         self.rank = self.dist.rank
         setup_logging(self.rank, cfg.logging.all_ranks)
+        if self.dist.device.type == "cpu" and cfg.train.keep_freed_memory:
+            keep_freed_memory()
         self.grid.build()
         # Data is sharded over dp only: every rank of an SP/TP group gets the same batch.
         self.dp_size, self.dp_rank = self.grid.dp_size, self.grid.dp_rank
