@@ -99,7 +99,8 @@ def render_markdown(report: dict) -> str:
     for rerun in report.get("updates", []):
         out.append(f"Re-measured later, the rest of the report unchanged: "
                    f"{', '.join(rerun['parts'])} by `{rerun['command']}` on {rerun['date']} "
-                   f"(load average {rerun['load_average'][0]:.1f}).\n")
+                   f"(load average {rerun['load_average'][0]:.1f}"
+                   + (f"; code {rerun['code']}" if rerun.get("code") else "") + ").\n")
     for key, render in (("training", _training_md), ("data", _data_md),
                         ("checkpoint", _checkpoint_md)):
         if key in report:

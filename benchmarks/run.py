@@ -373,7 +373,8 @@ def merge_into_existing(report: dict, args) -> dict:
         merged[part] = report[part]
     merged.setdefault("updates", []).append(
         {"parts": list(args.parts), "command": args.command, "date": report["machine"]["date"],
-         "load_average": report["load_average"]["end"]})
+         "load_average": report["load_average"]["end"],
+         "code": report["machine"]["code_version"].get("git")})
     return merged
 
 
