@@ -100,3 +100,14 @@ def test_worker_failure_is_reported_with_its_traceback(tmp_path):
     assert "torch.cuda.is_available() is False" in proc.stderr
     assert "checkpoint.log" in proc.stderr and "scratch kept" in proc.stderr
     assert not (tmp_path / "docs").exists()
+
+
+def test_cpu_attention_benchmark_runs_every_variant():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_attention.py"),
+                          "--dtypes", "float32", "--seq-lens", "32", "--tokens", "64",
+                          "--heads", "2", "--head-dim", "8", "--reps", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith("float32"))
+    ratios = [float(cell.rstrip("x")) for cell in row.split()[3:]]
+    assert len(ratios) == 3 and all(r > 0 for r in ratios), row
