@@ -29,12 +29,9 @@ from tape_train.model.flops import training_flops_per_token
 from tape_train.train.host_memory import keep_freed_memory
 
 
-BACKEND = "auto"  # set from --backend: every encoding on the backend auto picks for it
-
-
-def make_model(shape: str, pe: str, dtype: torch.dtype) -> TransformerLM:
+def make_model(shape: str, pe: str, dtype: torch.dtype, backend: str) -> TransformerLM:
     torch.manual_seed(0)
-    return TransformerLM(load_model_config(shape, pe=pe, attn_backend=BACKEND)).to(dtype)
+    return TransformerLM(load_model_config(shape, pe=pe, attn_backend=backend)).to(dtype)
 
 
 def train_step(model: TransformerLM, ids: torch.Tensor) -> None:
@@ -44,9 +41,9 @@ def train_step(model: TransformerLM, ids: torch.Tensor) -> None:
 
 
 def throughput(shape: str, seq_len: int, tokens_per_step: int, reps: int, dtype,
-               encodings: list[str]) -> dict[str, float]:
+               encodings: list[str], backend: str) -> dict[str, float]:
     batch = max(1, tokens_per_step // seq_len)
-    models = {pe: make_model(shape, pe, dtype) for pe in encodings}
+    models = {pe: make_model(shape, pe, dtype, backend) for pe in encodings}
     ids = torch.randint(0, models[encodings[0]].cfg.vocab_size, (batch, seq_len))
     for model in models.values():  # warm-up
         train_step(model, ids)
@@ -59,8 +56,9 @@ def throughput(shape: str, seq_len: int, tokens_per_step: int, reps: int, dtype,
     return {pe: batch * seq_len / t for pe, t in best.items()}
 
 
-def saved_activation_bytes(shape: str, pe: str, seq_len: int, batch: int, dtype) -> int:
-    model = make_model(shape, pe, dtype)
+def saved_activation_bytes(shape: str, pe: str, seq_len: int, batch: int, dtype,
+                           backend: str) -> int:
+    model = make_model(shape, pe, dtype, backend)
     ids = torch.randint(0, model.cfg.vocab_size, (batch, seq_len))
     storages: dict[int, int] = {}
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -101,8 +99,6 @@ def main() -> int:
                         help="leave glibc malloc untuned (the trainer tunes it on CPU)")
     parser.add_argument("--out", default="docs/model_benchmark.json")
     args = parser.parse_args()
-    global BACKEND
-    BACKEND = args.backend
     tuned = False if args.default_malloc else keep_freed_memory()
     dtype = getattr(torch, args.dtype)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
@@ -110,7 +106,8 @@ def main() -> int:
     results = {"config": vars(args), "throughput": [], "memory": []}
     for shape in args.shapes:
         for n in args.seq_lens:
-            tps = throughput(shape, n, args.tokens_per_step, args.reps, dtype, args.encodings)
+            tps = throughput(shape, n, args.tokens_per_step, args.reps, dtype, args.encodings,
+                             args.backend)
             row = {"shape": shape, "seq_len": n, "tokens_per_s": tps}
             if "tape" in tps and "rope" in tps:
                 measured = tps["tape"] / tps["rope"]
@@ -127,7 +124,8 @@ def main() -> int:
         batch = max(1, args.tokens_per_step // args.memory_seq_len)
         mem = {}
         for pe in ("rope", "tape"):
-            saved = saved_activation_bytes(shape, pe, args.memory_seq_len, batch, dtype)
+            saved = saved_activation_bytes(shape, pe, args.memory_seq_len, batch, dtype,
+                                           args.backend)
             mem[pe] = {"saved_activations": saved,
                        "step_peak": step_memory_bytes(shape, pe, saved)}
         row = {"shape": shape, "seq_len": args.memory_seq_len, "batch": batch, **mem,

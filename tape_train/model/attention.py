@@ -26,8 +26,7 @@ from torch import nn
 from tape_train.model.blocked_attention import blocked_attention
 from tape_train.model.pe.base import PositionContext, apply_rotary
 
-_FLASH_DTYPES = (torch.float16, torch.bfloat16)
-_HALF_DTYPES = _FLASH_DTYPES
+_HALF_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn's dtypes; `blocked` beats CPU SDPA
 
 
 def flash_attn_installed() -> bool:
@@ -49,7 +48,7 @@ def resolve_backend(requested: str, pe, device: torch.device, dtype: torch.dtype
     is_tape = pe.__class__.__name__ == "TapeEncoding" and not plain_value
     flash_ok = pe.flash_ok or plain_value
     on_cuda = device.type == "cuda"
-    flash_here = on_cuda and dtype in _FLASH_DTYPES and flash_attn_installed()
+    flash_here = on_cuda and dtype in _HALF_DTYPES and flash_attn_installed()
     if requested == "auto":
         if on_cuda and is_tape and not has_cache and _triton_ok(device):
             return "triton"

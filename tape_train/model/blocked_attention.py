@@ -59,6 +59,22 @@ def _chunks(bh: int, n: int, block: int):
             yield hs, i, min(n, i + block)
 
 
+def _future_mask(block: int, like: torch.Tensor) -> torch.Tensor:
+    """(block, block) additive mask: −inf above the diagonal, 0 elsewhere."""
+    return torch.full((block, block), float("-inf"), dtype=like.dtype,
+                      device=like.device).triu_(1)
+
+
+def _causal_logits(qr, kr, hs: slice, i: int, e: int, scale: float,
+                   future: torch.Tensor) -> torch.Tensor:
+    """Scaled logits of queries i:e against keys :e, (heads, e − i, e), masked above the
+    diagonal (only the last e − i columns can be in the future). An in-place add of the
+    dense mask: measured faster than masked_fill_ on the strided diagonal tile."""
+    s = torch.bmm(qr[hs, i:e], kr[hs, :e].transpose(1, 2)).mul_(scale)
+    s[:, :, i:].add_(future[:e - i, :e - i])
+    return s
+
+
 class _BlockedAttention(torch.autograd.Function):
 
     @staticmethod
@@ -69,10 +85,9 @@ class _BlockedAttention(torch.autograd.Function):
         bh, dv = vr.shape[0], vr.shape[-1]
         out = torch.empty(bh, n, dv, dtype=acc, device=q.device)
         lse = torch.empty(bh, n, 1, dtype=acc, device=q.device)
-        above = torch.full((block, block), float("-inf"), dtype=acc, device=q.device).triu_(1)
+        future = _future_mask(block, qr)
         for hs, i, e in _chunks(bh, n, block):
-            s = torch.bmm(qr[hs, i:e], kr[hs, :e].transpose(1, 2)).mul_(scale)
-            s[:, :, i:].add_(above[:e - i, :e - i])
+            s = _causal_logits(qr, kr, hs, i, e, scale, future)
             row_max = s.amax(dim=-1, keepdim=True)
             p = s.sub_(row_max).exp_()
             total = p.sum(dim=-1, keepdim=True)
@@ -96,11 +111,9 @@ class _BlockedAttention(torch.autograd.Function):
         dq = torch.empty_like(qr)
         dk = torch.zeros_like(kr)
         dv = torch.zeros_like(vr)
-        above = torch.full((block, block), float("-inf"), dtype=acc, device=q.device).triu_(1)
+        future = _future_mask(block, qr)
         for hs, i, e in _chunks(qr.shape[0], n, block):
-            s = torch.bmm(qr[hs, i:e], kr[hs, :e].transpose(1, 2)).mul_(scale)
-            s[:, :, i:].add_(above[:e - i, :e - i])
-            p = s.sub_(lse[hs, i:e]).exp_()
+            p = _causal_logits(qr, kr, hs, i, e, scale, future).sub_(lse[hs, i:e]).exp_()
             dv[hs, :e].baddbmm_(p.transpose(1, 2), do[hs, i:e])
             ds = torch.bmm(do[hs, i:e], vr[hs, :e].transpose(1, 2))
             ds.sub_(delta[hs, i:e]).mul_(p).mul_(scale)
