@@ -195,17 +195,21 @@ def _read_all(shard: Shard) -> bytes:
 
 
 def read_documents(shard: Shard, start: int, text_field: str, skip_bad: bool,
-                   skips: SkipLog, hub_dataset=None) -> Iterator[tuple[int, str]]:
-    """Yield ``(record_index, text)`` of valid non-empty documents from record ``start`` on."""
+                   skips: SkipLog, hub_dataset=None, stride: int = 1,
+                   phase: int = 0) -> Iterator[tuple[int, str]]:
+    """Yield ``(record_index, text)`` of valid non-empty documents from record ``start`` on,
+    only of raw records ``i ≡ phase (mod stride)`` (a rank's share of a shared shard; the other
+    records are counted, not parsed)."""
     if shard.kind == "jsonl":
-        yield from _read_jsonl(shard, start, text_field, skip_bad, skips)
+        yield from _read_jsonl(shard, start, text_field, skip_bad, skips, stride, phase)
     elif shard.kind == "text":
-        if start == 0:
+        if start == 0 and phase == 0:
             yield from _read_text_file(shard, skip_bad, skips)
     elif shard.kind == "parquet":
-        yield from _read_parquet(shard, start, text_field, skip_bad, skips)
+        yield from _read_parquet(shard, start, text_field, skip_bad, skips, stride, phase)
     elif shard.kind == "hub":
-        yield from _read_hub(shard, hub_dataset, start, text_field, skip_bad, skips)
+        yield from _read_hub(shard, hub_dataset, start, text_field, skip_bad, skips, stride,
+                             phase)
     else:
         raise DataError(f"{shard.path}: unknown shard kind {shard.kind!r}")
 
@@ -244,12 +248,12 @@ _MISSING = object()
 
 
 def _read_jsonl(shard: Shard, start: int, text_field: str, skip_bad: bool,
-                skips: SkipLog) -> Iterator[tuple[int, str]]:
+                skips: SkipLog, stride: int = 1, phase: int = 0) -> Iterator[tuple[int, str]]:
     line_no = 0
     try:
         for line_no, raw in enumerate(_iter_lines(shard), start=1):
             index = line_no - 1
-            if index < start or not raw.strip():
+            if index < start or index % stride != phase or not raw.strip():
                 continue
             where = f"{shard.path}:{line_no}"
             try:
@@ -298,7 +302,7 @@ def _read_text_file(shard: Shard, skip_bad: bool, skips: SkipLog) -> Iterator[tu
 
 
 def _read_parquet(shard: Shard, start: int, text_field: str, skip_bad: bool,
-                  skips: SkipLog) -> Iterator[tuple[int, str]]:
+                  skips: SkipLog, stride: int = 1, phase: int = 0) -> Iterator[tuple[int, str]]:
     import pyarrow.parquet as pq
 
     try:
@@ -320,7 +324,7 @@ def _read_parquet(shard: Shard, start: int, text_field: str, skip_bad: bool,
             continue
         column = pf.read_row_group(group, columns=[text_field]).column(0).to_pylist()
         for value in column:
-            if row >= start:
+            if row >= start and row % stride == phase:
                 where = f"{shard.path}:row {row}"
                 text = _check_text(value, where, text_field, {text_field: value}, skip_bad,
                                    skips)
@@ -348,10 +352,10 @@ def hub_shards(source: SourceConfig):
 
 
 def _read_hub(shard: Shard, ds, start: int, text_field: str, skip_bad: bool,
-              skips: SkipLog) -> Iterator[tuple[int, str]]:
+              skips: SkipLog, stride: int = 1, phase: int = 0) -> Iterator[tuple[int, str]]:
     part = ds.shard(num_shards=max(1, ds.n_shards), index=shard.hub_index)
     for index, record in enumerate(part):
-        if index < start:
+        if index < start or index % stride != phase:
             continue
         where = f"{shard.path}:record {index}"
         value = record.get(text_field, _MISSING)

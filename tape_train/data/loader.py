@@ -4,9 +4,10 @@ Sharding is over data-parallel ranks only (every rank of a tensor/sequence-paral
 passes the same ``dp_rank`` and so receives the identical batch). Two modes
 (``data.sharding``):
 
-* ``documents`` (default): document ``g`` of the global stream belongs to rank ``g mod n``;
-  each rank reads every document but tokenises and packs only its own (tokenisation is the
-  bottleneck, so this scales with n). The state is per rank; resume with the same dp_size.
+* ``documents`` (default): each rank reads, tokenises and packs only its own share of every
+  source (whole shards, or every k-th record of one shard when there are fewer shards than
+  ranks; ``sources.rank_share``), with its own seeded mixture, shard order and windows. The
+  state is per rank; resume with the same dp_size.
 * ``global``: every rank tokenises the whole stream into ONE sequence of packed blocks and
   takes blocks ``J0 + r, J0 + r + n, ...``. The state is identical on all ranks and names a
   global block index, so a run can resume on a different number of ranks and continue the
@@ -72,13 +73,16 @@ class TrainLoader:
         self.dp_size = dp_size
         self.seed = int(seed)
         self.skips = SkipLog()
+        # documents: each rank reads only its own share; global: every rank reads everything.
+        share = (dp_rank, dp_size) if cfg.sharding == "documents" else (0, 1)
         cursors = [SourceCursor(src, i, self.seed, cfg.shuffle, cfg.shuffle_buffer,
-                                cfg.eval_fraction, cfg.skip_bad_records, self.skips)
+                                cfg.eval_fraction, cfg.skip_bad_records, self.skips, *share)
                    for i, src in enumerate(cfg.sources)]
-        self._stream = DocumentStream(cursors, self.seed)
+        self._stream = DocumentStream(cursors, self.seed,
+                                      list(share) if share[1] > 1 else None)
         self.fingerprint_fields = {
             "sources": _digest([[c.source.weight, c.source.text_field,
-                                 [s.identity for s in c.shards]] for c in cursors]),
+                                 [s.identity for s in c.all_shards]] for c in cursors]),
             "tokenizer": getattr(tokenizer, "sha256", None)
             or _digest([type(tokenizer).__name__, tokenizer.vocab_size]),
             "seq_len": seq_len,
@@ -209,13 +213,9 @@ class TrainLoader:
     # -- production (runs in the prefetch thread when prefetch > 0) ---------------------------
     def _documents(self) -> Iterator[tuple[dict, list[int]]]:
         stream, tok, cfg = self._stream, self.tokenizer, self.cfg
-        own_only = cfg.sharding == "documents" and self.dp_size > 1
         bos = tok.bos_id if cfg.add_bos else None
         eos = tok.eos_id if cfg.add_eos else None
         while True:
-            if own_only and stream.g % self.dp_size != self.dp_rank:
-                stream.skip_document()
-                continue
             position = stream.state()
             text = stream.next_document()
             self.documents_tokenized += 1

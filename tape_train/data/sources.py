@@ -9,6 +9,14 @@ lines, without parsing them) and is exact — unlike ``datasets``' shuffle buffe
 is not part of its state (see docs/data.md).
 
 Sources loop forever (epoch counter in the state), so no data-parallel rank ever runs dry.
+
+Reading share (``rank``/``world`` of a cursor; ``documents`` sharding): with ``S`` shards and
+``n`` ranks, rank ``r`` reads only shards ``r, r + n, ...`` when ``S >= n`` (uneven when ``n``
+does not divide ``S``), otherwise only shard ``r mod S``, keeping raw records
+``i ≡ r // S (mod k)`` where ``k`` ranks share that shard (lines of other ranks are counted,
+not parsed). Every record belongs to exactly one rank, and a rank reads at most
+``ceil(S / n)`` shards, or one shard, per epoch of its share. An epoch is per rank: rank ``r``
+starts its epoch ``e + 1`` when its own share is exhausted.
 """
 
 from __future__ import annotations
@@ -44,7 +52,8 @@ class SourceCursor:
     """An endless, seeded, resumable stream of one source's training documents."""
 
     def __init__(self, source: SourceConfig, index: int, seed: int, shuffle: bool,
-                 window_size: int, eval_fraction: float, skip_bad: bool, skips: SkipLog):
+                 window_size: int, eval_fraction: float, skip_bad: bool, skips: SkipLog,
+                 rank: int = 0, world: int = 1):
         self.source = source
         self.index = index
         self.seed = seed
@@ -55,9 +64,14 @@ class SourceCursor:
         self.skips = skips
         self.hub_dataset = None
         if source.hub is not None:
-            self.hub_dataset, self.shards = hub_shards(source)
+            self.hub_dataset, self.all_shards = hub_shards(source)
         else:
-            self.shards = resolve_local_shards(source, split="train")
+            self.all_shards = resolve_local_shards(source, split="train")
+        self.rank, self.world = rank, world
+        self.shards, self.stride, self.phase = rank_share(len(self.all_shards), rank, world)
+        self.shards = [self.all_shards[i] for i in self.shards]
+        # Seeds of rank-specific orders carry (rank, world); a single rank keeps the old seeds.
+        self._rank_seed = [rank, world] if world > 1 else []
         self.epoch = self.window_index = self.window_shard = self.window_record = 0
         self.position = 0
         self._window: list[str] | None = None
@@ -82,7 +96,8 @@ class SourceCursor:
     def shard_order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(len(self.shards)))
-        rng = np.random.default_rng([self.seed, _SHARD_ORDER_TAG, self.index, epoch])
+        rng = np.random.default_rng([self.seed, _SHARD_ORDER_TAG, self.index, epoch,
+                                     *self._rank_seed])
         return rng.permutation(len(self.shards)).tolist()
 
     def _epoch_documents(self, shard_pos: int, record: int) -> Iterator[tuple[int, int, str]]:
@@ -91,7 +106,8 @@ class SourceCursor:
             shard = self.shards[order[pos]]
             start = record if pos == shard_pos else 0
             for rec, text in read_documents(shard, start, self.source.text_field, self.skip_bad,
-                                            self.skips, self.hub_dataset):
+                                            self.skips, self.hub_dataset, self.stride,
+                                            self.phase):
                 if self.eval_fraction and is_held_out(text, self.eval_fraction):
                     continue
                 yield pos, rec, text
@@ -104,9 +120,14 @@ class SourceCursor:
             if items:
                 break
             if self.window_index == 0 or attempt == 1:
+                share = "" if self.world == 1 else (
+                    f" for data-parallel rank {self.rank} of {self.world} (its share: "
+                    f"{len(self.shards)} of {len(self.all_shards)} shard(s), every "
+                    f"{self.stride}. record; give the source more shards/records than ranks)")
                 raise DataError(
-                    f"{self.source.key}: source {self.source.name!r} has no usable documents "
-                    f"({len(self.shards)} shard(s); skipped so far: {dict(self.skips.counts)})")
+                    f"{self.source.key}: source {self.source.name!r} has no usable documents"
+                    f"{share} ({len(self.shards)} shard(s); skipped so far: "
+                    f"{dict(self.skips.counts)})")
             self.epoch += 1  # end of epoch: the next window opens the next epoch
             log.info("data: source %r starts epoch %d", self.source.name, self.epoch)
             self.window_index = self.window_shard = self.window_record = self.position = 0
@@ -116,7 +137,7 @@ class SourceCursor:
         self._next_window_start = (last_shard, last_record + 1)
         if self.shuffle and len(items) > 1:
             rng = np.random.default_rng([self.seed, _WINDOW_TAG, self.index, self.epoch,
-                                         self.window_index])
+                                         self.window_index, *self._rank_seed])
             self._order = rng.permutation(len(items))
         else:
             self._order = np.arange(len(items))
@@ -134,6 +155,17 @@ class SourceCursor:
         return text
 
 
+def rank_share(num_shards: int, rank: int, world: int) -> tuple[list[int], int, int]:
+    """Rank ``rank`` of ``world``'s reading share of ``num_shards`` shards:
+    ``(shard indices, record stride, record phase)`` (see the module docstring)."""
+    if world <= 1:
+        return list(range(num_shards)), 1, 0
+    if num_shards >= world:
+        return list(range(rank, num_shards, world)), 1, 0
+    shard = rank % num_shards
+    return [shard], len(range(shard, world, num_shards)), rank // num_shards
+
+
 class DocumentStream:
     """The training document stream: a seeded weighted mixture over source cursors.
 
@@ -142,9 +174,10 @@ class DocumentStream:
     State: ``{"g": next document index, "sources": [cursor state, ...]}``.
     """
 
-    def __init__(self, cursors: list[SourceCursor], seed: int):
+    def __init__(self, cursors: list[SourceCursor], seed: int, stream_id: list[int] | None = None):
         self.cursors = cursors
         self.seed = seed
+        self._stream_id = list(stream_id or [])  # (rank, world) of a per-rank stream
         weights = np.array([c.source.weight for c in cursors], dtype=np.float64)
         self._cdf = np.cumsum(weights / weights.sum())
         self._cdf[-1] = 1.0
@@ -168,7 +201,7 @@ class DocumentStream:
             return 0
         block = g // _MIXTURE_BLOCK
         if block != self._block:
-            rng = np.random.default_rng([self.seed, _MIXTURE_TAG, block])
+            rng = np.random.default_rng([self.seed, _MIXTURE_TAG, block, *self._stream_id])
             u = rng.random(_MIXTURE_BLOCK)
             self._choices = np.searchsorted(self._cdf, u, side="right").clip(
                 0, len(self.cursors) - 1)
@@ -180,10 +213,6 @@ class DocumentStream:
         self.g += 1
         return text
 
-    def skip_document(self) -> None:
-        """Advance past document ``g`` (another rank's) — it is still read, not tokenised."""
-        self.cursors[self.choice(self.g)].next_document()
-        self.g += 1
 
 
 def iter_held_out_texts(sources: list[SourceConfig], eval_sources: list[SourceConfig],
