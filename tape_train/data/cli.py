@@ -2,6 +2,7 @@
 
     tape-data prepare --demo --out data/demo            # Debian demo corpus (needs apt)
     tape-data prepare --input docs/ more/*.jsonl --out data/mine
+    tape-data prepare --input docs/ --out data/mine-tok --tokenize --tokenizer tok.model
     tape-data info data/demo                            # summary of a prepared directory
 
 Re-running ``prepare`` with the same options on a complete directory does nothing.
@@ -52,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default $XDG_CACHE_HOME/tape-train/debian)")
     prep.add_argument("--skip-bad-records", action="store_true",
                       help="skip (and count) malformed input records instead of failing")
+    prep.add_argument("--tokenize", action="store_true",
+                      help="also write token shards (uint16/uint32, np.memmap-able) for "
+                           "data.format=tokens; needs --tokenizer")
+    prep.add_argument("--tokenizer", default=None, metavar="MODEL",
+                      help="sentencepiece .model used by --tokenize")
     prep.add_argument("--force", action="store_true", help="rebuild even if complete")
     info = sub.add_parser("info", help="summarise a prepared directory")
     info.add_argument("dir", type=Path)
@@ -80,6 +86,14 @@ def _prepare(args: argparse.Namespace) -> int:
     else:
         config = {"inputs": list(args.input), "text_field": args.text_field}
     config.update(num_shards=args.num_shards, eval_fraction=args.eval_fraction, seed=args.seed)
+    tokenizer = None
+    if args.tokenize or args.tokenizer:
+        if not (args.tokenize and args.tokenizer):
+            raise DataError("--tokenize and --tokenizer MODEL go together")
+        from tape_train.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
+        config.update(tokenizer_sha256=tokenizer.sha256)
     existing = read_complete_manifest(out)
     if existing is not None and existing.get("config") == config and not args.force:
         splits = existing["splits"]
@@ -99,7 +113,7 @@ def _prepare(args: argparse.Namespace) -> int:
         extra = {}
     manifest = write_corpus(documents, out, num_shards=args.num_shards,
                             eval_fraction=args.eval_fraction, seed=args.seed, config=config,
-                            extra=extra)
+                            extra=extra, tokenizer=tokenizer)
     _print_summary(out, manifest)
     return 0
 
@@ -112,6 +126,10 @@ def _print_summary(out: Path, manifest: dict) -> None:
           f"({splits['eval']['text_bytes'] / 1e6:.1f} MB)")
     for name, stats in sorted(manifest["sources"].items()):
         print(f"  {name:32s} {stats['documents']:8d} docs {stats['text_bytes'] / 1e6:8.2f} MB")
+    if manifest.get("tokens"):
+        tokens = manifest["tokens"]
+        print(f"  token shards: {tokens['total_tokens']} tokens ({tokens['dtype']}, tokenizer "
+              f"{tokens['tokenizer']} sha256 {tokens['tokenizer_sha256'][:12]}…)")
 
 
 def main(argv: list[str] | None = None) -> int:

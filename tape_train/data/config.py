@@ -14,6 +14,7 @@ from pathlib import Path
 from tape_train.hints import choice_error, read_named_yaml, unknown_keys
 
 SHARDING_MODES = ("documents", "global")
+DATA_FORMATS = ("text", "tokens")
 DATA_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "data"
 
 
@@ -143,6 +144,11 @@ class DataConfig:
             dp_size). ``"global"``: every rank tokenises the whole stream and takes packed
             blocks r, r+n, ...; the global token stream is independent of dp_size, so a run
             can resume on a different number of ranks (costs dp_size× tokenisation).
+        format: ``"text"``: sources are text, tokenised while training (``sharding`` applies).
+            ``"tokens"``: every source is a directory written by ``tape-data prepare
+            --tokenize``; training reads fixed blocks of its token shards by a global sample
+            index (one stream for any number of ranks, O(1) resume; ``sharding``,
+            ``shuffle_buffer`` and ``prefetch`` do not apply).
     """
 
     sources: list = field(default_factory=_default_sources)
@@ -158,6 +164,7 @@ class DataConfig:
     add_bos: bool = True
     add_eos: bool = True
     sharding: str = "documents"
+    format: str = "text"
 
     def __post_init__(self) -> None:
         if not isinstance(self.sources, list) or not self.sources:
@@ -192,6 +199,8 @@ class DataConfig:
                 raise DataError(f"data.{key} must be true or false, got {getattr(self, key)!r}")
         if self.sharding not in SHARDING_MODES:
             raise DataError(choice_error("data.sharding", self.sharding, SHARDING_MODES))
+        if self.format not in DATA_FORMATS:
+            raise DataError(choice_error("data.format", self.format, DATA_FORMATS))
 
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

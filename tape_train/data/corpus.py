@@ -4,6 +4,7 @@ Layout of a prepared directory::
 
     train-00000-of-00016.jsonl.zst ... train-00015-of-00016.jsonl.zst
     eval-00000-of-00001.jsonl.zst
+    train-00000-of-00016.tokens ...     # only with --tokenize (tokens.py)
     manifest.json        # written last, atomically: its presence means "complete"
 
 Each line is ``{"text": ..., "source": ..., "id": ...}``. Documents are deduplicated by
@@ -28,6 +29,7 @@ import numpy as np
 from tape_train.data.config import DataError
 from tape_train.data.formats import MANIFEST_NAME
 from tape_train.data.sources import is_held_out
+from tape_train.data.tokens import TokenShardWriter
 
 log = logging.getLogger("tape_train.data")
 
@@ -42,7 +44,7 @@ def read_complete_manifest(out_dir: Path) -> dict | None:
         manifest = json.loads(path.read_text())
         if manifest.get("format") != MANIFEST_FORMAT:
             return None
-        for shard in manifest["shards"]:
+        for shard in manifest["shards"] + (manifest.get("tokens") or {}).get("shards", []):
             f = Path(out_dir) / shard["path"]
             if not f.is_file() or f.stat().st_size != shard["file_bytes"]:
                 return None
@@ -85,8 +87,12 @@ class _ShardSet:
 
 def write_corpus(documents: Iterable[dict], out_dir: str | os.PathLike, *, num_shards: int = 16,
                  eval_fraction: float = 0.01, seed: int = 0, shuffle_bytes: int = 256 << 20,
-                 config: dict | None = None, extra: dict | None = None) -> dict:
+                 config: dict | None = None, extra: dict | None = None,
+                 tokenizer=None) -> dict:
     """Write ``documents`` (dicts with ``text``, ``source``, ``id``) as a prepared corpus.
+
+    With ``tokenizer``, every training shard also gets its token shard (``tokens.py``) in the
+    same pass, listed in the manifest's ``tokens`` section.
 
     Output goes to a temporary directory inside ``out_dir`` first; shards are moved into place
     and the manifest is written last with an atomic rename, so an interrupted run never leaves
@@ -103,6 +109,7 @@ def write_corpus(documents: Iterable[dict], out_dir: str | os.PathLike, *, num_s
     tmp.mkdir()
     train = _ShardSet(tmp, "train", num_shards)
     held = _ShardSet(tmp, "eval", 1)
+    token_shards = TokenShardWriter(tmp, train.names, tokenizer) if tokenizer else None
     rng = np.random.default_rng([seed, 0x5052])
     seen: set[bytes] = set()
     per_source: dict[str, dict] = {}
@@ -115,6 +122,8 @@ def write_corpus(documents: Iterable[dict], out_dir: str | os.PathLike, *, num_s
         nonlocal buffer, buffer_bytes
         for k in rng.permutation(len(buffer)):
             record, n_bytes = buffer[k]
+            if token_shards is not None:
+                token_shards.write(train.next, record["text"])
             train.write(record, n_bytes)
         buffer, buffer_bytes = [], 0
 
@@ -147,10 +156,11 @@ def write_corpus(documents: Iterable[dict], out_dir: str | os.PathLike, *, num_s
                          sum(s["text_bytes"] for s in per_source.values()) / 1e6)
         flush()
         entries = train.close(tmp) + held.close(tmp)
+        tokens = token_shards.close() if token_shards is not None else None
         if not seen:
             raise DataError("prepare: no non-empty documents in the input")
         (out / MANIFEST_NAME).unlink(missing_ok=True)  # never pair an old manifest with new shards
-        for entry in entries:
+        for entry in entries + (tokens["shards"] if tokens else []):
             os.replace(tmp / entry["path"], out / entry["path"])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -170,6 +180,7 @@ def write_corpus(documents: Iterable[dict], out_dir: str | os.PathLike, *, num_s
         "sources": per_source,
         "dropped": counts,
         "shards": entries,
+        **({"tokens": tokens} if tokens else {}),
         **(extra or {}),
     }
     manifest_tmp = out / f".{MANIFEST_NAME}.tmp{os.getpid()}"

@@ -48,6 +48,17 @@ def _digest(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _check_loader_arguments(seq_len, micro_batch_size, dp_rank, dp_size) -> None:
+    for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size),
+                        ("dp_size", dp_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise DataError(f"build_train_loader: {name} must be a positive integer, "
+                            f"got {value!r}")
+    if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
+        raise DataError(f"build_train_loader: dp_rank must be in [0, {dp_size}), "
+                        f"got {dp_rank!r}")
+
+
 class TrainLoader:
     """Endless iterator of ``{"input_ids": (b, L) int64, "labels": (b, L) int64}`` batches.
 
@@ -57,14 +68,7 @@ class TrainLoader:
 
     def __init__(self, cfg: DataConfig, tokenizer, seq_len: int, micro_batch_size: int,
                  dp_rank: int, dp_size: int, seed: int):
-        for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size),
-                            ("dp_size", dp_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise DataError(f"build_train_loader: {name} must be a positive integer, "
-                                f"got {value!r}")
-        if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
-            raise DataError(f"build_train_loader: dp_rank must be in [0, {dp_size}), "
-                            f"got {dp_rank!r}")
+        _check_loader_arguments(seq_len, micro_batch_size, dp_rank, dp_size)
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.seq_len = seq_len
@@ -313,11 +317,18 @@ def _stop_all_prefetchers() -> None:
 
 def build_train_loader(data_cfg: DataConfig | dict, tokenizer, seq_len: int,
                        micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
-                       seed: int = 0) -> TrainLoader:
-    """The training loader of data-parallel rank ``dp_rank`` of ``dp_size``. Raises
+                       seed: int = 0):
+    """The training loader of data-parallel rank ``dp_rank`` of ``dp_size``: a ``TrainLoader``
+    (``data.format: text``) or a ``token_loader.TokenLoader`` (``tokens``). Raises
     ``DataError`` naming the key or file at fault if a source cannot be resolved."""
     if isinstance(data_cfg, dict):
         data_cfg = DataConfig.from_dict(data_cfg)
+    if data_cfg.format == "tokens":
+        from tape_train.data.token_loader import TokenLoader
+
+        _check_loader_arguments(seq_len, micro_batch_size, dp_rank, dp_size)
+        return TokenLoader(data_cfg, tokenizer, seq_len, micro_batch_size, dp_rank, dp_size,
+                           seed)
     return TrainLoader(data_cfg, tokenizer, seq_len, micro_batch_size, dp_rank, dp_size, seed)
 
 

@@ -1,0 +1,197 @@
+"""Pre-tokenised corpora: token shards written by ``tape-data prepare --tokenize``.
+
+Next to each training text shard ``train-0000i-of-0000n.jsonl.zst`` a prepared directory then
+holds ``train-0000i-of-0000n.tokens``: the same documents in the same order, each as
+``[BOS] ids [EOS]``, concatenated into one flat little-endian array of ``uint16`` (vocabulary
+≤ 65 536) or ``uint32`` — readable with ``np.memmap(path, dtype, mode="r")``. The manifest's
+``tokens`` section is the index: per shard its token and document counts, file size and
+sha256, plus the dtype, the tokenizer's sha256 and the BOS/EOS convention.
+
+The training view (``TokenBlocks``) concatenates the shards of all sources in manifest order
+into one stream of ``T`` tokens, cut into ``N = T // block_len`` fixed blocks (the last
+``T mod block_len`` tokens are never used). Global sample ``i`` is block
+``perm_e(i mod N)`` of epoch ``e = i // N``, where ``perm_e`` is a keyed bijection of
+``[0, N)`` (``feistel_permutation``) evaluated per index — no per-epoch array, so a corpus of
+any size costs O(1) memory and any sample index is reachable in O(1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+
+from tape_train.data.config import DataError
+from tape_train.data.formats import MANIFEST_NAME
+
+TOKENS_SUFFIX = ".tokens"
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """``uint16`` when every id fits (vocab_size ≤ 65 536), else ``uint32`` (little-endian)."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+class TokenShardWriter:
+    """Appends wrapped documents to ``n`` token shard files (one per text shard), tracking
+    counts and a running sha256 per shard. ``names[i]`` pairs with text shard ``i``."""
+
+    def __init__(self, directory: Path, text_names: list[str], tokenizer,
+                 add_bos: bool = True, add_eos: bool = True):
+        self.tokenizer = tokenizer
+        self.dtype = token_dtype(tokenizer.vocab_size)
+        self.add_bos, self.add_eos = add_bos, add_eos
+        self.names = [name.split(".", 1)[0] + TOKENS_SUFFIX for name in text_names]
+        self.files = [open(directory / name, "wb") for name in self.names]
+        self.hashes = [hashlib.sha256() for _ in self.names]
+        self.tokens = [0] * len(self.names)
+        self.documents = [0] * len(self.names)
+
+    def write(self, shard: int, text: str) -> None:
+        ids = self.tokenizer.encode(text)
+        if self.add_bos:
+            ids = [self.tokenizer.bos_id] + ids
+        if self.add_eos:
+            ids.append(self.tokenizer.eos_id)
+        data = np.asarray(ids, dtype=self.dtype).tobytes()
+        self.files[shard].write(data)
+        self.hashes[shard].update(data)
+        self.tokens[shard] += len(ids)
+        self.documents[shard] += 1
+
+    def close(self) -> dict:
+        """Close the files; returns the manifest's ``tokens`` section."""
+        for f in self.files:
+            f.close()
+        return {
+            "dtype": self.dtype.str,
+            "vocab_size": self.tokenizer.vocab_size,
+            "tokenizer_sha256": self.tokenizer.sha256,
+            "tokenizer": Path(self.tokenizer.path).name,
+            "add_bos": self.add_bos, "add_eos": self.add_eos,
+            "total_tokens": sum(self.tokens),
+            "shards": [{"path": name, "tokens": self.tokens[i], "documents": self.documents[i],
+                        "file_bytes": self.tokens[i] * self.dtype.itemsize,
+                        "sha256": self.hashes[i].hexdigest()}
+                       for i, name in enumerate(self.names)],
+        }
+
+
+def read_token_manifest(directory: Path, key: str) -> dict:
+    """The ``tokens`` section of a complete prepared directory; ``DataError`` naming ``key``
+    and the directory if it is not one (not prepared, incomplete, not tokenised)."""
+    from tape_train.data.corpus import read_complete_manifest
+
+    manifest = read_complete_manifest(directory)
+    if manifest is None:
+        raise DataError(f"{key}: {directory} is not a complete prepared directory (no valid "
+                        f"{MANIFEST_NAME}, or a listed shard is missing or has the wrong size); "
+                        f"run `tape-data prepare --tokenize`")
+    tokens = manifest.get("tokens")
+    if not tokens:
+        raise DataError(f"{key}: {directory} was prepared without --tokenize (no token shards); "
+                        f"re-run `tape-data prepare ... --tokenize --tokenizer MODEL`, or use "
+                        f"data.format=text")
+    for shard in tokens["shards"]:
+        path = Path(directory) / shard["path"]
+        if not path.is_file() or path.stat().st_size != shard["file_bytes"]:
+            raise DataError(f"{directory / MANIFEST_NAME}: token shard {shard['path']!r} is "
+                            f"missing or not {shard['file_bytes']} bytes; re-run `tape-data "
+                            f"prepare --tokenize`")
+    return tokens
+
+
+def _mix(x: np.ndarray, key: int) -> np.ndarray:
+    """splitmix64 finaliser of ``x ^ key`` (uint64 arrays; arithmetic wraps mod 2^64)."""
+    with np.errstate(over="ignore"):
+        z = (x ^ np.uint64(key & 0xFFFFFFFFFFFFFFFF)) * np.uint64(0x9E3779B97F4A7C15) & _MASK64
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9) & _MASK64
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> np.uint64(31))
+
+
+def feistel_permutation(index: np.ndarray, n: int, key: list[int], rounds: int = 6) -> np.ndarray:
+    """A keyed bijection of ``[0, n)`` applied to ``index`` (int array), in O(len(index)).
+
+    A balanced Feistel network on the smallest even bit width ``2h`` with ``2^(2h) ≥ n``,
+    cycle-walking values that land outside ``[0, n)`` (expected < 4 steps since
+    ``2^(2h) < 4n``). Different keys give independent-looking permutations.
+    """
+    index = np.asarray(index, dtype=np.uint64)
+    if n <= 1:
+        return np.zeros_like(index)
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    low = np.uint64((1 << half) - 1)
+    round_keys = [int(k) for k in np.random.default_rng([*key, 0xFE15]).integers(
+        0, 2**63, size=rounds, dtype=np.int64)]
+    out = index.copy()
+    todo = np.ones(out.shape, dtype=bool)
+    while todo.any():
+        x = out[todo]
+        left, right = x >> np.uint64(half), x & low
+        for k in round_keys:
+            left, right = right, left ^ (_mix(right, k) & low)
+        x = (left << np.uint64(half)) | right
+        out[todo] = x
+        todo[todo] = x >= np.uint64(n)
+    return out
+
+
+class TokenBlocks:
+    """Fixed ``block_len``-token blocks over the concatenated token shards of ``directories``.
+
+    Reads with ``os.pread`` (each block is one or two reads of ``block_len × itemsize``
+    bytes), so the I/O is exactly the blocks delivered.
+    """
+
+    def __init__(self, directories: list[tuple[Path, str]], block_len: int):
+        self.block_len = block_len
+        self.manifests = [read_token_manifest(Path(d), key) for d, key in directories]
+        dtypes = {m["dtype"] for m in self.manifests}
+        if len(dtypes) != 1:
+            raise DataError(f"data.sources: token shards of different dtypes {sorted(dtypes)} "
+                            f"(tokenised with different vocabularies?)")
+        self.dtype = np.dtype(dtypes.pop())
+        self.paths: list[Path] = []
+        counts = []
+        for (directory, _), manifest in zip(directories, self.manifests):
+            for shard in manifest["shards"]:
+                self.paths.append(Path(directory) / shard["path"])
+                counts.append(int(shard["tokens"]))
+        self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self.total_tokens = int(self.starts[-1])
+        self.num_blocks = self.total_tokens // block_len
+        if self.num_blocks == 0:
+            raise DataError(f"data.sources: the token corpus has {self.total_tokens} tokens, "
+                            f"fewer than one block of seq_len + 1 = {block_len}")
+        self._fds: dict[int, int] = {}
+
+    def _fd(self, shard: int) -> int:
+        if shard not in self._fds:
+            self._fds[shard] = os.open(self.paths[shard], os.O_RDONLY)
+        return self._fds[shard]
+
+    def read(self, block: int) -> np.ndarray:
+        """Tokens ``[block × L, (block + 1) × L)`` of the concatenated stream, as int64."""
+        begin, end = block * self.block_len, (block + 1) * self.block_len
+        parts = []
+        shard = int(np.searchsorted(self.starts, begin, side="right")) - 1
+        while begin < end:
+            stop = min(end, int(self.starts[shard + 1]))
+            offset = (begin - int(self.starts[shard])) * self.dtype.itemsize
+            nbytes = (stop - begin) * self.dtype.itemsize
+            data = os.pread(self._fd(shard), nbytes, offset)
+            if len(data) != nbytes:
+                raise DataError(f"{self.paths[shard]}: short read ({len(data)} of {nbytes} "
+                                f"bytes at offset {offset}); file truncated since prepare?")
+            parts.append(np.frombuffer(data, dtype=self.dtype))
+            begin, shard = stop, shard + 1
+        return np.concatenate(parts).astype(np.int64)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

@@ -1,0 +1,195 @@
+"""Pre-tokenised path: `tape-data prepare --tokenize`, the global sample index, O(1) resume,
+and a world-size change continuing the same global token stream."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tape_train.data import DataConfig, DataError, build_train_loader
+from tape_train.data import cli as data_cli
+from tape_train.data.corpus import read_complete_manifest
+from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+from tape_train.data.tokens import feistel_permutation, token_dtype
+
+SEQ = 40
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return train_small_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, tok):
+    root = tmp_path_factory.mktemp("tokcorpus")
+    texts = [f"[D{i:03d}] {t[:300]}" for i, t in enumerate(real_text_documents(120))]
+    write_jsonl(root / "in" / "a.jsonl", texts)
+    out = root / "out"
+    assert data_cli.main(["prepare", "--input", str(root / "in"), "--out", str(out),
+                          "--num-shards", "3", "--eval-fraction", "0.05", "--tokenize",
+                          "--tokenizer", tok.path]) == 0
+    return {"root": root, "out": out, "texts": texts}
+
+
+def cfg_for(prepared, tok, **kw) -> DataConfig:
+    return DataConfig(sources=[str(prepared["out"])], tokenizer=tok.path, format="tokens", **kw)
+
+
+def rows(loader, n_batches) -> list[torch.Tensor]:
+    out = []
+    for _ in range(n_batches):
+        b = next(loader)
+        out.extend(torch.cat([b["input_ids"], b["labels"][:, -1:]], dim=1))
+    return out
+
+
+def test_feistel_permutation_is_a_keyed_bijection():
+    for n in (1, 2, 3, 5, 64, 1000, 4097):
+        assert sorted(feistel_permutation(np.arange(n), n, [7, 1]).tolist()) == list(range(n))
+    a = feistel_permutation(np.arange(1000), 1000, [7, 1])
+    b = feistel_permutation(np.arange(1000), 1000, [7, 2])
+    assert not np.array_equal(a, b) and not np.array_equal(a, np.arange(1000))
+    # Evaluated per index: a slice of indices gives the same values as the whole.
+    big = 10**12 + 39
+    idx = np.array([0, 5, big - 1])
+    values = feistel_permutation(idx, big, [3])
+    assert (values < big).all() and len(set(values.tolist())) == 3
+    assert token_dtype(32000) == np.uint16 and token_dtype(65536) == np.uint16
+    assert token_dtype(65537) == np.uint32
+
+
+def test_prepare_tokenize_writes_checked_token_shards(prepared, tok, capsys):
+    out = prepared["out"]
+    manifest = read_complete_manifest(out)
+    tokens = manifest["tokens"]
+    assert tokens["dtype"] == "<u2" and tokens["tokenizer_sha256"] == tok.sha256
+    train = [s for s in manifest["shards"] if s["split"] == "train"]
+    assert len(tokens["shards"]) == len(train) == 3
+    import zstandard
+    for text_shard, token_shard in zip(train, tokens["shards"]):
+        data = (out / token_shard["path"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == token_shard["sha256"]
+        ids = np.memmap(out / token_shard["path"], dtype=tokens["dtype"], mode="r")
+        assert len(ids) == token_shard["tokens"]
+        # Token shard i holds exactly text shard i's documents, in order, as BOS ids EOS.
+        lines = zstandard.ZstdDecompressor().stream_reader(
+            open(out / text_shard["path"], "rb")).read().decode().splitlines()
+        expected = []
+        for line in lines:
+            expected += [tok.bos_id] + tok.encode(json.loads(line)["text"]) + [tok.eos_id]
+        assert ids.tolist() == expected and token_shard["documents"] == len(lines)
+    # Same options: nothing to do; a damaged token shard makes the directory incomplete.
+    capsys.readouterr()
+    args = ["prepare", "--input", str(prepared["root"] / "in"), "--out", str(out),
+            "--num-shards", "3", "--eval-fraction", "0.05", "--tokenize", "--tokenizer", tok.path]
+    assert data_cli.main(args) == 0 and "already complete" in capsys.readouterr().out
+    shard = out / tokens["shards"][0]["path"]
+    original = shard.read_bytes()
+    shard.write_bytes(original[:-2])
+    assert read_complete_manifest(out) is None
+    with pytest.raises(DataError, match="not a complete prepared directory"):
+        build_train_loader(cfg_for(prepared, tok), tok, SEQ, 2)
+    shard.write_bytes(original)
+    assert read_complete_manifest(out) is not None
+
+
+def test_prepare_tokenize_bad_arguments_are_one_line_errors(prepared, tmp_path, capsys):
+    base = ["prepare", "--input", str(prepared["root"] / "in"), "--out", str(tmp_path / "o")]
+    assert data_cli.main(base + ["--tokenize"]) == 1
+    assert "--tokenize and --tokenizer MODEL go together" in capsys.readouterr().err
+    assert data_cli.main(base + ["--tokenize", "--tokenizer", str(tmp_path / "nope.model")]) == 1
+    err = capsys.readouterr().err
+    assert "nope.model: no such file" in err and "Traceback" not in err
+    assert not (tmp_path / "o" / "manifest.json").exists()
+
+
+def test_one_epoch_visits_every_block_once(prepared, tok):
+    loader = build_train_loader(cfg_for(prepared, tok), tok, SEQ, 4, seed=3)
+    n = loader.blocks.num_blocks
+    stream = np.concatenate([np.memmap(p, dtype="<u2", mode="r") for p in loader.blocks.paths])
+    blocks = {tuple(stream[k * (SEQ + 1):(k + 1) * (SEQ + 1)].tolist()) for k in range(n)}
+    seen = [tuple(r.tolist()) for r in rows(loader, -(-n // 4))][:n]
+    assert set(seen) == blocks and len(seen) == len(blocks) == n  # a permutation of all blocks
+    assert loader.epochs == [1]
+    ordered = build_train_loader(cfg_for(prepared, tok, shuffle=False), tok, SEQ, 4, seed=3)
+    assert [tuple(r.tolist()) for r in rows(ordered, 2)] == [
+        tuple(stream[k * (SEQ + 1):(k + 1) * (SEQ + 1)].tolist()) for k in range(8)]
+    assert seen[:8] != [tuple(stream[k * (SEQ + 1):(k + 1) * (SEQ + 1)].tolist())
+                        for k in range(8)]  # shuffled differs from file order
+    second = [tuple(r.tolist()) for r in rows(loader, -(-n // 4))]
+    assert second[:20] != seen[:20]  # epoch 2 is a different permutation
+
+
+def test_exact_resume_and_world_size_change_continue_the_global_stream(prepared, tok):
+    """The global sample sequence is the same for any dp_size: rank r of n at a step holds
+    samples c + r·b …; a state saved on 2 ranks resumes on 3 (and on 1) exactly."""
+    cfg, b = cfg_for(prepared, tok), 2
+    single = build_train_loader(cfg, tok, SEQ, 1, 0, 1, seed=5)
+    n_blocks = single.blocks.num_blocks
+    flat = rows(single, n_blocks + 30)
+    start = n_blocks - 9  # the 2-rank run starts late in epoch 0 and crosses into epoch 1
+    two = [build_train_loader(cfg, tok, SEQ, b, r, 2, seed=5) for r in range(2)]
+    for loader in two:
+        loader.load_state_dict({**loader.state_dict(), "position": {"samples": start}})
+    steps = 4
+    got = [rows(loader, steps) for loader in two]
+    for t in range(steps):
+        for r in range(2):
+            for j in range(b):
+                assert torch.equal(got[r][t * b + j], flat[start + t * 2 * b + r * b + j])
+    state = json.loads(json.dumps(two[1].state_dict()))
+    assert state == {**two[0].state_dict(), "dp_rank": 1}  # rank-independent position
+    assert two[0].epochs == [1]
+    consumed = start + steps * b * 2
+    for n in (3, 2, 1):
+        for r in range(n):
+            loader = build_train_loader(cfg, tok, SEQ, b, r, n, seed=5)
+            loader.load_state_dict(state)
+            after = rows(loader, 2)
+            for t in range(2):
+                for j in range(b):
+                    assert torch.equal(after[t * b + j], flat[consumed + t * n * b + r * b + j])
+    # Negative control: another seed is another stream.
+    other = build_train_loader(cfg, tok, SEQ, 1, 0, 1, seed=6)
+    assert not all(torch.equal(x, y) for x, y in zip(rows(other, 5), flat[:5]))
+
+
+def test_resume_is_O1_and_reads_only_the_delivered_blocks(prepared, tok):
+    loader = build_train_loader(cfg_for(prepared, tok), tok, SEQ, 2, 1, 4, seed=1)
+    far = {**loader.state_dict(), "position": {"samples": 10**12}}
+    loader.load_state_dict(far)
+    batch = next(loader)
+    assert batch["input_ids"].shape == (2, SEQ)
+    assert loader.stats["tokens_read"] == 2 * (SEQ + 1)
+    assert loader.state_dict()["position"]["samples"] == 10**12 + 8
+
+
+def test_token_loader_mismatches_are_errors(prepared, tok, tmp_path):
+    other_tok = train_small_tokenizer(tmp_path, vocab_size=700)
+    with pytest.raises(DataError, match="was tokenised with tokenizer"):
+        build_train_loader(cfg_for(prepared, tok), other_tok, SEQ, 2)
+    with pytest.raises(DataError, match="add_bos"):
+        build_train_loader(cfg_for(prepared, tok, add_bos=False), tok, SEQ, 2)
+    loader = build_train_loader(cfg_for(prepared, tok), tok, SEQ, 2, seed=1)
+    next(loader)
+    with pytest.raises(DataError, match="seq_len"):
+        build_train_loader(cfg_for(prepared, tok), tok, SEQ + 1, 2,
+                           seed=1).load_state_dict(loader.state_dict())
+    text_loader = build_train_loader(DataConfig(sources=[str(prepared["out"])], prefetch=0),
+                                     tok, SEQ, 2)
+    next(text_loader)
+    with pytest.raises(DataError, match="data.format=text"):
+        loader.load_state_dict(text_loader.state_dict())
+    write_jsonl(tmp_path / "plain" / "x.jsonl", ["text"])
+    with pytest.raises(DataError, match=r"data.sources\[0\].path: .*not a complete prepared"):
+        build_train_loader(DataConfig(sources=[str(tmp_path / "plain")], format="tokens"), tok,
+                           SEQ, 2)
+    with pytest.raises(DataError, match=r"data.sources\[0\]: data.format=tokens needs"):
+        build_train_loader(DataConfig(sources=[{"hub": "parquet"}], format="tokens"), tok, SEQ, 2)
+    with pytest.raises(DataError, match="data.format"):
+        DataConfig(format="tokenz")
