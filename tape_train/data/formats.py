@@ -333,8 +333,13 @@ def _read_parquet(shard: Shard, start: int, text_field: str, skip_bad: bool,
             row += 1
 
 
-def hub_shards(source: SourceConfig):
-    """Open ``source.hub`` as a streaming dataset; returns (dataset, shards)."""
+def hub_shards(source: SourceConfig, min_shards: int = 1):
+    """Open ``source.hub`` as a streaming dataset; returns (dataset, shards).
+
+    With fewer than ``min_shards`` shards (files) the dataset is re-sharded with
+    ``IterableDataset.reshard()`` where the format allows it (Parquet: one shard per row group),
+    so that ``min_shards`` data-parallel ranks can each read whole shards of their own.
+    """
     import datasets
 
     try:
@@ -344,6 +349,11 @@ def hub_shards(source: SourceConfig):
         raise DataError(f"{source.key}.hub: cannot open dataset {source.hub!r} "
                         f"(config={source.config!r}, split={source.split!r}): "
                         f"{type(exc).__name__}: {str(exc)[:300]}") from None
+    if ds.n_shards < min_shards and hasattr(ds, "reshard"):
+        files = ds.n_shards
+        ds = ds.reshard()
+        log.info("data: %s: %d file shard(s) < %d ranks; re-sharded by row group into %d",
+                 source.key, files, min_shards, ds.n_shards)
     n = max(1, ds.n_shards)
     label = f"hub:{source.hub}/{source.config or 'default'}/{source.split}"
     if source.data_files is not None:

@@ -64,7 +64,7 @@ class SourceCursor:
         self.skips = skips
         self.hub_dataset = None
         if source.hub is not None:
-            self.hub_dataset, self.all_shards = hub_shards(source)
+            self.hub_dataset, self.all_shards = hub_shards(source, min_shards=world)
         else:
             self.all_shards = resolve_local_shards(source, split="train")
         self.rank, self.world = rank, world

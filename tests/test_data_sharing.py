@@ -1,0 +1,121 @@
+"""Each data-parallel rank reads only its own share (documents sharding): local shards and Hub
+streams, disjoint and complete per epoch, exact resume."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from tape_train.data import DataConfig, SourceConfig, build_train_loader
+from tape_train.data import formats
+from tape_train.data.formats import SkipLog
+from tape_train.data.sources import SourceCursor, rank_share
+from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return train_small_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def texts():
+    return [f"[T{i:03d}] {t[:200]}" for i, t in enumerate(real_text_documents(60))]
+
+
+def epoch_documents(source: SourceConfig, rank: int, world: int) -> list[str]:
+    """The documents rank ``rank`` of ``world`` reads in its first epoch."""
+    cursor = SourceCursor(source, 0, 3, True, 4, 0.0, False, SkipLog(), rank, world)
+    docs = []
+    while True:
+        text = cursor.next_document()
+        if cursor.epoch > 0:
+            return docs
+        docs.append(text)
+
+
+@pytest.mark.parametrize("shards", [1, 3, 4, 7, 16])
+def test_rank_share_assigns_every_record_to_exactly_one_rank(shards):
+    records = 12
+    for world in (1, 2, 3, 4, 8, 64):
+        owners = {}
+        for rank in range(world):
+            own, stride, phase = rank_share(shards, rank, world)
+            assert len(own) <= -(-shards // world) or len(own) == 1  # ≤ ceil(S/n), or 1 shard
+            for s in own:
+                for r in range(phase, records, stride):
+                    assert (s, r) not in owners, (world, rank, s, r)
+                    owners[(s, r)] = rank
+        assert len(owners) == shards * records
+
+
+def test_local_ranks_open_only_their_own_shards(texts, tmp_path, monkeypatch):
+    for s in range(4):
+        write_jsonl(tmp_path / "c" / f"part{s}.jsonl", texts[s::4])
+    source = SourceConfig(path=str(tmp_path / "c"), key="data.sources[0]")
+    opened = []
+    real = formats._iter_lines
+    monkeypatch.setattr(formats, "_iter_lines", lambda shard: (opened.append(shard.path),
+                                                               real(shard))[1])
+    per_rank = []
+    for rank in range(2):
+        opened.clear()
+        per_rank.append(epoch_documents(source, rank, 2))
+        names = {p.rsplit("/", 1)[1] for p in opened}
+        assert names == {f"part{rank}.jsonl", f"part{rank + 2}.jsonl"}, names
+    assert sorted(per_rank[0] + per_rank[1]) == sorted(texts)
+    # 8 ranks over 4 shards: each opens one shard and keeps every other record.
+    per_rank = []
+    for rank in range(8):
+        opened.clear()
+        per_rank.append(epoch_documents(source, rank, 8))
+        assert {p.rsplit("/", 1)[1] for p in opened} == {f"part{rank % 4}.jsonl"}
+    merged = [d for docs in per_rank for d in docs]
+    assert sorted(merged) == sorted(texts) and len(set(merged)) == len(merged)
+
+
+def test_hub_stream_ranks_read_disjoint_complete_shares(tok, texts, tmp_path):
+    """Parquet through `datasets` streaming (`hub: parquet` + data_files stands in for the Hub):
+    with as many files as ranks each rank reads its files, the same documents as
+    `datasets.distributed.split_dataset_by_node`; with more ranks than files the stream is
+    re-sharded by row group (`IterableDataset.reshard`) and every rank still reads only its
+    own row groups."""
+    from datasets import load_dataset
+    from datasets.distributed import split_dataset_by_node
+
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    for s in range(2):
+        pq.write_table(pa.table({"text": texts[s::2]}), hub / f"part-{s}.parquet",
+                       row_group_size=10)  # 3 row groups per file
+    source = SourceConfig(hub="parquet", data_files=str(hub / "*.parquet"),
+                          key="data.sources[0]")
+    ds = load_dataset("parquet", data_files=str(hub / "*.parquet"), split="train",
+                      streaming=True)
+    for rank in range(2):
+        ours = epoch_documents(source, rank, 2)
+        theirs = [r["text"] for r in split_dataset_by_node(ds, rank=rank, world_size=2)]
+        assert sorted(ours) == sorted(theirs) and len(ours) == 30
+    resharded = SourceCursor(source, 0, 3, True, 4, 0.0, False, SkipLog(), 5, 6)
+    assert len(resharded.all_shards) == 6 and len(resharded.shards) == 1
+    assert resharded.stride == 1  # whole row groups, no record interleaving
+    per_rank = [epoch_documents(source, rank, 6) for rank in range(6)]
+    assert all(len(docs) == 10 for docs in per_rank)  # one row group each
+    merged = [d for docs in per_rank for d in docs]
+    assert sorted(merged) == sorted(texts)
+    # Exact resume on rank 4 of 6, through the loader.
+    cfg = DataConfig(sources=[source.to_dict()], prefetch=0, shuffle_buffer=4)
+    ref = build_train_loader(cfg, tok, SEQ, 2, 4, 6, seed=2)
+    reference = [next(ref)["input_ids"] for _ in range(10)]
+    first = build_train_loader(cfg, tok, SEQ, 2, 4, 6, seed=2)
+    for _ in range(6):
+        next(first)
+    resumed = build_train_loader(cfg, tok, SEQ, 2, 4, 6, seed=2)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert all(torch.equal(next(resumed)["input_ids"], r) for r in reference[6:])
