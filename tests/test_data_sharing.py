@@ -61,8 +61,8 @@ def test_local_ranks_open_only_their_own_shards(texts, tmp_path, monkeypatch):
     source = SourceConfig(path=str(tmp_path / "c"), key="data.sources[0]")
     opened = []
     real = formats._iter_lines
-    monkeypatch.setattr(formats, "_iter_lines", lambda shard: (opened.append(shard.path),
-                                                               real(shard))[1])
+    monkeypatch.setattr(formats, "_iter_lines", lambda shard, *a: (opened.append(shard.path),
+                                                                   real(shard, *a))[1])
     per_rank = []
     for rank in range(2):
         opened.clear()
@@ -119,3 +119,26 @@ def test_hub_stream_ranks_read_disjoint_complete_shares(tok, texts, tmp_path):
     resumed = build_train_loader(cfg, tok, SEQ, 2, 4, 6, seed=2)
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
     assert all(torch.equal(next(resumed)["input_ids"], r) for r in reference[6:])
+
+
+def test_prepared_shards_resume_from_the_nearest_zstd_frame(texts, tmp_path, monkeypatch):
+    """Prepared shards are written as many zstd frames, indexed in the manifest, so reading
+    from record k decompresses from the frame holding k — not from the start of the shard."""
+    from tape_train.data.corpus import write_corpus
+    from tape_train.data.formats import read_documents, resolve_local_shards
+
+    docs = [{"text": t, "source": "s", "id": str(i)} for i, t in enumerate(texts)]
+    write_corpus(docs, tmp_path / "p", num_shards=1, eval_fraction=0.0, frame_bytes=2000)
+    (shard,) = resolve_local_shards(SourceConfig(path=str(tmp_path / "p"), key="k"))
+    assert len(shard.frames) > 5 and shard.frames[0] == (0, 0)
+    full = list(read_documents(shard, 0, "text", False, SkipLog()))
+    assert [i for i, _ in full] == list(range(len(texts)))
+    offsets = []
+    real = formats._zstd_chunks
+    monkeypatch.setattr(formats, "_zstd_chunks", lambda path, chunk_bytes=1 << 20, offset=0: (
+        offsets.append(offset), real(path, chunk_bytes, offset))[1])
+    for k in (0, 1, 17, 33, len(texts) - 1):
+        offsets.clear()
+        assert list(read_documents(shard, k, "text", False, SkipLog())) == full[k:], k
+        expected = max(o for o, r in shard.frames if r <= k)
+        assert offsets == [expected] and (k < shard.frames[1][1] or expected > 0)

@@ -56,7 +56,7 @@ def read_complete_manifest(out_dir: Path) -> dict | None:
 class _ShardSet:
     """Round-robin writer over ``n`` zstd-compressed JSONL shards of one split."""
 
-    def __init__(self, directory: Path, split: str, n: int):
+    def __init__(self, directory: Path, split: str, n: int, frame_bytes: int = 1 << 20):
         import zstandard
 
         self.split = split
@@ -65,30 +65,44 @@ class _ShardSet:
         self.writers = [zstandard.ZstdCompressor(level=3).stream_writer(f) for f in self.files]
         self.documents = [0] * n
         self.text_bytes = [0] * n
+        # A new zstd frame every ~frame_bytes of JSON: (compressed offset, first record) of
+        # each frame lets a reader start at any record by decompressing at most one frame.
+        self.frame_bytes = frame_bytes
+        self.frames: list[list[list[int]]] = [[[0, 0]] for _ in range(n)]
+        self.in_frame = [0] * n
         self.next = 0
 
     def write(self, record: dict, n_bytes: int) -> None:
+        import zstandard
+
         i = self.next
         self.next = (i + 1) % len(self.writers)
-        self.writers[i].write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+        line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        self.writers[i].write(line)
         self.documents[i] += 1
         self.text_bytes[i] += n_bytes
+        self.in_frame[i] += len(line)
+        if self.in_frame[i] >= self.frame_bytes:
+            self.writers[i].flush(zstandard.FLUSH_FRAME)
+            self.frames[i].append([self.files[i].tell(), self.documents[i]])
+            self.in_frame[i] = 0
 
     def close(self, directory: Path) -> list[dict]:
         entries = []
         for i, name in enumerate(self.names):
             self.writers[i].close()  # also closes the file
             data = (directory / name).read_bytes()
+            frames = [f for f in self.frames[i] if f[0] < len(data)]  # none starts at EOF
             entries.append({"path": name, "split": self.split, "documents": self.documents[i],
                             "text_bytes": self.text_bytes[i], "file_bytes": len(data),
-                            "sha256": hashlib.sha256(data).hexdigest()})
+                            "sha256": hashlib.sha256(data).hexdigest(), "frames": frames})
         return entries
 
 
 def write_corpus(documents: Iterable[dict], out_dir: str | os.PathLike, *, num_shards: int = 16,
                  eval_fraction: float = 0.01, seed: int = 0, shuffle_bytes: int = 256 << 20,
                  config: dict | None = None, extra: dict | None = None,
-                 tokenizer=None) -> dict:
+                 tokenizer=None, frame_bytes: int = 1 << 20) -> dict:
     """Write ``documents`` (dicts with ``text``, ``source``, ``id``) as a prepared corpus.
 
     With ``tokenizer``, every training shard also gets its token shard (``tokens.py``) in the
@@ -107,7 +121,7 @@ def write_corpus(documents: Iterable[dict], out_dir: str | os.PathLike, *, num_s
     tmp = out / f".tmp-prepare-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    train = _ShardSet(tmp, "train", num_shards)
+    train = _ShardSet(tmp, "train", num_shards, frame_bytes)
     held = _ShardSet(tmp, "eval", 1)
     token_shards = TokenShardWriter(tmp, train.names, tokenizer) if tokenizer else None
     rng = np.random.default_rng([seed, 0x5052])

@@ -75,6 +75,9 @@ class Shard:
     compression: str = ""
     size: int = 0  # bytes on disk (0 for hub)
     hub_index: int = -1
+    # Prepared zstd shards: ((compressed byte offset, first record), ...) of each zstd frame,
+    # so reading from record k decompresses only from the frame holding k (manifest "frames").
+    frames: tuple = ()
 
     @property
     def identity(self) -> list:
@@ -88,6 +91,7 @@ def resolve_local_shards(source: SourceConfig, split: str = "train") -> list[Sha
     the manifest's shards of ``split``. Errors name the config key and the path."""
     key = f"{source.key}.path"
     found: list[Path] = []
+    frames: dict[Path, tuple] = {}
     for pattern in source.paths:
         p = Path(pattern)
         if any(ch in pattern for ch in "*?["):
@@ -99,7 +103,7 @@ def resolve_local_shards(source: SourceConfig, split: str = "train") -> list[Sha
             found.extend(files)
         elif p.is_dir():
             if (p / MANIFEST_NAME).is_file():
-                found.extend(manifest_shard_paths(p, split))
+                found.extend(manifest_shard_paths(p, split, frames))
                 continue
             files = sorted(f for f in p.rglob("*") if f.is_file() and classify(f)
                            and not any(part.startswith(".") for part in f.relative_to(p).parts))
@@ -117,12 +121,15 @@ def resolve_local_shards(source: SourceConfig, split: str = "train") -> list[Sha
     shards = []
     for f in found:
         kind, compression = classify(f)
-        shards.append(Shard(kind, str(f), compression, f.stat().st_size))
+        shards.append(Shard(kind, str(f), compression, f.stat().st_size,
+                            frames=frames.get(f, ())))
     return shards
 
 
-def manifest_shard_paths(directory: Path, split: str) -> list[Path]:
-    """Shard files of one split listed in ``directory/manifest.json``."""
+def manifest_shard_paths(directory: Path, split: str,
+                         frames: dict | None = None) -> list[Path]:
+    """Shard files of one split listed in ``directory/manifest.json``; their zstd frame
+    indexes (where the manifest has them) are added to ``frames`` by path."""
     manifest_path = directory / MANIFEST_NAME
     try:
         manifest = json.loads(manifest_path.read_text())
@@ -136,17 +143,21 @@ def manifest_shard_paths(directory: Path, split: str) -> list[Path]:
             raise DataError(f"{manifest_path}: listed shard {entry['path']!r} is missing; "
                             f"re-run `tape-data prepare`")
         paths.append(path)
+        if frames is not None and entry.get("frames"):
+            frames[path] = tuple((int(o), int(r)) for o, r in entry["frames"])
     return paths
 
 
-def _zstd_chunks(path: str, chunk_bytes: int = 1 << 20) -> Iterator[bytes]:
-    """Decompressed chunks of a (possibly multi-frame) zstd file. Raises on a truncated last
-    frame — zstandard's stream_reader just stops there, which would lose data silently."""
+def _zstd_chunks(path: str, chunk_bytes: int = 1 << 20, offset: int = 0) -> Iterator[bytes]:
+    """Decompressed chunks of a (possibly multi-frame) zstd file from byte ``offset`` (a frame
+    start). Raises on a truncated last frame — zstandard's stream_reader just stops there,
+    which would lose data silently."""
     import zstandard
 
     dctx = zstandard.ZstdDecompressor()
     dobj, fed = dctx.decompressobj(), False
     with open(path, "rb") as fh:
+        fh.seek(offset)
         while chunk := fh.read(chunk_bytes):
             while chunk:
                 fed = True
@@ -175,10 +186,22 @@ def _chunk_lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
         yield tail
 
 
-def _iter_lines(shard: Shard) -> Iterator[bytes]:
-    """Raw lines (without the newline) of a plain, gzip or zstd file."""
+def _seek_frame(shard: Shard, start: int) -> tuple[int, int]:
+    """(byte offset, record index) of the last indexed zstd frame starting at or before record
+    ``start``; (0, 0) without an index."""
+    best = (0, 0)
+    for offset, record in shard.frames:
+        if record > start:
+            break
+        best = (offset, record)
+    return best
+
+
+def _iter_lines(shard: Shard, offset: int = 0) -> Iterator[bytes]:
+    """Raw lines (without the newline) of a plain, gzip or zstd file (zstd: from the frame at
+    byte ``offset``)."""
     if shard.compression == "zst":
-        yield from _chunk_lines(_zstd_chunks(shard.path))
+        yield from _chunk_lines(_zstd_chunks(shard.path, offset=offset))
         return
     opener = gzip.open if shard.compression == "gz" else open
     with opener(shard.path, "rb") as fh:
@@ -249,9 +272,10 @@ _MISSING = object()
 
 def _read_jsonl(shard: Shard, start: int, text_field: str, skip_bad: bool,
                 skips: SkipLog, stride: int = 1, phase: int = 0) -> Iterator[tuple[int, str]]:
-    line_no = 0
+    offset, first = _seek_frame(shard, start) if shard.compression == "zst" else (0, 0)
+    line_no = first
     try:
-        for line_no, raw in enumerate(_iter_lines(shard), start=1):
+        for line_no, raw in enumerate(_iter_lines(shard, offset), start=first + 1):
             index = line_no - 1
             if index < start or index % stride != phase or not raw.strip():
                 continue
