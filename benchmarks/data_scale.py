@@ -3,14 +3,16 @@
 For n in 1, 8, 64, 512, 4096 and each data path, a fresh child process builds the loader of
 rank ``n - 1`` of ``n`` on a local multi-shard prepared corpus and measures:
 
-* **bytes read** over one epoch of the rank's share, from the kernel's I/O counter
+* **bytes read** per epoch of the rank's share in steady state (from the batch where its epoch
+  1 begins over whole epochs, at least 50 batches' worth, divided by the epochs passed; epoch 0
+  runs first, unmeasured, so lazy imports and start-up are excluded), from the kernel's counter
   ``rchar`` in ``/proc/self/io`` (every byte returned by read/pread syscalls of the process —
   page cache hits included, so the figure is what the process *asked the OS for*, independent of
   what happened to be cached; ``read_bytes`` would count only what reached the block device and
   would read ~0 on a warm cache). Counting starts after the loader is built and before the
   first batch; the corpus readers use read/pread (no mmap), so nothing escapes ``rchar``.
-* **tokens/s per rank** delivered over that epoch (wall clock, one thread, prefetch off);
-* **resume latency** at 1 %, 50 % and 99 % of that epoch: a new loader is built, restored from
+* **tokens/s per rank** delivered over those epochs (wall clock, one thread, prefetch off);
+* **resume latency** at 1 %, 50 % and 99 % of the measured span: a new loader is built, restored from
   the state saved there, and the first batch is produced (and checked equal to the batch the
   uninterrupted run got there), plus the bytes read for it.
 
@@ -69,20 +71,27 @@ def child(args: argparse.Namespace) -> dict:
     kw = dict(seq_len=args.seq_len, micro_batch_size=args.batch, dp_rank=rank, dp_size=n,
               seed=0)
     loader = build_train_loader(cfg, tok, **kw)
+    warmup = 0
+    while loader.epochs[0] < 1:  # epoch 0: lazy imports, first-window start-up
+        next(loader)
+        warmup += 1
+    # Measure whole epochs of this rank's share in steady state; enough of them for >= 50
+    # batches (at large n one batch can span several epochs of a tiny share).
+    start_epoch = loader.epochs[0]
+    span = max(1, -(-50 // warmup))
     states, digests = [loader.state_dict()], []
     tokens = 0
     read0, t0 = rchar(), time.perf_counter()
-    while True:
+    while loader.epochs[0] < start_epoch + span:
         batch = next(loader)
         tokens += batch["input_ids"].numel()
         digests.append(_digest(batch))
         states.append(loader.state_dict())
-        if loader.epochs[0] >= 1:
-            break
     seconds = time.perf_counter() - t0
-    bytes_read = rchar() - read0
+    epochs = loader.epochs[0] - start_epoch
     result = {"path": args.path, "n": n, "rank": rank, "batches": len(digests),
-              "tokens": tokens, "seconds": seconds, "bytes_read": bytes_read,
+              "epochs": epochs, "tokens": tokens, "seconds": seconds,
+              "bytes_read_per_epoch": (rchar() - read0) / epochs,
               "tokens_per_s": tokens / seconds, "resume": {}}
     for pct in (1, 50, 99):
         k = min(len(digests) - 1, len(digests) * pct // 100)
@@ -155,9 +164,9 @@ def main() -> int:
             result["target_bytes"] = 1.2 * sizes[kind] / n + sizes[f"{kind}_shard"]
             results.append(result)
             r = result["resume"]
-            print(f"{path:10s} n={n:5d} read {result['bytes_read'] / 1e6:9.3f} MB "
+            print(f"{path:10s} n={n:5d} read {result['bytes_read_per_epoch'] / 1e6:9.3f} MB/epoch "
                   f"(target ≤ {result['target_bytes'] / 1e6:7.3f}) "
-                  f"{result['tokens_per_s'] / 1e3:9.1f} k tok/s over {result['tokens']} tokens; "
+                  f"{result['tokens_per_s'] / 1e3:9.1f} k tok/s over {result['epochs']} epoch(s); "
                   f"resume 1/50/99 %: " + " / ".join(
                       f"{r[p]['seconds'] * 1e3:.0f} ms {r[p]['bytes_read'] / 1e6:.2f} MB"
                       f"{'' if r[p]['exact'] else ' NOT EXACT'}" for p in ("1", "50", "99")),

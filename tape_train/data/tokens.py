@@ -17,6 +17,7 @@ any size costs O(1) memory and any sample index is reachable in O(1).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from pathlib import Path
@@ -27,7 +28,6 @@ from tape_train.data.config import DataError
 from tape_train.data.formats import MANIFEST_NAME
 
 TOKENS_SUFFIX = ".tokens"
-_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -104,40 +104,50 @@ def read_token_manifest(directory: Path, key: str) -> dict:
     return tokens
 
 
-def _mix(x: np.ndarray, key: int) -> np.ndarray:
-    """splitmix64 finaliser of ``x ^ key`` (uint64 arrays; arithmetic wraps mod 2^64)."""
-    with np.errstate(over="ignore"):
-        z = (x ^ np.uint64(key & 0xFFFFFFFFFFFFFFFF)) * np.uint64(0x9E3779B97F4A7C15) & _MASK64
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9) & _MASK64
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> np.uint64(31))
+_M64 = (1 << 64) - 1
 
 
-def feistel_permutation(index: np.ndarray, n: int, key: list[int], rounds: int = 6) -> np.ndarray:
-    """A keyed bijection of ``[0, n)`` applied to ``index`` (int array), in O(len(index)).
+def _mix(x: int, key: int) -> int:
+    """splitmix64 finaliser of ``x ^ key`` on Python ints (mod 2^64)."""
+    z = ((x ^ key) * 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+@functools.lru_cache(maxsize=64)
+def _round_keys(key: tuple, rounds: int) -> tuple[int, ...]:
+    return tuple(int(k) for k in np.random.default_rng([*key, 0xFE15]).integers(
+        0, 2**63, size=rounds, dtype=np.int64))
+
+
+def feistel_permutation(index, n: int, key: list[int], rounds: int = 6) -> np.ndarray:
+    """A keyed bijection of ``[0, n)`` applied to ``index`` (ints), in O(len(index)).
 
     A balanced Feistel network on the smallest even bit width ``2h`` with ``2^(2h) ≥ n``,
     cycle-walking values that land outside ``[0, n)`` (expected < 4 steps since
-    ``2^(2h) < 4n``). Different keys give independent-looking permutations.
+    ``2^(2h) < 4n``). Different keys give independent-looking permutations. Plain Python
+    integers: a batch needs a few dozen rounds, where numpy's per-call overhead would dominate.
     """
-    index = np.asarray(index, dtype=np.uint64)
+    values = [int(i) for i in np.asarray(index).reshape(-1)]
     if n <= 1:
-        return np.zeros_like(index)
+        return np.zeros(len(values), dtype=np.int64)
     half = max(1, ((n - 1).bit_length() + 1) // 2)
-    low = np.uint64((1 << half) - 1)
-    round_keys = [int(k) for k in np.random.default_rng([*key, 0xFE15]).integers(
-        0, 2**63, size=rounds, dtype=np.int64)]
-    out = index.copy()
-    todo = np.ones(out.shape, dtype=bool)
-    while todo.any():
-        x = out[todo]
-        left, right = x >> np.uint64(half), x & low
-        for k in round_keys:
-            left, right = right, left ^ (_mix(right, k) & low)
-        x = (left << np.uint64(half)) | right
-        out[todo] = x
-        todo[todo] = x >= np.uint64(n)
-    return out
+    low = (1 << half) - 1
+    keys = _round_keys(tuple(int(k) for k in key), rounds)
+    out = []
+    for x in values:
+        if not 0 <= x < n:
+            raise ValueError(f"feistel_permutation: index {x} outside [0, {n})")
+        while True:
+            left, right = x >> half, x & low
+            for k in keys:
+                left, right = right, left ^ (_mix(right, k) & low)
+            x = (left << half) | right
+            if x < n:
+                break
+        out.append(x)
+    return np.asarray(out, dtype=np.int64)
 
 
 class TokenBlocks:
