@@ -193,3 +193,23 @@ def test_token_loader_mismatches_are_errors(prepared, tok, tmp_path):
         build_train_loader(DataConfig(sources=[{"hub": "parquet"}], format="tokens"), tok, SEQ, 2)
     with pytest.raises(DataError, match="data.format"):
         DataConfig(format="tokenz")
+
+
+def test_trainer_allows_a_dp_change_with_token_data():
+    """The trainer's layout check (train/relayout.py) accepts a data-parallel change for
+    data.format=tokens, whose stream is independent of dp, and still refuses it for text
+    documents sharding (negative control)."""
+    from tape_train.config import load_run_config
+    from tape_train.parallel.grid import RankGrid
+    from tape_train.train import relayout
+
+    def marker(data):
+        return {"layout": {"dp": 2, "sp": 1, "tp": 1}, "zero_stage": 3,
+                "config": {"train": {"micro_batch_size": 2, "grad_accum_steps": 1,
+                                     "synthetic_data": False}, "data": data}}
+
+    now = (load_run_config(None, ["model=tiny", "train.micro_batch_size=2",
+                                  "train.grad_accum_steps=2"]), RankGrid.from_sizes(1, rank=0))
+    assert relayout.problems(marker({"sharding": "documents", "format": "tokens"}), *now) == []
+    (problem,) = relayout.problems(marker({"sharding": "documents", "format": "text"}), *now)
+    assert "data.format: tokens" in problem

@@ -93,11 +93,12 @@ def problems(marker: dict, cfg, grid) -> list[str]:
             f"{now_train['grad_accum_steps']} × {current['dp']} now){fix}")
     synthetic = bool(saved_train.get("synthetic_data"))
     sharding = (saved_cfg.get("data") or {}).get("sharding", "documents")
-    if saved["dp"] != current["dp"] and not synthetic and sharding != "global":
+    tokens = (saved_cfg.get("data") or {}).get("format") == "tokens"  # one global stream
+    if saved["dp"] != current["dp"] and not synthetic and sharding != "global" and not tokens:
         found.append(f"data.sharding={sharding!r} ties the token stream to the number of "
                      f"data-parallel ranks (saved dp={saved['dp']}, now dp={current['dp']}); "
-                     f"resume at dp={saved['dp']}, or train with data.sharding: global to be "
-                     f"able to change it")
+                     f"resume at dp={saved['dp']}, or train with data.sharding: global (or "
+                     f"data.format: tokens) to be able to change it")
     zero_stage = int(marker.get("zero_stage", 3))
     if zero_stage == 0 and saved["tp"] != current["tp"]:
         found.append(f"a ZeRO-0 checkpoint stores one weight shard per tensor-parallel rank "
