@@ -139,9 +139,9 @@ class DataConfig:
         skip_bad_records: ``False`` raises on a malformed record (naming file:line); ``True``
             skips it, counts it and logs it. Empty documents are always skipped and counted.
         add_bos / add_eos: wrap every document in BOS ... EOS before packing.
-        sharding: ``"documents"``: document g goes to data-parallel rank g mod dp_size, which
-            tokenises and packs only its own documents (scales; a resume needs the same
-            dp_size). ``"global"``: every rank tokenises the whole stream and takes packed
+        sharding: ``"documents"``: each data-parallel rank reads, tokenises and packs only its
+            own share of every source (whole shards, or every k-th record of one shard when
+            there are fewer shards than ranks; scales; a resume needs the same dp_size). ``"global"``: every rank tokenises the whole stream and takes packed
             blocks r, r+n, ...; the global token stream is independent of dp_size, so a run
             can resume on a different number of ranks (costs dp_size× tokenisation).
         format: ``"text"``: sources are text, tokenised while training (``sharding`` applies).
