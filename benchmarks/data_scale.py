@@ -3,14 +3,15 @@
 For n in 1, 8, 64, 512, 4096 and each data path, a fresh child process builds the loader of
 rank ``n - 1`` of ``n`` on a local multi-shard prepared corpus and measures:
 
-* **bytes read** per epoch of the rank's share in steady state (from the batch where its epoch
-  1 begins over whole epochs, at least 50 batches' worth, divided by the epochs passed; epoch 0
-  runs first, unmeasured, so lazy imports and start-up are excluded), from the kernel's counter
-  ``rchar`` in ``/proc/self/io`` (every byte returned by read/pread syscalls of the process —
-  page cache hits included, so the figure is what the process *asked the OS for*, independent of
-  what happened to be cached; ``read_bytes`` would count only what reached the block device and
-  would read ~0 on a warm cache). Counting starts after the loader is built and before the
-  first batch; the corpus readers use read/pread (no mmap), so nothing escapes ``rchar``.
+* **bytes read** per epoch of the rank's share, in steady state: epoch 0 runs first,
+  unmeasured (lazy imports, start-up); then whole epochs are measured — enough for >= 200
+  batches, or those that end within ``--max-seconds`` — and the count is divided by the
+  epochs passed. The counter is the kernel's ``rchar`` in ``/proc/self/io``: every byte
+  returned by read/pread syscalls of the process, page-cache hits included, so it is what the
+  process *asked the OS for*, independent of what happened to be cached (``read_bytes`` counts
+  only what reached the block device: ~0 on a warm cache, and it needs root to drop caches,
+  which would disturb everything else on a shared machine). The corpus readers use read/pread,
+  not mmap, so nothing escapes ``rchar``.
 * **tokens/s per rank** delivered over those epochs (wall clock, one thread, prefetch off);
 * **resume latency** at 1 %, 50 % and 99 % of the measured span: a new loader is built, restored from
   the state saved there, and the first batch is produced (and checked equal to the batch the
@@ -75,14 +76,16 @@ def child(args: argparse.Namespace) -> dict:
     while loader.epochs[0] < 1:  # epoch 0: lazy imports, first-window start-up
         next(loader)
         warmup += 1
-    # Measure whole epochs of this rank's share in steady state; enough of them for >= 50
-    # batches (at large n one batch can span several epochs of a tiny share).
+    # Measure whole epochs of this rank's share in steady state: enough of them for >= 200
+    # batches (at large n one batch can span several epochs of a tiny share), but stop at the
+    # first epoch boundary after --max-seconds.
     start_epoch = loader.epochs[0]
-    span = max(1, -(-50 // warmup))
+    span = max(1, -(-200 // warmup))
     states, digests = [loader.state_dict()], []
     tokens = 0
     read0, t0 = rchar(), time.perf_counter()
-    while loader.epochs[0] < start_epoch + span:
+    while loader.epochs[0] < start_epoch + span and not (
+            loader.epochs[0] > start_epoch and time.perf_counter() - t0 > args.max_seconds):
         batch = next(loader)
         tokens += batch["input_ids"].numel()
         digests.append(_digest(batch))
@@ -131,6 +134,8 @@ def main() -> int:
     parser.add_argument("--paths", nargs="+", default=["tokens", "text", "text-today"])
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--max-seconds", type=float, default=15.0,
+                        help="end a measurement at the first epoch boundary after this")
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
@@ -152,7 +157,8 @@ def main() -> int:
             cmd = [sys.executable, __file__, "--child", "--path",
                    "text" if path == "text-today" else path, "--n", str(n), "--src", src,
                    "--data", args.data, "--tokenizer", args.tokenizer,
-                   "--seq-len", str(args.seq_len), "--batch", str(args.batch)]
+                   "--seq-len", str(args.seq_len), "--batch", str(args.batch),
+                   "--max-seconds", str(args.max_seconds)]
             proc = subprocess.run(cmd, capture_output=True, text=True, env={
                 **env, "PYTHONPATH": src})
             if proc.returncode != 0:

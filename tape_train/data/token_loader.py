@@ -57,8 +57,9 @@ class TokenLoader:
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed = int(seed)
-        self.blocks = TokenBlocks(token_directories(cfg), seq_len + 1)
-        for (directory, key), manifest in zip(token_directories(cfg), self.blocks.manifests):
+        directories = token_directories(cfg)
+        self.blocks = TokenBlocks(directories, seq_len + 1)
+        for (directory, key), manifest in zip(directories, self.blocks.manifests):
             if manifest["tokenizer_sha256"] != tokenizer.sha256:
                 raise DataError(f"{key}: {directory} was tokenised with tokenizer "
                                 f"{manifest['tokenizer']!r} (sha256 "
