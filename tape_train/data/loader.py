@@ -91,8 +91,11 @@ class TrainLoader:
             or _digest([type(tokenizer).__name__, tokenizer.vocab_size]),
             "seq_len": seq_len,
             "seed": self.seed,
+            # Per-rank reading shares (documents, n > 1) changed the streams: states saved
+            # when every rank dealt from one global stream are flagged as a mismatch.
             "packing": _digest([cfg.add_bos, cfg.add_eos, cfg.shuffle, cfg.shuffle_buffer,
-                                cfg.eval_fraction, cfg.sharding]),
+                                cfg.eval_fraction, cfg.sharding]
+                               + (["rank-share/1"] if share[1] > 1 else [])),
         }
         self.fingerprint = _digest(self.fingerprint_fields)
         self._initial_position = {"stream": self._stream.state(), "offset": 0, "blocks": 0}
