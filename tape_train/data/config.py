@@ -141,8 +141,9 @@ class DataConfig:
         add_bos / add_eos: wrap every document in BOS ... EOS before packing.
         sharding: ``"documents"``: each data-parallel rank reads, tokenises and packs only its
             own share of every source (whole shards, or every k-th record of one shard when
-            there are fewer shards than ranks; scales; a resume needs the same dp_size). ``"global"``: every rank tokenises the whole stream and takes packed
-            blocks r, r+n, ...; the global token stream is independent of dp_size, so a run
+            there are fewer shards than ranks; scales; a resume needs the same dp_size).
+            ``"global"``: every rank tokenises the whole stream and takes packed blocks
+            r, r+n, ...; the global token stream is independent of dp_size, so a run
             can resume on a different number of ranks (costs dp_size× tokenisation).
         format: ``"text"``: sources are text, tokenised while training (``sharding`` applies).
             ``"tokens"``: every source is a directory written by ``tape-data prepare
