@@ -14,8 +14,8 @@ rank ``n - 1`` of ``n`` on a local multi-shard prepared corpus and measures:
   not mmap, so nothing escapes ``rchar``.
 * **tokens/s per rank** delivered over those epochs (wall clock, one thread, prefetch off);
 * **resume latency** at 1 %, 50 % and 99 % of the measured span: a new loader is built,
-  restored from the state saved there, and the first batch is produced (and checked equal to the batch the
-  uninterrupted run got there), plus the bytes read for it.
+  restored from the state saved there, and the first batch is produced (and checked equal to
+  the batch the uninterrupted run got there), plus the bytes read for it.
 
 Paths: ``text`` (``data.format: text``, ``sharding: documents``; this code), ``text-today``
 (the same on the code of ``--baseline-src``, e.g. the tree before shard-level reading:
