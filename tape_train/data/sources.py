@@ -4,8 +4,8 @@ Order of one source in epoch ``e``: its shards in a seeded permutation (per epoc
 sequentially; consecutive runs of ``shuffle_buffer`` documents ("windows") are each emitted in
 a seeded permutation. A cursor's whole state is five integers
 ``[epoch, window_index, window_start_shard, window_start_record, position_in_window]``:
-resuming re-reads one window from its recorded start (skipping at most one shard's worth of
-lines, without parsing them) and is exact — unlike ``datasets``' shuffle buffer, whose content
+resuming re-reads one window from its recorded start (from the nearest indexed zstd frame
+of a prepared shard, else counting the lines before it without parsing them) and is exact — unlike ``datasets``' shuffle buffer, whose content
 is not part of its state (see docs/data.md).
 
 Sources loop forever (epoch counter in the state), so no data-parallel rank ever runs dry.
@@ -122,8 +122,8 @@ class SourceCursor:
             if self.window_index == 0 or attempt == 1:
                 share = "" if self.world == 1 else (
                     f" for data-parallel rank {self.rank} of {self.world} (its share: "
-                    f"{len(self.shards)} of {len(self.all_shards)} shard(s), every "
-                    f"{self.stride}. record; give the source more shards/records than ranks)")
+                    f"{len(self.shards)} of {len(self.all_shards)} shard(s), one record in "
+                    f"{self.stride}; give the source more shards/records than ranks)")
                 raise DataError(
                     f"{self.source.key}: source {self.source.name!r} has no usable documents"
                     f"{share} ({len(self.shards)} shard(s); skipped so far: "
