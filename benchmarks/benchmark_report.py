@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+from tape_train.files import write_atomic
+
 
 def write_report(report: dict, out_dir: Path) -> list[Path]:
     """Write every file of the report; returns their paths."""
@@ -20,7 +22,7 @@ def write_report(report: dict, out_dir: Path) -> list[Path]:
     assets = out_dir / "benchmarks"
     assets.mkdir(parents=True, exist_ok=True)
     written = [assets / "benchmarks.json"]
-    written[0].write_text(json.dumps(report, indent=1) + "\n")
+    write_atomic(written[0], json.dumps(report, indent=1) + "\n")
     if "training" in report:
         rows = report["training"]["rows"]
         written.append(plot_vs_n(rows, [("tokens_per_s", "tokens/s", 1.0),
@@ -28,7 +30,7 @@ def write_report(report: dict, out_dir: Path) -> list[Path]:
         written.append(plot_vs_n(rows, [("peak_rss_mib", "peak RSS (MiB)", 1.0)],
                                  assets / "memory.png"))
     md = out_dir / "benchmarks.md"
-    md.write_text(render_markdown(report))
+    write_atomic(md, render_markdown(report))
     return [md, *written]
 
 

@@ -64,7 +64,7 @@ def test_failed_write_keeps_previous_file(tmp_path):
     target.write_text("previous")
 
     def crash(f):
-        f.write("half")
+        f.write(b"half")
         raise OSError("disk full")
     with pytest.raises(OSError, match="disk full"):
         report.write_atomic(target, crash)

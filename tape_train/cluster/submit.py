@@ -32,6 +32,7 @@ from tape_train.cluster.render import (
     render_train_script,
 )
 from tape_train.cluster.run_args import TrainArgsError, resolve_run_dir
+from tape_train.files import write_atomic
 
 EVAL_SEPARATOR = "# ---- eval.sbatch, submitted with --dependency=afterok:<training job id> ----"
 
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)  # Slurm does not create the --output directory
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     train_file = log_dir / f"{opts.job_name}.{stamp}.train.sbatch"
-    train_file.write_text(train_script)
+    write_atomic(train_file, train_script)
     try:
         job_id = _sbatch([str(train_file)])
         print(f"tape-submit: training job {job_id}: {opts.nodes} node(s) x {opts.procs} "
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         print(job_id, flush=True)
         if eval_script is not None:
             eval_file = log_dir / f"{opts.job_name}.{stamp}.eval.sbatch"
-            eval_file.write_text(eval_script)
+            write_atomic(eval_file, eval_script)
             # Without kill-on-invalid-dep a failed training job would leave the evaluation
             # pending forever (DependencyNeverSatisfied).
             eval_id = _sbatch([f"--dependency=afterok:{job_id}", "--kill-on-invalid-dep=yes",

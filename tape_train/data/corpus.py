@@ -28,6 +28,7 @@ import numpy as np
 from tape_train.data.config import DataError
 from tape_train.data.formats import MANIFEST_NAME
 from tape_train.data.sources import is_held_out
+from tape_train.files import write_atomic
 
 log = logging.getLogger("tape_train.data")
 
@@ -172,9 +173,7 @@ def write_corpus(documents: Iterable[dict], out_dir: str | os.PathLike, *, num_s
         "shards": entries,
         **(extra or {}),
     }
-    manifest_tmp = out / f".{MANIFEST_NAME}.tmp{os.getpid()}"
-    manifest_tmp.write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
-    os.replace(manifest_tmp, out / MANIFEST_NAME)
+    write_atomic(out / MANIFEST_NAME, json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
     log.info("prepare: wrote %d train + %d eval documents (%.1f MB of text) in %d shards to %s "
              "in %.1f s", splits["train"]["documents"], splits["eval"]["documents"],
              (splits["train"]["text_bytes"] + splits["eval"]["text_bytes"]) / 1e6,

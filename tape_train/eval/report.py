@@ -2,8 +2,8 @@
 
 A *run* here is one evaluated model: ``{"label": str, "train_seq_len": int | None,
 "results": [result dicts from evaluate_perplexity]}`` (extra keys are kept in the JSON).
-Every file is written atomically (temporary file in the same directory, then rename), so a
-reader never mistakes a half-written report for a complete one.
+Every file is written with ``tape_train.files.write_atomic``, so a reader never mistakes a
+half-written report for a complete one.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
+
+from tape_train.files import write_atomic
 
 REPORT_FORMAT = "tape-eval/1"
 
@@ -48,38 +49,17 @@ def _json_safe(value):
     return value
 
 
-def write_atomic(path: str | os.PathLike, write, mode: str = "w") -> Path:
-    """Call ``write(file)`` on a temporary file next to ``path``, fsync, then rename onto it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        # mkstemp creates 0600; give the report the permissions a plain open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def write_json(path: str | os.PathLike, runs: list[dict], settings: dict | None = None) -> Path:
     """``{"format", "settings", "models": runs}`` with non-finite numbers as null."""
     payload = {"format": REPORT_FORMAT, "settings": settings or {}, "models": runs}
     text = json.dumps(_json_safe(payload), indent=2, allow_nan=False) + "\n"
-    return write_atomic(path, lambda f: f.write(text))
+    return write_atomic(path, text)
 
 
 def write_markdown(path: str | os.PathLike, runs: list[dict], title: str = "Perplexity vs "
                    "context length") -> Path:
     text = f"# {title}\n\n{format_table(runs)}"
-    return write_atomic(path, lambda f: f.write(text))
+    return write_atomic(path, text)
 
 
 def plot_perplexity_vs_length(runs: list[dict], path: str | os.PathLike) -> Path:
@@ -125,7 +105,7 @@ def plot_perplexity_vs_length(runs: list[dict], path: str | os.PathLike) -> Path
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
     axes[0].set_ylabel("perplexity")
-    return write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120), mode="wb")
+    return write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
 
 
 def write_reports(out_dir: str | os.PathLike, runs: list[dict],
