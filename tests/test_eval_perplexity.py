@@ -92,9 +92,10 @@ def test_token_weighted_not_mean_of_document_perplexities():
     with torch.no_grad():   # peaked predictions: per-document perplexities spread widely
         model.lm_head.weight.mul_(40)
     whole = evaluate_perplexity(model, docs, lengths=[4])[0]
-    per_doc = [evaluate_perplexity(model, [d], lengths=[4])[0] for d in docs if len(d[0]) > 1]
+    per_doc = [evaluate_perplexity(model, [d], lengths=[4], allow_unmeasured=True)[0]
+               for d in docs if len(d[0]) > 1]
     weighted = math.exp(sum(r["nll_sum"] for r in per_doc) / sum(r["tokens"] for r in per_doc))
-    mean_of_ppl = sum(r["perplexity"] for r in per_doc) / len(per_doc)
+    mean_of_ppl = sum(math.exp(r["nll_sum"] / r["tokens"]) for r in per_doc) / len(per_doc)
     assert whole["perplexity"] == pytest.approx(weighted, rel=1e-6)
     assert abs(mean_of_ppl - weighted) / weighted > 0.05   # the two really differ here
 
@@ -144,8 +145,10 @@ def expected_predictions(docs, limit=None):
 def test_every_prediction_scored_exactly_once_with_bounded_context(protocol, stride, length):
     docs = unique_documents()
     model = RecordingModel()
+    # Coverage is checked at a length longer than every document too (L=30): allowed here.
     r = evaluate_perplexity(model, docs, lengths=[length], protocol=protocol, stride=stride,
-                            batch_size=3)[0]
+                            batch_size=3, allow_unmeasured=True)[0]
+    assert r["measured"] == (max(DOC_LENGTHS) - 1 >= length)
     scored_ids = [i for i, _ in model.scored]
     assert Counter(scored_ids) == Counter(expected_predictions(docs))
     assert r["tokens"] == len(scored_ids) == sum(n - 1 for n in DOC_LENGTHS)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tape_train.config import RunConfig, diff_configs
+from tape_train.eval.perplexity import UnmeasuredLengthError
 from tape_train.files import write_atomic
 from tape_train.train import checkpoint as ckpt
 from tape_train.train import distributed as tdist
@@ -466,9 +467,15 @@ class Trainer:
         self.writer.write("eval", self.state.step, {**scalars, "results": results,
                                                     "eval_time_s": time.perf_counter() - start})
         for r in results:
+            if not r.get("measured", True):
+                self._console(f"eval step {self.state.step} | {r['protocol']} L={r['length']} | "
+                              f"n/a: no held-out document reaches this length", None)
+                continue
             self._console(f"eval step {self.state.step} | {r['protocol']} L={r['length']} | "
                           f"ppl {r['perplexity']:.3f} | bpb {r['bits_per_byte']:.4f} | "
-                          f"tokens {r['tokens']}", None)
+                          f"tokens {r['tokens']} | at L: {r['documents_at_length']} docs "
+                          f"{r['windows_at_length']} windows"
+                          f"{' (few tokens)' if r['few_tokens'] else ''}", None)
         return results
 
     def _eval_document_source(self) -> Iterable:
@@ -533,7 +540,7 @@ class Trainer:
         try:
             self.setup()
             code = self.train()
-        except (ckpt.CheckpointError, RunLockError) as exc:
+        except (ckpt.CheckpointError, RunLockError, UnmeasuredLengthError) as exc:
             log.error("%s", exc)
             code = EXIT_ERROR
         finally:
