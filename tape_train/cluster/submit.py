@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--min-free-gb", type=float, default=10.0,
                    help="preflight: free disk required in the run directory (GB)")
     r.add_argument("--max-requeues", type=int, default=100)
+    r.add_argument("--max-stalled-requeues", type=int, default=3,
+                   help="stop requeueing after this many restarts in a row that added no "
+                        "checkpoint (0: no limit; default: %(default)s)")
     r.add_argument("--train-module", default="tape_train.train.cli",
                    help="module torchrun runs with -m (default: the trainer)")
     r.add_argument("--template-dir", type=Path, default=None,
@@ -122,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             job_name=_job_name(args.config, args.job_name), signal_grace=args.signal_grace,
             log_dir=str(log_dir), workdir=str(workdir), socket_ifname=args.socket_ifname,
             python=args.python, min_free_gb=args.min_free_gb, max_requeues=args.max_requeues,
+            max_stalled_requeues=args.max_stalled_requeues,
             train_module=args.train_module, extra_sbatch=args.sbatch_arg)
         template_dir = args.template_dir or default_template_dir()
         train_path = template_dir / "train.sbatch"
