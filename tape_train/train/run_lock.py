@@ -1,7 +1,8 @@
 """One training run per run directory: ``<run_dir>/RUN.lock``. Torch-free.
 
-The lock file is created with ``O_CREAT | O_EXCL`` (atomic on local filesystems and on NFSv3+,
-Lustre, GPFS) and holds JSON naming its holder: host, pid, Slurm job id and restart count,
+The lock file is created by hard-linking a private, fully written file to the lock name (the
+link is atomic and fails if the name exists, on local filesystems and on NFS, Lustre, GPFS;
+a reader never sees a lock without content). It holds JSON naming its holder: host, pid, Slurm job id and restart count,
 start time. Only rank 0 takes it; the trainer makes the verdict collective, so every rank of
 a refused run stops before touching anything.
 
@@ -115,16 +116,21 @@ class RunLock:
                            f"on the same run directory")
 
     def _create(self) -> bool:
+        """Write our record to a private file, then hard-link it to the lock name: the link
+        fails if the lock exists, and a reader never sees a lock without its content."""
+        tmp = self.path.with_name(f".{LOCK_NAME}.{self.me['token'].replace(':', '-')}.tmp")
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with open(tmp, "w") as fh:
+                fh.write(json.dumps(self.me) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.link(tmp, self.path)
         except FileExistsError:
             return False
         except OSError as exc:
             raise RunLockError(f"cannot create lock {self.path}: {exc.strerror or exc}") from exc
-        with os.fdopen(fd, "w") as fh:
-            fh.write(json.dumps(self.me) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        finally:
+            tmp.unlink(missing_ok=True)
         fsync_dir(self.path.parent)
         return True
 
