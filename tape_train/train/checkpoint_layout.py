@@ -180,7 +180,7 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
                      and step_of_tag(t.name) < step_of_tag(found.name)
                      and why_incomplete(t) is None]
             hint = f"; an older complete checkpoint: {older[-1]}" if older else ""
-            raise CheckpointError(f"checkpoint {found} is damaged: {reason}; refusing to use "
+            raise CheckpointError(f"checkpoint {found}: {reason}; refusing to use "
                                   f"it{hint}")
     return found
 

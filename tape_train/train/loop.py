@@ -216,7 +216,7 @@ class Trainer:
             tag_dir = ckpt.resolve_checkpoint(self.resume_from, verify=False)
             reason = ckpt.verify_checkpoint(tag_dir)
             if reason is not None:
-                raise ckpt.CheckpointError(f"checkpoint {tag_dir} is damaged: {reason}; "
+                raise ckpt.CheckpointError(f"checkpoint {tag_dir}: {reason}; "
                                            f"refusing to resume from it")
             return tag_dir
         return ckpt.find_latest_intact(self.run_dir, warn=self.rank == 0)
