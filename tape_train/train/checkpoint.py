@@ -177,9 +177,11 @@ def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
         raise CheckpointError(f"cannot create the checkpoint directory: "
                               f"{describe_os_error(error, root) if error else 'see rank 0'}")
     existing = why_incomplete(tag_dir) if tag_dir.exists() else "absent"
-    if existing is None:  # already complete (e.g. stopped right after resuming from it)
-        log.info("checkpoint %s already complete; not rewriting it", tag_dir)
-        return tag_dir
+    if existing is None:  # complete (stopped right after resuming from it, or a replay)
+        existing = verify_checkpoint(tag_dir)  # a damaged one (skipped at resume) is rewritten
+        if existing is None:
+            log.info("checkpoint %s already complete; not rewriting it", tag_dir)
+            return tag_dir
     if rank == 0 and tag_dir.exists():
         _check_owner(owner, f"delete the partial checkpoint {tag_dir}")
         shutil.rmtree(tag_dir, ignore_errors=True)  # leftover of an interrupted save
