@@ -72,20 +72,18 @@ def _rank() -> int:
 def verify_checkpoint(tag_dir: Path) -> str | None:
     """Collective checksum verification: each rank reads its share of the tag's files once.
 
-    Returns the same verdict on every rank: ``None`` if intact, else a reason. The rank that
-    found a damaged file logs one line naming it (ranks > 0 log warnings too).
+    Returns the same verdict on every rank: ``None`` if intact, else the first rank's reason
+    (naming the damaged file), so rank 0 can say which file in one line.
     """
     tag_dir = Path(tag_dir)
     reason = why_incomplete(tag_dir)
     if reason is None:
         sums = (read_marker(tag_dir).get("checksums") or {})
         reason = verify_files(tag_dir, _my_share(list(sums)))
-        if reason is not None and _rank() != 0:
-            log.warning("checkpoint %s: %s", tag_dir, reason)
-    bad = tdist.all_reduce_max_int(1 if reason is not None else 0)
-    if not bad:
+    if not tdist.all_reduce_max_int(1 if reason is not None else 0):
         return None
-    return reason or "a file failed its checksum on another rank (see that rank's warning)"
+    reasons = _gather_dicts({_rank(): reason})  # only on failure: one small all-gather
+    return next(reasons[r] for r in sorted(reasons) if reasons[r] is not None)
 
 
 def find_latest_intact(path: str | Path, warn: bool = True) -> Path | None:
