@@ -28,7 +28,7 @@ import numpy as np
 from tape_train.data.config import DataError
 from tape_train.data.formats import MANIFEST_NAME
 from tape_train.data.sources import is_held_out
-from tape_train.files import write_atomic
+from tape_train.files import fsync_tree, write_atomic
 
 log = logging.getLogger("tape_train.data")
 
@@ -151,6 +151,7 @@ def write_corpus(documents: Iterable[dict], out_dir: str | os.PathLike, *, num_s
         if not seen:
             raise DataError("prepare: no non-empty documents in the input")
         (out / MANIFEST_NAME).unlink(missing_ok=True)  # never pair an old manifest with new shards
+        fsync_tree(tmp)  # the manifest written below must never vouch for shards still in cache
         for entry in entries:
             os.replace(tmp / entry["path"], out / entry["path"])
     finally:
