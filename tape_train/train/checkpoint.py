@@ -219,7 +219,7 @@ def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
         failed_ranks = tdist.all_reduce_max_int(1 if error is not None else 0)
     if failed_ranks:
         needed = _expected_bytes(root, tag_dir)
-        if rank == 0:
+        if rank == 0 and _still_owner(owner):
             shutil.rmtree(tag_dir, ignore_errors=True)  # this save's own partial tag
         tdist.barrier()
         previous = find_latest_complete(root, warn=False)
@@ -262,6 +262,15 @@ def _check_owner(owner, action: str) -> None:
             owner.verify()
         except Exception as exc:  # noqa: BLE001 - RunLockError and filesystem errors alike
             raise CheckpointError(f"not allowed to {action}: {exc}") from exc
+
+
+def _still_owner(owner) -> bool:
+    try:
+        _check_owner(owner, "delete")
+    except CheckpointError as exc:
+        log.error("leaving the partial checkpoint in place: %s", exc)
+        return False
+    return True
 
 
 def _gather_dicts(local: dict) -> dict:
