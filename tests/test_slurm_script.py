@@ -65,7 +65,8 @@ def fake_slurm(tmp_path):
         (bin_dir / name).chmod(0o755)
     opts = ClusterOptions(nodes=2, procs_per_node=2, cpus_per_task=8, signal_grace=120,
                           socket_ifname="lo", max_requeues=3, python="python3",
-                          log_dir=str(tmp_path), workdir=str(tmp_path))
+                          log_dir=str(tmp_path), workdir=str(tmp_path),
+                          max_stalled_requeues=0)  # the progress guard is tested on its own below
     script = tmp_path / "train.sbatch"
     script.write_text(render_train_script((default_template_dir() / "train.sbatch").read_text(),
                                           opts, ["--config", "run.yaml", "train.max_steps=5"]))
