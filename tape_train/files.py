@@ -119,10 +119,16 @@ def human_bytes(n: float) -> str:
 
 def describe_os_error(exc: BaseException, path: str | os.PathLike, *,
                       needed: int | None = None) -> str:
-    """One line: what failed on which path. A full disk says so, with bytes needed and free."""
-    path = Path(getattr(exc, "filename", None) or path)
+    """One line: what failed on which path. A full disk says so, with bytes needed and free.
+
+    ``path`` is what the caller was writing; the file the OS names (``exc.filename``, e.g. a
+    temporary file) is added when it differs.
+    """
+    free = free_bytes(path) if is_disk_full(exc) else None
+    filename = getattr(exc, "filename", None)
+    if filename and Path(filename) != Path(path):
+        path = f"{path} ({filename})"
     if is_disk_full(exc):
-        free = free_bytes(path)
         parts = [f"no space left on device writing {path}"]
         if needed:
             parts.append(f"needs {human_bytes(needed)} ({needed} bytes)")
