@@ -22,7 +22,7 @@ import torch
 
 from tape_train.config import RunConfig, diff_configs
 from tape_train.eval.perplexity import UnmeasuredLengthError
-from tape_train.files import write_atomic
+from tape_train.files import FileWriteError, write_atomic
 from tape_train.train import checkpoint as ckpt
 from tape_train.train import distributed as tdist
 from tape_train.train import relayout
@@ -541,7 +541,8 @@ class Trainer:
         try:
             self.setup()
             code = self.train()
-        except (ckpt.CheckpointError, RunLockError, UnmeasuredLengthError) as exc:
+        except (ckpt.CheckpointError, RunLockError, UnmeasuredLengthError,
+                FileWriteError) as exc:
             log.error("%s", exc)
             code = EXIT_ERROR
         finally:
