@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+from tape_train.files import write_atomic
+
 
 def write_report(report: dict, out_dir: Path) -> list[Path]:
     """Write every file of the report; returns their paths."""
@@ -20,7 +22,7 @@ def write_report(report: dict, out_dir: Path) -> list[Path]:
     assets = out_dir / "benchmarks"
     assets.mkdir(parents=True, exist_ok=True)
     written = [assets / "benchmarks.json"]
-    written[0].write_text(json.dumps(report, indent=1) + "\n")
+    write_atomic(written[0], json.dumps(report, indent=1) + "\n")
     if "training" in report:
         rows = report["training"]["rows"]
         written.append(plot_vs_n(rows, [("tokens_per_s", "tokens/s", 1.0),
@@ -28,7 +30,7 @@ def write_report(report: dict, out_dir: Path) -> list[Path]:
         written.append(plot_vs_n(rows, [("peak_rss_mib", "peak RSS (MiB)", 1.0)],
                                  assets / "memory.png"))
     md = out_dir / "benchmarks.md"
-    md.write_text(render_markdown(report))
+    write_atomic(md, render_markdown(report))
     return [md, *written]
 
 
@@ -196,8 +198,9 @@ def _checkpoint_md(report: dict) -> str:
         f"a real checkpoint with `Trainer.save()`: {c['bytes'] / 1e9:.3f} GB in {r['files']} files "
         f"(the sum of the tag directory's file sizes). In the same process and directory a raw "
         f"sequential write of as many random bytes, then fsync, and a sequential read; the "
-        f"checkpoint is loaded with `checkpoint.load_training_state` (deserialise and copy into "
-        f"the DeepSpeed engine). Median GB/s of {len(c['reps'])} repetitions, the order of "
+        f"checkpoint is loaded as a resume does: {_verify_note(c)}"
+        f"`checkpoint.load_training_state` (deserialise and copy into "
+        f"the DeepSpeed engine). `save()` includes its checksums. Median GB/s of {len(c['reps'])} repetitions, the order of "
         f"checkpoint and raw operations alternating. Reads "
         f"are {c['reads']}.\n",
         table(["GB/s", "checkpoint", "raw sequential", "checkpoint / raw"], [
@@ -205,6 +208,13 @@ def _checkpoint_md(report: dict) -> str:
             row("write + fsync", "save_durable_gbps", "raw_write_durable_gbps"),
             row("read (load)", "load_gbps", "raw_read_gbps")]),
     ])
+
+
+def _verify_note(c: dict) -> str:
+    if "verify_gbps" not in c:  # reports measured before checkpoints had checksums
+        return ""
+    return (f"checksum verification (every file read once, {c['verify_gbps']:.3f} GB/s on its "
+            f"own), then ")
 
 
 def main(argv=None) -> int:

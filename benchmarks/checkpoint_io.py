@@ -3,7 +3,8 @@
 In one child process: ``Trainer.save()`` (+ fsync of its files) and a raw write (+ fsync) of
 as many random bytes in the same directory; then, after dropping all those files from the
 page cache (``posix_fadvise(DONTNEED)``; a VM's host may still cache them),
-``checkpoint.load_training_state`` and a raw sequential read. Repetitions alternate which of
+checksum verification plus ``checkpoint.load_training_state`` (what a resume does) and a raw
+sequential read. Repetitions alternate which of
 the two goes first.
 """
 
@@ -32,7 +33,8 @@ class CheckpointWorker:
         load and raw read; the raw operations first if ``raw_first`` (the caller alternates,
         so order effects hit both alike). The raw file has the latest save's size: this
         one's, or the previous one's when the raw operations go first."""
-        from tape_train.train.checkpoint import checkpoint_root, load_training_state
+        from tape_train.train.checkpoint import (checkpoint_root, load_training_state,
+                                                 verify_checkpoint)
 
         clock = time.perf_counter
         r: dict = {"raw_first": raw_first}
@@ -55,7 +57,12 @@ class CheckpointWorker:
             r["raw_write_s"], r["raw_fsync_s"] = _write_raw(raw, self.bytes)
 
         def load() -> None:
+            # What a resume does: verify the checksums (each file read once), then load.
             start = clock()
+            reason = verify_checkpoint(self.tag_dir)
+            r["verify_s"] = clock() - start
+            if reason is not None:
+                raise RuntimeError(f"{self.tag_dir}: {reason}")
             load_training_state(self.trainer.engine, self.tag_dir, self.trainer.rank)
             r["load_s"] = clock() - start
 
@@ -144,7 +151,8 @@ def measure_checkpoint(args, work: Path) -> dict:
             print(f"[checkpoint] {rep + 1}/{args.checkpoint_reps}: {gb:.3f} GB in {r['files']} "
                   f"files | save {r['save_s']:.2f}s + fsync {r['fsync_s']:.2f}s, raw write "
                   f"{r['raw_write_s']:.2f}s + fsync {r['raw_fsync_s']:.2f}s | load "
-                  f"{r['load_s']:.2f}s, raw read {r['raw_read_s']:.2f}s", flush=True)
+                  f"{r['load_s']:.2f}s (checksums {r['verify_s']:.2f}s), raw read "
+                  f"{r['raw_read_s']:.2f}s", flush=True)
     finally:
         worker.close()
 
@@ -156,6 +164,7 @@ def measure_checkpoint(args, work: Path) -> dict:
                "raw_write_gbps": rate("raw_bytes", "raw_write_s"),
                "raw_write_durable_gbps": rate("raw_bytes", "raw_write_s", "raw_fsync_s"),
                "load_gbps": rate("bytes", "load_s"),
+               "verify_gbps": rate("bytes", "verify_s"),
                "raw_read_gbps": rate("raw_bytes", "raw_read_s")}
     summary.update(save_vs_raw=summary["save_durable_gbps"] / summary["raw_write_durable_gbps"],
                    load_vs_raw=summary["load_gbps"] / summary["raw_read_gbps"])

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from tape_train.files import write_atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -148,7 +150,7 @@ def write_results(exp, table, summaries, out_dir: Path, results_md: Path) -> Non
     notes = out_dir / "notes.md"  # the human reading of the numbers, kept across re-runs
     if notes.is_file():
         lines += ["", notes.read_text().rstrip()]
-    results_md.write_text("\n".join(lines) + "\n")
+    write_atomic(results_md, "\n".join(lines) + "\n")
     print(f"wrote {results_md} and {plot_path}")
 
 

@@ -27,6 +27,7 @@ from tape_train.model import POSITIONAL_ENCODINGS, TransformerLM, load_model_con
 from tape_train.model.config import ATTENTION_BACKENDS
 from tape_train.model.flops import training_flops_per_token
 from tape_train.train.host_memory import keep_freed_memory
+from tape_train.files import write_atomic
 
 
 def make_model(shape: str, pe: str, dtype: torch.dtype, backend: str) -> TransformerLM:
@@ -139,7 +140,7 @@ def main() -> int:
               f"{row['step_ratio']:.3f} ({mib(mem['tape']['step_peak'])} vs "
               f"{mib(mem['rope']['step_peak'])})", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    write_atomic(args.out, json.dumps(results, indent=2))
     print(f"wrote {args.out}")
     return 0
 

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tape_train.files import write_atomic  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
         if hasattr(variant, "close"):
             variant.close()
     if args.json:
-        Path(args.json).write_text(json.dumps({
+        write_atomic(args.json, json.dumps({
             "args": vars(args), "gemm_peak_tflops": peak, "flops_per_token": flops_per_token,
             "rows": rows}, indent=1))
     del variants

@@ -132,3 +132,116 @@ def test_rng_state_round_trip():
     first = (random.random(), np.random.rand(), torch.rand(1).item())
     ckpt.restore_rng_state(state)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
+
+
+# ----------------------------------------------------------------------------------------------
+# Fault injection: flipped bytes, full disk, a save that is not the lock holder's
+# ----------------------------------------------------------------------------------------------
+
+
+def _flip_byte(path, offset=17):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))  # same size: the size check cannot see it
+
+
+def test_marker_records_a_checksum_for_every_file(tmp_path):
+    tag = _save(FakeEngine(), tmp_path, 3)
+    marker = ckpt.read_marker(tag)
+    assert marker["checksum"] == "xxh3_64" and set(marker["checksums"]) == set(marker["files"])
+    for name, digest in marker["checksums"].items():
+        assert ckpt.file_checksum(tag / name) == digest
+    assert ckpt.verify_files(tag) is None
+
+
+def test_flipped_bytes_skip_the_checkpoint_and_tools_refuse_it(tmp_path, caplog):
+    engine = FakeEngine()
+    older, newer = _save(engine, tmp_path, 1, keep=3), _save(engine, tmp_path, 2, keep=3)
+    shard = newer / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    size = shard.stat().st_size
+    _flip_byte(shard)
+    assert shard.stat().st_size == size and ckpt.why_incomplete(newer) is None
+    # The training resume skips it with one line naming the file, and takes the older one.
+    with caplog.at_level("WARNING", logger="tape_train.train"):
+        assert ckpt.find_latest_intact(tmp_path) == older
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and str(shard) in lines[0] and "damaged" in lines[0]
+    # Export/eval refuse it, explicitly or as the latest of the run dir, and name the file.
+    for path in (newer, tmp_path):
+        with pytest.raises(ckpt.CheckpointError, match="damaged") as err:
+            ckpt.resolve_checkpoint(path)
+        assert str(shard) in str(err.value) and str(older) in str(err.value)
+    with pytest.raises(ckpt.CheckpointError, match="damaged"):
+        ckpt.load_model_from_checkpoint(tmp_path)
+    # Negative control: the same byte flipped back makes it intact again.
+    _flip_byte(shard)
+    assert ckpt.find_latest_intact(tmp_path) == newer
+    assert ckpt.resolve_checkpoint(tmp_path) == newer
+
+
+def test_a_marker_without_checksums_still_loads(tmp_path):
+    """Checkpoints written before checksums existed: sizes are all there is to check."""
+    tag = _save(FakeEngine(), tmp_path, 4)
+    marker = ckpt.read_marker(tag)
+    del marker["checksums"], marker["checksum"]
+    (tag / ckpt.MARKER).write_text(json.dumps(marker))
+    assert ckpt.resolve_checkpoint(tmp_path) == tag and ckpt.find_latest_intact(tmp_path) == tag
+
+
+def test_disk_full_during_a_save_says_so_with_bytes_needed_and_free(tmp_path, monkeypatch):
+    engine = FakeEngine()
+    previous = _save(engine, tmp_path, 5)
+    needed = sum(ckpt.read_marker(previous)["files"].values())
+    # What torch.save really raises on a full disk: no errno, no "space" in the text.
+    engine.fail_with = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos "
+                                    "4096 vs 4030")
+    monkeypatch.setattr(ckpt, "free_bytes", lambda path: 123)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        _save(engine, tmp_path, 6)
+    msg = str(err.value)
+    assert "no space left on device" in msg and str(tmp_path / "checkpoints") in msg
+    assert f"({needed} bytes)" in msg and "(123 bytes) free" in msg and str(previous) in msg
+    assert ckpt.find_latest_complete(tmp_path) == previous and ckpt.verify_files(previous) is None
+    # Negative control: the same failure with plenty of space is not called a full disk.
+    monkeypatch.setattr(ckpt, "free_bytes", lambda path: 10**12)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        _save(engine, tmp_path, 6)
+    assert "no space left" not in str(err.value) and "unexpected pos" in str(err.value)
+
+
+def test_enospc_from_the_marker_write_names_the_path(tmp_path, monkeypatch):
+    from tape_train import files
+
+    def full(fd, *args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(files.os, "fsync", full)
+    with pytest.raises(OSError) as err:
+        files.write_atomic(tmp_path / "report.json", b"x" * 1000)
+    msg = str(err.value)
+    assert f"no space left on device writing {tmp_path / 'report.json'}" in msg
+    assert "(1000 bytes)" in msg and "free" in msg
+    assert [p.name for p in tmp_path.iterdir()] == []  # no temporary file left behind
+
+
+class _Owner:
+    def __init__(self, held):
+        self.held = held
+
+    def verify(self):
+        if not self.held:
+            raise RuntimeError("the lock RUN.lock is no longer held by this run")
+
+
+def test_a_save_never_deletes_a_tag_when_the_run_lost_its_lock(tmp_path):
+    engine = FakeEngine()
+    other = tmp_path / "checkpoints" / "step_00000007"
+    other.mkdir(parents=True)
+    (other / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"being written")
+    with pytest.raises(ckpt.CheckpointError, match="no longer held"):
+        ckpt.save_checkpoint(engine, tmp_path, 7, rank=0, meta={"step": 7}, keep=2,
+                             rank_state={"rng": None, "loader": None}, owner=_Owner(False))
+    assert (other / "zero_pp_rank_0_mp_rank_00_model_states.pt").read_bytes() == b"being written"
+    # Negative control: the lock holder replaces a leftover partial tag.
+    ckpt.save_checkpoint(engine, tmp_path, 7, rank=0, meta={"step": 7}, keep=2,
+                         rank_state={"rng": None, "loader": None}, owner=_Owner(True))
+    assert ckpt.why_incomplete(other) is None

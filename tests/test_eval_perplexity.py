@@ -92,9 +92,10 @@ def test_token_weighted_not_mean_of_document_perplexities():
     with torch.no_grad():   # peaked predictions: per-document perplexities spread widely
         model.lm_head.weight.mul_(40)
     whole = evaluate_perplexity(model, docs, lengths=[4])[0]
-    per_doc = [evaluate_perplexity(model, [d], lengths=[4])[0] for d in docs if len(d[0]) > 1]
+    per_doc = [evaluate_perplexity(model, [d], lengths=[4], allow_unmeasured=True)[0]
+               for d in docs if len(d[0]) > 1]
     weighted = math.exp(sum(r["nll_sum"] for r in per_doc) / sum(r["tokens"] for r in per_doc))
-    mean_of_ppl = sum(r["perplexity"] for r in per_doc) / len(per_doc)
+    mean_of_ppl = sum(math.exp(r["nll_sum"] / r["tokens"]) for r in per_doc) / len(per_doc)
     assert whole["perplexity"] == pytest.approx(weighted, rel=1e-6)
     assert abs(mean_of_ppl - weighted) / weighted > 0.05   # the two really differ here
 
@@ -144,8 +145,10 @@ def expected_predictions(docs, limit=None):
 def test_every_prediction_scored_exactly_once_with_bounded_context(protocol, stride, length):
     docs = unique_documents()
     model = RecordingModel()
+    # Coverage is checked at a length longer than every document too (L=30): allowed here.
     r = evaluate_perplexity(model, docs, lengths=[length], protocol=protocol, stride=stride,
-                            batch_size=3)[0]
+                            batch_size=3, allow_unmeasured=True)[0]
+    assert r["measured"] == (max(DOC_LENGTHS) - 1 >= length)
     scored_ids = [i for i, _ in model.scored]
     assert Counter(scored_ids) == Counter(expected_predictions(docs))
     assert r["tokens"] == len(scored_ids) == sum(n - 1 for n in DOC_LENGTHS)
@@ -245,3 +248,39 @@ def test_bad_input_is_named():
     with pytest.raises(RuntimeError, match="num_tokens="):
         evaluate_perplexity(IgnoresMask(), [([1, 2, 3, 4], 3)], lengths=[2], protocol="sliding",
                             stride=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Lengths the held-out documents do not reach are never reported as measured
+# ----------------------------------------------------------------------------------------------
+
+
+def test_short_documents_cannot_report_a_long_length(caplog):
+    from tape_train.eval.perplexity import UnmeasuredLengthError
+
+    model, short = tiny_model(seed=5), documents(seed=5, lengths=(8, 9, 7, 8))  # ≤ 8 predictions
+    # One length asked, none reached: an error naming it, never a number.
+    with pytest.raises(UnmeasuredLengthError, match="L=128: no held-out document reaches it"):
+        evaluate_perplexity(model, short, lengths=[128])
+    # Several lengths: the unreached one is n/a (NaN, measured False) with a warning.
+    with caplog.at_level("WARNING", logger="tape_train.eval"):
+        at4, at128 = evaluate_perplexity(model, short, lengths=[4, 128])
+    assert "eval L=128: n/a" in caplog.text
+    assert not at128["measured"] and math.isnan(at128["perplexity"])
+    assert at128["documents_at_length"] == at128["windows_at_length"] == 0
+    # Negative control: L=4 is reached by every document (≥ 6 predictions each).
+    assert at4["measured"] and math.isfinite(at4["perplexity"])
+    assert at4["documents_at_length"] == 4
+    assert at4["windows_at_length"] == sum((n - 1) // 4 for n in (8, 9, 7, 8))  # full windows
+    assert at4["tokens_at_length"] == 4 * at4["windows_at_length"] and at4["few_tokens"]
+
+
+def test_length_reached_by_only_some_documents_counts_only_those():
+    model = tiny_model(seed=6)
+    docs = documents(seed=6, lengths=(40, 6, 6, 6))  # one document of 39 predictions
+    [r] = evaluate_perplexity(model, docs, lengths=[16], protocol="nonoverlap")
+    assert r["documents"] == 4 and r["documents_at_length"] == 1
+    assert r["windows_at_length"] == 2 and r["tokens_at_length"] == 32
+    assert r["tokens"] == 39 + 3 * 5 and r["measured"]
+    [s] = evaluate_perplexity(model, docs, lengths=[16], protocol="sliding")
+    assert s["documents_at_length"] == 1 and s["windows_at_length"] == 4  # ends 16, 24, 32, 39

@@ -64,7 +64,7 @@ def test_failed_write_keeps_previous_file(tmp_path):
     target.write_text("previous")
 
     def crash(f):
-        f.write("half")
+        f.write(b"half")
         raise OSError("disk full")
     with pytest.raises(OSError, match="disk full"):
         report.write_atomic(target, crash)
@@ -207,3 +207,43 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
             assert got["tokens"] == want["tokens"] == 70
             assert got["bytes"] == pytest.approx(want["bytes"])
             assert got["nll_sum"] == pytest.approx(want["nll_sum"], rel=1e-6)
+
+
+def test_table_and_plot_mark_unmeasured_and_few_token_lengths(tmp_path):
+    thin = dict(_result(128, "nonoverlap", 30.0), documents_at_length=2, windows_at_length=3,
+                tokens_at_length=384, measured=True, few_tokens=True)
+    solid = dict(_result(64, "nonoverlap", 20.0), documents_at_length=40, windows_at_length=90,
+                 tokens_at_length=5760, measured=True, few_tokens=False)
+    none = dict(_result(256, "nonoverlap", 30.0), perplexity=math.nan, loss=math.nan,
+                bits_per_byte=math.nan, documents_at_length=0, windows_at_length=0,
+                tokens_at_length=0, measured=False, few_tokens=True)
+    runs = [{"label": "TAPE", "train_seq_len": 64, "results": [solid, thin, none]}]
+    table = report.format_table(runs)
+    assert "| TAPE | nonoverlap | 64 | 1× | – | 20.000 | " in table          # no mark
+    assert "| TAPE | nonoverlap | 128 | 2× | – | 30.000 † |" in table
+    assert "| 2 | 3 | 384 |" in table and "fewer than 1000 tokens" in table
+    assert "| TAPE | nonoverlap | 256 | 4× | – | n/a | n/a | n/a |" in table
+    paths = report.write_reports(tmp_path, runs)
+    assert json.loads(paths["json"].read_text())["models"][0]["results"][2]["perplexity"] is None
+    assert paths["plot"].read_bytes().startswith(PNG_MAGIC)
+
+
+def test_tape_eval_refuses_a_damaged_checkpoint(tmp_path, capsys):
+    make_checkpoint(tmp_path / "run", "rope", seed=4)
+    tag = tmp_path / "run" / "checkpoints" / "step_00000005"
+    shard = tag / "mp_rank_00_model_states.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01                     # one bit, size unchanged
+    shard.write_bytes(bytes(data))
+    args = ["--lengths", "8", "--max-tokens", "16", "--out", str(tmp_path / "o"), "--no-progress"]
+    assert main(["--checkpoint", str(tmp_path / "run"), *args]) == 1
+    err = capsys.readouterr().err
+    assert "damaged" in err and str(shard) in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+    from tape_train.inference.export import main as export_main
+
+    assert export_main([str(tag), "--out", str(tmp_path / "export")]) == 2
+    assert str(shard) in capsys.readouterr().err and not (tmp_path / "export").exists()
+    data[len(data) // 2] ^= 0x01                     # negative control: restored, accepted
+    shard.write_bytes(bytes(data))
+    assert main(["--checkpoint", str(tmp_path / "run"), *args]) == 0

@@ -65,7 +65,8 @@ def fake_slurm(tmp_path):
         (bin_dir / name).chmod(0o755)
     opts = ClusterOptions(nodes=2, procs_per_node=2, cpus_per_task=8, signal_grace=120,
                           socket_ifname="lo", max_requeues=3, python="python3",
-                          log_dir=str(tmp_path), workdir=str(tmp_path))
+                          log_dir=str(tmp_path), workdir=str(tmp_path),
+                          max_stalled_requeues=0)  # the progress guard is tested on its own below
     script = tmp_path / "train.sbatch"
     script.write_text(render_train_script((default_template_dir() / "train.sbatch").read_text(),
                                           opts, ["--config", "run.yaml", "train.max_steps=5"]))
@@ -187,3 +188,75 @@ def test_outside_slurm_the_script_refuses_to_run(fake_slurm):
     env = {k: v for k, v in env.items() if k != "SLURM_JOB_ID"}
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
     assert proc.returncode == 2 and "not inside a Slurm job" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# Requeue without progress (tape_train.cluster.requeue_guard, run for real by the script)
+# ----------------------------------------------------------------------------------------------
+
+
+def _complete_checkpoint(run_dir, step):
+    import json
+
+    tag = run_dir / "checkpoints" / f"step_{step:08d}"
+    tag.mkdir(parents=True)
+    (tag / "shard.pt").write_bytes(b"x" * 8)
+    (tag / "COMPLETE.json").write_text(json.dumps({"step": step, "files": {"shard.pt": 8}}))
+
+
+def test_requeue_guard_counts_restarts_without_a_new_checkpoint(tmp_path):
+    from tape_train.cluster.requeue_guard import decide
+
+    run = tmp_path / "run"
+    assert decide(run, "9", "0", 2)[0]                   # nothing saved yet: 1 of 2
+    requeue, why = decide(run, "9", "1", 2)
+    assert not requeue and "2 consecutive restarts added no checkpoint" in why
+    # Negative control: a restart that saved a checkpoint resets the count.
+    _complete_checkpoint(run, 5)
+    assert decide(run, "9", "2", 2) == (True, f"progress: newest checkpoint step_00000005 in {run}")
+    assert decide(run, "9", "3", 2)[0]                   # 1 of 2 again
+    _complete_checkpoint(run, 10)
+    assert decide(run, "9", "4", 2)[0] and decide(run, "9", "5", 2)[0]
+    assert not decide(run, "9", "6", 2)[0]
+    # A new job on the same run directory starts its own count.
+    assert decide(run, "10", "0", 2)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("progress", [False, True])
+def test_job_stops_requeueing_after_restarts_without_progress(tmp_path, progress):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL),
+                       ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text("model: {base: tiny}\ntrain: {synthetic_data: true}\n")
+    import sys
+
+    opts = ClusterOptions(nodes=1, procs_per_node=1, cpus_per_task=2, max_requeues=100,
+                          max_stalled_requeues=2, python=sys.executable, log_dir=str(tmp_path),
+                          workdir=str(tmp_path))
+    script = tmp_path / "train.sbatch"
+    script.write_text(render_train_script((default_template_dir() / "train.sbatch").read_text(),
+                                          opts, ["--config", str(config),
+                                                 f"train.run_dir={run_dir}"]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FAKE_"))}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", FAKE_DIR=str(tmp_path),
+               SLURM_JOB_ID=str(JOB_ID), SLURM_NNODES="1", SLURM_JOB_NODELIST="nodeA",
+               SLURM_CPUS_PER_TASK="2", FAKE_TRAIN_RC="75")   # every incarnation: stop, requeue
+    outputs = []
+    for restart in range(3):
+        if progress:
+            _complete_checkpoint(run_dir, 10 * (restart + 1))
+        result = subprocess.run(["bash", str(script)], env={**env, "SLURM_RESTART_COUNT":
+                                str(restart)}, capture_output=True, text=True, timeout=120)
+        outputs.append((result.returncode, result.stdout + result.stderr))
+    requeues = (tmp_path / "calls").read_text().count(f"scontrol requeue {JOB_ID}")
+    if progress:  # negative control: every incarnation added a checkpoint, so it requeues
+        assert [rc for rc, _ in outputs] == [0, 0, 0] and requeues == 3, outputs
+        return
+    assert [rc for rc, _ in outputs] == [0, 75, 75] and requeues == 1, outputs
+    assert "NOT requeueing: 2 consecutive restarts added no checkpoint" in outputs[1][1]

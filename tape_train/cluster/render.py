@@ -79,6 +79,8 @@ class ClusterOptions:
         python: interpreter with tape_train installed, on every node.
         min_free_gb: preflight: free space required in the run directory, in GB (10^9 bytes).
         max_requeues: the script stops requeueing itself after this many restarts.
+        max_stalled_requeues: ... or after this many restarts in a row that added no new
+            checkpoint (`tape_train.cluster.requeue_guard`; 0: no limit).
         train_module: the module torchrun runs with `-m` (the trainer; a fork may swap it).
         extra_sbatch: further sbatch options, e.g. `--constraint=a100`, one `#SBATCH` line each.
     """
@@ -99,6 +101,7 @@ class ClusterOptions:
     python: str = field(default_factory=lambda: sys.executable)
     min_free_gb: float = 10.0
     max_requeues: int = 100
+    max_stalled_requeues: int = 3
     train_module: str = "tape_train.train.cli"
     extra_sbatch: list[str] = field(default_factory=list)
 
@@ -108,6 +111,7 @@ class ClusterOptions:
         _check_int("gpus_per_node", self.gpus_per_node, minimum=0)
         _check_int("signal_grace", self.signal_grace, minimum=1)
         _check_int("max_requeues", self.max_requeues, minimum=0)
+        _check_int("max_stalled_requeues", self.max_stalled_requeues, minimum=0)
         if self.gpus_per_node > 0 and self.procs_per_node not in (1, self.gpus_per_node):
             raise RenderError(f"--procs-per-node {self.procs_per_node} is for CPU nodes; with "
                               f"--gpus-per-node {self.gpus_per_node} there is one process per GPU")
@@ -229,6 +233,7 @@ def train_settings(opts: ClusterOptions, train_args: list[str]) -> list[str]:
         _assign("TAPE_SIGNAL_GRACE", opts.signal_grace),
         _assign("TAPE_MIN_FREE_GB", opts.min_free_gb),
         _assign("TAPE_MAX_REQUEUES", opts.max_requeues),
+        _assign("TAPE_MAX_STALLED_REQUEUES", opts.max_stalled_requeues),
         _assign("TAPE_TRAIN_MODULE", opts.train_module),
     ]
 

@@ -32,6 +32,7 @@ from tape_train.cluster.render import (
     render_train_script,
 )
 from tape_train.cluster.run_args import TrainArgsError, resolve_run_dir
+from tape_train.files import write_atomic
 
 EVAL_SEPARATOR = "# ---- eval.sbatch, submitted with --dependency=afterok:<training job id> ----"
 
@@ -71,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--min-free-gb", type=float, default=10.0,
                    help="preflight: free disk required in the run directory (GB)")
     r.add_argument("--max-requeues", type=int, default=100)
+    r.add_argument("--max-stalled-requeues", type=int, default=3,
+                   help="stop requeueing after this many restarts in a row that added no "
+                        "checkpoint (0: no limit; default: %(default)s)")
     r.add_argument("--train-module", default="tape_train.train.cli",
                    help="module torchrun runs with -m (default: the trainer)")
     r.add_argument("--template-dir", type=Path, default=None,
@@ -121,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             job_name=_job_name(args.config, args.job_name), signal_grace=args.signal_grace,
             log_dir=str(log_dir), workdir=str(workdir), socket_ifname=args.socket_ifname,
             python=args.python, min_free_gb=args.min_free_gb, max_requeues=args.max_requeues,
+            max_stalled_requeues=args.max_stalled_requeues,
             train_module=args.train_module, extra_sbatch=args.sbatch_arg)
         template_dir = args.template_dir or default_template_dir()
         train_path = template_dir / "train.sbatch"
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)  # Slurm does not create the --output directory
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     train_file = log_dir / f"{opts.job_name}.{stamp}.train.sbatch"
-    train_file.write_text(train_script)
+    write_atomic(train_file, train_script)
     try:
         job_id = _sbatch([str(train_file)])
         print(f"tape-submit: training job {job_id}: {opts.nodes} node(s) x {opts.procs} "
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print(job_id, flush=True)
         if eval_script is not None:
             eval_file = log_dir / f"{opts.job_name}.{stamp}.eval.sbatch"
-            eval_file.write_text(eval_script)
+            write_atomic(eval_file, eval_script)
             # Without kill-on-invalid-dep a failed training job would leave the evaluation
             # pending forever (DependencyNeverSatisfied).
             eval_id = _sbatch([f"--dependency=afterok:{job_id}", "--kill-on-invalid-dep=yes",

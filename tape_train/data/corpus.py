@@ -30,6 +30,7 @@ from tape_train.data.config import DataError
 from tape_train.data.formats import MANIFEST_NAME
 from tape_train.data.sources import is_held_out
 from tape_train.data.tokens import TokenShardWriter
+from tape_train.files import fsync_tree, write_atomic
 
 log = logging.getLogger("tape_train.data")
 
@@ -174,6 +175,7 @@ def write_corpus(documents: Iterable[dict], out_dir: str | os.PathLike, *, num_s
         if not seen:
             raise DataError("prepare: no non-empty documents in the input")
         (out / MANIFEST_NAME).unlink(missing_ok=True)  # never pair an old manifest with new shards
+        fsync_tree(tmp)  # the manifest written below must never vouch for shards still in cache
         for entry in entries + (tokens["shards"] if tokens else []):
             os.replace(tmp / entry["path"], out / entry["path"])
     finally:
@@ -197,9 +199,7 @@ def write_corpus(documents: Iterable[dict], out_dir: str | os.PathLike, *, num_s
         **({"tokens": tokens} if tokens else {}),
         **(extra or {}),
     }
-    manifest_tmp = out / f".{MANIFEST_NAME}.tmp{os.getpid()}"
-    manifest_tmp.write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
-    os.replace(manifest_tmp, out / MANIFEST_NAME)
+    write_atomic(out / MANIFEST_NAME, json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
     log.info("prepare: wrote %d train + %d eval documents (%.1f MB of text) in %d shards to %s "
              "in %.1f s", splits["train"]["documents"], splits["eval"]["documents"],
              (splits["train"]["text_bytes"] + splits["eval"]["text_bytes"]) / 1e6,

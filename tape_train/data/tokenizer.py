@@ -24,6 +24,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from tape_train.data.config import DataError
+from tape_train.files import write_atomic
 
 log = logging.getLogger("tape_train.data")
 
@@ -208,8 +209,8 @@ def train_tokenizer(documents: Iterable[str], out_prefix: str | os.PathLike,
     processor = spm.SentencePieceProcessor(model_proto=writer.getvalue())
     vocab = "".join(f"{processor.id_to_piece(i)!r}\t{processor.get_score(i):g}\n"
                     for i in range(processor.get_piece_size()))
-    _atomic_write(Path(f"{out_prefix}.vocab"), vocab.encode("utf-8"))
-    _atomic_write(Path(f"{out_prefix}.model"), writer.getvalue())
+    write_atomic(Path(f"{out_prefix}.vocab"), vocab.encode("utf-8"))
+    write_atomic(Path(f"{out_prefix}.model"), writer.getvalue())
     log.info("tokenizer: trained %s vocab=%d on %d documents (%.1f MB) in %.1f s -> %s.model",
              spec.model_type, spec.vocab_size, stats["documents"], stats["bytes"] / 1e6,
              time.monotonic() - started, out_prefix)
@@ -218,7 +219,3 @@ def train_tokenizer(documents: Iterable[str], out_prefix: str | os.PathLike,
     return tok
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)

@@ -25,6 +25,7 @@ import yaml
 from tape_train.data.config import DataError, SourceConfig
 from tape_train.data.formats import SkipLog
 from tape_train.data.sources import SourceCursor
+from tape_train.files import write_atomic
 from tape_train.data.tokenizer import (MODEL_TYPES, TokenizerTrainSpec, load_tokenizer,
                                        train_tokenizer)
 
@@ -103,7 +104,7 @@ def _train(args: argparse.Namespace) -> int:
               "special_ids": {"pad": tok.pad_id, "unk": tok.unk_id, "bos": tok.bos_id,
                               "eos": tok.eos_id},
               "vocab_size": tok.vocab_size, "sha256": tok.sha256}
-    Path(f"{args.out}.training.json").write_text(json.dumps(record, indent=1) + "\n")
+    write_atomic(f"{args.out}.training.json", json.dumps(record, indent=1) + "\n")
     print(f"tape-tokenizer: wrote {args.out}.model (vocab {tok.vocab_size}, "
           f"pad={tok.pad_id} unk={tok.unk_id} bos={tok.bos_id} eos={tok.eos_id}; "
           f"read {tok.training_stats['documents']} documents, "

@@ -174,7 +174,8 @@ def run(args) -> int:
 
     runs, docs, data_desc = [], None, None
     for i, tag_dir in enumerate(tag_dirs):
-        model_cfg, state, meta = load_model_from_checkpoint(tag_dir, map_dtype=None)
+        model_cfg, state, meta = load_model_from_checkpoint(tag_dir, map_dtype=None,
+                                                            verify=False)
         train_seq_len = int(((meta.get("config") or {}).get("train") or {}).get("seq_len", 0)) \
             or None
         if args.lengths is None and train_seq_len is None:

@@ -18,6 +18,16 @@ Vocabulary used throughout (see docs/evaluation.md for the picture):
   did not, so every prediction is scored exactly once and each one after the first window
   sees at least L − S + 1 tokens.
 
+A length is *measured* only by windows that really are L tokens long: a held-out set whose
+documents are all shorter than L scores exactly the same predictions with the same context at
+L as at any longer length, so its number would say nothing about L. Every result therefore
+carries ``documents_at_length`` (documents with at least L predictions) and
+``windows_at_length`` / ``tokens_at_length`` (full-length windows and the predictions they
+score). A length without a single full-length window is not reported: an error when it is the
+only length asked for, else ``measured: False`` with NaN values and a warning. A length whose
+full-length windows score fewer than ``FEW_TOKENS`` predictions is flagged ``few_tokens``;
+tables and plots mark it.
+
 Perplexity is exp(total NLL / total scored tokens) over all documents: token-weighted, never a
 mean of per-document perplexities. Bits per byte is total NLL / (ln 2 · bytes of the scored
 text); a document's UTF-8 bytes are attributed to its predictions in proportion (each scored
@@ -42,8 +52,14 @@ IGNORE_INDEX = -100
 # Short windows (document tails, short documents) are pooled, sorted by length and padded to
 # the longest of their batch; pooling this many batches' worth keeps the padding small.
 _SHORT_POOL_BATCHES = 8
+# Below this many predictions scored by full-length windows a length's number is flagged.
+FEW_TOKENS = 1000
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+class UnmeasuredLengthError(ValueError):
+    """No held-out window reaches a requested length: there is nothing to report for it."""
 
 
 @dataclass(frozen=True)
@@ -230,7 +246,7 @@ def evaluate_perplexity(model: torch.nn.Module, documents: Iterable, *, lengths:
                         max_tokens: int | None = None, batch_size: int = 1,
                         device: torch.device | str | None = None, progress: bool = False,
                         reduce: Reduce | None = None, dp_rank: int = 0,
-                        dp_size: int = 1) -> list[dict]:
+                        dp_size: int = 1, allow_unmeasured: bool = False) -> list[dict]:
     """Token-weighted perplexity of ``model`` at each context length, for one protocol.
 
     Args:
@@ -254,13 +270,20 @@ def evaluate_perplexity(model: torch.nn.Module, documents: Iterable, *, lengths:
             same documents: rank r runs batches r, r + dp_size, …, and ranks with fewer
             batches run a discarded extra forward so all ranks call the model equally often
             (ZeRO-3 gathers parameters collectively inside every forward).
+        allow_unmeasured: never raise for unmeasured lengths (warn; NaN values; the raw
+            ``nll_sum``/``tokens`` sums stay), e.g. to score documents one by one.
 
     Returns:
         One dict per length, in the order given, with keys ``length``, ``protocol``,
         ``stride`` (None for nonoverlap), ``perplexity``, ``loss`` (NLL per token, nats),
         ``nll_sum`` (nats), ``tokens`` (scored predictions), ``bytes`` (UTF-8 bytes of the
         scored text), ``bits_per_byte``, ``documents`` (documents touched), ``windows``
-        (forward windows, all ranks), ``max_tokens``.
+        (forward windows, all ranks), ``max_tokens``, ``documents_at_length``,
+        ``windows_at_length``, ``tokens_at_length`` (what reached the full length L),
+        ``measured`` (False: no window reached L; values are NaN) and ``few_tokens``.
+
+    Raises ``UnmeasuredLengthError`` if no length of ``lengths`` is reached by any window (with
+    one length asked, that length); unmeasured lengths among measured ones are NaN + warning.
     """
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol={protocol!r} is not one of {', '.join(PROTOCOLS)}")
@@ -298,14 +321,36 @@ def evaluate_perplexity(model: torch.nn.Module, documents: Iterable, *, lengths:
     totals = torch.tensor(stats, dtype=torch.float64)
     if reduce is not None:
         totals = reduce(totals)
+    check_measured(rows, docs, allow_unmeasured)
     results = []
     for info, (nll_sum, tokens, n_bytes) in zip(rows, totals.tolist()):
         result = dict(info, **summarize(nll_sum, round(tokens), n_bytes))
+        if not info["measured"]:
+            result.update(perplexity=math.nan, loss=math.nan, bits_per_byte=math.nan)
         results.append(result)
-        log.info("eval L=%d protocol=%s stride=%s ppl=%.4f loss=%.5f tokens=%d bpb=%.5f",
-                 result["length"], protocol, result["stride"], result["perplexity"],
-                 result["loss"], result["tokens"], result["bits_per_byte"])
+        log.info("eval L=%d protocol=%s stride=%s ppl=%.4f loss=%.5f tokens=%d bpb=%.5f "
+                 "(%d documents, %d windows, %d tokens at full length)", result["length"],
+                 protocol, result["stride"], result["perplexity"], result["loss"],
+                 result["tokens"], result["bits_per_byte"], result["documents_at_length"],
+                 result["windows_at_length"], result["tokens_at_length"])
     return results
+
+
+def check_measured(rows: list[dict], docs: list, allow_unmeasured: bool = False) -> None:
+    """Refuse (one length asked, or none reached) or warn about lengths no window reached."""
+    missing = [r["length"] for r in rows if not r["measured"]]
+    if not missing:
+        return
+    longest = max(t.numel() - 1 for t, _ in docs)
+    why = (f"no held-out document reaches it (the longest scored one has {longest} "
+           f"predictions; within max_tokens if set): its perplexity would repeat a shorter "
+           f"length's")
+    if len(missing) == len(rows) and not allow_unmeasured:
+        lengths = ", ".join(f"L={n}" for n in missing)
+        raise UnmeasuredLengthError(f"cannot evaluate {lengths}: {why}. Use longer held-out "
+                                    f"documents, a larger eval max_tokens, or shorter lengths")
+    for length in missing:
+        log.warning("eval L=%d: n/a, %s", length, why)
 
 
 def summarize(nll_sum: float, tokens: int, n_bytes: float) -> dict:
@@ -329,7 +374,8 @@ def _evaluate_length(model, docs, length, protocol, stride, max_tokens, batch_si
     total = sum(t.numel() - 1 for t, _ in docs)
     if max_tokens is not None:
         total = min(total, max_tokens)
-    counts = {"documents": 0, "windows": 0}
+    counts = {"documents": 0, "windows": 0, "documents_at_length": 0, "windows_at_length": 0,
+              "tokens_at_length": 0}
 
     def windows() -> Iterator[_Window]:
         budget = max_tokens
@@ -337,11 +383,17 @@ def _evaluate_length(model, docs, length, protocol, stride, max_tokens, batch_si
             if budget is not None and budget <= 0:
                 return
             counts["documents"] += 1
+            reached = False
             for window in _document_windows(tokens, n_bytes, length, protocol, stride, budget):
                 counts["windows"] += 1
+                if window.input_ids.numel() == length:
+                    reached = True
+                    counts["windows_at_length"] += 1
+                    counts["tokens_at_length"] += window.num_scored
                 if budget is not None:
                     budget -= window.num_scored
                 yield window
+            counts["documents_at_length"] += reached
 
     bar = None
     if progress:
@@ -373,8 +425,9 @@ def _evaluate_length(model, docs, length, protocol, stride, max_tokens, batch_si
         bar.close()
     info = {"length": length, "protocol": protocol,
             "stride": resolve_stride(length, stride) if protocol == "sliding" else None,
-            "documents": counts["documents"], "windows": counts["windows"],
-            "max_tokens": max_tokens}
+            **counts, "max_tokens": max_tokens,
+            "measured": counts["windows_at_length"] > 0,
+            "few_tokens": counts["tokens_at_length"] < FEW_TOKENS}
     return [nll_sum, float(scored), scored_bytes], info
 
 
@@ -417,6 +470,8 @@ def scalar_metrics(results: list[dict], prefix: str = "eval") -> dict[str, float
     """
     metrics = {}
     for r in results:
+        if not r.get("measured", True):
+            continue  # nothing was measured at this length: no point on any curve
         suffix = f"{r['protocol']}/L{r['length']}"
         metrics[f"{prefix}/ppl/{suffix}"] = r["perplexity"]
         metrics[f"{prefix}/loss/{suffix}"] = r["loss"]

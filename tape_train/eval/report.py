@@ -2,8 +2,8 @@
 
 A *run* here is one evaluated model: ``{"label": str, "train_seq_len": int | None,
 "results": [result dicts from evaluate_perplexity]}`` (extra keys are kept in the JSON).
-Every file is written atomically (temporary file in the same directory, then rename), so a
-reader never mistakes a half-written report for a complete one.
+Every file is written with ``tape_train.files.write_atomic``, so a reader never mistakes a
+half-written report for a complete one.
 """
 
 from __future__ import annotations
@@ -11,29 +11,66 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
+
+from tape_train.files import write_atomic
 
 REPORT_FORMAT = "tape-eval/1"
 
 
+FEW_MARK = "†"
+
+
+def _measured(r: dict) -> bool:
+    return r.get("measured", True)
+
+
 def format_table(runs: list[dict]) -> str:
-    """Markdown table, one row per (model, protocol, length): ppl, loss, bpb, tokens scored."""
+    """Markdown table, one row per (model, protocol, length): ppl, loss, bpb, tokens scored,
+    and what really reached the length L (documents, full-length windows, their tokens).
+
+    A length no window reached reads ``n/a``; one resting on few full-length tokens
+    (``few_tokens``) carries a † and a footnote.
+    """
     lines = ["| model | protocol | L | L/L_train | stride | perplexity | loss (nats) | "
-             "bits/byte | tokens |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "bits/byte | tokens | docs ≥ L | windows = L | tokens at L |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    few = unmeasured = False
     for run in runs:
         train_len = run.get("train_seq_len")
         for r in sorted(run["results"], key=lambda r: (r["protocol"], r["length"])):
             ratio = f"{r['length'] / train_len:g}×" if train_len else "–"
             stride = str(r["stride"]) if r.get("stride") is not None else "–"
+            mark = ""
+            if not _measured(r):
+                unmeasured = True
+            elif r.get("few_tokens"):
+                few, mark = True, f" {FEW_MARK}"
             lines.append(f"| {run['label']} | {r['protocol']} | {r['length']} | {ratio} | "
-                         f"{stride} | {_num(r['perplexity'], 3)} | {_num(r['loss'], 4)} | "
-                         f"{_num(r['bits_per_byte'], 4)} | {r['tokens']} |")
+                         f"{stride} | {_num(r, 'perplexity', 3)}{mark} | {_num(r, 'loss', 4)} | "
+                         f"{_num(r, 'bits_per_byte', 4)} | {r['tokens']} | "
+                         f"{r.get('documents_at_length', '–')} | "
+                         f"{r.get('windows_at_length', '–')} | "
+                         f"{r.get('tokens_at_length', '–')} |")
+    if few:
+        lines.append(f"\n{FEW_MARK} rests on fewer than {_few_tokens()} tokens scored by "
+                     f"full-length windows: a rough estimate.")
+    if unmeasured:
+        lines.append("\nn/a: no held-out document reaches this length, so nothing was measured "
+                     "at it.")
     return "\n".join(lines) + "\n"
 
 
-def _num(value: float, digits: int) -> str:
+def _few_tokens() -> int:
+    from tape_train.eval.perplexity import FEW_TOKENS
+
+    return FEW_TOKENS
+
+
+def _num(r: dict, key: str, digits: int) -> str:
+    value = r[key]
+    if not _measured(r) or value is None:
+        return "n/a"
     return f"{value:.{digits}f}" if math.isfinite(value) else str(value)
 
 
@@ -48,45 +85,25 @@ def _json_safe(value):
     return value
 
 
-def write_atomic(path: str | os.PathLike, write, mode: str = "w") -> Path:
-    """Call ``write(file)`` on a temporary file next to ``path``, fsync, then rename onto it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        # mkstemp creates 0600; give the report the permissions a plain open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def write_json(path: str | os.PathLike, runs: list[dict], settings: dict | None = None) -> Path:
     """``{"format", "settings", "models": runs}`` with non-finite numbers as null."""
     payload = {"format": REPORT_FORMAT, "settings": settings or {}, "models": runs}
     text = json.dumps(_json_safe(payload), indent=2, allow_nan=False) + "\n"
-    return write_atomic(path, lambda f: f.write(text))
+    return write_atomic(path, text)
 
 
 def write_markdown(path: str | os.PathLike, runs: list[dict], title: str = "Perplexity vs "
                    "context length") -> Path:
     text = f"# {title}\n\n{format_table(runs)}"
-    return write_atomic(path, lambda f: f.write(text))
+    return write_atomic(path, text)
 
 
 def plot_perplexity_vs_length(runs: list[dict], path: str | os.PathLike) -> Path:
     """PNG: one panel per protocol side by side, one line per model, log2 x, log y.
 
     A dashed vertical line marks each model's training length, so extrapolation is everything
-    to its right. Uses matplotlib's Agg canvas directly (no pyplot, no display needed).
+    to its right. Lengths no window reached are left out; lengths resting on few tokens
+    (``few_tokens``) are drawn as hollow markers, named in the legend. Uses matplotlib's Agg canvas directly (no pyplot, no display needed).
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -100,12 +117,23 @@ def plot_perplexity_vs_length(runs: list[dict], path: str | os.PathLike) -> Path
     axes = fig.subplots(1, len(protocols), sharey=True, squeeze=False)[0]
     train_lens = sorted({run["train_seq_len"] for run in runs if run.get("train_seq_len")})
     for ax, protocol in zip(axes, protocols):
+        few_labelled = False
         for run in runs:
-            points = sorted((r["length"], r["perplexity"]) for r in run["results"]
-                            if r["protocol"] == protocol and math.isfinite(r["perplexity"]))
+            points = sorted((r["length"], r["perplexity"], bool(r.get("few_tokens")))
+                            for r in run["results"] if r["protocol"] == protocol
+                            and _measured(r) and r["perplexity"] is not None
+                            and math.isfinite(r["perplexity"]))
             if points:
-                xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="o", label=run["label"])
+                xs, ys, thin = zip(*points)
+                line, = ax.plot(xs, ys, marker="o", label=run["label"])
+                hollow = [(x, y) for x, y, t in points if t]
+                if hollow:
+                    hx, hy = zip(*hollow)
+                    ax.plot(hx, hy, linestyle="none", marker="o", markersize=9,
+                            markerfacecolor="white", markeredgecolor=line.get_color(),
+                            label=None if few_labelled else
+                            f"few tokens (< {_few_tokens()} at full length)")
+                    few_labelled = True
         for i, train_len in enumerate(train_lens):
             ax.axvline(train_len, color="0.4", linestyle="--", linewidth=1,
                        label="training length" if i == 0 else None)
@@ -125,7 +153,7 @@ def plot_perplexity_vs_length(runs: list[dict], path: str | os.PathLike) -> Path
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
     axes[0].set_ylabel("perplexity")
-    return write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120), mode="wb")
+    return write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
 
 
 def write_reports(out_dir: str | os.PathLike, runs: list[dict],

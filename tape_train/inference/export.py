@@ -49,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"tape-export: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # disk full, permissions: name the path (the old export is kept)
+        from tape_train.files import describe_os_error
+
+        print(f"tape-export: {describe_os_error(exc, args.out)}", file=sys.stderr)
+        return 2
     n_params = sum(v.numel() for v in state.values())
     log.info("exported %s (step %s, %.2fM parameters, %s) to %s", cfg.pe, meta.get("step"),
              n_params / 1e6, args.dtype, out)

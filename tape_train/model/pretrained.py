@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from tape_train.files import fsync_dir, fsync_tree
 from tape_train.model.config import ModelConfig
 from tape_train.model.transformer import TransformerLM
 
@@ -37,9 +38,11 @@ def _write_dir_atomically(out_dir: Path, write) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
         write(tmp)
+        fsync_tree(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
+        fsync_dir(out_dir.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

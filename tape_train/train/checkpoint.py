@@ -10,16 +10,21 @@ Layout of a run directory::
             trainer_state_rank00000.pt one per rank: RNG states, data-loader state
             COMPLETE.json              written last, by rank 0, after every rank finished:
                                        step, tokens, layout (dp, sp, tp), resolved config,
-                                       code version, and the size of every file of the tag
+                                       code version, and the size and xxh3-64 checksum of
+                                       every file of the tag
             universal/                 only after a resume on another layout: DeepSpeed's
                                        universal form of the shards, converted once and
                                        renamed into place when complete (its presence means
                                        complete); deleted with its tag
 
 A tag counts only if ``COMPLETE.json`` exists, parses, and every file it lists exists with the
-recorded size. Anything else (killed mid-write, disk full, truncated file) is skipped with a
-warning, and the next older complete tag is used. Old tags are deleted only after a newer one
-is complete, keeping ``checkpoint.keep`` ≥ 2.
+recorded size (``why_incomplete``: cheap, no file is read). Before a tag is loaded its files
+are also read back and compared with the recorded checksums (``verify_files``; spread over the
+ranks when a process group exists, each rank reading its share once). Anything else (killed
+mid-write, disk full, truncated file, flipped bytes) is skipped with one warning naming the
+file, and the next older intact tag is used; ``tape-export``/``tape-eval`` refuse it. Old tags
+are deleted only after a newer one is complete, keeping ``checkpoint.keep`` ≥ 2, and only by
+the process that holds the run-directory lock (``tape_train.train.run_lock``).
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import subprocess
 import time
@@ -38,89 +42,56 @@ from typing import Any
 import numpy as np
 import torch
 
+from tape_train.files import describe_os_error, free_bytes, human_bytes, is_disk_full, write_atomic
 from tape_train.train import distributed as tdist
+from tape_train.train.checkpoint_layout import (  # noqa: F401 - re-exported
+    CHECKPOINT_DIR, CHECKSUM, LATEST, MARKER, UNIVERSAL, CheckpointError, checkpoint_root,
+    checksum_bytes, file_checksum, find_latest_complete, list_tags, rank_state_name,
+    read_marker, resolve_checkpoint, step_of_tag, tag_for_step, verify_files, why_incomplete)
 
 log = logging.getLogger("tape_train.train")
 
-CHECKPOINT_DIR = "checkpoints"
-MARKER = "COMPLETE.json"
-UNIVERSAL = "universal"
-LATEST = "latest"
-_TAG_RE = re.compile(r"^step_(\d{8,})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message says which and what survives."""
-
-
-def tag_for_step(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def step_of_tag(tag: str) -> int | None:
-    match = _TAG_RE.match(tag)
-    return int(match.group(1)) if match else None
-
-
-def rank_state_name(rank: int) -> str:
-    return f"trainer_state_rank{rank:05d}.pt"
-
-
-def checkpoint_root(path: str | Path) -> Path:
-    """``<run_dir>/checkpoints`` for a run dir; the path itself if it already is a root."""
-    path = Path(path)
-    if path.name == CHECKPOINT_DIR or list_tags(path):
-        return path
-    return path / CHECKPOINT_DIR
-
 
 # ----------------------------------------------------------------------------------------------
-# Discovery and validation (no process group needed)
+# Collective verification (every rank reads its share of the files)
 # ----------------------------------------------------------------------------------------------
 
 
-def read_marker(tag_dir: Path) -> dict:
-    return json.loads((Path(tag_dir) / MARKER).read_text())
+def _my_share(names: list[str]) -> list[str]:
+    """This rank's round-robin share of ``names`` (all of them without a process group)."""
+    world, rank = tdist.world_size(), _rank()
+    return [n for i, n in enumerate(sorted(names)) if i % world == rank]
 
 
-def why_incomplete(tag_dir: Path) -> str | None:
-    """``None`` if ``tag_dir`` is a complete checkpoint, else the reason it is not."""
-    tag_dir = Path(tag_dir)
-    marker_path = tag_dir / MARKER
-    if not marker_path.is_file():
-        return f"no {MARKER} (the save was interrupted or failed)"
-    try:
-        marker = read_marker(tag_dir)
-        files = marker["files"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"unreadable {MARKER} ({exc})"
-    for name, size in files.items():
-        path = tag_dir / name
-        if not path.is_file():
-            return f"missing file {name}"
-        actual = path.stat().st_size
-        if actual != size:
-            return f"file {name} has {actual} bytes, {size} were written"
-    return None
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def list_tags(root: Path) -> list[Path]:
-    """Tag directories under a checkpoint root, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    tags = [p for p in root.iterdir() if p.is_dir() and step_of_tag(p.name) is not None]
-    return sorted(tags, key=lambda p: step_of_tag(p.name))
+def verify_checkpoint(tag_dir: Path) -> str | None:
+    """Collective checksum verification: each rank reads its share of the tag's files once.
 
-
-def find_latest_complete(path: str | Path, warn: bool = True) -> Path | None:
-    """Newest complete tag directory under a run dir or checkpoint root (``None``: none yet).
-
-    Newer incomplete tags are skipped with a warning naming the reason.
+    Returns the same verdict on every rank: ``None`` if intact, else the first rank's reason
+    (naming the damaged file), so rank 0 can say which file in one line.
     """
+    tag_dir = Path(tag_dir)
+    reason = why_incomplete(tag_dir)
+    if reason is None:
+        sums = (read_marker(tag_dir).get("checksums") or {})
+        reason = verify_files(tag_dir, _my_share(list(sums)))
+    if not tdist.all_reduce_max_int(1 if reason is not None else 0):
+        return None
+    reasons = _gather_dicts({_rank(): reason})  # only on failure: one small all-gather
+    return next(reasons[r] for r in sorted(reasons) if reasons[r] is not None)
+
+
+def find_latest_intact(path: str | Path, warn: bool = True) -> Path | None:
+    """Newest tag that is complete and passes ``verify_checkpoint``. Collective when a process
+    group exists (every rank must call it); damaged tags are skipped with one warning each."""
     root = checkpoint_root(path)
     for tag_dir in reversed(list_tags(root)):
-        reason = why_incomplete(tag_dir)
+        reason = verify_checkpoint(tag_dir)
         if reason is None:
             return tag_dir
         if warn:
@@ -128,24 +99,6 @@ def find_latest_complete(path: str | Path, warn: bool = True) -> Path | None:
     return None
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A complete tag directory from a run dir, a checkpoint root or a tag dir; raises else."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint path {path} does not exist")
-    if step_of_tag(path.name) is not None or (path / MARKER).exists():
-        reason = why_incomplete(path)
-        if reason is not None:
-            raise CheckpointError(f"checkpoint {path} is not complete: {reason}; refusing to "
-                                  f"use it (pick a complete one, or the run dir for the latest)")
-        return path
-    found = find_latest_complete(path)
-    if found is None:
-        raise CheckpointError(f"no complete checkpoint under {checkpoint_root(path)}")
-    return found
-
-
-# ----------------------------------------------------------------------------------------------
 # RNG and code version
 # ----------------------------------------------------------------------------------------------
 
@@ -191,17 +144,8 @@ def code_version() -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
-                    rank_state: dict, keep: int) -> Path:
+                    rank_state: dict, keep: int, owner=None) -> Path:
     """Write tag ``step_<step>`` on all ranks, then mark it complete and rotate. Collective.
 
     Args:
@@ -210,25 +154,39 @@ def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
             client state and in the marker.
         rank_state: this rank's own state (RNG, data loader); stored in its own file.
         keep: complete checkpoints to keep (older ones are deleted after this one is complete).
+        owner: on rank 0, the ``RunLock`` of the run directory (``None``: no lock, e.g. tests
+            and tools); every deletion (a leftover partial tag, rotation) first checks that the
+            lock is still this process's, so a save never deletes a tag another run started.
 
     Raises ``CheckpointError`` on every rank if any rank failed to write; the partial tag is
-    removed and the previous complete checkpoint is untouched.
+    removed and the previous complete checkpoint is untouched. A full disk is named as such,
+    with the bytes the checkpoint needs and the bytes free.
     """
     root = checkpoint_root(run_dir)
     tag = tag_for_step(step)
     tag_dir = root / tag
+    error: BaseException | None = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            error = exc
+    if tdist.all_reduce_max_int(1 if error is not None else 0):
+        raise CheckpointError(f"cannot create the checkpoint directory: "
+                              f"{describe_os_error(error, root) if error else 'see rank 0'}")
     existing = why_incomplete(tag_dir) if tag_dir.exists() else "absent"
-    if existing is None:  # already complete (e.g. stopped right after resuming from it)
-        log.info("checkpoint %s already complete; not rewriting it", tag_dir)
-        return tag_dir
+    if existing is None:  # complete (stopped right after resuming from it, or a replay)
+        existing = verify_checkpoint(tag_dir)  # a damaged one (skipped at resume) is rewritten
+        if existing is None:
+            log.info("checkpoint %s already complete; not rewriting it", tag_dir)
+            return tag_dir
     if rank == 0 and tag_dir.exists():
+        _check_owner(owner, f"delete the partial checkpoint {tag_dir}")
         shutil.rmtree(tag_dir, ignore_errors=True)  # leftover of an interrupted save
     tdist.barrier()
 
     start = time.perf_counter()
-    error: BaseException | None = None
+    checksums: dict[str, str] = {}
     try:
         engine.save_checkpoint(str(root), tag=tag, client_state=meta, save_latest=False)
     except Exception as exc:  # noqa: BLE001 - reported collectively below
@@ -238,7 +196,9 @@ def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
     if error is None:
         try:
             buffer = _serialize(rank_state)
-            _write_atomic(tag_dir / rank_state_name(rank), buffer)
+            name = rank_state_name(rank)
+            write_atomic(tag_dir / name, buffer)
+            checksums[name] = checksum_bytes(buffer)  # from memory: no read-back
             # DeepSpeed's torch.save does not fsync its shards: flush this node's dirty pages
             # so that the marker, written after every rank returns here, never vouches for
             # shards that a crash could still lose.
@@ -246,34 +206,116 @@ def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
         except Exception as exc:  # noqa: BLE001
             error = exc
     failed_ranks = tdist.all_reduce_max_int(1 if error is not None else 0)
+    if not failed_ranks:
+        # Checksum DeepSpeed's shards (just written: read from the page cache), each rank a
+        # round-robin share, then gather the sums on rank 0 for the marker.
+        try:
+            shards = [str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*")
+                      if p.is_file() and not p.name.startswith("trainer_state_rank")]
+            for name in _my_share(shards):
+                checksums[name] = file_checksum(tag_dir / name)
+        except OSError as exc:
+            error = exc
+        failed_ranks = tdist.all_reduce_max_int(1 if error is not None else 0)
     if failed_ranks:
-        if rank == 0:
-            shutil.rmtree(tag_dir, ignore_errors=True)
+        needed = _expected_bytes(root, tag_dir)
+        if rank == 0 and _still_owner(owner):
+            shutil.rmtree(tag_dir, ignore_errors=True)  # this save's own partial tag
         tdist.barrier()
         previous = find_latest_complete(root, warn=False)
-        detail = f"{type(error).__name__}: {error}" if error else "another rank failed"
         raise CheckpointError(
-            f"writing checkpoint {tag_dir} failed ({detail}); the partial checkpoint was "
-            f"removed. Previous complete checkpoint: "
+            f"writing checkpoint {tag_dir} failed: {_describe_save_error(error, tag_dir, needed)}"
+            f"; the partial checkpoint was removed. Previous complete checkpoint: "
             f"{previous if previous else 'none'} (a re-run resumes from it)") from error
+    checksums = _gather_dicts(checksums)
 
     if rank == 0:
         files = {str(p.relative_to(tag_dir)): p.stat().st_size
                  for p in sorted(tag_dir.rglob("*")) if p.is_file()}
-        marker = dict(meta, tag=tag, files=files, saved_at=time.time())
+        missing = sorted(set(files) - set(checksums))
+        marker = dict(meta, tag=tag, files=files, checksum=CHECKSUM,
+                      checksums={k: checksums[k] for k in sorted(checksums) if k in files},
+                      saved_at=time.time())
         try:
-            _write_atomic(tag_dir / MARKER, json.dumps(marker, indent=1).encode())
-            _write_atomic(root / LATEST, tag.encode())
+            if missing:
+                raise OSError(f"no checksum for {', '.join(missing)} (written during the save "
+                              f"by something else?)")
+            write_atomic(tag_dir / MARKER, json.dumps(marker, indent=1).encode())
+            write_atomic(root / LATEST, tag.encode())
         except OSError as exc:
             error = exc
     if tdist.all_reduce_max_int(1 if error is not None else 0):
-        raise CheckpointError(f"could not mark checkpoint {tag_dir} complete ({error}); the "
-                              f"previous complete checkpoint is untouched")
+        raise CheckpointError(f"could not mark checkpoint {tag_dir} complete "
+                              f"({_describe_save_error(error, tag_dir, None)}); the previous "
+                              f"complete checkpoint is untouched")
     if rank == 0:
+        _check_owner(owner, f"rotate the checkpoints in {root}")
         rotate_checkpoints(root, keep)
         log.info("saved checkpoint %s in %.1f s", tag_dir, time.perf_counter() - start)
     tdist.barrier()
     return tag_dir
+
+
+def _check_owner(owner, action: str) -> None:
+    if owner is not None:
+        try:
+            owner.verify()
+        except Exception as exc:  # noqa: BLE001 - RunLockError and filesystem errors alike
+            raise CheckpointError(f"not allowed to {action}: {exc}") from exc
+
+
+def _still_owner(owner) -> bool:
+    try:
+        _check_owner(owner, "delete")
+    except CheckpointError as exc:
+        log.error("leaving the partial checkpoint in place: %s", exc)
+        return False
+    return True
+
+
+def _gather_dicts(local: dict) -> dict:
+    """Union of every rank's dict (one all_gather_object); ``local`` without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return dict(local)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    merged: dict = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+def _expected_bytes(root: Path, tag_dir: Path) -> int | None:
+    """What a checkpoint needs on disk: the size of the newest complete one (the model and
+    optimizer do not change size), else what this save had written when it failed."""
+    previous = find_latest_complete(root, warn=False)
+    try:
+        if previous is not None:
+            return sum(read_marker(previous)["files"].values())
+        return sum(p.stat().st_size for p in tag_dir.rglob("*") if p.is_file()) or None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _describe_save_error(error: BaseException | None, tag_dir: Path, needed: int | None) -> str:
+    """One line for a failed save. A full disk says "no space left on device" with bytes
+    needed and free even when the writer hid the errno (torch.save's "unexpected pos")."""
+    if error is None:
+        return "another rank failed (see its log)"
+    free = free_bytes(tag_dir)
+    full = is_disk_full(error) or (needed is not None and free is not None and free < needed)
+    if full:
+        parts = [f"no space left on device under {tag_dir.parent}"]
+        if needed is not None:
+            parts.append(f"a checkpoint needs about {human_bytes(needed)} ({needed} bytes)")
+        if free is not None:
+            parts.append(f"{human_bytes(free)} ({free} bytes) free")
+        return ", ".join(parts) + f" [{type(error).__name__}: {error}]"
+    if isinstance(error, OSError):
+        return describe_os_error(error, tag_dir)
+    return f"{type(error).__name__}: {error}"
 
 
 def _serialize(obj: Any) -> bytes:
@@ -355,7 +397,7 @@ def ensure_universal(tag_dir: Path, out_dir: Path | None = None) -> Path:
         raise CheckpointError(f"converting {tag_dir} to the universal format failed (exit "
                               f"{result.returncode}); the checkpoint itself is untouched. "
                               f"Last output:\n{tail}")
-    (tmp / "CONVERTED.json").write_text(json.dumps(
+    write_atomic(tmp / "CONVERTED.json", json.dumps(
         {"source": tag_dir.name, "seconds": round(time.perf_counter() - start, 2)}))
     os.replace(tmp, target)
     log.info("universal checkpoint ready in %.1f s: %s", time.perf_counter() - start, target)
@@ -441,15 +483,16 @@ def _repair_universal_optimizer_state(engine, hyper: list[dict], tag_dir: Path) 
             state["step"] = state["step"].clone()
 
 
-def load_model_from_checkpoint(path: str | Path, map_dtype: torch.dtype | None = torch.float32
-                               ) -> tuple[Any, dict[str, torch.Tensor], dict]:
+def load_model_from_checkpoint(path: str | Path, map_dtype: torch.dtype | None = torch.float32,
+                               verify: bool = True) -> tuple[Any, dict[str, torch.Tensor], dict]:
     """Consolidated model weights of any checkpoint, without a process group.
 
     Args:
         path: a run dir (→ its latest complete checkpoint), a checkpoint root, or a tag dir.
-            Incomplete checkpoints are refused.
+            Incomplete and damaged (checksum mismatch) checkpoints are refused.
         map_dtype: cast floating tensors to this dtype (``None``: keep as stored; ZeRO-1/2/3
             consolidation yields the fp32 master weights, ZeRO-0 the module's own dtype).
+        verify: read every file back against its checksum first (``False``: the caller did).
 
     Returns:
         ``(model_cfg, state_dict, meta)``: the ``ModelConfig`` the run trained, a state dict
@@ -458,7 +501,7 @@ def load_model_from_checkpoint(path: str | Path, map_dtype: torch.dtype | None =
     """
     from tape_train.model.config import ModelConfig
 
-    tag_dir = resolve_checkpoint(path)
+    tag_dir = resolve_checkpoint(path, verify=verify)
     meta = read_marker(tag_dir)
     model_cfg = ModelConfig.from_dict(dict(meta["config"]["model"]),
                                       source=f"{tag_dir / MARKER} [model]")

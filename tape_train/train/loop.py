@@ -21,6 +21,8 @@ import numpy as np
 import torch
 
 from tape_train.config import RunConfig, diff_configs
+from tape_train.eval.perplexity import UnmeasuredLengthError
+from tape_train.files import FileWriteError, write_atomic
 from tape_train.train import checkpoint as ckpt
 from tape_train.train import distributed as tdist
 from tape_train.train import relayout
@@ -29,6 +31,7 @@ from tape_train.train.host_memory import keep_freed_memory
 from tape_train.train.metrics import (MetricsWriter, device_peak_tflops, format_summary,
                                       memory_metrics, setup_logging)
 from tape_train.train.optim import LRSchedule
+from tape_train.train.run_lock import RunLock, RunLockError
 from tape_train.train.signals import StopRequest
 
 log = logging.getLogger("tape_train.train")
@@ -97,6 +100,7 @@ class Trainer:
         self.writer: MetricsWriter | None = None
         self._eval_docs = None
         self._last_saved_step = -1
+        self.lock: RunLock | None = None
 
     # ------------------------------------------------------------------------------------------
     # Set-up
@@ -126,6 +130,7 @@ class Trainer:
                  "SLURM_RESTART_COUNT=%s", self.dist.world_size, self.grid.describe(),
                  self.dist.device, self.run_dir, restarts)
 
+        self._take_run_lock()
         # Find the checkpoint and compare configs before building anything expensive.
         self._resume_tag = self._find_resume_checkpoint()
         self._relayout = None
@@ -159,9 +164,10 @@ class Trainer:
 
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+            write_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
         self.writer = MetricsWriter(self.run_dir, enabled=self.rank == 0,
-                                    tensorboard=cfg.logging.tensorboard)
+                                    tensorboard=cfg.logging.tensorboard,
+                                    resume_step=self.state.step)
         self.writer.write("event", self.state.step, {
             "event": "resume" if resumed_from else "start", "checkpoint": resumed_from,
             "world_size": self.dist.world_size, "slurm_restart_count": int(restarts or 0),
@@ -190,10 +196,30 @@ class Trainer:
                                   dp_rank=self.dp_rank, dp_size=self.dp_size,
                                   seed=self.cfg.train.seed)
 
+    def _take_run_lock(self) -> None:
+        """Rank 0 takes ``<run_dir>/RUN.lock``; every rank stops if it could not."""
+        error = None
+        if self.rank == 0:
+            try:
+                self.lock = RunLock(self.run_dir).acquire()
+            except RunLockError as exc:
+                error = exc
+        if tdist.all_reduce_max_int(1 if error is not None else 0):
+            raise error or RunLockError(f"rank 0 could not take the lock of run directory "
+                                        f"{self.run_dir} (see its log)")
+
     def _find_resume_checkpoint(self) -> Path | None:
+        """The checkpoint to resume from, its checksums verified collectively (each rank
+        reads its share of the files). A damaged explicit choice is refused; in the run dir,
+        damaged tags are skipped with a warning naming the file."""
         if self.resume_from is not None:
-            return ckpt.resolve_checkpoint(self.resume_from)
-        return ckpt.find_latest_complete(self.run_dir, warn=self.rank == 0)
+            tag_dir = ckpt.resolve_checkpoint(self.resume_from, verify=False)
+            reason = ckpt.verify_checkpoint(tag_dir)
+            if reason is not None:
+                raise ckpt.CheckpointError(f"checkpoint {tag_dir}: {reason}; "
+                                           f"refusing to resume from it")
+            return tag_dir
+        return ckpt.find_latest_intact(self.run_dir, warn=self.rank == 0)
 
     def _maybe_resume(self) -> str | None:
         tag_dir = self._resume_tag
@@ -442,9 +468,15 @@ class Trainer:
         self.writer.write("eval", self.state.step, {**scalars, "results": results,
                                                     "eval_time_s": time.perf_counter() - start})
         for r in results:
+            if not r.get("measured", True):
+                self._console(f"eval step {self.state.step} | {r['protocol']} L={r['length']} | "
+                              f"n/a: no held-out document reaches this length", None)
+                continue
             self._console(f"eval step {self.state.step} | {r['protocol']} L={r['length']} | "
                           f"ppl {r['perplexity']:.3f} | bpb {r['bits_per_byte']:.4f} | "
-                          f"tokens {r['tokens']}", None)
+                          f"tokens {r['tokens']} | at L: {r['documents_at_length']} docs "
+                          f"{r['windows_at_length']} windows"
+                          f"{' (few tokens)' if r['few_tokens'] else ''}", None)
         return results
 
     def _eval_document_source(self) -> Iterable:
@@ -486,7 +518,7 @@ class Trainer:
                       else None}
         path = ckpt.save_checkpoint(self.engine, self.run_dir, self.state.step, rank=self.rank,
                                     meta=meta, rank_state=rank_state,
-                                    keep=self.cfg.checkpoint.keep)
+                                    keep=self.cfg.checkpoint.keep, owner=self.lock)
         self._last_saved_step = self.state.step
         self.writer.write("event", self.state.step, {"event": "checkpoint", "path": str(path)})
         return path
@@ -500,6 +532,8 @@ class Trainer:
         closer = getattr(self.loader, "close", None) if hasattr(self, "loader") else None
         if callable(closer):
             closer()
+        if self.lock is not None:
+            self.lock.release()
 
     def run(self) -> int:
         """set-up + train + clean-up; errors are logged and mapped to exit code 1."""
@@ -507,7 +541,8 @@ class Trainer:
         try:
             self.setup()
             code = self.train()
-        except ckpt.CheckpointError as exc:
+        except (ckpt.CheckpointError, RunLockError, UnmeasuredLengthError,
+                FileWriteError) as exc:
             log.error("%s", exc)
             code = EXIT_ERROR
         finally:
@@ -525,7 +560,7 @@ def _write_exit_file(code: int) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
         try:
-            Path(path).write_text(f"{code}\n")
+            write_atomic(path, f"{code}\n")
         except OSError as exc:
             log.warning("could not write exit code to %s: %s", path, exc)
 

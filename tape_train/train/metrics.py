@@ -95,20 +95,29 @@ class MetricsWriter:
     """Rank-0 sink for scalars: TensorBoard (optional) and ``metrics.jsonl`` (always).
 
     On other ranks every method is a no-op, so call sites need no rank checks.
+
+    ``resume_step``: the step the run (re)starts from. Rows a previous run logged for later
+    steps are replayed now, so they are superseded: ``metrics.jsonl`` is rewritten atomically
+    without them (they move to ``metrics.replayed.jsonl``, nothing is lost) and TensorBoard
+    purges its events after that step (``purge_step``). Readers see one curve.
     """
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool,
+                 resume_step: int | None = None) -> None:
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            supersede_replayed_rows(run_dir, resume_step)
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            purge = {"purge_step": resume_step + 1} if resume_step is not None else {}
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), **purge)
 
     def write(self, kind: str, step: int, values: dict) -> None:
         if not self.enabled:
@@ -135,6 +144,34 @@ class MetricsWriter:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+
+
+def supersede_replayed_rows(run_dir: Path, resume_step: int) -> int:
+    """Drop the rows of steps after ``resume_step`` from ``metrics.jsonl`` (and lines cut by a
+    kill), appending them to ``metrics.replayed.jsonl``; atomic. Returns how many moved."""
+    from tape_train.files import write_atomic
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    keep, moved = [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line).get("step")
+        except (json.JSONDecodeError, AttributeError):
+            step = None  # a line cut by SIGKILL: not a record
+        (keep if isinstance(step, int) and step <= resume_step else moved).append(line)
+    if not moved:
+        return 0
+    replayed = path.with_name("metrics.replayed.jsonl")
+    old = replayed.read_text() if replayed.exists() else ""
+    write_atomic(replayed, old + "".join(f"{line}\n" for line in moved))
+    write_atomic(path, "".join(f"{line}\n" for line in keep))
+    log.info("metrics.jsonl: %d rows after step %d (replayed from there) superseded; kept in %s",
+             len(moved), resume_step, replayed)
+    return len(moved)
 
 
 def _json_default(obj):

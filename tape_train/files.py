@@ -1,0 +1,152 @@
+"""Durable file writes and filesystem errors that say what happened. Torch-free.
+
+``write_atomic`` is the one way the project writes a file a reader may trust (a checkpoint
+marker, a report, a manifest, a config copy, a tokenizer): the bytes go to a temporary file in
+the same directory, the file is fsynced, renamed onto the target and the directory is fsynced.
+A reader sees the old file or the new one, never a part; a crash leaves at most a hidden
+``.<name>.*.tmp`` file, which the next write of the same name does not depend on.
+
+``describe_os_error`` turns an ``OSError`` into one line naming the path, and for a full disk
+says "no space left on device" with the bytes needed and free.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+
+class FileWriteError(OSError):
+    """A file could not be written; ``str()`` is one line naming the path and the cause."""
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename or a new entry in directory ``path`` durable (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems (and Windows) refuse fsync on a directory
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | str | Callable[[IO], object], *,
+                 mode: int | None = None) -> Path:
+    """Write ``data`` to ``path`` so a reader sees the old file or the complete new one.
+
+    Args:
+        path: target file; its directory is created if missing.
+        data: bytes, text (UTF-8), or a callable ``write(binary_file)`` that writes the content
+            (e.g. ``lambda f: fig.savefig(f, format="png")``).
+        mode: permission bits of the new file (default: what ``open()`` gives under the umask).
+
+    Raises ``FileWriteError`` (an ``OSError`` with the same errno) naming ``path``; the target is
+    then unchanged and the temporary file removed.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise FileWriteError(exc.errno, describe_os_error(exc, path.parent)) from exc
+    size = len(data.encode() if isinstance(data, str) else data) if not callable(data) else 0
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            if callable(data):
+                data(fh)
+            else:
+                fh.write(data.encode() if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if mode is None:  # mkstemp creates 0600; a plain open() would honour the umask
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and not isinstance(exc, FileWriteError):
+            raise FileWriteError(exc.errno, describe_os_error(exc, path, needed=size)) from exc
+        raise
+    return path
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Bytes available to this user on the filesystem holding ``path`` (its nearest existing
+    parent); ``None`` if that cannot be asked."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).free
+    except OSError:
+        return None
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for ENOSPC/EDQUOT anywhere in the exception's cause chain, or for the messages
+    torch.save gives when its writer hits a full disk."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(exc).lower()
+        if "no space left" in text or "disk quota exceeded" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def describe_os_error(exc: BaseException, path: str | os.PathLike, *,
+                      needed: int | None = None) -> str:
+    """One line: what failed on which path. A full disk says so, with bytes needed and free.
+
+    ``path`` is what the caller was writing; the file the OS names (``exc.filename``, e.g. a
+    temporary file) is added when it differs.
+    """
+    free = free_bytes(path) if is_disk_full(exc) else None
+    filename = getattr(exc, "filename", None)
+    if filename and Path(filename) != Path(path):
+        path = f"{path} ({filename})"
+    if is_disk_full(exc):
+        parts = [f"no space left on device writing {path}"]
+        if needed:
+            parts.append(f"needs {human_bytes(needed)} ({needed} bytes)")
+        if free is not None:
+            parts.append(f"{human_bytes(free)} ({free} bytes) free")
+        return ", ".join(parts)
+    reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    return f"{path}: {reason}"
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """fsync every file and directory under ``root`` (before renaming a directory written
+    file by file into place, e.g. an export)."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)

@@ -1,0 +1,188 @@
+"""Checkpoint layout on disk: tag names, the completion marker, checksums, discovery.
+
+Torch-free (the Slurm requeue guard and other tools import it without loading torch);
+``tape_train.train.checkpoint`` re-exports every name and adds saving and loading. The layout
+itself is described there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import xxhash
+
+from tape_train.files import describe_os_error
+
+log = logging.getLogger("tape_train.train")
+
+CHECKPOINT_DIR = "checkpoints"
+MARKER = "COMPLETE.json"
+UNIVERSAL = "universal"
+LATEST = "latest"
+_TAG_RE = re.compile(r"^step_(\d{8,})$")
+CHECKSUM = "xxh3_64"
+_CHUNK = 8 << 20  # bytes read per call while checksumming
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message says which and what survives."""
+
+
+def tag_for_step(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of_tag(tag: str) -> int | None:
+    match = _TAG_RE.match(tag)
+    return int(match.group(1)) if match else None
+
+
+def rank_state_name(rank: int) -> str:
+    return f"trainer_state_rank{rank:05d}.pt"
+
+
+def checkpoint_root(path: str | Path) -> Path:
+    """``<run_dir>/checkpoints`` for a run dir; the path itself if it already is a root."""
+    path = Path(path)
+    if path.name == CHECKPOINT_DIR or list_tags(path):
+        return path
+    return path / CHECKPOINT_DIR
+
+
+# ----------------------------------------------------------------------------------------------
+# Discovery and validation (no process group needed)
+# ----------------------------------------------------------------------------------------------
+
+
+def read_marker(tag_dir: Path) -> dict:
+    return json.loads((Path(tag_dir) / MARKER).read_text())
+
+
+def why_incomplete(tag_dir: Path) -> str | None:
+    """``None`` if ``tag_dir`` is a complete checkpoint, else the reason it is not."""
+    tag_dir = Path(tag_dir)
+    marker_path = tag_dir / MARKER
+    if not marker_path.is_file():
+        return f"no {MARKER} (the save was interrupted or failed)"
+    try:
+        marker = read_marker(tag_dir)
+        files = marker["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"unreadable {MARKER} ({exc})"
+    for name, size in files.items():
+        path = tag_dir / name
+        if not path.is_file():
+            return f"missing file {name}"
+        actual = path.stat().st_size
+        if actual != size:
+            return f"file {name} has {actual} bytes, {size} were written"
+    return None
+
+
+def file_checksum(path: Path) -> str:
+    """xxh3-64 of a file's bytes as 16 hex digits, read once in 8 MiB chunks.
+
+    xxh3 runs at memory speed (several GB/s per core), so hashing costs a fraction of the
+    disk time of the write or read it guards (benchmarks/checkpoint_io.py measures both).
+    """
+    digest = xxhash.xxh3_64()
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as fh:
+        while True:
+            n = fh.readinto(buffer)
+            if not n:
+                break
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def checksum_bytes(data: bytes) -> str:
+    return xxhash.xxh3_64(data).hexdigest()
+
+
+def verify_files(tag_dir: Path, names: list[str] | None = None) -> str | None:
+    """``None`` if every listed file (default: all of the marker) matches its recorded
+    checksum, else one line naming the first file that does not. Markers written before
+    checksums existed have nothing to compare: sizes only (``why_incomplete``)."""
+    tag_dir = Path(tag_dir)
+    try:
+        marker = read_marker(tag_dir)
+    except (OSError, ValueError) as exc:
+        return f"unreadable {MARKER} ({exc})"
+    sums = marker.get("checksums") or {}
+    for name in (sorted(sums) if names is None else names):
+        expected = sums.get(name)
+        if expected is None:
+            continue
+        path = tag_dir / name
+        try:
+            actual = file_checksum(path)
+        except OSError as exc:
+            return f"cannot read {describe_os_error(exc, path)}"
+        if actual != expected:
+            return (f"file {path} is damaged: {marker.get('checksum', CHECKSUM)} {actual}, "
+                    f"{expected} was written (same size: bytes changed on disk or in transit)")
+    return None
+
+
+def list_tags(root: Path) -> list[Path]:
+    """Tag directories under a checkpoint root, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    tags = [p for p in root.iterdir() if p.is_dir() and step_of_tag(p.name) is not None]
+    return sorted(tags, key=lambda p: step_of_tag(p.name))
+
+
+def find_latest_complete(path: str | Path, warn: bool = True) -> Path | None:
+    """Newest complete tag directory under a run dir or checkpoint root (``None``: none yet).
+
+    Newer incomplete tags are skipped with a warning naming the reason.
+    """
+    root = checkpoint_root(path)
+    for tag_dir in reversed(list_tags(root)):
+        reason = why_incomplete(tag_dir)
+        if reason is None:
+            return tag_dir
+        if warn:
+            log.warning("skipping checkpoint %s: %s", tag_dir, reason)
+    return None
+
+
+def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
+    """A complete tag directory from a run dir, a checkpoint root or a tag dir; raises else.
+
+    With ``verify`` (tape-export, tape-eval) every file is read back and checked against its
+    recorded checksum on this process: a damaged checkpoint is refused, naming the file, even
+    when it is the latest of a run dir (an older step is never substituted silently).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {path} does not exist")
+    if step_of_tag(path.name) is not None or (path / MARKER).exists():
+        reason = why_incomplete(path)
+        if reason is not None:
+            raise CheckpointError(f"checkpoint {path} is not complete: {reason}; refusing to "
+                                  f"use it (pick a complete one, or the run dir for the latest)")
+        found = path
+    else:
+        found = find_latest_complete(path)
+        if found is None:
+            raise CheckpointError(f"no complete checkpoint under {checkpoint_root(path)}")
+    if verify:
+        reason = verify_files(found)
+        if reason is not None:
+            older = [t for t in list_tags(found.parent) if step_of_tag(t.name) is not None
+                     and step_of_tag(t.name) < step_of_tag(found.name)
+                     and why_incomplete(t) is None]
+            hint = f"; an older complete checkpoint: {older[-1]}" if older else ""
+            raise CheckpointError(f"checkpoint {found}: {reason}; refusing to use "
+                                  f"it{hint}")
+    return found
+
+
+# ----------------------------------------------------------------------------------------------

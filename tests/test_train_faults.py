@@ -1,0 +1,109 @@
+"""Fault injection on the real Trainer (2 gloo ranks, ZeRO-3, fp32, synthetic data).
+
+One scenario, in order: a second run on a run directory in use is refused on both ranks,
+naming the holder, while the first trains on; then a byte of the newest checkpoint is flipped
+(size unchanged): the next run skips it with a warning, resumes from the older intact one and
+replays the steps, bit-exactly; the replayed steps supersede their metrics rows (one row per
+step in metrics.jsonl, one point per step in TensorBoard) and the damaged tag is rewritten.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import run_distributed_test
+
+OVERRIDES = ["model=tiny", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
+             "model.intermediate_size=128", "model.vocab_size=256",
+             "model.tape_position_size=8", "train.seq_len=32", "train.micro_batch_size=2",
+             "train.grad_accum_steps=1", "train.lr=1e-3", "train.warmup_steps=0",
+             "train.dtype=fp32", "train.device=cpu", "train.synthetic_data=true",
+             "train.max_steps=4", "checkpoint.interval=2", "checkpoint.keep=3",
+             "logging.peak_tflops=1.0", "logging.tensorboard=true", "eval.interval=0"]
+
+
+def _scenario(run_dir: str) -> dict:
+    import json
+    import logging
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from tape_train.config import load_run_config
+    from tape_train.train import checkpoint as ckpt
+    from tape_train.train.loop import Trainer
+
+    rank = dist.get_rank()
+    cfg = lambda: load_run_config(None, OVERRIDES + [f"train.run_dir={run_dir}"])  # noqa: E731
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    from tape_train.train import loop
+
+    keep, setup_logging = Keep(), loop.setup_logging
+    loop.setup_logging = lambda *a: (setup_logging(*a),
+                                     logging.getLogger("tape_train").addHandler(keep))
+    out = {}
+    first = Trainer(cfg())
+    first.setup()
+    second = Trainer(cfg())
+    out["second_exit"] = second.run()      # refused while the first holds the lock
+    out["refusal"] = [m for m in records if "in use" in m or "could not take" in m]
+    out["first_exit"] = first.train()
+    first.close()
+    losses = {r["step"]: r["loss"] for r in map(json.loads, Path(run_dir, "metrics.jsonl")
+                                                .read_text().splitlines()) if r["kind"] == "train"}
+    out["losses"] = losses
+
+    tag4 = Path(run_dir) / "checkpoints" / "step_00000004"
+    victim = tag4 / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    if rank == 0:
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 3] ^= 0x10
+        victim.write_bytes(bytes(data))
+    dist.barrier()
+    records.clear()
+    third = Trainer(cfg())
+    third.setup()
+    out["resumed_at"] = third.state.step
+    out["skip_lines"] = [m for m in records if "damaged" in m]
+    out["third_exit"] = third.train()
+    third.close()
+    rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+    out["train_steps"] = [r["step"] for r in rows if r["kind"] == "train"]
+    out["replayed_losses"] = {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+    out["superseded"] = [json.loads(line)["step"] for line in
+                         Path(run_dir, "metrics.replayed.jsonl").read_text().splitlines()
+                         if json.loads(line)["kind"] == "train"]
+    out["tag4_intact"] = ckpt.verify_files(tag4) is None
+    if rank == 0:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(Path(run_dir) / "tensorboard"))
+        events.Reload()
+        out["tb_loss_steps"] = [e.step for e in events.Scalars("train/loss")]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_concurrent_start_flipped_bytes_and_replay(tmp_path):
+    r0, r1 = run_distributed_test(_scenario, world_size=2, args=(str(tmp_path),), timeout=400)
+    # Concurrent start: both ranks of the second run stop, the first trains to the end.
+    assert r0["second_exit"] == r1["second_exit"] == 1 and r0["first_exit"] == 0
+    assert any("in use by another run" in m and "pid" in m for m in r0["refusal"]), r0["refusal"]
+    assert sorted(r0["losses"]) == [1, 2, 3, 4]
+    # Flipped bytes: skipped with one line naming the file, resumed from step 2 on both ranks.
+    assert r0["resumed_at"] == r1["resumed_at"] == 2
+    lines = r0["skip_lines"]                # rank 0 names the file, whoever read it
+    assert len(lines) == 1 and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in lines[0], lines
+    assert "skipping checkpoint" in lines[0] and "step_00000004" in lines[0]
+    assert r0["third_exit"] == 0 and r0["tag4_intact"]   # the damaged tag was rewritten
+    # Replay: bit-exact, one row and one TensorBoard point per step.
+    assert r0["replayed_losses"] == r0["losses"]
+    assert r0["train_steps"] == [1, 2, 3, 4]
+    assert r0["superseded"] == [3, 4]                      # the replaced rows, kept aside
+    assert r0["tb_loss_steps"] == [1, 2, 3, 4]
