@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # overrides may follow options
     try:
         cfg = load_run_config(args.config, args.overrides)
     except ConfigError as exc:

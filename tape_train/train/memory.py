@@ -94,15 +94,32 @@ def dtype_of(cfg):
     return torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
 
 
-def _trace_model_config(model_cfg):
-    """The model config to trace: memory-efficient attention (what every real backend but
-    the dense-bias ones uses: blocked on CPU, flash/Triton on CUDA; PyTorch's meta kernels of
-    SDPA would materialise the N×N probabilities)."""
-    import dataclasses
+DENSE_BIAS_ENCODINGS = ("alibi", "t5", "fire")
 
-    if model_cfg.pe in ("alibi", "t5", "fire"):
-        return model_cfg
-    return dataclasses.replace(model_cfg, attn_backend="blocked")
+
+def _memory_efficient_core():
+    """An attention core that saves what flash, Triton and the blocked CPU kernel save for the
+    backward (q, k, v, the output and the fp32 log-sum-exp), on the meta device in O(1): the
+    real kernels' loops over blocks would make tracing long sequences slow."""
+    import torch
+
+    class _Core(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out = q.new_empty(*q.shape[:-1], v.shape[-1])
+            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):  # never run: the trace does no backward
+            raise NotImplementedError
+
+    class Core(torch.nn.Module):
+        def forward(self, q, k, v, *, backend=None, bias=None, alibi_slopes=None):
+            return _Core.apply(q, k, v)
+
+    return Core()
 
 
 def trace_activations(model_cfg, micro_batch: int, seq_len: int, dtype, tp: int = 1
@@ -115,9 +132,11 @@ def trace_activations(model_cfg, micro_batch: int, seq_len: int, dtype, tp: int 
 
     from tape_train.model import TransformerLM
 
-    cfg = _trace_model_config(model_cfg)
     with torch.device("meta"):
-        model = TransformerLM(cfg).to(dtype)
+        model = TransformerLM(model_cfg).to(dtype)
+    if model_cfg.pe not in DENSE_BIAS_ENCODINGS:  # those keep SDPA with an N×N bias
+        for layer in model.layers:
+            layer.attn.core = _memory_efficient_core()
     params = {id(p) for p in model.parameters()}
     stack: list[str] = []
     seen: dict[int, object] = {}

@@ -77,21 +77,27 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
     """All checks; ``plan=False`` leaves out the memory estimate and the step-time plan."""
     report = Report()
     grid = _check_grid(cfg, world_size, report)
-    _check_lengths(cfg, report)
+    lengths_ok = _check_lengths(cfg, report)
     synthetic = cfg.train.synthetic_data
     tokenizer = None
     if synthetic:
         report.info("data: synthetic tokens (train.synthetic_data): no corpus or tokenizer")
     elif check_data or check_eval:
         tokenizer = _check_tokenizer(cfg, report)
+    sources_ok = True
     if check_data and not synthetic:
+        before = len(report.problems)
         _check_sources(cfg, tokenizer, report, limits)
-    if check_eval and not synthetic and tokenizer is not None:
+        sources_ok = len(report.problems) == before
+    # Held-out documents come from the sources too: a bad source is reported once, above.
+    if check_eval and not synthetic and tokenizer is not None and sources_ok:
         _check_held_out(cfg, tokenizer, report, limits)
     _check_run_dir(cfg, report)
     if check_resume and grid is not None:
         _check_resume(cfg, grid, resume_from, allow_config_change, report)
-    if plan and grid is not None:
+    if plan and (grid is None or not lengths_ok):
+        report.info("memory and time plan: skipped until the layout and train.seq_len are valid")
+    elif plan:
         device_type = _target_device(cfg, gpus_per_node)
         ranks_per_node = (gpus_per_node if gpus_per_node else
                           (1 if device_type == "cuda" else world_size))
@@ -126,12 +132,14 @@ def global_batch(cfg, dp: int) -> int:
     return cfg.train.micro_batch_size * cfg.train.grad_accum_steps * dp
 
 
-def _check_lengths(cfg, report: Report) -> None:
+def _check_lengths(cfg, report: Report) -> bool:
     n, limit = cfg.train.seq_len, cfg.model.max_seq_len
     if n > limit:
         report.problem(f"train.seq_len={n} exceeds model.max_seq_len={limit}: train at most "
                        f"{limit} tokens per sequence, or raise model.max_seq_len (evaluation "
                        f"may go longer; training may not)")
+        return False
+    return True
 
 
 # ------------------------------------------------------------------------------------------------
