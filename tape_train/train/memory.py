@@ -40,12 +40,20 @@ import os
 from dataclasses import dataclass, field
 
 GIB = 2**30
-# Framework memory of one training process that is not the run's tensors: the CPython and
-# torch runtime, DeepSpeed, the data loader's buffers. Added to the total on CPU (where the
-# process's resident memory is what the device memory is compared with); on CUDA the context
-# is device memory too. Measured: docs/training.md.
-CPU_RUNTIME_BYTES = int(0.6 * GIB)
+# Resident memory of a training process once Python, torch, DeepSpeed and the process group
+# are up, before the run builds anything (measured: 0.25 GiB, docs/training.md). CPU only: on
+# CUDA the CUDA context takes device memory instead.
+CPU_RUNTIME_BYTES = int(0.25 * GIB)
 CUDA_CONTEXT_BYTES = int(0.5 * GIB)
+# What a CPU process grows by during set-up and the first steps beyond the run's tensors:
+# thread pools, gloo buffers, DeepSpeed's engine (measured on `tiny`, where the model is small).
+CPU_STARTUP_GROWTH_BYTES = int(0.3 * GIB)
+# DeepSpeed's working copies on CPU beyond the table (the flattened copy of the weights while
+# it partitions them, the flattened gradient partition of the step, AdamW's temporaries over a
+# flat partition), retained by glibc with train.keep_freed_memory: in fp32 copies of the
+# rank's parameters, fitted to the measured peaks of `125m` on one rank (docs/training.md).
+# ZeRO-2 is taken as ZeRO-1 (not measured). Assumed unpartitioned: an upper bound for dp·sp > 1.
+CPU_DEEPSPEED_COPIES = {0: 0.55, 1: 4.15, 2: 4.15, 3: 6.6}
 
 
 @dataclass
@@ -284,9 +292,15 @@ def estimate_memory(cfg, world_size: int, *, device_type: str = "cpu") -> Memory
         trace.positional
     parts["backward transient"] = 2 * trace.largest_tensor
     if device_type == "cpu":
+        parts["DeepSpeed working copies (CPU, measured)"] = int(
+            CPU_DEEPSPEED_COPIES[stage] * 4 * counts["local"])
+        parts["set-up growth (threads, gloo, engine)"] = CPU_STARTUP_GROWTH_BYTES
         parts["runtime (Python, torch, DeepSpeed)"] = CPU_RUNTIME_BYTES
     else:
-        parts["CUDA context and allocator"] = CUDA_CONTEXT_BYTES
+        parts["CUDA context"] = CUDA_CONTEXT_BYTES
+        notes.append("on CUDA the estimate is the table above plus activations; DeepSpeed's "
+                     "working buffers and allocator fragmentation are not included (not "
+                     "measured on a GPU yet)")
     if checkpointing and cfg.model.pe == "tape":
         notes.append("with checkpointing TAPE's positional state is part of each layer's "
                      "saved input")
