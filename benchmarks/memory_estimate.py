@@ -53,47 +53,9 @@ COMMON = ["train.seq_len=256", "train.micro_batch_size=8", "train.dtype=fp32",
           "checkpoint.interval=1000000"]
 
 
-def rss_bytes() -> int:
-    import os
-
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def high_water_bytes() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def measure_rank(overrides: list[str], steps: int, run_dir: str) -> dict:
-    """One rank: set up the trainer, run ``steps`` steps, return the peak growth (bytes)."""
-    import deepspeed  # noqa: F401 - imported before the baseline: runtime, not the run
-    import torch  # noqa: F401
-
-    from tape_train.config import load_run_config
-    from tape_train.train import distributed as tdist
-    from tape_train.train.loop import Trainer
-
-    cfg = load_run_config(None, [*overrides, f"train.run_dir={run_dir}",
-                                 f"train.max_steps={steps}"])
-    tdist.init_distributed("cpu")
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # reset VmHWM to the current resident size
-    baseline = rss_bytes()
-    trainer = Trainer(cfg)
-    trainer.setup()
-    for _ in range(steps):
-        trainer.train_step()
-    peak = high_water_bytes()
-    trainer.close()
-    return {"baseline": baseline, "peak": peak, "growth": peak - baseline}
-
-
 def run_case(name: str, steps: int) -> dict:
     from distributed import run_distributed_test
+    from memory_utils import measure_rank
 
     from tape_train.config import load_run_config
     from tape_train.train.memory import CPU_RUNTIME_BYTES, estimate_memory
