@@ -84,8 +84,8 @@ class MemoryEstimate:
         return sum(self.parts.values())
 
     def lines(self) -> list[str]:
-        out = [f"  {name:<34} {value / GIB:9.3f} GiB" for name, value in self.parts.items()]
-        out.append(f"  {'total per rank':<34} {self.total_bytes / GIB:9.3f} GiB")
+        out = [f"  {name:<42} {value / GIB:9.3f} GiB" for name, value in self.parts.items()]
+        out.append(f"  {'total per rank':<42} {self.total_bytes / GIB:9.3f} GiB")
         other = self.activations_no_ckpt if self.checkpointing else self.activations_ckpt
         mine = self.activations_ckpt if self.checkpointing else self.activations_no_ckpt
         out.append(f"  (activations {'with' if self.checkpointing else 'without'} activation "

@@ -384,8 +384,9 @@ def _plan_memory(cfg, world_size: int, device_type: str, ranks_per_node: int,
         report.info(f"device memory: unknown ({source})")
         return
     need = est.total_bytes * (ranks_per_node if device_type == "cpu" else 1)
-    who = f"{ranks_per_node} rank(s) on this node" if device_type == "cpu" else "one rank"
-    line = (f"memory: {who} need ~{need / GIB:.2f} GiB of {have / GIB:.2f} GiB ({source})")
+    who = (f"{ranks_per_node} rank(s) on this node need" if device_type == "cpu"
+           else "one rank needs")
+    line = (f"memory: {who} ~{need / GIB:.2f} GiB of {have / GIB:.2f} GiB ({source})")
     if need > have:
         hint = ("turn on train.activation_checkpointing, " if not
                 cfg.train.activation_checkpointing else "")
@@ -438,7 +439,14 @@ def _plan_time(cfg, grid, device_type: str, gpu_name: str | None, mfu: float,
     total = step * cfg.train.max_steps
     report.info(f"time: peak {peak:.2f} TFLOP/s per rank ({source}); at an assumed MFU of "
                 f"{mfu:.0%}: ~{step:.3g} s per step, ~{_duration(total)} for train.max_steps="
-                f"{cfg.train.max_steps} ({cfg.train.max_steps * tokens / 1e9:.3g} B tokens)")
+                f"{cfg.train.max_steps} ({_count(cfg.train.max_steps * tokens)} tokens)")
+
+
+def _count(n: float) -> str:
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
 
 
 def _duration(seconds: float) -> str:
