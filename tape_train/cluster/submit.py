@@ -5,9 +5,10 @@
         [--eval-after] [--dry-run]
 
 The config and overrides are checked with the project's config loader before anything is
-queued, and passed to tape-train unchanged. Before sbatch, `tape-train --dry-run` runs here for
-the job's layout (data, tokenizer, resume on this node count, memory; `--no-preflight` skips it). `--dry-run` prints the rendered script (with
+queued, and passed to tape-train unchanged. `--dry-run` prints the rendered script (with
 `--eval-after` the evaluation script follows after a separator line) and submits nothing.
+Before sbatch, `tape-train --dry-run` runs here for the job's layout (data, tokenizer, resume
+on this node count, memory; `--no-preflight` skips it) and a problem refuses the job (exit 2).
 Otherwise the rendered scripts are kept next to the logs (`<log-dir>/<job-name>.<time>.*.sbatch`),
 the training job is submitted, and its id is printed on stdout (the evaluation job's id on a
 second line with `--eval-after`); progress messages go to stderr.

@@ -124,6 +124,7 @@ class Trainer:
         # Data is sharded over dp only: every rank of an SP/TP group gets the same batch.
         self.dp_size, self.dp_rank = self.grid.dp_size, self.grid.dp_rank
         restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+        log.info("%s", self._preflight_summary)
         log.info("tape-train: world size %d (%s), device %s, run dir %s, "
                  "SLURM_RESTART_COUNT=%s", self.dist.world_size, self.grid.describe(),
                  self.dist.device, self.run_dir, restarts)
@@ -177,6 +178,7 @@ class Trainer:
         seconds and one line per problem, not a DeepSpeed start-up and a traceback."""
         from tape_train.train.preflight import RUN_START_LIMITS, PreflightError, run_preflight
 
+        start = time.perf_counter()
         report = run_preflight(
             self.cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")),
             check_data=self.loader_factory is None,
@@ -184,6 +186,9 @@ class Trainer:
             check_resume=False, plan=False, limits=RUN_START_LIMITS)
         if report.problems:
             raise PreflightError(report.problems)
+        self._preflight_summary = (f"preflight: inputs checked in "
+                                   f"{time.perf_counter() - start:.1f} s"
+                                   + "".join(f"; warning: {w}" for w in report.warnings))
 
     def _build_loader(self):
         if self.loader_factory is not None:

@@ -229,6 +229,8 @@ def _check_held_out(cfg, tokenizer, report: Report, limits: Limits) -> None:
     from tape_train.data import DataError, iter_eval_documents
 
     if not cfg.eval.enabled:
+        report.info("held-out documents: not checked (scheduled evaluation is off, "
+                    "eval.interval=0)")
         return
     lengths = cfg.eval.resolve_lengths(cfg.train.seq_len)
     counts = dict.fromkeys(lengths, 0)
