@@ -127,7 +127,8 @@ def preflight(args: argparse.Namespace, opts: ClusterOptions, train_args: list[s
     cfg = load_run_config(parsed.config, parsed.overrides)
     report = run_preflight(cfg, world_size=opts.nodes * opts.procs,
                            gpus_per_node=args.gpus_per_node, resume_from=parsed.resume_from,
-                           allow_config_change=parsed.allow_config_change, gpu_name=args.gpu_name)
+                           allow_config_change=parsed.allow_config_change, gpu_name=args.gpu_name,
+                           ranks_per_node=opts.procs)
     out, err = format_report(report, prefix="tape-submit")
     sys.stderr.write(f"tape-submit: preflight for {opts.nodes} node(s) x {opts.procs} "
                      f"process(es):\n{out}{err}")

@@ -98,7 +98,8 @@ def dry_run(cfg, args: argparse.Namespace) -> int:
                            resume_from=args.resume_from,
                            allow_config_change=args.allow_config_change,
                            device_memory_gb=args.device_memory_gb, gpu_name=args.gpu_name,
-                           assumed_mfu=mfu)
+                           assumed_mfu=mfu,
+                           ranks_per_node=max(1, world // args.nodes) if args.nodes else None)
     out, err = format_report(report)
     sys.stdout.write(out)
     sys.stdout.flush()

@@ -73,8 +73,12 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
                   check_data: bool = True, check_eval: bool = True, check_resume: bool = True,
                   plan: bool = True, device_memory_gb: float | None = None,
                   gpu_name: str | None = None, assumed_mfu: float = DEFAULT_ASSUMED_MFU,
-                  limits: Limits = Limits()) -> Report:
-    """All checks; ``plan=False`` leaves out the memory estimate and the step-time plan."""
+                  ranks_per_node: int | None = None, limits: Limits = Limits()) -> Report:
+    """All checks; ``plan=False`` leaves out the memory estimate and the step-time plan.
+
+    ``gpus_per_node``: plan for CUDA nodes with that many GPUs (0: CPU nodes); ``None`` plans
+    for this machine. ``ranks_per_node``: CPU ranks sharing one node's RAM (default: the GPUs
+    per node, else the whole world on this machine)."""
     report = Report()
     grid = _check_grid(cfg, world_size, report)
     lengths_ok = _check_lengths(cfg, report)
@@ -99,8 +103,8 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
         report.info("memory and time plan: skipped until the layout and train.seq_len are valid")
     elif plan:
         device_type = _target_device(cfg, gpus_per_node)
-        ranks_per_node = (gpus_per_node if gpus_per_node else
-                          (1 if device_type == "cuda" else world_size))
+        if ranks_per_node is None:
+            ranks_per_node = gpus_per_node or (1 if device_type == "cuda" else world_size)
         _plan_memory(cfg, world_size, device_type, ranks_per_node, device_memory_gb, gpu_name,
                      report)
         _plan_time(cfg, grid, device_type, gpu_name, assumed_mfu, report)
