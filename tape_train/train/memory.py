@@ -52,7 +52,8 @@ CPU_STARTUP_GROWTH_BYTES = int(0.3 * GIB)
 # it partitions them, the flattened gradient partition of the step, AdamW's temporaries over a
 # flat partition), retained by glibc with train.keep_freed_memory: in fp32 copies of the
 # rank's parameters, fitted to the measured peaks of `125m` on one rank (docs/training.md).
-# ZeRO-2 is taken as ZeRO-1 (not measured). Assumed unpartitioned: an upper bound for dp·sp > 1.
+# ZeRO-2 is taken as ZeRO-1 (not measured). Unpartitioned: measured so at dp=2 (125m, ZeRO-3),
+# an upper bound for larger dp·sp.
 CPU_DEEPSPEED_COPIES = {0: 0.55, 1: 4.15, 2: 4.15, 3: 6.6}
 
 
