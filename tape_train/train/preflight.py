@@ -443,7 +443,7 @@ def _plan_time(cfg, grid, device_type: str, gpu_name: str | None, mfu: float,
         return
     step = tokens * per_token / (peak * 1e12 * grid.world_size * mfu)
     total = step * cfg.train.max_steps
-    report.info(f"time: peak {peak:.2f} TFLOP/s per rank ({source}); at an assumed MFU of "
+    report.info(f"time: peak {peak:.3g} TFLOP/s per rank ({source}); at an assumed MFU of "
                 f"{mfu:.0%}: ~{step:.3g} s per step, ~{_duration(total)} for train.max_steps="
                 f"{cfg.train.max_steps} ({_count(cfg.train.max_steps * tokens)} tokens)")
 
