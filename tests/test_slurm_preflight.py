@@ -38,7 +38,9 @@ def test_all_checks_pass_on_a_sane_node(tmp_path):
 
 def test_run_dir_comes_from_the_training_arguments(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "run.yaml").write_text("model: tiny\ntrain:\n  run_dir: runs/from-config\n")
+    # Synthetic data: this test is about the run dir (the input checks have their own tests).
+    (tmp_path / "run.yaml").write_text("model: tiny\ntrain:\n  run_dir: runs/from-config\n"
+                                       "  synthetic_data: true\n")
     rc, out, err = run_preflight(["--min-free-gb", "0", "--", "--config", "run.yaml",
                                   "train.run_dir=runs/from-override"])
     assert rc == 0, err

@@ -109,8 +109,8 @@ def test_finished_training_exits_0_without_requeue(fake_slurm):
     assert rc == 0, out
     assert not any(c.startswith("scontrol requeue") for c in calls)
     preflight, train = [c for c in calls if c.startswith("srun")]
-    assert ("--gpus-per-node 0 --min-free-gb 10.0 -- --config run.yaml train.max_steps=5"
-            in preflight)
+    assert ("--gpus-per-node 0 --min-free-gb 10.0 --procs-per-node 2 --train-module "
+            "tape_train.train.cli -- --config run.yaml train.max_steps=5" in preflight)
     for part in ("--ntasks-per-node=1", "--cpus-per-task=8", "--nnodes=2", "--nproc_per_node=2",
                  "--master_addr=nodeA", f"--master_port={15000 + JOB_ID % 15000}",
                  "--signals_to_handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",

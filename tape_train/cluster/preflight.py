@@ -1,10 +1,12 @@
 """Per-node start-up checks, run on every node (srun --ntasks-per-node=1) before training.
 
-    python -m tape_train.cluster.preflight [--gpus-per-node N] [--min-free-gb G]
-        [--run-dir DIR] [-- --config <yaml> key=value ...]
+    python -m tape_train.cluster.preflight [--gpus-per-node N] [--procs-per-node P]
+        [--min-free-gb G] [--run-dir DIR] [--train-module M] [-- --config <yaml> key=value ...]
 
 Checks: the Python version, that the training packages import, that the node sees the GPUs
-requested (or says it is a CPU node), that the run directory is writable and has free space.
+requested (or says it is a CPU node), that the run directory is writable and has free space,
+and, given the training arguments, the trainer's own input checks as this node sees them
+(``tape_train.train.preflight``: tokenizer, data files, held-out lengths, the job's layout).
 The run directory is `--run-dir`, or `train.run_dir` of the training arguments after `--`.
 Every line starts with `[preflight <node>]` (the node is SLURMD_NODENAME, else the host name)
 so a failure in a multi-node log names its node; any failed check makes the exit code 1.
@@ -108,16 +110,42 @@ def check_free_disk(run_dir: Path, min_free_gb: float) -> CheckResult:
                        f"({'>=' if ok else 'below the'} {min_free_gb:g} GB required)")
 
 
+def check_run_inputs(train_args: list[str], gpus_per_node: int, procs_per_node: int = 1
+                     ) -> CheckResult:
+    """The trainer's own input checks (``tape_train.train.preflight``) as this node sees
+    them: tokenizer, data files, held-out lengths, train.seq_len, the layout of the job."""
+    try:
+        from tape_train.cluster.run_args import parse_train_args
+        from tape_train.config import load_run_config
+        from tape_train.train.preflight import RUN_START_LIMITS, run_preflight
+
+        parsed = parse_train_args(train_args)
+        cfg = load_run_config(parsed.config, parsed.overrides)
+        world = int(os.environ.get("SLURM_NNODES", "1")) * (gpus_per_node or procs_per_node)
+        report = run_preflight(cfg, world_size=world, gpus_per_node=gpus_per_node,
+                               check_resume=False, plan=False, limits=RUN_START_LIMITS)
+    except Exception as exc:  # a broken config or install is this node's finding
+        return CheckResult("run inputs", False, f"{type(exc).__name__}: {exc}")
+    if report.problems:
+        return CheckResult("run inputs", False, " | ".join(report.problems))
+    return CheckResult("run inputs", True, f"config, layout (world {world}), tokenizer and data "
+                       f"readable here")
+
+
 def run_checks(run_dir: Path, gpus_per_node: int, min_free_gb: float,
-               node: str | None = None) -> list[CheckResult]:
+               node: str | None = None, train_args: list[str] | None = None,
+               procs_per_node: int = 1) -> list[CheckResult]:
     node = node or node_name()
-    return [
+    results = [
         check_python(),
         check_imports(),
         check_devices(gpus_per_node),
         check_run_dir_writable(run_dir, node),
         check_free_disk(run_dir, min_free_gb),
     ]
+    if train_args:
+        results.append(check_run_inputs(train_args, gpus_per_node, procs_per_node))
+    return results
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-free-gb", type=float, default=10.0)
     p.add_argument("--run-dir", type=Path, default=None,
                    help="default: train.run_dir from the training arguments after --")
+    p.add_argument("--procs-per-node", type=int, default=1,
+                   help="CPU nodes: trainer processes per node (for the job's layout)")
+    p.add_argument("--train-module", default="tape_train.train.cli",
+                   help="what torchrun will run; the trainer's input checks (tokenizer, data, "
+                        "layout) run only for the trainer")
     p.add_argument("train_args", nargs=argparse.REMAINDER,
                    help="-- --config <yaml> [key=value ...] (the tape-train arguments)")
     return p
@@ -147,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{prefix} FAILED: cannot determine the run directory from the training "
                   f"arguments {train_args}: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
-    results = run_checks(run_dir.resolve(), args.gpus_per_node, args.min_free_gb, node)
+    inputs = train_args if args.train_module == "tape_train.train.cli" else None
+    results = run_checks(run_dir.resolve(), args.gpus_per_node, args.min_free_gb, node, inputs,
+                         args.procs_per_node)
     for r in results:
         print(f"{prefix} {'ok    ' if r.ok else 'FAILED'} {r.name}: {r.detail}",
               file=sys.stdout if r.ok else sys.stderr, flush=True)

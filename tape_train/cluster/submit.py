@@ -7,6 +7,8 @@
 The config and overrides are checked with the project's config loader before anything is
 queued, and passed to tape-train unchanged. `--dry-run` prints the rendered script (with
 `--eval-after` the evaluation script follows after a separator line) and submits nothing.
+Before sbatch, `tape-train --dry-run` runs here for the job's layout (data, tokenizer, resume
+on this node count, memory; `--no-preflight` skips it) and a problem refuses the job (exit 2).
 Otherwise the rendered scripts are kept next to the logs (`<log-dir>/<job-name>.<time>.*.sbatch`),
 the training job is submitted, and its id is printed on stdout (the evaluation job's id on a
 second line with `--eval-after`); progress messages go to stderr.
@@ -90,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra tape-eval argument (repeatable), attached: "
                         "--eval-arg=--max-tokens=8192")
     p.add_argument("--dry-run", action="store_true", help="print the script(s), submit nothing")
+    f = p.add_argument_group("preflight (before sbatch)")
+    f.add_argument("--no-preflight", action="store_true",
+                   help="submit without running `tape-train --dry-run` for the target layout")
+    f.add_argument("--gpu-name", default=None,
+                   help="GPU model of the nodes (e.g. H100) for the memory and time plan when "
+                        "this machine has no such GPU")
     return p
 
 
@@ -109,6 +117,30 @@ def _sbatch(args: list[str]) -> int:
     if not first.isdigit():
         raise RuntimeError(f"sbatch printed no job id: {proc.stdout!r}")
     return int(first)
+
+
+def preflight(args: argparse.Namespace, opts: ClusterOptions, train_args: list[str]) -> int:
+    """`tape-train --dry-run` for the job's layout (nodes x processes per node), here, before
+    sbatch: a bad input or a run that cannot resume on this node count is refused now, not
+    after the job waited in the queue. The plan goes to stderr; 0 if the job may be submitted."""
+    from tape_train.cluster.run_args import parse_train_args
+    from tape_train.config import load_run_config
+    from tape_train.train.preflight import format_report, run_preflight
+
+    parsed = parse_train_args(train_args)
+    cfg = load_run_config(parsed.config, parsed.overrides)
+    report = run_preflight(cfg, world_size=opts.nodes * opts.procs,
+                           gpus_per_node=args.gpus_per_node, resume_from=parsed.resume_from,
+                           allow_config_change=parsed.allow_config_change, gpu_name=args.gpu_name,
+                           ranks_per_node=opts.procs)
+    out, err = format_report(report, prefix="tape-submit")
+    sys.stderr.write(f"tape-submit: preflight for {opts.nodes} node(s) x {opts.procs} "
+                     f"process(es):\n{out}{err}")
+    if report.problems:
+        print(f"tape-submit: preflight found {len(report.problems)} problem(s); nothing was "
+              f"submitted (--no-preflight submits anyway)", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         print("tape-submit: error: sbatch not found on PATH; run on a Slurm login node, or use "
               "--dry-run to print the script", file=sys.stderr)
         return 2
+    if not args.no_preflight and args.train_module == "tape_train.train.cli":
+        code = preflight(args, opts, train_args)
+        if code:
+            return code
     log_dir.mkdir(parents=True, exist_ok=True)  # Slurm does not create the --output directory
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     train_file = log_dir / f"{opts.job_name}.{stamp}.train.sbatch"

@@ -33,11 +33,29 @@ def build_parser() -> argparse.ArgumentParser:
                              "checkpoint's config")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config and exit")
+    dry = parser.add_argument_group(
+        "preflight", "--dry-run checks the config, rank grid, tokenizer, data, held-out "
+        "lengths, run dir and resume, and prints the plan (memory per rank, FLOPs, step "
+        "time), in seconds and without DeepSpeed; exit 1 on any problem")
+    dry.add_argument("--dry-run", action="store_true", help="check and plan, do not train")
+    dry.add_argument("--world-size", type=int, default=None,
+                     help="plan for this many ranks (default: WORLD_SIZE, else "
+                          "nodes x gpus-per-node, else 1)")
+    dry.add_argument("--gpus-per-node", type=int, default=None,
+                     help="plan for CUDA nodes with this many GPUs (0: CPU nodes)")
+    dry.add_argument("--nodes", type=int, default=None,
+                     help="with --gpus-per-node: world size = nodes x gpus-per-node")
+    dry.add_argument("--device-memory-gb", type=float, default=None,
+                     help="memory per device to plan against (default: this machine's)")
+    dry.add_argument("--gpu-name", default=None,
+                     help="GPU model to plan for when this machine has none (e.g. H100)")
+    dry.add_argument("--assume-mfu", type=float, default=None,
+                     help="MFU assumed for the step-time estimate (default 0.4)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # overrides may follow options
     try:
         cfg = load_run_config(args.config, args.overrides)
     except ConfigError as exc:
@@ -46,10 +64,52 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    if args.dry_run:
+        return dry_run(cfg, args)
     from tape_train.train.loop import Trainer
 
     return Trainer(cfg, resume_from=args.resume_from,
                    allow_config_change=args.allow_config_change).run()
+
+
+def dry_run(cfg, args: argparse.Namespace) -> int:
+    """``--dry-run``: the resolved config, then the preflight plan; 1 if anything is wrong."""
+    import os
+
+    from tape_train.train.preflight import (DEFAULT_ASSUMED_MFU, format_report,
+                                            run_preflight)
+
+    world = args.world_size
+    if world is None and args.nodes is not None and args.gpus_per_node:
+        world = args.nodes * args.gpus_per_node
+    if world is None:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 1:
+        print(f"tape-train: --world-size must be >= 1, got {world}", file=sys.stderr)
+        return 1
+    mfu = DEFAULT_ASSUMED_MFU if args.assume_mfu is None else args.assume_mfu
+    if not 0 < mfu <= 1:
+        print(f"tape-train: --assume-mfu must be in (0, 1], got {mfu}", file=sys.stderr)
+        return 1
+    print("# resolved config")
+    print(cfg.to_yaml(), end="")
+    print("# preflight plan")
+    report = run_preflight(cfg, world_size=world, gpus_per_node=args.gpus_per_node,
+                           resume_from=args.resume_from,
+                           allow_config_change=args.allow_config_change,
+                           device_memory_gb=args.device_memory_gb, gpu_name=args.gpu_name,
+                           assumed_mfu=mfu,
+                           ranks_per_node=max(1, world // args.nodes) if args.nodes else None)
+    out, err = format_report(report)
+    sys.stdout.write(out)
+    sys.stdout.flush()
+    sys.stderr.write(err)
+    if report.problems:
+        print(f"tape-train: preflight: {len(report.problems)} problem(s); nothing was started",
+              file=sys.stderr)
+        return 1
+    print("preflight: ok")
+    return 0
 
 
 if __name__ == "__main__":

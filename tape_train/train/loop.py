@@ -31,6 +31,7 @@ from tape_train.train.host_memory import keep_freed_memory
 from tape_train.train.metrics import (MetricsWriter, device_peak_tflops, format_summary,
                                       memory_metrics, setup_logging)
 from tape_train.train.optim import LRSchedule
+from tape_train.train.preflight import PreflightError
 from tape_train.train.run_lock import RunLock, RunLockError
 from tape_train.train.signals import StopRequest
 
@@ -109,6 +110,7 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         self.stop.install()  # early: a SIGTERM during set-up stops at the first step boundary
+        self._preflight()
         from tape_train.parallel import RankGrid
 
         # The rank grid is validated before any process group exists (bad layouts fail here).
@@ -126,6 +128,7 @@ class Trainer:
         # Data is sharded over dp only: every rank of an SP/TP group gets the same batch.
         self.dp_size, self.dp_rank = self.grid.dp_size, self.grid.dp_rank
         restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+        log.info("%s", self._preflight_summary)
         log.info("tape-train: world size %d (%s), device %s, run dir %s, "
                  "SLURM_RESTART_COUNT=%s", self.dist.world_size, self.grid.describe(),
                  self.dist.device, self.run_dir, restarts)
@@ -174,6 +177,24 @@ class Trainer:
             "layout": relayout.current_layout(self.grid),
             "relayout_from": self._relayout.saved if resumed_from and self._relayout else None,
             "code_version": ckpt.code_version()})
+
+    def _preflight(self) -> None:
+        """The dry run's input checks (tokenizer, data, held-out lengths, layout, lengths, run
+        dir) on every rank before any process group or DeepSpeed exists: a bad input costs
+        seconds and one line per problem, not a DeepSpeed start-up and a traceback."""
+        from tape_train.train.preflight import RUN_START_LIMITS, PreflightError, run_preflight
+
+        start = time.perf_counter()
+        report = run_preflight(
+            self.cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            check_data=self.loader_factory is None,
+            check_eval=self.eval_documents_fn is None and self.cfg.eval.enabled,
+            check_resume=False, plan=False, limits=RUN_START_LIMITS)
+        if report.problems:
+            raise PreflightError(report.problems)
+        self._preflight_summary = (f"preflight: inputs checked in "
+                                   f"{time.perf_counter() - start:.1f} s"
+                                   + "".join(f"; warning: {w}" for w in report.warnings))
 
     def _build_loader(self):
         if self.loader_factory is not None:
@@ -544,6 +565,11 @@ class Trainer:
         except (ckpt.CheckpointError, RunLockError, UnmeasuredLengthError,
                 FileWriteError) as exc:
             log.error("%s", exc)
+            code = EXIT_ERROR
+        except PreflightError as exc:
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per node
+                for line in exc.problems:
+                    print(f"tape-train: preflight: error: {line}", file=sys.stderr, flush=True)
             code = EXIT_ERROR
         finally:
             self.close()

@@ -1,0 +1,346 @@
+"""Memory per rank of a training run, estimated before anything is built (``tape-train --dry-run``).
+
+    est = estimate_memory(cfg, world_size=8)
+    est.total_bytes            # what one rank needs at its peak, in bytes
+    est.lines()                # the table printed by the dry run
+
+Model states (bytes per parameter, Ψ_local = parameters a rank holds after tensor parallelism;
+D = dp·sp, DeepSpeed's data-parallel group, over which ZeRO partitions)::
+
+                       ZeRO-0                  ZeRO-1           ZeRO-2          ZeRO-3
+    weights            e                       e                e               e / D
+    gradients          e (+4 fp32 acc. bf16)   e                e / D           e / D
+    fp32 master copy   4 / D (bf16 only)       4 / D            4 / D           4 / D
+    AdamW m, v         8 / D (bf16), 8 (fp32)  8 / D            8 / D           8 / D
+
+with e = 2 (bf16) or 4 (fp32). This follows DeepSpeed 0.19: bf16 without ZeRO runs its
+``BF16_Optimizer`` (fp32 master and moments partitioned like ZeRO-1, a full fp32 gradient
+accumulator); fp32 without ZeRO is the plain optimizer; ZeRO-1/2/3 always keep an fp32 copy
+of their partition (also in fp32, where it duplicates the weights). ZeRO-3 also holds the
+parameters it has gathered for the layer being computed and the next one (prefetch) and
+keeps tensors below ``parallel.zero3_param_persistence_threshold`` whole.
+DeepSpeed's ``estimate_zero3_model_states_mem_needs_all_live`` gives 18·Ψ/D + 4·largest layer
+for bf16 ZeRO-3 (it counts fp32 gradients of the partition); the table above gives 16·Ψ/D + the
+gathered layers.
+
+Activations are not guessed from a formula: the model runs one forward on PyTorch's ``meta``
+device (no memory, no FLOPs: shapes only) at the run's micro-batch, local sequence length
+(seq_len / sp) and dtype, and every tensor autograd saves for the backward is counted once
+(parameters excluded). Tensors inside the attention and MLP blocks are divided by tp (AutoTP
+splits heads and the MLP width); the residual stream, norms, TAPE's positional state and the
+logits are not. With activation checkpointing a layer keeps only its inputs (hidden state and
+TAPE's state E⁰, E¹), plus one layer's activations while it is recomputed. The backward adds a
+transient of about two of the largest saved tensors (a gradient and its temporary). Measured
+against real runs in docs/training.md ("Preflight"): ``benchmarks/memory_estimate.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+GIB = 2**30
+# Resident memory of a training process once Python, torch, DeepSpeed and the process group
+# are up, before the run builds anything (measured: 0.25 GiB, docs/training.md). CPU only: on
+# CUDA the CUDA context takes device memory instead.
+CPU_RUNTIME_BYTES = int(0.25 * GIB)
+CUDA_CONTEXT_BYTES = int(0.5 * GIB)
+# What a CPU process grows by during set-up and the first steps beyond the run's tensors:
+# thread pools, gloo buffers, DeepSpeed's engine (measured on `tiny`, where the model is small).
+CPU_STARTUP_GROWTH_BYTES = int(0.3 * GIB)
+# DeepSpeed's working copies on CPU beyond the table (the flattened copy of the weights while
+# it partitions them, the flattened gradient partition of the step, AdamW's temporaries over a
+# flat partition), retained by glibc with train.keep_freed_memory: in fp32 copies of the
+# rank's parameters, fitted to the measured peaks of `125m` on one rank (docs/training.md).
+# ZeRO-2 is taken as ZeRO-1 (not measured). Unpartitioned: measured so at dp=2 (125m, ZeRO-3),
+# an upper bound for larger dp·sp.
+CPU_DEEPSPEED_COPIES = {0: 0.55, 1: 4.15, 2: 4.15, 3: 6.6}
+
+
+@dataclass
+class ActivationTrace:
+    """Bytes autograd saves for the backward in one micro-batch, per rank (already divided by
+    tp where the tensor is split)."""
+
+    saved: int                 # everything, without activation checkpointing
+    layer_inputs: int          # Σ over layers of the layer's inputs (the checkpointed form)
+    largest_layer: int         # the largest one layer's saved activations
+    outside_layers: int        # embedding, final norm, logits and loss
+    positional: int            # part of ``saved`` that is TAPE's state and its updates
+    largest_tensor: int        # the largest single saved tensor
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per rank at the peak of a training step. ``parts`` in order of the table."""
+
+    parts: dict[str, int]
+    activations_no_ckpt: int
+    activations_ckpt: int
+    checkpointing: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.parts.values())
+
+    def lines(self) -> list[str]:
+        out = [f"  {name:<42} {value / GIB:9.3f} GiB" for name, value in self.parts.items()]
+        out.append(f"  {'total per rank':<42} {self.total_bytes / GIB:9.3f} GiB")
+        other = self.activations_no_ckpt if self.checkpointing else self.activations_ckpt
+        mine = self.activations_ckpt if self.checkpointing else self.activations_no_ckpt
+        out.append(f"  (activations {'with' if self.checkpointing else 'without'} activation "
+                   f"checkpointing as configured: {mine / GIB:.3f} GiB; "
+                   f"{'without' if self.checkpointing else 'with'}: {other / GIB:.3f} GiB)")
+        return out + [f"  note: {n}" for n in self.notes]
+
+
+def dtype_of(cfg):
+    """The torch dtype training runs in. The one place the config's dtype is read for the
+    plan (a resolved ``auto`` dtype plugs in here)."""
+    import torch
+
+    return torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
+
+
+DENSE_BIAS_ENCODINGS = ("alibi", "t5", "fire")
+
+
+def _memory_efficient_core():
+    """An attention core that saves what flash, Triton and the blocked CPU kernel save for the
+    backward (q, k, v, the output and the fp32 log-sum-exp), on the meta device in O(1): the
+    real kernels' loops over blocks would make tracing long sequences slow."""
+    import torch
+
+    class _Core(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out = q.new_empty(*q.shape[:-1], v.shape[-1])
+            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):  # never run: the trace does no backward
+            raise NotImplementedError
+
+    class Core(torch.nn.Module):
+        def forward(self, q, k, v, *, backend=None, bias=None, alibi_slopes=None):
+            return _Core.apply(q, k, v)
+
+    return Core()
+
+
+def trace_activations(model_cfg, micro_batch: int, seq_len: int, dtype, tp: int = 1
+                      ) -> ActivationTrace:
+    """Run the model on the meta device and count what autograd saves (see module doc).
+
+    ``seq_len`` is the rank's local length (train.seq_len / sp).
+    """
+    import torch
+
+    from tape_train.model import TransformerLM
+
+    with torch.device("meta"):
+        model = TransformerLM(model_cfg).to(dtype)
+    if model_cfg.pe not in DENSE_BIAS_ENCODINGS:  # those keep SDPA with an N×N bias
+        for layer in model.layers:
+            layer.attn.core = _memory_efficient_core()
+    params = {id(p) for p in model.parameters()}
+    stack: list[str] = []
+    seen: dict[int, object] = {}
+    per_layer: dict[int, int] = {}
+    totals = {"saved": 0, "outside": 0, "positional": 0, "largest": 0}
+    layer_inputs = [0]
+
+    def push(name):
+        return lambda module, args: stack.append(name)
+
+    def pop(module, args, output):
+        stack.pop()
+
+    def layer_input(module, args):
+        layer_inputs[0] += sum(_nbytes(t) for t in _tensors(args))
+
+    hooks = []
+    for name, module in model.named_modules():
+        if name:
+            hooks.append(module.register_forward_pre_hook(push(name)))
+            hooks.append(module.register_forward_hook(pop))
+    for layer in model.layers:
+        hooks.append(layer.register_forward_pre_hook(layer_input))
+
+    def pack(t):
+        base = t._base if t._base is not None else t
+        if id(base) in params or id(base) in seen:
+            return t
+        seen[id(base)] = base  # keep it alive: ids stay unique
+        n = _nbytes(base)
+        where = stack[-1] if stack else ""
+        if _split_by_tp(where):
+            n //= tp
+        totals["saved"] += n
+        totals["largest"] = max(totals["largest"], n)
+        if "pos_update" in where or where.startswith("pe"):
+            totals["positional"] += n
+        parts = where.split(".")
+        if len(parts) > 1 and parts[0] == "layers":
+            per_layer[int(parts[1])] = per_layer.get(int(parts[1]), 0) + n
+        else:
+            totals["outside"] += n
+        return t
+
+    ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(ids, labels=ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return ActivationTrace(saved=totals["saved"], layer_inputs=layer_inputs[0],
+                           largest_layer=max(per_layer.values(), default=0),
+                           outside_layers=totals["outside"], positional=totals["positional"],
+                           largest_tensor=totals["largest"])
+
+
+def _split_by_tp(module_path: str) -> bool:
+    """Saved inside attention or MLP, except the replicated inputs of the column-parallel
+    projections (q, k, v, gate, up save their C-wide input)."""
+    if ".attn" not in module_path and ".mlp" not in module_path:
+        return False
+    return not module_path.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+
+
+def _tensors(obj):
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def parameter_split(model_cfg, tp: int, persistence_threshold: int) -> dict[str, int]:
+    """Parameter counts one rank holds: ``local`` (after AutoTP's split, the patterns of
+    ``tape_train.parallel.tensor``), ``largest_layer`` (one decoder layer, local) and
+    ``persistent`` (ZeRO-3 keeps tensors below the threshold whole)."""
+    import torch
+
+    from tape_train.model import TransformerLM
+    from tape_train.parallel.tensor import partition_dim
+
+    with torch.device("meta"):
+        model = TransformerLM(model_cfg)
+    local = persistent = 0
+    layers: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        n = p.numel() // tp if partition_dim(name) is not None else p.numel()
+        local += n
+        if n < persistence_threshold:
+            persistent += n
+        parts = name.split(".")
+        if parts[0] == "layers":
+            layers[parts[1]] = layers.get(parts[1], 0) + n
+    largest = max([*layers.values(), model.embed.weight.numel(), model.lm_head.weight.numel()])
+    return {"local": local, "largest_layer": largest, "persistent": persistent}
+
+
+def model_state_bytes(n_params: int, stage: int, bf16: bool, partitions: int) -> dict[str, int]:
+    """Weights, gradients, fp32 master copy and AdamW moments per rank (the module table)."""
+    e, d = (2 if bf16 else 4), partitions
+    weights = n_params * e // (d if stage == 3 else 1)
+    grads = n_params * e // (d if stage >= 2 else 1)
+    if stage == 0 and bf16:
+        grads += n_params * 4  # BF16_Optimizer's fp32 gradient accumulator
+    master = n_params * 4 // d if (bf16 or stage >= 1) else 0
+    adam = n_params * 8 // (d if (bf16 or stage >= 1) else 1)
+    return {"weights": weights, "gradients": grads, "master": master, "adam": adam}
+
+
+def estimate_memory(cfg, world_size: int, *, device_type: str = "cpu") -> MemoryEstimate:
+    """Per-rank peak of ``cfg`` on ``world_size`` ranks (dp inferred as in ``RankGrid``)."""
+    sp, tp, stage = cfg.parallel.sp, cfg.parallel.tp, cfg.parallel.zero_stage
+    dp = world_size // (sp * tp)
+    partitions = dp * sp
+    dtype = dtype_of(cfg)
+    bf16 = cfg.train.dtype == "bf16"
+    counts = parameter_split(cfg.model, tp, cfg.parallel.zero3_param_persistence_threshold)
+    states = model_state_bytes(counts["local"], stage, bf16, partitions)
+    e = 2 if bf16 else 4
+    parts = {
+        f"weights ({'bf16' if bf16 else 'fp32'}{', /' + str(partitions) if stage == 3 else ''})":
+            states["weights"],
+        f"gradients{' (/' + str(partitions) + ')' if stage >= 2 else ''}": states["gradients"],
+        "fp32 master weights": states["master"],
+        "AdamW moments (fp32 m, v)": states["adam"],
+    }
+    notes = []
+    if stage == 3 and partitions > 1:
+        parts["ZeRO-3 gathered + persistent"] = (2 * counts["largest_layer"]
+                                                 + counts["persistent"]) * e
+    trace = trace_activations(cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len // sp,
+                              dtype, tp)
+    no_ckpt = trace.saved
+    ckpt = trace.layer_inputs + trace.largest_layer + trace.outside_layers
+    checkpointing = cfg.train.activation_checkpointing
+    parts["activations"] = (ckpt if checkpointing else no_ckpt) - trace.positional
+    parts["TAPE positional state" if cfg.model.pe == "tape" else "positional encoding"] = \
+        trace.positional
+    parts["backward transient"] = 2 * trace.largest_tensor
+    if device_type == "cpu":
+        parts["DeepSpeed working copies (CPU, measured)"] = int(
+            CPU_DEEPSPEED_COPIES[stage] * 4 * counts["local"])
+        parts["set-up growth (threads, gloo, engine)"] = CPU_STARTUP_GROWTH_BYTES
+        parts["runtime (Python, torch, DeepSpeed)"] = CPU_RUNTIME_BYTES
+    else:
+        parts["CUDA context"] = CUDA_CONTEXT_BYTES
+        notes.append("on CUDA the estimate is the table above plus activations; DeepSpeed's "
+                     "working buffers and allocator fragmentation are not included (not "
+                     "measured on a GPU yet)")
+    if checkpointing and cfg.model.pe == "tape":
+        notes.append("with checkpointing TAPE's positional state is part of each layer's "
+                     "saved input")
+    return MemoryEstimate(parts, no_ckpt, ckpt, checkpointing, notes)
+
+
+# ------------------------------------------------------------------------------------------------
+# What the device has
+# ------------------------------------------------------------------------------------------------
+
+# Memory per GPU (GiB as sold) by substring of the device name; used when planning for CUDA
+# from a machine without that GPU (``--device-memory-gb`` overrides).
+_GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100-SXM4-80GB": 80, "A100 80GB": 80,
+                   "A100": 40, "L40S": 48, "A6000": 48, "V100": 32}
+
+
+def device_memory(device_type: str, gpu_name: str | None = None) -> tuple[int | None, str]:
+    """Bytes a rank may use and where the number came from.
+
+    CPU: the machine's available RAM (``MemAvailable``) for all ranks of this node together.
+    CUDA: the visible device's total memory, else the table by ``gpu_name``; ``None`` if
+    unknown.
+    """
+    if device_type == "cpu":
+        try:
+            with open("/proc/meminfo") as fh:
+                for line in fh:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024, "available RAM (/proc/meminfo)"
+        except OSError:
+            pass
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical RAM"
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, f"{props.name}, total memory"
+    if gpu_name:
+        for key, gib in _GPU_MEMORY_GIB.items():
+            if key.lower() in gpu_name.lower():
+                return gib * 10**9, f"table ({key})"
+    return None, "no CUDA device here: pass --device-memory-gb to compare"

@@ -1,0 +1,478 @@
+"""Preflight: everything a run needs, checked in seconds without DeepSpeed or a process group.
+
+``tape-train --dry-run`` prints the whole plan; ``Trainer.setup`` runs the same input checks
+before it starts DeepSpeed; ``tape-submit`` and the Slurm per-node start-up run it for the
+target layout. ::
+
+    report = run_preflight(cfg, world_size=16, gpus_per_node=8)
+    report.problems      # one line each, naming the key, file or value at fault
+    report.lines         # the plan: config, rank grid, data, held-out lengths, run dir,
+                         # resume, memory per rank, FLOPs and estimated step time
+
+Checks: train.seq_len <= model.max_seq_len; the rank grid (``RankGrid.from_sizes`` +
+``check_model``); the tokenizer loads and fits model.vocab_size; every data source resolves,
+each of its files (up to ``max_shards``) opens and its first documents read and tokenise;
+held-out documents are long enough for every evaluation length (counted over the documents
+the evaluation will score, ``eval.max_tokens``); the run directory is writable with room for
+``checkpoint.keep`` + 1 checkpoints; a resume's layout and batch (``relayout``); the memory
+estimate (``tape_train.train.memory``) against the device; FLOPs per token
+(``tape_train.model.flops``) and an estimated step time at an assumed MFU.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GIB = 2**30
+DEFAULT_ASSUMED_MFU = 0.4
+
+
+class PreflightError(RuntimeError):
+    """The run cannot start; ``problems`` holds one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+@dataclass
+class Report:
+    lines: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def info(self, line: str) -> None:
+        self.lines.append(line)
+
+    def problem(self, line: str) -> None:
+        self.problems.append(line)
+
+    def warn(self, line: str) -> None:
+        self.warnings.append(line)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How much of the data a preflight reads: the dry run reads more than a run's start."""
+
+    max_shards: int = 256          # files checked per source
+    docs_per_shard: int = 4        # documents read and tokenised per file
+    eval_seconds: float = 20.0     # time budget for counting held-out document lengths
+
+
+RUN_START_LIMITS = Limits(max_shards=16, docs_per_shard=2, eval_seconds=5.0)
+
+
+def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
+                  resume_from: str | Path | None = None, allow_config_change: bool = False,
+                  check_data: bool = True, check_eval: bool = True, check_resume: bool = True,
+                  plan: bool = True, device_memory_gb: float | None = None,
+                  gpu_name: str | None = None, assumed_mfu: float = DEFAULT_ASSUMED_MFU,
+                  ranks_per_node: int | None = None, limits: Limits = Limits()) -> Report:
+    """All checks; ``plan=False`` leaves out the memory estimate and the step-time plan.
+
+    ``gpus_per_node``: plan for CUDA nodes with that many GPUs (0: CPU nodes); ``None`` plans
+    for this machine. ``ranks_per_node``: CPU ranks sharing one node's RAM (default: the GPUs
+    per node, else the whole world on this machine)."""
+    report = Report()
+    grid = _check_grid(cfg, world_size, report)
+    lengths_ok = _check_lengths(cfg, report)
+    synthetic = cfg.train.synthetic_data
+    tokenizer = None
+    if synthetic:
+        report.info("data: synthetic tokens (train.synthetic_data): no corpus or tokenizer")
+    elif check_data or check_eval:
+        tokenizer = _check_tokenizer(cfg, report)
+    sources_ok = True
+    if check_data and not synthetic:
+        before = len(report.problems)
+        _check_sources(cfg, tokenizer, report, limits)
+        sources_ok = len(report.problems) == before
+    # Held-out documents come from the sources too: a bad source is reported once, above.
+    if check_eval and not synthetic and tokenizer is not None and sources_ok:
+        _check_held_out(cfg, tokenizer, report, limits)
+    _check_run_dir(cfg, report)
+    if check_resume and grid is not None:
+        _check_resume(cfg, grid, resume_from, allow_config_change, report)
+    if plan and (grid is None or not lengths_ok):
+        report.info("memory and time plan: skipped until the layout and train.seq_len are valid")
+    elif plan:
+        device_type = _target_device(cfg, gpus_per_node)
+        if ranks_per_node is None:
+            ranks_per_node = gpus_per_node or (1 if device_type == "cuda" else world_size)
+        _plan_memory(cfg, world_size, device_type, ranks_per_node, device_memory_gb, gpu_name,
+                     report)
+        _plan_time(cfg, grid, device_type, gpu_name, assumed_mfu, report)
+    return report
+
+
+# ------------------------------------------------------------------------------------------------
+# Config-level checks
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_grid(cfg, world_size: int, report: Report):
+    from tape_train.parallel import RankGrid
+
+    p = cfg.parallel
+    try:
+        grid = RankGrid.from_sizes(world_size, dp=p.dp, sp=p.sp, tp=p.tp, rank=0)
+        grid.check_model(cfg.model)
+    except ValueError as exc:
+        report.problem(f"parallel layout: {exc}")
+        return None
+    report.info(f"rank grid: world={world_size} dp={grid.dp} sp={grid.sp} tp={grid.tp}; "
+                f"ZeRO-{p.zero_stage} partitions over dp×sp={grid.dp * grid.sp}; global batch "
+                f"{global_batch(cfg, grid.dp)} sequences × {cfg.train.seq_len} tokens")
+    return grid
+
+
+def global_batch(cfg, dp: int) -> int:
+    return cfg.train.micro_batch_size * cfg.train.grad_accum_steps * dp
+
+
+def _check_lengths(cfg, report: Report) -> bool:
+    n, limit = cfg.train.seq_len, cfg.model.max_seq_len
+    if n > limit:
+        report.problem(f"train.seq_len={n} exceeds model.max_seq_len={limit}: train at most "
+                       f"{limit} tokens per sequence, or raise model.max_seq_len (evaluation "
+                       f"may go longer; training may not)")
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
+# Tokenizer and data
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_tokenizer(cfg, report: Report):
+    from tape_train.data import TokenizerError, load_tokenizer
+
+    try:
+        tok = load_tokenizer(cfg.data.tokenizer)
+    except TokenizerError as exc:
+        report.problem(f"data.tokenizer: {exc}")
+        return None
+    vocab = cfg.model.vocab_size
+    if tok.vocab_size > vocab:
+        report.problem(f"data.tokenizer: {cfg.data.tokenizer} has {tok.vocab_size} tokens but "
+                       f"model.vocab_size is {vocab}: token ids >= {vocab} would index past the "
+                       f"embedding; use the model's tokenizer or set model.vocab_size="
+                       f"{tok.vocab_size}")
+    else:
+        report.info(f"tokenizer: {cfg.data.tokenizer}: {tok.vocab_size} tokens "
+                    f"(model.vocab_size {vocab})")
+        if tok.vocab_size < vocab // 2:
+            report.warn(f"data.tokenizer: {tok.vocab_size} tokens fill less than half of "
+                        f"model.vocab_size={vocab}")
+    return tok
+
+
+def _check_sources(cfg, tokenizer, report: Report, limits: Limits) -> None:
+    from tape_train.data import DataError
+    from tape_train.data.formats import SkipLog, hub_shards, read_documents, resolve_local_shards
+
+    for source in cfg.data.sources:
+        key = source.key
+        skips = SkipLog()
+        try:
+            if source.hub is not None:
+                dataset, shards = hub_shards(source)
+            else:
+                dataset, shards = None, resolve_local_shards(source, split="train")
+        except DataError as exc:
+            report.problem(str(exc) if str(exc).startswith(key) else f"{key}: {exc}")
+            continue
+        checked = shards[:limits.max_shards]
+        docs = tokens = 0
+        empty = []
+        for shard in checked:
+            found = 0
+            try:
+                for _, text in read_documents(shard, 0, source.text_field,
+                                              cfg.data.skip_bad_records, skips, dataset):
+                    if tokenizer is not None:
+                        tokens += len(tokenizer.encode(text))
+                    found += 1
+                    if found >= limits.docs_per_shard:
+                        break
+            except DataError as exc:
+                report.problem(f"{key}: {exc}")
+                break
+            except Exception as exc:  # noqa: BLE001 - a reader library's own error
+                report.problem(f"{key}: {shard.path}: cannot read ({type(exc).__name__}: {exc})")
+                break
+            if not found:
+                empty.append(shard.path)
+            docs += found
+        else:
+            if not docs:
+                what = ", ".join(empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3
+                                               else "")
+                skipped = f"; skipped: {dict(skips.counts)}" if skips.counts else ""
+                report.problem(f"{key}: no usable documents in {what} (empty file or only "
+                               f"blank/skipped records){skipped}")
+                continue
+            more = f" (first {len(checked)} of {len(shards)} files checked)" \
+                if len(shards) > len(checked) else ""
+            report.info(f"{key}: {source.name}: {len(shards)} file(s){more}, first {docs} "
+                        f"document(s) read and tokenised ({tokens} tokens)")
+            if empty:
+                report.warn(f"{key}: {len(empty)} file(s) without usable documents, e.g. "
+                            f"{empty[0]} (skipped during training)")
+
+
+def _check_held_out(cfg, tokenizer, report: Report, limits: Limits) -> None:
+    """Held-out document lengths over the documents the evaluation will score."""
+    from tape_train.data import DataError, iter_eval_documents
+
+    if not cfg.eval.enabled:
+        report.info("held-out documents: not checked (scheduled evaluation is off, "
+                    "eval.interval=0)")
+        return
+    lengths = cfg.eval.resolve_lengths(cfg.train.seq_len)
+    counts = dict.fromkeys(lengths, 0)
+    budget = cfg.eval.max_tokens
+    docs = predictions = longest = 0
+    complete = True
+    start = time.monotonic()
+    try:
+        for ids, _ in iter_eval_documents(cfg.data, tokenizer):
+            docs += 1
+            p = len(ids) - 1
+            predictions += max(p, 0)
+            longest = max(longest, p)
+            for length in lengths:
+                counts[length] += p >= length
+            if budget is not None and predictions >= budget:
+                break
+            if time.monotonic() - start > limits.eval_seconds:
+                complete = False
+                break
+    except DataError as exc:
+        report.problem(f"eval: held-out documents: {exc}")
+        return
+    if docs == 0:
+        report.problem("eval: no held-out document (data.eval_sources, data.eval_fraction, "
+                       "data.eval_min_tokens leave none) although eval.interval > 0")
+        return
+    scope = (f"the {docs} documents eval.max_tokens={budget} scores" if complete and budget
+             else f"{docs} documents ({'all' if complete else 'scanned in the time budget'})")
+    report.info("held-out documents with at least L predictions, over " + scope + ": "
+                + ", ".join(f"L={length}: {counts[length]}" for length in lengths))
+    for length in lengths:
+        if counts[length] == 0:
+            line = (f"eval.lengths: no held-out document is longer than L={length} tokens "
+                    f"(the longest has {longest} predictions); that length would only "
+                    f"measure shorter contexts: drop it, or use "
+                    f"longer held-out documents (data.eval_sources, data.eval_min_tokens)")
+            (report.problem if complete else report.warn)(line)
+
+
+# ------------------------------------------------------------------------------------------------
+# Run directory and resume
+# ------------------------------------------------------------------------------------------------
+
+
+def checkpoint_bytes(cfg) -> int:
+    """One checkpoint on disk: weights in the training dtype, fp32 master weights and AdamW
+    moments (DeepSpeed keeps the fp32 copy also in fp32 runs, ZeRO-1/2/3), summed over ranks."""
+    from tape_train.model.flops import count_parameters
+
+    n = count_parameters(cfg.model)["total"]
+    weight_bytes = 2 if cfg.train.dtype == "bf16" else 4
+    master = 4 if (cfg.train.dtype == "bf16" or cfg.parallel.zero_stage >= 1) else 0
+    return n * (weight_bytes + master + 8)
+
+
+def _check_run_dir(cfg, report: Report) -> None:
+    run_dir = Path(cfg.train.run_dir)
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if run_dir.exists() and not run_dir.is_dir():
+        report.problem(f"train.run_dir={run_dir}: exists and is not a directory")
+        return
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".preflight-"):
+            pass
+    except OSError as exc:
+        report.problem(f"train.run_dir={run_dir}: not writable ({existing}: "
+                       f"{exc.strerror or exc})")
+        return
+    keep = cfg.checkpoint.keep
+    one = checkpoint_bytes(cfg)
+    need = one * (keep + 1)  # the next checkpoint is written before the oldest is deleted
+    free = shutil.disk_usage(existing).free
+    line = (f"run dir {run_dir}: writable; {free / GIB:.1f} GiB free, {keep}+1 checkpoints "
+            f"of ~{one / GIB:.2f} GiB need {need / GIB:.2f} GiB")
+    if free < need:
+        report.problem(f"train.run_dir={run_dir}: {free / GIB:.2f} GiB free, checkpoint.keep="
+                       f"{keep} (+1 being written) checkpoints of ~{one / GIB:.2f} GiB need "
+                       f"{need / GIB:.2f} GiB")
+    else:
+        report.info(line)
+
+
+def _check_resume(cfg, grid, resume_from, allow_config_change: bool, report: Report) -> None:
+    from tape_train.config import diff_configs
+    from tape_train.train import checkpoint as ckpt
+    from tape_train.train import relayout
+
+    try:
+        tag = (ckpt.resolve_checkpoint(resume_from) if resume_from is not None
+               else ckpt.find_latest_complete(cfg.train.run_dir, warn=False))
+    except ckpt.CheckpointError as exc:
+        report.problem(f"--resume-from: {exc}")
+        return
+    if tag is None:
+        report.info("resume: no complete checkpoint in the run dir: a new run starts at step 0")
+        return
+    try:
+        marker = ckpt.read_marker(tag)
+    except (OSError, ValueError) as exc:
+        report.problem(f"resume: {tag}: unreadable marker ({exc})")
+        return
+    moved = relayout.plan(marker, cfg, grid)
+    route = moved.describe() if moved else "same layout, direct load"
+    report.info(f"resume: {tag} (step {marker.get('step')}, {marker.get('tokens_seen')} tokens; "
+                f"{route})")
+    found = relayout.problems(marker, cfg, grid)
+    from tape_train.train.loop import protected_differences
+
+    protected = [k for k in protected_differences(diff_configs(marker.get("config", {}),
+                                                               cfg.to_dict()))
+                 if not k.startswith(relayout.LAYOUT_KEYS)]
+    if protected:
+        found.append(f"these config changes would corrupt the run: {', '.join(protected)}")
+    for line in found:
+        if allow_config_change:
+            report.warn(f"resume: {line} (allowed by --allow-config-change)")
+        else:
+            report.problem(f"resume from {tag}: {line}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Plan: memory and time
+# ------------------------------------------------------------------------------------------------
+
+
+def _target_device(cfg, gpus_per_node: int | None) -> str:
+    if gpus_per_node is not None:
+        return "cuda" if gpus_per_node > 0 else "cpu"
+    if cfg.train.device != "auto":
+        return cfg.train.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _plan_memory(cfg, world_size: int, device_type: str, ranks_per_node: int,
+                 device_memory_gb: float | None, gpu_name: str | None, report: Report) -> None:
+    from tape_train.train.memory import device_memory, estimate_memory
+
+    est = estimate_memory(cfg, world_size, device_type=device_type)
+    report.info(f"memory per rank (ZeRO-{cfg.parallel.zero_stage}, tp={cfg.parallel.tp}, "
+                f"sp={cfg.parallel.sp}, micro-batch {cfg.train.micro_batch_size}, seq_len "
+                f"{cfg.train.seq_len}, {cfg.train.dtype}, {device_type}):")
+    report.lines.extend(est.lines())
+    if device_memory_gb is not None:
+        have, source = int(device_memory_gb * 10**9), "--device-memory-gb"
+    else:
+        have, source = device_memory(device_type, gpu_name)
+    if have is None:
+        report.info(f"device memory: unknown ({source})")
+        return
+    need = est.total_bytes * (ranks_per_node if device_type == "cpu" else 1)
+    who = (f"{ranks_per_node} rank(s) on this node need" if device_type == "cpu"
+           else "one rank needs")
+    line = (f"memory: {who} ~{need / GIB:.2f} GiB of {have / GIB:.2f} GiB ({source})")
+    if need > have:
+        hint = ("turn on train.activation_checkpointing, " if not
+                cfg.train.activation_checkpointing else "")
+        report.problem(f"{line}: does not fit; {hint}lower train.micro_batch_size, raise "
+                       f"parallel.zero_stage or use more ranks")
+    else:
+        report.info(line)
+        if need > 0.9 * have:
+            report.warn(f"{line}: above 90 % of the device")
+
+
+def planning_peak_tflops(cfg, device_type: str, gpu_name: str | None = None
+                         ) -> tuple[float | None, str]:
+    """Peak TFLOP/s per rank for the time plan: ``logging.peak_tflops``, else the GPU table,
+    else a short GEMM measurement on this CPU. The one place the plan gets its peak."""
+    import torch
+
+    from tape_train.train.memory import dtype_of
+    from tape_train.train.metrics import _GPU_PEAK_BF16_TFLOPS, measure_gemm_peak_tflops
+
+    if cfg.logging.peak_tflops is not None:
+        return cfg.logging.peak_tflops, "logging.peak_tflops"
+    dtype = dtype_of(cfg)
+    if device_type == "cuda":
+        name = gpu_name or (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+        for key, peak in _GPU_PEAK_BF16_TFLOPS.items():
+            if key in name:
+                return (peak if dtype == torch.bfloat16 else peak / 2), f"table ({key})"
+        return None, "unknown GPU: set logging.peak_tflops"
+    return measure_gemm_peak_tflops(dtype, size=512, repeats=3), (
+        f"measured {str(dtype).replace('torch.', '')} GEMM on this CPU, "
+        f"{torch.get_num_threads()} threads")
+
+
+def _plan_time(cfg, grid, device_type: str, gpu_name: str | None, mfu: float,
+               report: Report) -> None:
+    from tape_train.model.flops import count_parameters, training_flops_per_token
+
+    n = cfg.train.seq_len
+    per_token = training_flops_per_token(cfg.model, n)
+    params = count_parameters(cfg.model)["total"]
+    tokens = global_batch(cfg, grid.dp) * n
+    report.info(f"model: {params / 1e6:.2f}M parameters; {per_token / 1e9:.3f} GFLOP per token "
+                f"(training, N={n}); {tokens} tokens per step")
+    peak, source = planning_peak_tflops(cfg, device_type, gpu_name)
+    if not peak:
+        report.info(f"time: no device peak ({source})")
+        return
+    step = tokens * per_token / (peak * 1e12 * grid.world_size * mfu)
+    total = step * cfg.train.max_steps
+    report.info(f"time: peak {peak:.3g} TFLOP/s per rank ({source}); at an assumed MFU of "
+                f"{mfu:.0%}: ~{step:.3g} s per step, ~{_duration(total)} for train.max_steps="
+                f"{cfg.train.max_steps} ({_count(cfg.train.max_steps * tokens)} tokens)")
+
+
+def _count(n: float) -> str:
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def format_report(report: Report, prefix: str = "tape-train") -> tuple[str, str]:
+    """(stdout text: the plan, stderr text: warnings and problems, one line each)."""
+    out = "\n".join(report.lines) + "\n"
+    err = "".join(f"{prefix}: preflight: warning: {w}\n" for w in report.warnings)
+    err += "".join(f"{prefix}: preflight: error: {p}\n" for p in report.problems)
+    return out, err
+
+
+def local_world() -> tuple[int, int]:
+    """(world size, rank) from torchrun's environment (1, 0 for a plain process)."""
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))

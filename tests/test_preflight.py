@@ -1,0 +1,212 @@
+"""`tape-train --dry-run` and the same checks at the start of a real run and in tape-submit.
+
+Every bad input of the issue is provoked for real (an empty file, garbage bytes, a record
+without the text field, a missing tokenizer, a tokenizer larger than the model's vocabulary, a
+missing data path, train.seq_len beyond model.max_seq_len, held-out documents shorter than an
+evaluation length, a run dir under a regular file, an impossible layout, a resume that changes
+the global batch) and must give exit code 1 and one line naming the key, file or value. The
+good config passing is the negative control. A stand-in ``deepspeed`` package that fails on
+import proves that neither the dry run nor a refused real run reaches DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tape_train.cluster import submit
+from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+from tape_train.train import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_DEEPSPEED = "deepspeed must not be imported here"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Real text (jsonl), a 800-token tokenizer, bad files, and a `deepspeed` that fails."""
+    d = tmp_path_factory.mktemp("preflight")
+    write_jsonl(d / "good.jsonl", real_text_documents(120))
+    tok = train_small_tokenizer(d / "tok")
+    (d / "empty.jsonl").write_bytes(b"")
+    (d / "garbage.jsonl").write_bytes(b'{"text": "fine"}\n\xff\xfe\x00garbage\x81\n')
+    (d / "nofield.jsonl").write_text(json.dumps({"body": "no text field here"}) + "\n")
+    (d / "afile").write_text("not a directory")
+    fake = d / "fake_site" / "deepspeed"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(f"raise ImportError({NO_DEEPSPEED!r})\n")
+    config = d / "run.yaml"
+    config.write_text(f"""\
+model: {{base: tiny, vocab_size: 800}}
+data:
+  sources: [{d / 'good.jsonl'}]
+  tokenizer: {tok.path}
+  eval_fraction: 0.2
+train: {{run_dir: {d / 'run'}, seq_len: 64, micro_batch_size: 2, max_steps: 4, dtype: fp32,
+        device: cpu}}
+parallel: {{zero_stage: 1}}
+eval: {{interval: 2, lengths: [32, 64], protocols: [nonoverlap], max_tokens: 2048}}
+logging: {{tensorboard: false, progress_bar: false, peak_tflops: 1.0}}
+""")
+    return d
+
+
+def dry_run(args: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(args)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def error_lines(err: str) -> list[str]:
+    return [ln for ln in err.splitlines() if ": preflight: error: " in ln]
+
+
+def test_good_config_passes_and_prints_the_plan(corpus):
+    rc, out, err = dry_run(["--config", str(corpus / "run.yaml"), "--dry-run"])
+    assert rc == 0, err
+    assert not error_lines(err)
+    for part in ("# resolved config", "rank grid: world=1 dp=1 sp=1 tp=1",
+                 "tokenizer: ", "800 tokens", "data.sources[0]: ", "document(s) read and tokenised",
+                 "held-out documents with at least L predictions", "L=32: ", "L=64: ",
+                 "writable", "checkpoints of ~", "resume: no complete checkpoint",
+                 "memory per rank", "AdamW moments", "activations", "TAPE positional state",
+                 "total per rank", "GFLOP per token", "s per step", "preflight: ok"):
+        assert part in out, part
+
+
+BAD_INPUTS = {
+    "empty file": (["data.sources=[{d}/empty.jsonl]"], "data.sources[0]: no usable documents in "
+                   "{d}/empty.jsonl"),
+    "garbage bytes": (["data.sources=[{d}/garbage.jsonl]"], "{d}/garbage.jsonl:2: invalid UTF-8"),
+    "missing field": (["data.sources=[{d}/nofield.jsonl]"],
+                      "{d}/nofield.jsonl:1: missing text field: record has no field 'text'"),
+    "missing tokenizer": (["data.tokenizer={d}/none.model"],
+                          "data.tokenizer: tokenizer {d}/none.model: no such file"),
+    "vocab mismatch": (["model.vocab_size=400"], "has 800 tokens but model.vocab_size is 400"),
+    "missing data path": (["data.sources=[{d}/missing.jsonl]"],
+                          "data.sources[0].path: no such file or directory '{d}/missing.jsonl'"),
+    "seq_len > max_seq_len": (["train.seq_len=100000"],
+                              "train.seq_len=100000 exceeds model.max_seq_len=256"),
+    "short held-out documents": (["eval.lengths=[64,100000]"],
+                                 "eval.lengths: no held-out document is longer than L=100000"),
+    "unwritable run dir": (["train.run_dir={d}/afile/run"],
+                           "train.run_dir={d}/afile/run: not writable"),
+    "bad layout": (["parallel.tp=2", "--world-size", "3"],
+                   "parallel layout: world size 3 is not divisible by parallel.sp × parallel.tp"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_each_bad_input_is_one_line_and_exit_1(corpus, name):
+    overrides, expected = BAD_INPUTS[name]
+    args = [a.format(d=corpus) for a in overrides]
+    rc, out, err = dry_run(["--config", str(corpus / "run.yaml"), "--dry-run", *args])
+    assert rc == 1
+    lines = error_lines(err)
+    assert len(lines) == 1, err
+    assert expected.format(d=corpus) in lines[0]
+    assert "Traceback" not in err
+    assert "nothing was started" in err
+
+
+def _write_marker(run_dir: Path, config: dict, dp: int) -> Path:
+    tag = run_dir / "checkpoints" / "step_00000010"
+    tag.mkdir(parents=True)
+    (tag / "COMPLETE.json").write_text(json.dumps({
+        "step": 10, "tokens_seen": 1280, "world_size": dp, "dp_size": dp,
+        "layout": {"dp": dp, "sp": 1, "tp": 1}, "zero_stage": 1, "config": config,
+        "files": {}}))
+    return tag
+
+
+def test_resume_that_changes_the_global_batch_is_refused(corpus, tmp_path):
+    from tape_train.config import load_run_config
+
+    run_dir = tmp_path / "run"
+    overrides = [f"train.run_dir={run_dir}"]
+    cfg = load_run_config(corpus / "run.yaml", overrides)
+    tag = _write_marker(run_dir, cfg.to_dict(), dp=2)
+    args = ["--config", str(corpus / "run.yaml"), "--dry-run", *overrides]
+    rc, out, err = dry_run([*args, "--world-size", "2"])  # the saved layout: resumes
+    assert rc == 0, err
+    assert f"resume: {tag} (step 10" in out
+    rc, out, err = dry_run([*args, "--world-size", "1"])
+    assert rc == 1
+    batch, sharding = error_lines(err)  # dp 2 -> 1: the batch, and documents sharding
+    assert f"resume from {tag}: the global batch changes from 4 to 2 sequences" in batch
+    assert "set train.grad_accum_steps=2 to keep it" in batch
+    assert "data.sharding='documents' ties the token stream" in sharding
+    rc, out, err = dry_run([*args, "--world-size", "1", "train.grad_accum_steps=2"])
+    assert "global batch" not in err  # dp 2 -> 1 with the batch kept: only the sharding rule
+    assert "data.sharding='documents' ties the token stream" in err
+
+
+def test_tape_submit_refuses_a_job_that_cannot_resume_on_its_node_count(corpus, tmp_path,
+                                                                        monkeypatch):
+    from tape_train.config import load_run_config
+
+    run_dir = tmp_path / "run"
+    overrides = [f"train.run_dir={run_dir}", "data.sharding=global"]
+    cfg = load_run_config(corpus / "run.yaml", overrides)
+    _write_marker(run_dir, cfg.to_dict(), dp=2)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/sbatch.calls\necho 4242\n")
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
+
+    def submit_with(nodes: int) -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = submit.main(["--config", str(corpus / "run.yaml"), *overrides,
+                              "--nodes", str(nodes), "--cpus-per-task", "1"])
+        return rc, out.getvalue(), err.getvalue()
+
+    rc, out, err = submit_with(1)
+    assert rc == 2 and out == ""
+    assert "tape-submit: preflight: error: resume from" in err
+    assert "the global batch changes from 4 to 2 sequences" in err
+    assert not (tmp_path / "sbatch.calls").exists()
+    rc, out, err = submit_with(2)  # the saved layout: submitted
+    assert rc == 0, err
+    assert out.strip() == "4242" and (tmp_path / "sbatch.calls").exists()
+
+
+def _run_trainer(corpus: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(corpus / "fake_site"), str(ROOT)])}
+    env.pop("RANK", None)
+    return subprocess.run([sys.executable, "-m", "tape_train.train.cli", "--config",
+                           str(corpus / "run.yaml"), *overrides], capture_output=True,
+                          text=True, env=env, cwd=corpus, timeout=300)
+
+
+def test_real_run_refuses_bad_input_before_deepspeed(corpus):
+    proc = _run_trainer(corpus, [f"data.sources=[{corpus}/garbage.jsonl]"])
+    assert proc.returncode == 1
+    assert NO_DEEPSPEED not in proc.stderr and "Traceback" not in proc.stderr
+    (line,) = error_lines(proc.stderr)
+    assert f"{corpus}/garbage.jsonl:2: invalid UTF-8" in line
+    # Control: with good inputs the same command gets as far as importing DeepSpeed.
+    proc = _run_trainer(corpus, [])
+    assert proc.returncode != 0 and NO_DEEPSPEED in proc.stderr
+    assert not error_lines(proc.stderr)
+
+
+def test_dry_run_does_not_import_deepspeed(corpus):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(corpus / "fake_site"), str(ROOT)])}
+    proc = subprocess.run([sys.executable, "-m", "tape_train.train.cli", "--config",
+                           str(corpus / "run.yaml"), "--dry-run", "--world-size", "4",
+                           "parallel.zero_stage=3"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank grid: world=4 dp=4" in proc.stdout and "preflight: ok" in proc.stdout
