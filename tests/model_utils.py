@@ -6,7 +6,7 @@ import torch
 
 from tape_train.model import ModelConfig, TransformerLM
 
-SMALL = dict(vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96,
+SMALL = dict(vocab_size=97, hidden_size=64, num_layers=3, num_heads=4, intermediate_size=96,
              tape_position_size=8, max_seq_len=64)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from tape_train.model import ModelConfig, TransformerLM
 from tape_train.model.pe import ENCODINGS, PositionalEncoding, encoding_spec
-from tests.model_utils import small_model
+from model_utils import small_model
 
 
 def test_config_and_registry_import_without_torch():
