@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tape_train.model.attention import Attention
+from tape_train.model.cache import KVCache
 from tape_train.model.config import ModelConfig
 from tape_train.model.layers import RMSNorm, SwiGLU
 from tape_train.model.pe import build_positional_encoding
@@ -48,18 +49,6 @@ class ModelOutput:
     def loss(self) -> torch.Tensor:
         """Token-mean loss of this call (the trainer normalises globally instead)."""
         return self.loss_sum / self.num_tokens.clamp(min=1)
-
-
-class KVCache:
-    """Per-layer cached keys/values (k̃, v; TAPE adds E⁰, E¹) and the positions seen so far."""
-
-    def __init__(self, num_layers: int) -> None:
-        self.layers: list[dict] = [{} for _ in range(num_layers)]
-        self.positions: torch.Tensor | None = None  # (b|1, Nk)
-
-    @property
-    def length(self) -> int:
-        return 0 if self.positions is None else self.positions.shape[-1]
 
 
 class DecoderBlock(nn.Module):
