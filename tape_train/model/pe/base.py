@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from tape_train.kernels.reference import rotate_half
+from tape_train.model.pe import encoding_spec
+from tape_train.model.pe.spec import EncodingSpec
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float,
@@ -122,10 +124,8 @@ class PositionalEncoding(nn.Module):
         self.cfg = cfg
 
     @property
-    def spec(self):
-        """This encoding's :class:`~tape_train.model.pe.spec.EncodingSpec`."""
-        from tape_train.model.pe import encoding_spec
-
+    def spec(self) -> EncodingSpec:
+        """This encoding's declared capabilities (its registry entry)."""
         return encoding_spec(self.cfg.pe)
 
     def layer0_positions(self, batch: int, length: int, offset: int,
@@ -144,8 +144,8 @@ class PositionalEncoding(nn.Module):
     def state_update(self) -> nn.Module:
         """A new per-block module updating the state (``spec.carries_state`` encodings).
 
-        Its ``forward``-free contract: ``after_attention(e, e_hat)`` per state tensor and
-        ``after_mlp(state, y)``; see ``TapeStateUpdate``.
+        The block calls its ``after_attention(e, e_hat)`` per state tensor, then
+        ``after_mlp(state, y)`` with the MLP output y; see ``TapeStateUpdate``.
         """
         raise NotImplementedError(f"pe={self.cfg.pe} carries no positional state")
 
