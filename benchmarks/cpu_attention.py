@@ -25,7 +25,7 @@ import torch
 
 from tape_train.model.attention import sdpa_attention
 from tape_train.model.blocked_attention import blocked_attention
-from tape_train.train.host_memory import keep_freed_memory
+from tape_train.host_memory import keep_freed_memory
 
 
 def _inputs(batch, n, heads, d, dv, dtype, gen):

@@ -26,8 +26,8 @@ import torch
 from tape_train.model import POSITIONAL_ENCODINGS, TransformerLM, load_model_config
 from tape_train.model.config import ATTENTION_BACKENDS
 from tape_train.model.flops import training_flops_per_token
-from tape_train.train.host_memory import keep_freed_memory
 from tape_train.files import write_atomic
+from tape_train.host_memory import keep_freed_memory
 
 
 def make_model(shape: str, pe: str, dtype: torch.dtype, backend: str) -> TransformerLM:

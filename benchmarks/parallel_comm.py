@@ -130,8 +130,9 @@ def _worker(rank, world, sp, tp, pe, rows, seq, steps, port, out_dir):
     import deepspeed
 
     from tape_train.model import ModelConfig, TransformerLM
-    from tape_train.parallel import (RankGrid, deepspeed_config_updates, loss_for_backward,
-                                     parallelize, shard_batch, verify_engine)
+    from tape_train.parallel import (RankGrid, deepspeed_config_updates, parallelize,
+                                     verify_engine)
+    from tape_train.train.engine import count_target_tokens, forward_backward
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     grid = RankGrid.from_sizes(world, sp=sp, tp=tp)
@@ -155,14 +156,12 @@ def _worker(rank, world, sp, tp, pe, rows, seq, steps, port, out_dir):
     ids = torch.randint(0, MODEL["vocab_size"], (rows, seq), generator=g)
     rows_here = slice(grid.dp_rank * (rows // grid.dp), (grid.dp_rank + 1) * (rows // grid.dp))
     batch = {"input_ids": ids[rows_here], "labels": torch.roll(ids, -1, 1)[rows_here]}
+    global_tokens = count_target_tokens([{"labels": ids}])  # every label valid: rows × seq
     times = []
     for step in range(steps + 1):  # step 0 warms up (and runs AutoTP's one-off data check)
         counter.active = step > 0
         t0 = time.perf_counter()
-        x, y, pos = shard_batch(batch, grid)
-        out = engine(x, labels=y, positions=pos)
-        engine.backward(loss_for_backward(out.loss_sum, out.num_tokens, grid))
-        engine.step()
+        forward_backward(engine, [batch], grid=grid, global_tokens=global_tokens)
         if step > 0:
             times.append(time.perf_counter() - t0)
     counter.active = False

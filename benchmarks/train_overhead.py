@@ -115,13 +115,13 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.default_malloc:  # as the trainer does on CPU; the plain loop shares the process
-        from tape_train.train.host_memory import keep_freed_memory
+        from tape_train.host_memory import keep_freed_memory
 
         keep_freed_memory()
     from tape_train.model import load_model_config
     from tape_train.model.flops import training_flops_per_token
     from tape_train.train.metrics import measure_gemm_peak_tflops
-    from tape_train.train.synthetic import SyntheticLoader
+    from tape_train.data.synthetic import SyntheticLoader
 
     model_cfg = load_model_config(args.model, pe=args.pe)
     tokens_per_step = args.seq_len * args.micro_batch * args.grad_accum

@@ -6,7 +6,7 @@ import torch
 
 from tape_train.model import ModelConfig, TransformerLM
 
-SMALL = dict(vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96,
+SMALL = dict(vocab_size=97, hidden_size=64, num_layers=3, num_heads=4, intermediate_size=96,
              tape_position_size=8, max_seq_len=64)
 
 
@@ -20,7 +20,7 @@ def small_model(pe: str = "tape", seed: int = 0, live_tape: bool = True, dtype=t
     every positional path is active (properties must hold for any weights)."""
     torch.manual_seed(seed)
     model = TransformerLM(small_config(pe, **overrides))
-    if pe == "tape" and live_tape:
+    if live_tape:  # no-op for encodings without a state update
         randomise_tape(model, seed)
     return model.to(dtype).eval()
 

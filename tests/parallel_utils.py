@@ -123,21 +123,26 @@ def make_engine(model, grid, clip: float = 0.0, zero: dict | None = None):
     return engine
 
 
-def engine_step_loss(engine, batch, grid, backward: bool = True):
-    """Forward (+backward) of this rank's share of the global batch; returns the GLOBAL
-    token-mean loss (identical on all ranks)."""
+def engine_step_loss(engine, batch, grid, before_step=None):
+    """One optimizer step on this rank's share of the global batch through the trainer's own
+    path (``tape_train.train.engine.forward_backward``: shard, token-weighted loss, backward,
+    step); returns the GLOBAL token-mean loss (identical on all ranks).
+
+    ``before_step()`` runs after the backward and before the optimizer step, on every rank
+    (e.g. to compare gradients; it may call collectives).
+    """
     import torch.distributed as dist
 
-    from tape_train.parallel import loss_for_backward, shard_batch
+    from tape_train.train.engine import count_target_tokens, forward_backward
 
-    ids, labels, positions = shard_batch(dp_slice(batch, grid), grid)
-    out = engine(ids, labels=labels, positions=positions)
-    if backward:
-        engine.backward(loss_for_backward(out.loss_sum, out.num_tokens, grid))
-    totals = torch.stack((out.loss_sum.detach().double(), out.num_tokens.double()))
+    global_tokens = count_target_tokens([batch])
+    hook = None if before_step is None else (lambda local_sum: before_step())
+    local_sum = forward_backward(engine, [dp_slice(batch, grid)], grid=grid,
+                                 global_tokens=global_tokens, before_last_step=hook)
+    total = local_sum.clone()
     if grid.groups.dp_sp is not None:
-        dist.all_reduce(totals, group=grid.groups.dp_sp)
-    return (totals[0] / totals[1]).item()
+        dist.all_reduce(total, group=grid.groups.dp_sp)
+    return (total / global_tokens).item()
 
 
 def local_shard(name: str, full: torch.Tensor, grid) -> torch.Tensor:

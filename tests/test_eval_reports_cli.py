@@ -18,7 +18,7 @@ from tape_train.eval.cli import main
 from tape_train.eval.perplexity import evaluate_perplexity
 from tape_train.model import TransformerLM, load_model_config
 from tape_train.train import checkpoint as ckpt
-from tape_train.train.synthetic import synthetic_eval_documents
+from tape_train.data.synthetic import synthetic_eval_documents
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 
 PROBE = """
 import json, resource, sys, torch
-from tape_train.train.host_memory import keep_freed_memory
+from tape_train.host_memory import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "tuned" else False
 faults = []
 for _ in range(16):

@@ -81,7 +81,6 @@ def _zero_variant(world, sp, tp, zero) -> tuple[float, float]:
     _, ref_grads = reference_grads(tiny_model("tape"), batch)
     engine = make_engine(tiny_model("tape"), grid, zero=zero)
     engine_step_loss(engine, batch, grid)
-    engine.step()
     return (float(engine.get_global_grad_norm()),
             torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())).item())
 
@@ -135,11 +134,10 @@ def _one_layout(world, out_dir, sp, tp, train, checkpoint, negative, pes, varian
             model = _checkpointed(model)
         engine = make_engine(model, grid)
         results["times"].append(("init", time.perf_counter() - t0))
-        res["loss"] = engine_step_loss(engine, batch, grid)
-        res["grad_err"] = compare_grads(engine, ref_grads, grid)
+        res["loss"] = engine_step_loss(engine, batch, grid, before_step=lambda: res.update(
+            grad_err=compare_grads(engine, ref_grads, grid)))
         if train:
             losses = [res["loss"]]
-            engine.step()
             # DeepSpeed's global norm (what gradient_clipping uses) must count TP-sharded
             # parameters once per shard and replicated ones once.
             res["grad_norm"] = float(engine.get_global_grad_norm())
@@ -150,7 +148,6 @@ def _one_layout(world, out_dir, sp, tp, train, checkpoint, negative, pes, varian
                     engine.save_checkpoint(str(out_dir / f"ckpt_{pe}"), tag="step10",
                                            client_state={"step": step})
                 losses.append(engine_step_loss(engine, global_batch(step, grid.dp), grid))
-                engine.step()
             res["losses"] = losses
             results["times"].append(("train", time.perf_counter() - t0))
             res["ref_losses"], ref_model = _reference_run(pe, grid.dp, TRAIN_STEPS)
@@ -162,7 +159,6 @@ def _one_layout(world, out_dir, sp, tp, train, checkpoint, negative, pes, varian
             for step in range(client["step"], TRAIN_STEPS):
                 res["resumed_losses"].append(
                     engine_step_loss(resumed, global_batch(step, grid.dp), grid))
-                resumed.step()
         if negative and pe == "tape":
             # Negative control: a plain head slice of the replicated state (no all-gather of
             # its gradient) must visibly break the gradients.
@@ -172,8 +168,8 @@ def _one_layout(world, out_dir, sp, tp, train, checkpoint, negative, pes, varian
             tensor_mod.scatter_heads = lambda x, g, sync_grad=True: original(x, g, False)
             try:
                 broken = make_engine(tiny_model(pe), grid)
-                engine_step_loss(broken, batch, grid)
-                res["negative_grad_err"] = compare_grads(broken, ref_grads, grid)
+                engine_step_loss(broken, batch, grid, before_step=lambda: res.update(
+                    negative_grad_err=compare_grads(broken, ref_grads, grid)))
             finally:
                 tensor_mod.scatter_heads = original
     return results

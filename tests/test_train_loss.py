@@ -44,7 +44,7 @@ def _deepspeed_gradients(run_dir: str) -> dict[str, torch.Tensor]:
     from tape_train.parallel import RankGrid, parallelize
     from tape_train.train import distributed as tdist
     from tape_train.train.engine import build_engine, count_target_tokens, forward_backward
-    from tape_train.train.synthetic import SyntheticLoader
+    from tape_train.data.synthetic import SyntheticLoader
 
     tdist.init_distributed("cpu")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -72,7 +72,7 @@ def _deepspeed_gradients(run_dir: str) -> dict[str, torch.Tensor]:
 def _reference_gradients(world: int) -> tuple[dict, dict]:
     """(token-mean gradient of the global batch, naive mean-of-means gradient)."""
     from tape_train.model import TransformerLM
-    from tape_train.train.synthetic import SyntheticLoader
+    from tape_train.data.synthetic import SyntheticLoader
 
     torch.manual_seed(SEED)
     model = TransformerLM(_model_cfg())

@@ -29,7 +29,7 @@ EXIT_REQUEUE, EXIT_ERROR, EXIT_STOP = 0, 2, 3
 
 def newest_checkpoint(run_dir: Path) -> str | None:
     """Tag of the newest complete checkpoint (sizes checked, nothing read), or ``None``."""
-    from tape_train.train.checkpoint_layout import find_latest_complete
+    from tape_train.checkpoint_layout import find_latest_complete
 
     found = find_latest_complete(run_dir, warn=False)
     return found.name if found is not None else None

@@ -125,7 +125,7 @@ def _documents(args, meta: dict, longest: int, model_cfg):
     if args.data is None and train.get("synthetic_data"):
         # A run trained on synthetic tokens has no corpus: evaluate on the same kind of
         # deterministic random documents the trainer's scheduled evaluation uses.
-        from tape_train.train.synthetic import synthetic_eval_documents
+        from tape_train.data.synthetic import synthetic_eval_documents
 
         docs = synthetic_eval_documents(model_cfg.vocab_size, 4, 2 * longest + 1,
                                         int(train.get("seed", 0)))
@@ -154,7 +154,7 @@ def run(args) -> int:
     from tape_train.eval.perplexity import evaluate_perplexity, materialize_documents
     from tape_train.eval.report import format_table, write_reports
     from tape_train.model import TransformerLM
-    from tape_train.train.checkpoint import load_model_from_checkpoint, resolve_checkpoint
+    from tape_train.loading import load_model_from_checkpoint, resolve_checkpoint
 
     if args.label is not None and len(args.label) != len(args.checkpoint):
         raise ValueError(f"--label got {len(args.label)} name(s) for {len(args.checkpoint)} "
@@ -166,7 +166,7 @@ def run(args) -> int:
                           batch_size=args.batch_size)
     rank, world, device, reduce = _init_distributed(args.device)
     if device.type == "cpu":
-        from tape_train.train.host_memory import keep_freed_memory
+        from tape_train.host_memory import keep_freed_memory
 
         keep_freed_memory()
     dtype = getattr(torch, DTYPES[args.dtype])

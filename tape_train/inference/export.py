@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from tape_train.train.checkpoint import CheckpointError, load_model_from_checkpoint
+    from tape_train.loading import CheckpointError, load_model_from_checkpoint
 
     try:
         cfg, state, meta = load_model_from_checkpoint(args.checkpoint)

@@ -6,12 +6,8 @@ from pathlib import Path
 
 import torch
 
+from tape_train.loading import is_export_dir  # noqa: F401  (kept for callers)
 from tape_train.model import TransformerLM
-from tape_train.model.pretrained import CONFIG, TOKENIZER, WEIGHTS, from_pretrained
-
-
-def is_export_dir(path: Path) -> bool:
-    return (path / WEIGHTS).is_file() and (path / CONFIG).is_file()
 
 
 def load_for_inference(path: str | Path, dtype: torch.dtype | None = None
@@ -19,18 +15,8 @@ def load_for_inference(path: str | Path, dtype: torch.dtype | None = None
     """(model in eval mode, tokenizer path or None, provenance) from either kind of path.
 
     A checkpoint path may be a run dir (its latest complete checkpoint) or a tag dir; partial
-    checkpoints are refused by the checkpoint layer.
+    checkpoints are refused. The one loading API is ``tape_train.loading.load_model``.
     """
-    path = Path(path)
-    if is_export_dir(path):
-        tok = path / TOKENIZER
-        return from_pretrained(path, dtype=dtype), str(tok) if tok.is_file() else None, {
-            "source": str(path)}
-    from tape_train.train.checkpoint import load_model_from_checkpoint
+    from tape_train.loading import load_model
 
-    cfg, state, meta = load_model_from_checkpoint(path)
-    model = TransformerLM(cfg)
-    model.load_state_dict(state)
-    model = model.to(dtype or torch.float32).eval()
-    tokenizer = (meta.get("config") or {}).get("data", {}).get("tokenizer")
-    return model, tokenizer, meta
+    return load_model(path, dtype)

@@ -37,24 +37,25 @@ def resolve_backend(requested: str, pe, device: torch.device, dtype: torch.dtype
                     has_cache: bool, plain_value: bool = False, has_bias: bool = False) -> str:
     """Pick the backend for one call. Explicit requests that cannot run raise.
 
-    ``plain_value``: TAPE's last block, whose attention needs no 3D-wide value: it may use
-    flash-attn like RoPE, and the fused TAPE kernel is not needed there.
+    ``plain_value``: the block attends with the plain value even though the encoding's is
+    wider (TAPE's last block): it may use flash-attn like RoPE, and no fused kernel is needed.
     ``has_bias``: the encoding adds a dense logit bias (ALiBi, FIRE, T5).
 
     On CPU, ``auto`` picks ``blocked`` for TAPE's 3D-wide value in any dtype and for every
     bias-free encoding in fp16/bf16 (PyTorch's CPU flash kernel is slower there, measured in
     docs/model.md), else ``sdpa``; decoding with a cache always uses ``sdpa``.
     """
-    is_tape = pe.__class__.__name__ == "TapeEncoding" and not plain_value
-    flash_ok = pe.flash_ok or plain_value
+    spec = pe.spec
+    wide_value = spec.value_width > 1 and not plain_value  # [v | E⁰ | E¹]: the fused kernel
+    flash_ok = spec.flash_ok or (plain_value and not spec.dense_bias)
     on_cuda = device.type == "cuda"
     flash_here = on_cuda and dtype in _HALF_DTYPES and flash_attn_installed()
     if requested == "auto":
-        if on_cuda and is_tape and not has_cache and _triton_ok(device):
+        if on_cuda and wide_value and not has_cache and _triton_ok(device):
             return "triton"
         if flash_ok and flash_here:
             return "flash"
-        if not on_cuda and not has_cache and not has_bias and (is_tape or dtype in _HALF_DTYPES):
+        if not on_cuda and not has_cache and not has_bias and (wide_value or dtype in _HALF_DTYPES):
             return "blocked"
         return "sdpa"
     if requested == "blocked":
@@ -68,12 +69,12 @@ def resolve_backend(requested: str, pe, device: torch.device, dtype: torch.dtype
         if not flash_ok:
             raise ValueError(f"model.attn_backend=flash does not support pe="
                              f"{pe.cfg.pe} (needs a dense bias or a 3D-wide value); "
-                             f"use sdpa{' or triton' if is_tape else ''}")
+                             f"use sdpa{' or triton' if wide_value else ''}")
         if not flash_here:
             raise RuntimeError("model.attn_backend=flash needs flash-attn installed "
                                "(pip install 'tape-train[cuda]'), a CUDA device and fp16/bf16")
     if requested == "triton":
-        if not is_tape:
+        if not wide_value:
             raise ValueError(f"model.attn_backend=triton is the fused TAPE kernel; "
                              f"pe={pe.cfg.pe} should use sdpa or flash")
         if has_cache:

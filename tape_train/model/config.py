@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tape_train.hints import choice_error, read_named_yaml, unknown_keys
+from tape_train.model.pe import ENCODINGS, EncodingSpec
 
-POSITIONAL_ENCODINGS = ("tape", "rope", "nope", "alibi", "randpe", "fire", "xpos", "t5")
-ROTARY_ENCODINGS = ("tape", "rope", "randpe", "xpos")
+POSITIONAL_ENCODINGS = tuple(ENCODINGS)
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "blocked", "flash", "triton")
 MODEL_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
 
@@ -85,8 +85,8 @@ class ModelConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"model.{key} must be a positive integer, got {value!r}")
-        if self.pe not in POSITIONAL_ENCODINGS:
-            raise ValueError(choice_error("model.pe", self.pe, POSITIONAL_ENCODINGS))
+        if self.pe not in ENCODINGS:
+            raise ValueError(choice_error("model.pe", self.pe, tuple(ENCODINGS)))
         if self.attn_backend not in ATTENTION_BACKENDS:
             raise ValueError(choice_error("model.attn_backend", self.attn_backend,
                                            ATTENTION_BACKENDS))
@@ -99,18 +99,24 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.num_heads ({self.num_heads}) must be divisible by "
                              f"model.num_kv_heads ({self.num_kv_heads})")
-        if self.pe == "tape" and self.num_kv_heads != self.num_heads:
+        spec = self.encoding
+        if not spec.gqa and self.num_kv_heads != self.num_heads:
             raise ValueError(
-                f"model.num_kv_heads={self.num_kv_heads} (GQA) is not supported with pe=tape: "
-                f"TAPE keeps one positional state per query head, so num_kv_heads must equal "
-                f"num_heads ({self.num_heads})")
-        if self.pe in ROTARY_ENCODINGS and self.head_dim % 2:
+                f"model.num_kv_heads={self.num_kv_heads} (GQA) is not supported with "
+                f"pe={self.pe}: it keeps one positional state per query head, so num_kv_heads "
+                f"must equal num_heads ({self.num_heads})")
+        if spec.rotary and self.head_dim % 2:
             raise ValueError(f"model.hidden_size/num_heads = head dim {self.head_dim} is odd; "
                              f"pe={self.pe} rotates channel pairs and needs an even head dim")
         for key in ("rope_theta", "norm_eps", "init_std", "xpos_scale_base", "fire_init_c",
                     "fire_init_L"):
             if not float(getattr(self, key)) > 0:
                 raise ValueError(f"model.{key} must be > 0, got {getattr(self, key)!r}")
+
+    @property
+    def encoding(self) -> EncodingSpec:
+        """What ``pe`` is: its capabilities, declared once in ``tape_train.model.pe``."""
+        return ENCODINGS[self.pe]
 
     @property
     def head_dim(self) -> int:

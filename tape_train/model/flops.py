@@ -5,11 +5,13 @@ Counted analytically (the DeepSpeed profiler is wrong under ZeRO-3). Conventions
   backward = 3× the forward for every weight matmul (the usual 6·params per token).
 - Attention core in the spec's units: U = one causal N×N×C product = N²·C FLOPs per sequence
   per layer, i.e. N·C per token. ``recompute=False`` (model FLOPs, used for MFU) counts what
-  an attention that stores P would do: RoPE-family 2U forward + 4U backward = 6U, TAPE 4U + 8U
-  = 12U (the value is 3D wide). ``recompute=True`` counts FlashAttention-2 style kernels that
-  recompute P in the backward (spec §4 table: 7U vs 13U; three separate calls: 21U).
-- TAPE's positional updates (W_pa mixing, K_n formation and application, W_x) are counted;
-  elementwise work (modulation, norms, softmax) is not, by convention.
+  an attention that stores P would do: with a value w head dims wide, QKᵀ 1U + PV wU forward
+  and twice that backward, so RoPE-family (w = 1) 6U, TAPE (w = 3, [v | E⁰ | E¹]) 4U + 8U =
+  12U. ``recompute=True`` counts FlashAttention-2 style kernels that recompute P in the
+  backward (+1U; spec §4 table: 7U vs 13U; w separate calls: 7wU = 21U).
+- Each encoding's own parameters and per-block state-update FLOPs come from its
+  ``EncodingSpec`` (TAPE: W_pa mixing, K_n formation and application, W_x); elementwise work
+  (modulation, norms, softmax) is not counted, by convention.
 """
 
 from __future__ import annotations
@@ -17,42 +19,44 @@ from __future__ import annotations
 import argparse
 
 from tape_train.model.config import POSITIONAL_ENCODINGS, ModelConfig, load_model_config
+from tape_train.model.pe import encoding_spec
 
 
 def count_parameters(cfg: ModelConfig) -> dict[str, int]:
     """Exact parameter counts by group (must equal the model's ``numel`` sums)."""
     c, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    m, mkv, p = cfg.num_heads, cfg.num_kv_heads, cfg.tape_position_size
+    m, mkv = cfg.num_heads, cfg.num_kv_heads
+    spec = cfg.encoding
     attention = c * m * d + 2 * c * mkv * d + m * d * c
     mlp = 3 * c * f
     norms = 2 * c
-    # TAPE's last block has no positional update (its E would be discarded).
-    tape_layers = cfg.num_layers - 1 if cfg.pe == "tape" else 0
-    tape = m * m + 2 * p * m + c * p
     per_layer = attention + mlp + norms
-    shared_pe = {
-        "fire": (1 * cfg.fire_hidden + cfg.fire_hidden) + (cfg.fire_hidden * m + m) + 2,
-        "t5": cfg.t5_num_buckets * m,
-    }.get(cfg.pe, 0)
+    # The last block has no state update (its E would be discarded): state_layers = L − 1.
+    positional = (spec.state_layers(cfg.num_layers) * spec.state_params(cfg)
+                  + spec.shared_params(cfg))
     embedding = cfg.vocab_size * c
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * c
-    total = embedding + head + cfg.num_layers * per_layer + tape_layers * tape + c + shared_pe
+    total = embedding + head + cfg.num_layers * per_layer + positional + c
     return {
         "total": total,
         "embedding": embedding,
         "lm_head": head,
         "non_embedding": total - embedding - head,
-        "positional": tape_layers * tape + shared_pe,
+        "positional": positional,
     }
 
 
-def attention_units(pe: str, recompute: bool = False, separate_calls: bool = False) -> int:
-    """Training cost of the attention core per layer in units U (see module docstring)."""
-    if pe != "tape":
-        return 7 if recompute else 6
-    if separate_calls:
-        return 21  # three FlashAttention-2 calls, each 7U
-    return 13 if recompute else 12
+def attention_units(pe: str, recompute: bool = False, separate_calls: bool = False,
+                    value_width: int | None = None) -> int:
+    """Training cost of the attention core per layer in units U (see module docstring).
+
+    ``value_width`` overrides the encoding's (1 for a block that attends with the plain value).
+    """
+    w = encoding_spec(pe).value_width if value_width is None else value_width
+    if separate_calls and w > 1:
+        return 7 * w  # one FlashAttention-2 call per head-dim-wide slice of the value, each 7U
+    forward = 1 + w                                   # QKᵀ, then P·V over a w·D-wide value
+    return 3 * forward + (1 if recompute else 0)      # backward = 2 × forward (+ QKᵀ again)
 
 
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: bool = False) -> float:
@@ -67,22 +71,19 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: bool = F
     This is the number MFU divides by: MFU = tokens/s · this / peak FLOP/s.
     """
     c, d = cfg.hidden_size, cfg.head_dim
-    m, mkv, p, f = cfg.num_heads, cfg.num_kv_heads, cfg.tape_position_size, cfg.intermediate_size
+    m, mkv, f = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    spec = cfg.encoding
     weights = c * m * d + 2 * c * mkv * d + m * d * c + 3 * c * f
     per_layer = 6.0 * weights
     # Attention core: U per token = N·C (causal half of 2·N²·C per sequence, over N tokens).
     unit = seq_len * c
-    total = cfg.num_layers * (per_layer + attention_units("rope", recompute) * unit)
-    if cfg.pe == "tape":
-        # Every block but the last attends with the 3D-wide value and updates E.
-        state_layers = cfg.num_layers - 1
-        extra_attention = (attention_units("tape", recompute, separate_calls)
-                           - attention_units("rope", recompute)) * unit
-        w_x = 2 * c * p
-        w_pa = 2 * (2 * m * m * d)           # two tables, (M×M)·(M×D) per token
-        k_form = 2 * m * m * p               # K_n = W_dn·diag(g)·W_up
-        k_apply = 2 * (2 * m * m * d)        # two tables
-        total += state_layers * (extra_attention + 3.0 * (w_x + w_pa + k_form + k_apply))
+    plain = attention_units(cfg.pe, recompute, value_width=1)
+    total = cfg.num_layers * (per_layer + plain * unit)
+    state_layers = spec.state_layers(cfg.num_layers)
+    if state_layers:
+        # Every block but the last attends with the encoding's wide value and updates E.
+        extra_attention = (attention_units(cfg.pe, recompute, separate_calls) - plain) * unit
+        total += state_layers * (extra_attention + 3.0 * spec.state_flops(cfg))
     return total + 6.0 * c * cfg.vocab_size
 
 

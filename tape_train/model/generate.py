@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from tape_train.model.transformer import KVCache
+from tape_train.model.cache import KVCache
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,

@@ -29,10 +29,18 @@ _TOP_NAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model
 _LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
 
 
+def llama_encodings() -> list[str]:
+    """The ``model.pe`` values whose decoder is exactly a Hugging Face Llama."""
+    from tape_train.model.pe import ENCODINGS
+
+    return [n for n, s in ENCODINGS.items() if s.hf_architecture == "LlamaForCausalLM"]
+
+
 def hf_llama_config(cfg: ModelConfig):
     """The ``transformers.LlamaConfig`` of the same shape (RoPE only)."""
-    if cfg.pe != "rope":
-        raise ValueError(f"only pe=rope has a Hugging Face Llama equivalent, got pe={cfg.pe!r}")
+    if cfg.encoding.hf_architecture != "LlamaForCausalLM":
+        raise ValueError(f"pe={cfg.pe!r} has no Hugging Face Llama equivalent; encodings that "
+                         f"have one: {llama_encodings()}")
     from transformers import LlamaConfig
 
     return LlamaConfig(

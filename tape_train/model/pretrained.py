@@ -116,10 +116,11 @@ def save_hf_llama(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str
     """Export the RoPE baseline as a Hugging Face Llama directory (no transformers needed)."""
     from safetensors.torch import save_file
 
-    from tape_train.model.hf import to_hf_llama_state_dict
+    from tape_train.model.hf import llama_encodings, to_hf_llama_state_dict
 
-    if cfg.pe != "rope":
-        raise ValueError(f"--hf export needs pe=rope (Llama has no {cfg.pe!r}); "
+    if cfg.encoding.hf_architecture != "LlamaForCausalLM":
+        raise ValueError(f"--hf export needs pe={' or '.join(llama_encodings())} "
+                         f"(Llama has no {cfg.pe!r}); "
                          f"use the native export and tape_train.model.from_pretrained")
     hf_state = to_hf_llama_state_dict(state)
     if cfg.tie_embeddings:

@@ -1,7 +1,8 @@
 """The decoder: Llama blocks whose positional encoding is chosen by ``ModelConfig.pe``.
 
-For TAPE every block also carries and updates the positional state E = (E⁰, E¹)
-(spec §2); for every other encoding the block is a plain Llama block.
+For an encoding that carries a state (``spec.carries_state``: TAPE's E = (E⁰, E¹), spec §2)
+every block but the last also updates it; for every other encoding the block is a plain
+Llama block.
 """
 
 from __future__ import annotations
@@ -13,18 +14,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from tape_train.model.attention import Attention
+from tape_train.model.cache import KVCache
 from tape_train.model.config import ModelConfig
 from tape_train.model.layers import RMSNorm, SwiGLU
-from tape_train.model.pe import TapeStateUpdate, build_positional_encoding
+from tape_train.model.pe import build_positional_encoding
 
 IGNORE_INDEX = -100
+# Where positional-encoding parameters live: the shared encoding module (``pe.*``: FIRE's MLP,
+# T5's table) and each block's state update (``layers.<i>.pos_update.*``: TAPE's W_pa, W_x,
+# W_up, W_dn). Spec §6: no weight decay on them.
+SHARED_PE_MODULE, STATE_UPDATE_MODULE = "pe", "pos_update"
+
+
+def is_positional_parameter(name: str) -> bool:
+    """Whether parameter ``name`` (as ``TransformerLM.named_parameters`` spells it) belongs
+    to the positional encoding."""
+    parts = name.split(".")
+    return parts[0] == SHARED_PE_MODULE or STATE_UPDATE_MODULE in parts
 
 
 @dataclass
 class ModelOutput:
     """logits (b, N, V); with labels: ``loss_sum`` (sum of token NLL over labels ≠ −100, fp32)
     and ``num_tokens`` (count of those labels). ``states``: per-layer input (E⁰, E¹) when
-    requested (TAPE only; the last block's input state is the last entry)."""
+    requested (state-carrying encodings only; the last block's input state is the last
+    entry)."""
 
     logits: torch.Tensor
     loss_sum: torch.Tensor | None = None
@@ -37,22 +51,10 @@ class ModelOutput:
         return self.loss_sum / self.num_tokens.clamp(min=1)
 
 
-class KVCache:
-    """Per-layer cached keys/values (k̃, v; TAPE adds E⁰, E¹) and the positions seen so far."""
-
-    def __init__(self, num_layers: int) -> None:
-        self.layers: list[dict] = [{} for _ in range(num_layers)]
-        self.positions: torch.Tensor | None = None  # (b|1, Nk)
-
-    @property
-    def length(self) -> int:
-        return 0 if self.positions is None else self.positions.shape[-1]
-
-
 class DecoderBlock(nn.Module):
-    """One Llama block. With TAPE, ``carries_state`` blocks also update E; the last block does
-    not (its E would be discarded, spec §2), so it has no positional parameters and attends
-    with the plain value."""
+    """One Llama block. ``carries_state`` blocks also update the encoding's state E with their
+    own ``pos_update`` module (``pe.state_update()``); the last block does not (its E would be
+    discarded, spec §2), so it has no positional parameters and attends with the plain value."""
 
     def __init__(self, cfg: ModelConfig, pe, carries_state: bool) -> None:
         super().__init__()
@@ -60,12 +62,12 @@ class DecoderBlock(nn.Module):
         self.attn = Attention(cfg, pe)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-        self.pos_update = TapeStateUpdate(cfg) if carries_state else None
+        self.pos_update = pe.state_update() if carries_state else None
 
     def forward(self, x, ctx, cache=None, state=None):
-        """x (b, N, C); state (E⁰, E¹) each (b|1, M, N, D) for TAPE, else None.
+        """x (b, N, C); state (E⁰, E¹) each (b|1, M, N, D), or None for stateless encodings.
 
-        Returns (x, state): the new state, or None after the last TAPE block.
+        Returns (x, state): the new state, or None after the last block.
         """
         attn_out, e_hat = self.attn(self.attn_norm(x), ctx, cache, state,
                                     need_e_hat=self.pos_update is not None)
@@ -92,8 +94,9 @@ class TransformerLM(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pe = build_positional_encoding(cfg)
+        state_layers = self.pe.spec.state_layers(cfg.num_layers)
         self.layers = nn.ModuleList(
-            DecoderBlock(cfg, self.pe, carries_state=cfg.pe == "tape" and i < cfg.num_layers - 1)
+            DecoderBlock(cfg, self.pe, carries_state=i < state_layers)
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -102,7 +105,8 @@ class TransformerLM(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Spec §2: every Linear/Embedding weight N(0, init_std); TAPE's W_up, W_pa zero."""
+        """Spec §2: every Linear/Embedding weight N(0, init_std); then each positional module
+        its own init (TAPE's W_up, W_pa zero)."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=self.cfg.init_std)
@@ -129,7 +133,7 @@ class TransformerLM(nn.Module):
             cache.positions = k_pos
         x = self.embed(input_ids)
         ctx = self.pe.context(positions, k_pos, x.dtype)
-        state = self.pe.initial_state(positions, x.dtype) if self.cfg.pe == "tape" else None
+        state = self.pe.initial_state(positions, x.dtype)
         states = [] if return_states else None
         for i, layer in enumerate(self.layers):
             if states is not None:

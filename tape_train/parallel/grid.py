@@ -98,21 +98,23 @@ class RankGrid:
         if cfg.intermediate_size % self.tp:
             raise ValueError(f"model.intermediate_size={cfg.intermediate_size} is not divisible "
                              f"by parallel.tp={self.tp}")
-        if self.sp > 1 and cfg.pe in ("alibi", "t5", "fire"):
+        spec = cfg.encoding
+        if self.sp > 1 and not spec.sequence_parallel:
+            from tape_train.model.pe import ENCODINGS
+
+            usable = ", ".join(n for n, s in ENCODINGS.items()
+                               if s.sequence_parallel and s.random_positions is not True)
             raise ValueError(
                 f"model.pe={cfg.pe} is not supported with parallel.sp={self.sp}: its dense "
                 f"attention bias is built per rank for the local sequence chunk only; use "
-                f"tape, rope, xpos or nope with sequence parallelism")
-        if self.sp * self.tp > 1 and cfg.pe == "randpe":
+                f"{usable} with sequence parallelism")
+        if self.sp * self.tp > 1 and spec.draws_random_positions(cfg):
+            flag = spec.random_positions
+            setting = f"model.{flag}=true" if isinstance(flag, str) else f"model.pe={cfg.pe}"
             raise ValueError(
-                "model.pe=randpe is not supported with parallel.sp/tp > 1: its training "
-                "positions are sampled per process and would differ between the ranks that "
-                "share a sequence")
-        if self.sp * self.tp > 1 and cfg.pe == "tape" and cfg.tape_train_offset:
-            raise ValueError(
-                "model.tape_train_offset=true is not supported with parallel.sp/tp > 1: the "
-                "random shift is drawn per process (and is a mathematical no-op, spec T2); "
-                "set it to false")
+                f"{setting} is not supported with parallel.sp/tp > 1: its training positions "
+                f"are sampled per process and would differ between the ranks that share a "
+                f"sequence" + ("; set it to false" if isinstance(flag, str) else ""))
 
     # ------------------------------------------------------------------ coordinates
     @property

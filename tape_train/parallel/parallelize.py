@@ -4,7 +4,7 @@ fixed order, and tell DeepSpeed and the trainer what they need.
 Integration (per rank; see docs/parallelism.md)::
 
     grid = RankGrid.from_sizes(world_size, dp=cfg.parallel.dp, sp=..., tp=...)  # validates
-    grid.check_model(model_cfg)                       # still before any process group
+    # the model against sp/tp: RunConfig already ran grid.check_model when the config loaded
     deepspeed.init_distributed(dist_backend=...)
     grid.build()                                      # every rank, same order
     model = parallelize(TransformerLM(model_cfg), grid)
@@ -12,22 +12,19 @@ Integration (per rank; see docs/parallelism.md)::
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, ...)   # no mpu=
     verify_engine(engine, grid)
     loader = build_train_loader(..., dp_rank=grid.dp_rank, dp_size=grid.dp_size)
-    for batch in loader:
-        ids, labels, positions = shard_batch(batch, grid)
-        out = engine(ids, labels=labels, positions=positions)
-        engine.backward(loss_for_backward(out.loss_sum, out.num_tokens, grid))
-        engine.step()
+    for micro_batches in steps:       # the trainer's one loss path: shard, weight, backward, step
+        forward_backward(engine, micro_batches, grid=grid, global_tokens=...)  # train/engine.py
 
 Why no mpu: DeepSpeed does not compose its SP mpu with AutoTP. Without it, DeepSpeed sees every
 rank of a tp group's stride (the dp×sp group) as data-parallel: ZeRO partitions over dp·sp
 ranks and averages gradients over them in every ZeRO stage, which is what Ulysses needs (the SP
 ranks' gradients are contributions of disjoint tokens to one sum) once the loss carries the
-factor dp·sp / (global token count) — :func:`loss_for_backward`.
+factor dp·sp / (global token count): :func:`loss_scale` here, applied by the trainer's
+``tape_train.train.engine.forward_backward``, the one loss path (every parallel test uses it).
 """
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -41,21 +38,23 @@ def parallelize(model: nn.Module, grid: RankGrid) -> nn.Module:
     """Make ``model`` (a ``TransformerLM``, on its device, before ``deepspeed.initialize``)
     sequence- and tensor-parallel on ``grid``. Modifies in place and returns it.
 
+    Precondition, not repeated here: ``grid.check_model(model.cfg)`` passed (heads divisible
+    by tp·sp, encoding supported). ``RunConfig`` runs it once when the config loads, before
+    any process group; call it yourself for a hand-made grid.
+
     Order (each step relies on the previous one):
-      1. ``grid.check_model``: heads divisible by tp·sp, encoding supported.
-      2. TP, TAPE only: hooks on every ``layer.attn`` that cut the state E to this rank's heads
+      1. TP, for an encoding that carries a state (TAPE): hooks on every ``layer.attn`` that cut the state E to this rank's heads
          and all-gather the attended state Ê (``tensor.shard_tape_state_over_heads``).
-      3. Every ``layer.attn.core`` becomes a :class:`ParallelAttentionCore` (Ulysses exchange
+      2. Every ``layer.attn.core`` becomes a :class:`ParallelAttentionCore` (Ulysses exchange
          when sp > 1; per-head bias cut to local heads when tp > 1). It has no parameters, so
          parameter names, checkpoints and AutoTP's patterns are unchanged. TAPE's fused Triton
          kernel runs inside the core too (raw q, k and [v|E⁰|E¹] are exchanged), so it is
          sequence-parallel like every other backend.
-      4. AutoTP itself (splitting q/k/v/o/gate/up/down) is done by ``deepspeed.initialize`` from
+      3. AutoTP itself (splitting q/k/v/o/gate/up/down) is done by ``deepspeed.initialize`` from
          :func:`deepspeed_config_updates` — the model is not tensor-parallel until then.
     """
     if getattr(model, "parallel_grid", None) is not None:
         raise RuntimeError("parallelize() was already applied to this model")
-    grid.check_model(model.cfg)
     if grid.world_size > 1 and grid.groups is None:
         raise RuntimeError("call grid.build() on every rank before parallelize()")
     groups = grid.groups
@@ -95,35 +94,6 @@ def loss_scale(grid: RankGrid, zero_stage: int = 3, reduce_scatter: bool = True)
         raise ValueError(f"zero_optimization.reduce_scatter must be a bool, got "
                          f"{reduce_scatter!r}")
     return grid.dp * grid.sp
-
-
-def global_token_count(num_tokens: torch.Tensor, grid: RankGrid) -> torch.Tensor:
-    """Sum of ``num_tokens`` over the dp×sp group (TP ranks hold identical counts)."""
-    total = num_tokens.detach().to(torch.float64).clone()
-    group = grid.groups.dp_sp if grid.groups is not None else None
-    if group_size(group) > 1:
-        dist.all_reduce(total, group=group)
-    return total
-
-
-def loss_for_backward(loss_sum: torch.Tensor, num_tokens: torch.Tensor, grid: RankGrid,
-                      grad_accum_steps: int = 1,
-                      step_tokens: torch.Tensor | int | None = None) -> torch.Tensor:
-    """The loss each rank passes to ``engine.backward`` so that the averaged gradient equals
-    the gradient of the global token-mean loss (sum of NLL / all valid tokens of the step).
-
-    loss = loss_sum · dp·sp · grad_accum_steps / T, where T is the number of valid tokens of
-    the whole optimizer step over all dp×sp ranks: DeepSpeed divides by dp·sp (averaging) and
-    by grad_accum_steps (``engine.backward`` scales by 1/gas). ``step_tokens`` is T when the
-    caller counted it ahead over all micro-batches (exact with accumulation); by default T is
-    this micro-batch's count × grad_accum_steps (exact when micro-batches hold equally many
-    valid tokens, as packed data does). Collective over the dp×sp group when step_tokens is None.
-    """
-    if step_tokens is None:
-        step_tokens = global_token_count(num_tokens, grid) * grad_accum_steps
-    scale = loss_scale(grid) * grad_accum_steps
-    step_tokens = torch.as_tensor(step_tokens, dtype=torch.float64).clamp(min=1)
-    return loss_sum * (scale / step_tokens).to(loss_sum.dtype)
 
 
 def verify_engine(engine, grid: RankGrid) -> None:

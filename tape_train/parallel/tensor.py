@@ -94,12 +94,13 @@ class TapeStateHeadSharding:
 
 def shard_tape_state_over_heads(model: nn.Module, tp_group,
                                 sync_state_grad: bool = True) -> list:
-    """Register :class:`TapeStateHeadSharding` on every layer's attention (TAPE, tp > 1).
+    """Register :class:`TapeStateHeadSharding` on every layer's attention (tp > 1, for an
+    encoding that ``carries_state``).
 
     Returns the hook handles. Works with DeepSpeed's AutoTP applied before or after: the hooks
     sit on ``Attention`` modules, AutoTP replaces their Linear children.
     """
-    if group_size(tp_group) == 1 or model.cfg.pe != "tape":
+    if group_size(tp_group) == 1 or not model.cfg.encoding.carries_state:
         return []
     handles = []
     for layer in model.layers:

@@ -27,7 +27,7 @@ from tape_train.train import checkpoint as ckpt
 from tape_train.train import distributed as tdist
 from tape_train.train import relayout
 from tape_train.train.engine import build_engine, count_target_tokens, forward_backward
-from tape_train.train.host_memory import keep_freed_memory
+from tape_train.host_memory import keep_freed_memory
 from tape_train.train.metrics import (MetricsWriter, device_peak_tflops, format_summary,
                                       memory_metrics, setup_logging)
 from tape_train.train.optim import LRSchedule
@@ -113,12 +113,12 @@ class Trainer:
         self._preflight()
         from tape_train.parallel import RankGrid
 
-        # The rank grid is validated before any process group exists (bad layouts fail here).
+        # The rank grid is validated before any process group exists (bad layouts fail here);
+        # the model's fit to sp/tp was checked once, when RunConfig was built.
         world = int(os.environ.get("WORLD_SIZE", "1"))
         self.grid = RankGrid.from_sizes(world, dp=cfg.parallel.dp, sp=cfg.parallel.sp,
                                         tp=cfg.parallel.tp,
                                         rank=int(os.environ.get("RANK", "0")))
-        self.grid.check_model(cfg.model)
         self.dist = tdist.init_distributed(cfg.train.device)
         self.rank = self.dist.rank
         setup_logging(self.rank, cfg.logging.all_ranks)
@@ -201,7 +201,7 @@ class Trainer:
             return self.loader_factory(self.dp_rank, self.dp_size)
         train = self.cfg.train
         if train.synthetic_data:
-            from tape_train.train.synthetic import SyntheticLoader
+            from tape_train.data.synthetic import SyntheticLoader
 
             return SyntheticLoader(self.cfg.model.vocab_size, train.seq_len,
                                    train.micro_batch_size, train.grad_accum_steps, self.dp_rank,
@@ -504,7 +504,7 @@ class Trainer:
         if self.eval_documents_fn is not None:
             return self.eval_documents_fn()
         if self.cfg.train.synthetic_data:
-            from tape_train.train.synthetic import synthetic_eval_documents
+            from tape_train.data.synthetic import synthetic_eval_documents
 
             longest = max(self.cfg.eval.resolve_lengths(self.cfg.train.seq_len))
             return synthetic_eval_documents(self.cfg.model.vocab_size, 4, 2 * longest + 1,

@@ -8,22 +8,19 @@ import torch
 from torch import nn
 
 from tape_train.config import OptimConfig, TrainConfig
+from tape_train.model.transformer import is_positional_parameter
 
-# Names of the TAPE positional-mixing parameters (tape_train.model.pe.tape.TapeStateUpdate):
-# W_pa, W_up, W_dn and the gate's input projection W_x. Spec §6: no weight decay on TAPE gates.
-TAPE_GATE_MODULE = "pos_update"
 EMBEDDING_PARAMS = ("embed.weight", "lm_head.weight")
 
 
 def decays(name: str, param: nn.Parameter, decay_embeddings: bool) -> bool:
     """Whether weight decay applies to parameter ``name``.
 
-    Never: 0-d/1-d tensors (norm gains, biases, scalars), TAPE gates (everything under a
-    ``pos_update`` module), the shared positional-encoding module (``pe.*``: FIRE/T5 tables).
+    Never: 0-d/1-d tensors (norm gains, biases, scalars), positional-encoding parameters
+    (TAPE's gates under ``pos_update``, FIRE/T5's shared ``pe.*`` tables; spec §6).
     Embedding and LM head: only with ``decay_embeddings``.
     """
-    parts = name.split(".")
-    if param.ndim < 2 or TAPE_GATE_MODULE in parts or parts[0] == "pe":
+    if param.ndim < 2 or is_positional_parameter(name):
         return False
     if name in EMBEDDING_PARAMS:
         return decay_embeddings

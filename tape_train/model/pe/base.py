@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from tape_train.kernels.reference import rotate_half
+from tape_train.model.pe import encoding_spec
+from tape_train.model.pe.spec import EncodingSpec
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float,
@@ -113,16 +115,18 @@ class PositionContext:
 class PositionalEncoding(nn.Module):
     """Base class: no positional signal (NoPE). Subclasses override what they change.
 
-    ``rotary``: queries/keys are rotated per token (cache stores rotated keys).
-    ``flash_ok``: flash-attn can run this encoding (no dense bias needed).
+    What an encoding *is* (rotary, carries a state, value width, GQA, ...) is not declared
+    here but in its registry entry, ``self.spec`` (``tape_train.model.pe.ENCODINGS``).
     """
-
-    rotary = False
-    flash_ok = True
 
     def __init__(self, cfg) -> None:
         super().__init__()
         self.cfg = cfg
+
+    @property
+    def spec(self) -> EncodingSpec:
+        """This encoding's declared capabilities (its registry entry)."""
+        return encoding_spec(self.cfg.pe)
 
     def layer0_positions(self, batch: int, length: int, offset: int,
                          device: torch.device) -> torch.Tensor:
@@ -132,6 +136,18 @@ class PositionalEncoding(nn.Module):
     def context(self, q_pos: torch.Tensor, k_pos: torch.Tensor,
                 dtype: torch.dtype) -> PositionContext:
         return PositionContext(q_pos=q_pos, k_pos=k_pos)
+
+    def initial_state(self, q_pos: torch.Tensor, dtype: torch.dtype):
+        """Layer-0 positional state for encodings with ``spec.carries_state``, else None."""
+        return None
+
+    def state_update(self) -> nn.Module:
+        """A new per-block module updating the state (``spec.carries_state`` encodings).
+
+        The block calls its ``after_attention(e, e_hat)`` per state tensor, then
+        ``after_mlp(state, y)`` with the MLP output y; see ``TapeStateUpdate``.
+        """
+        raise NotImplementedError(f"pe={self.cfg.pe} carries no positional state")
 
     def reset_parameters(self) -> None:
         """Re-initialise learned parameters (called from the model's init)."""

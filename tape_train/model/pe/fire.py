@@ -13,8 +13,6 @@ from tape_train.model.pe.base import PositionalEncoding, PositionContext, relati
 
 
 class FIRE(PositionalEncoding):
-    flash_ok = False
-
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self.mlp = nn.Sequential(nn.Linear(1, cfg.fire_hidden), nn.ReLU(),

@@ -8,8 +8,6 @@ from tape_train.model.pe.base import PositionalEncoding, PositionContext, rotary
 
 
 class RoPE(PositionalEncoding):
-    rotary = True
-
     def context(self, q_pos, k_pos, dtype) -> PositionContext:
         d, theta = self.cfg.head_dim, self.cfg.rope_theta
         q_tables = rotary_tables(q_pos, d, theta, dtype)

@@ -26,8 +26,6 @@ def causal_bucket(distance: torch.Tensor, num_buckets: int, max_distance: int) -
 
 
 class T5Bias(PositionalEncoding):
-    flash_ok = False
-
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self.rel_bias = nn.Embedding(cfg.t5_num_buckets, cfg.num_heads)

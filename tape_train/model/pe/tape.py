@@ -16,9 +16,6 @@ from tape_train.model.pe.base import PositionalEncoding, PositionContext, rotary
 
 
 class TapeEncoding(PositionalEncoding):
-    rotary = True
-    flash_ok = False  # the 3D-wide value needs our own kernel (or SDPA)
-
     def layer0_positions(self, batch, length, offset, device) -> torch.Tensor:
         positions = super().layer0_positions(batch, length, offset, device)
         if self.training and self.cfg.tape_train_offset:
@@ -36,6 +33,9 @@ class TapeEncoding(PositionalEncoding):
 
     def context(self, q_pos, k_pos, dtype) -> PositionContext:
         return PositionContext(q_pos=q_pos, k_pos=k_pos)
+
+    def state_update(self) -> "TapeStateUpdate":
+        return TapeStateUpdate(self.cfg)
 
 
 class TapeStateUpdate(nn.Module):

@@ -22,8 +22,6 @@ def xpos_zeta(head_dim: int, device=None) -> torch.Tensor:
 
 
 class XPos(PositionalEncoding):
-    rotary = True
-
     def _tables(self, pos: torch.Tensor, sign: float, dtype: torch.dtype):
         work = torch.promote_types(torch.float32, dtype)  # fp64 models get fp64 tables
         cos, sin = rotary_tables(pos, self.cfg.head_dim, self.cfg.rope_theta, work)

@@ -1,0 +1,195 @@
+"""Reading what training wrote: the one public loading API for eval, inference and resume.
+
+A training run leaves checkpoints (``tape_train.train.checkpoint`` writes them); an export
+leaves a ``save_pretrained`` directory. Everything that *consumes* either goes through here:
+
+    model, tokenizer, meta = load_model(path)        # run dir, tag dir or export dir
+    tag_dir = resolve_checkpoint(path)               # the complete checkpoint a path means
+
+Discovery trusts only ``COMPLETE.json`` markers (see the layout in
+``tape_train.train.checkpoint``): incomplete tags are skipped with a warning, and a path that
+names one is refused. No process group is needed; DeepSpeed is imported only to consolidate
+ZeRO shards. Data flows one way: train → (files) → this module → eval / inference.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tape_train.checkpoint_layout import (  # noqa: F401 - part of the loading API
+    CHECKPOINT_DIR, LATEST, MARKER, UNIVERSAL, CheckpointError, checkpoint_root,
+    find_latest_complete, list_tags, read_marker, resolve_checkpoint, step_of_tag, tag_for_step,
+    why_incomplete)
+from tape_train.files import write_atomic
+
+log = logging.getLogger("tape_train.checkpoint")
+
+# ----------------------------------------------------------------------------------------------
+# Layout and DeepSpeed's universal form (resuming or exporting on another layout)
+# ----------------------------------------------------------------------------------------------
+
+
+def saved_layout(marker: dict) -> dict[str, int]:
+    """``{"dp", "sp", "tp"}`` a checkpoint was written with (older markers: from its config)."""
+    if "layout" in marker:
+        return {k: int(marker["layout"][k]) for k in ("dp", "sp", "tp")}
+    parallel = (marker.get("config") or {}).get("parallel") or {}
+    sp, tp = int(parallel.get("sp", 1)), int(parallel.get("tp", 1))
+    world = int(marker.get("world_size", sp * tp))
+    return {"dp": int(marker.get("dp_size", world // (sp * tp))), "sp": sp, "tp": tp}
+
+
+def ensure_universal(tag_dir: Path, out_dir: Path | None = None) -> Path:
+    """DeepSpeed's universal form of a complete ZeRO checkpoint, converted once.
+
+    Converts ``tag_dir`` with ``deepspeed.checkpoint.ds_to_universal`` into a temporary sibling
+    and renames it to ``<tag_dir>/universal`` (or ``out_dir``) only when the conversion
+    finished, so an interrupted conversion is never mistaken for a complete one and is simply
+    redone. Runs on one process (no process group); returns the universal directory.
+    """
+    import sys
+
+    tag_dir = Path(tag_dir)
+    target = Path(out_dir) if out_dir is not None else tag_dir / UNIVERSAL
+    if target.is_dir():
+        return target
+    reason = why_incomplete(tag_dir)
+    if reason is not None:
+        raise CheckpointError(f"checkpoint {tag_dir} is not complete ({reason}); refusing to "
+                              f"convert it")
+    if read_marker(tag_dir).get("zero_stage", 3) < 1:
+        raise CheckpointError(f"checkpoint {tag_dir} was written with ZeRO stage 0; DeepSpeed's "
+                              f"universal conversion needs ZeRO-1/2/3 optimizer shards")
+    for stale in target.parent.glob(f".{target.name}.tmp*"):  # left by a killed conversion
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    start = time.perf_counter()
+    log.info("converting %s to DeepSpeed's universal format (once; cached in %s)", tag_dir,
+             target)
+    workers = str(max(1, min(4, os.cpu_count() or 1)))
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+           str(tag_dir), "--output_folder", str(tmp), "--num_extract_workers", workers,
+           "--num_merge_workers", "1", "--inject_missing_state"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
+        raise CheckpointError(f"converting {tag_dir} to the universal format failed (exit "
+                              f"{result.returncode}); the checkpoint itself is untouched. "
+                              f"Last output:\n{tail}")
+    write_atomic(tmp / "CONVERTED.json", json.dumps(
+        {"source": tag_dir.name, "seconds": round(time.perf_counter() - start, 2)}))
+    os.replace(tmp, target)
+    log.info("universal checkpoint ready in %.1f s: %s", time.perf_counter() - start, target)
+    return target
+
+
+def read_universal_weights(universal_dir: Path) -> dict[str, torch.Tensor]:
+    """Full fp32 parameters of a universal checkpoint (every TP shard merged)."""
+    zero = Path(universal_dir) / "zero"
+    state = {}
+    for param_dir in sorted(p for p in zero.iterdir() if (p / "fp32.pt").is_file()):
+        state[param_dir.name] = torch.load(param_dir / "fp32.pt", map_location="cpu",
+                                           weights_only=False)["param"]
+    if not state:
+        raise CheckpointError(f"{universal_dir}: no parameters under zero/*/fp32.pt")
+    return state
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+
+
+def load_model_from_checkpoint(path: str | Path, map_dtype: torch.dtype | None = torch.float32,
+                               verify: bool = True) -> tuple[Any, dict[str, torch.Tensor], dict]:
+    """Consolidated model weights of any checkpoint, without a process group.
+
+    Args:
+        path: a run dir (→ its latest complete checkpoint), a checkpoint root, or a tag dir.
+            Incomplete and damaged (checksum mismatch) checkpoints are refused.
+        map_dtype: cast floating tensors to this dtype (``None``: keep as stored; ZeRO-1/2/3
+            consolidation yields the fp32 master weights, ZeRO-0 the module's own dtype).
+        verify: read every file back against its checksum first (``False``: the caller did).
+
+    Returns:
+        ``(model_cfg, state_dict, meta)``: the ``ModelConfig`` the run trained, a state dict
+        loadable into ``TransformerLM(model_cfg)``, and the marker (step, tokens_seen, config,
+        code_version, ...).
+    """
+    from tape_train.model.config import ModelConfig
+
+    tag_dir = resolve_checkpoint(path, verify=verify)
+    meta = read_marker(tag_dir)
+    model_cfg = ModelConfig.from_dict(dict(meta["config"]["model"]),
+                                      source=f"{tag_dir / MARKER} [model]")
+    if meta.get("zero_stage", 3) >= 1 and saved_layout(meta)["tp"] > 1:
+        # zero_to_fp32 cannot merge tensor-parallel shards: go through the universal form.
+        state = read_universal_weights(_universal_for_reading(tag_dir))
+    elif meta.get("zero_stage", 3) >= 1:  # ZeRO-1/2/3: fp32 master weights in the shards
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    elif saved_layout(meta)["tp"] > 1:
+        raise CheckpointError(f"{tag_dir}: a ZeRO-0 checkpoint with tensor parallelism holds "
+                              f"only weight shards per file and cannot be consolidated; train "
+                              f"with parallel.zero_stage >= 1 to export tensor-parallel runs")
+    else:
+        states = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
+        if not states:
+            raise CheckpointError(f"{tag_dir}: no mp_rank_*_model_states.pt")
+        state = torch.load(states[0], map_location="cpu", weights_only=False)["module"]
+    state = {k: (v.to(map_dtype) if map_dtype is not None and v.is_floating_point() else v)
+             for k, v in state.items()}
+    return model_cfg, state, meta
+
+
+def _universal_for_reading(tag_dir: Path) -> Path:
+    """The cached universal form, converted next to the checkpoint if that directory is
+    writable, else into a temporary directory that lives until the process exits."""
+    if (tag_dir / UNIVERSAL).is_dir() or os.access(tag_dir, os.W_OK):
+        return ensure_universal(tag_dir)
+    import atexit
+    import tempfile
+
+    scratch = Path(tempfile.mkdtemp(prefix="tape-universal-"))
+    atexit.register(shutil.rmtree, scratch, True)
+    return ensure_universal(tag_dir, out_dir=scratch / UNIVERSAL)
+
+
+def is_export_dir(path: Path) -> bool:
+    """A ``save_pretrained`` directory (weights and config present)."""
+    from tape_train.model.pretrained import CONFIG, WEIGHTS
+
+    return (Path(path) / WEIGHTS).is_file() and (Path(path) / CONFIG).is_file()
+
+
+def load_model(path: str | Path, dtype: torch.dtype | None = None):
+    """``(model in eval mode, tokenizer path or None, meta)`` from an export directory or a
+    training checkpoint (run dir → its latest complete checkpoint, or a tag dir).
+
+    ``dtype``: cast the model (default: the export's stored dtype, fp32 for checkpoints).
+    """
+    from tape_train.model.pretrained import TOKENIZER, from_pretrained
+    from tape_train.model.transformer import TransformerLM
+
+    path = Path(path)
+    if is_export_dir(path):
+        tok = path / TOKENIZER
+        return (from_pretrained(path, dtype=dtype), str(tok) if tok.is_file() else None,
+                {"source": str(path)})
+    cfg, state, meta = load_model_from_checkpoint(path)
+    model = TransformerLM(cfg)
+    model.load_state_dict(state)
+    model = model.to(dtype or torch.float32).eval()
+    tokenizer = (meta.get("config") or {}).get("data", {}).get("tokenizer")
+    return model, tokenizer, meta
