@@ -131,7 +131,7 @@ def test_parallel_layout_is_checked_against_the_model_before_any_process_group(t
 
 
 def test_diff_and_protected_keys(tmp_path):
-    from tape_train.train.loop import protected_differences
+    from tape_train.train.relayout import protected_differences
 
     old = load_run_config(_write(tmp_path, BASE)).to_dict()
     new = load_run_config(_write(tmp_path, BASE), ["model.hidden_size=128", "train.lr=1e-3",

@@ -27,32 +27,13 @@ from pathlib import Path
 import numpy as np
 
 from tape_train.data.config import DataError
-from tape_train.data.formats import MANIFEST_NAME
+from tape_train.data.formats import (MANIFEST_FORMAT, MANIFEST_NAME,  # noqa: F401 - re-exported
+                                      read_complete_manifest)
 from tape_train.data.sources import is_held_out
 from tape_train.data.tokens import TokenShardWriter
 from tape_train.files import fsync_tree, write_atomic
 
 log = logging.getLogger("tape_train.data")
-
-MANIFEST_FORMAT = "tape-data/1"
-
-
-def read_complete_manifest(out_dir: Path) -> dict | None:
-    """The manifest of a complete prepared directory, or None (missing, corrupt, or a listed
-    shard missing / of the wrong size)."""
-    path = Path(out_dir) / MANIFEST_NAME
-    try:
-        manifest = json.loads(path.read_text())
-        if manifest.get("format") != MANIFEST_FORMAT:
-            return None
-        for shard in manifest["shards"] + (manifest.get("tokens") or {}).get("shards", []):
-            f = Path(out_dir) / shard["path"]
-            if not f.is_file() or f.stat().st_size != shard["file_bytes"]:
-                return None
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
-        return None
-    return manifest
-
 
 class _ShardSet:
     """Round-robin writer over ``n`` zstd-compressed JSONL shards of one split."""

@@ -30,6 +30,7 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 TEXT_SUFFIXES = (".txt", ".md", ".rst")
 COMPRESSION_SUFFIXES = (".gz", ".zst")
 MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "tape-data/1"
 
 
 class SkipLog:
@@ -396,3 +397,20 @@ def _read_hub(shard: Shard, ds, start: int, text_field: str, skip_bad: bool,
         text = _check_text(value, where, text_field, record, skip_bad, skips)
         if text is not None:
             yield index, text
+
+
+def read_complete_manifest(out_dir: Path) -> dict | None:
+    """The manifest of a complete prepared directory, or None (missing, corrupt, or a listed
+    shard missing / of the wrong size)."""
+    path = Path(out_dir) / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_text())
+        if manifest.get("format") != MANIFEST_FORMAT:
+            return None
+        for shard in manifest["shards"] + (manifest.get("tokens") or {}).get("shards", []):
+            f = Path(out_dir) / shard["path"]
+            if not f.is_file() or f.stat().st_size != shard["file_bytes"]:
+                return None
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return None
+    return manifest

@@ -21,7 +21,6 @@ always describes what the consumer has *received*.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import atexit
@@ -38,15 +37,10 @@ from tape_train.data.config import DataConfig, DataError
 from tape_train.data.formats import SkipLog
 from tape_train.data.packing import pack_documents, wrap_document
 from tape_train.data.sources import DocumentStream, SourceCursor, iter_held_out_texts
+from tape_train.data.state import STATE_VERSION
+from tape_train.data.state import digest as _digest
 
 log = logging.getLogger("tape_train.data")
-
-STATE_VERSION = 1
-
-
-def _digest(obj: object) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
 
 def _check_loader_arguments(seq_len, micro_batch_size, dp_rank, dp_size) -> None:
     for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size),

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from tape_train.data.config import DataConfig, DataError
-from tape_train.data.loader import STATE_VERSION, _digest
+from tape_train.data.state import STATE_VERSION
+from tape_train.data.state import digest as _digest
 from tape_train.data.tokens import TokenBlocks, feistel_permutation
 
 log = logging.getLogger("tape_train.data")

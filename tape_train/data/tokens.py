@@ -83,7 +83,7 @@ class TokenShardWriter:
 def read_token_manifest(directory: Path, key: str) -> dict:
     """The ``tokens`` section of a complete prepared directory; ``DataError`` naming ``key``
     and the directory if it is not one (not prepared, incomplete, not tokenised)."""
-    from tape_train.data.corpus import read_complete_manifest
+    from tape_train.data.formats import read_complete_manifest
 
     manifest = read_complete_manifest(directory)
     if manifest is None:

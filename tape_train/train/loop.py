@@ -26,6 +26,7 @@ from tape_train.files import FileWriteError, write_atomic
 from tape_train.train import checkpoint as ckpt
 from tape_train.train import distributed as tdist
 from tape_train.train import relayout
+from tape_train.train.relayout import protected_differences
 from tape_train.train.engine import build_engine, count_target_tokens, forward_backward
 from tape_train.host_memory import keep_freed_memory
 from tape_train.train.metrics import (MetricsWriter, device_peak_tflops, format_summary,
@@ -39,15 +40,6 @@ log = logging.getLogger("tape_train.train")
 
 EXIT_OK, EXIT_ERROR = 0, 1
 EXIT_FILE_ENV = "TAPE_TRAIN_EXIT_FILE"
-
-# Config keys whose change between a checkpoint and a resumed run would silently corrupt the
-# run (another model, other data, another batch geometry or numerics). Prefix match.
-PROTECTED_KEYS = ("model.", "data.", "parallel.", "train.seq_len", "train.micro_batch_size",
-                  "train.grad_accum_steps", "train.seed", "train.dtype", "train.synthetic")
-# Keys under a protected prefix that are safe to change.
-HARMLESS_KEYS = ("model.name", "model.attn_backend", "data.prefetch", "data.eval_sources",
-                 "data.eval_max_documents", "data.eval_min_tokens",
-                 "data.skip_bad_records")
 
 LoaderFactory = Callable[[int, int], object]  # (dp_rank, dp_size) -> resumable loader
 
@@ -66,11 +58,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def protected_differences(diffs: list[tuple[str, object, object]]) -> list[str]:
-    return [key for key, _, _ in diffs
-            if key.startswith(PROTECTED_KEYS) and not key.startswith(HARMLESS_KEYS)]
 
 
 class Trainer:

@@ -344,7 +344,7 @@ def _check_resume(cfg, grid, resume_from, allow_config_change: bool, report: Rep
     report.info(f"resume: {tag} (step {marker.get('step')}, {marker.get('tokens_seen')} tokens; "
                 f"{route})")
     found = relayout.problems(marker, cfg, grid)
-    from tape_train.train.loop import protected_differences
+    from tape_train.train.relayout import protected_differences
 
     protected = [k for k in protected_differences(diff_configs(marker.get("config", {}),
                                                                cfg.to_dict()))

@@ -21,6 +21,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Config keys whose change between a checkpoint and a resumed run would silently corrupt the
+# run (another model, other data, another batch geometry or numerics). Prefix match.
+PROTECTED_KEYS = ("model.", "data.", "parallel.", "train.seq_len", "train.micro_batch_size",
+                  "train.grad_accum_steps", "train.seed", "train.dtype", "train.synthetic")
+# Keys under a protected prefix that are safe to change.
+HARMLESS_KEYS = ("model.name", "model.attn_backend", "data.prefetch", "data.eval_sources",
+                 "data.eval_max_documents", "data.eval_min_tokens",
+                 "data.skip_bad_records")
+
+
+def protected_differences(diffs: list[tuple[str, object, object]]) -> list[str]:
+    return [key for key, _, _ in diffs
+            if key.startswith(PROTECTED_KEYS) and not key.startswith(HARMLESS_KEYS)]
+
+
 # Config keys a layout change may legitimately change (checked by ``problems`` instead).
 LAYOUT_KEYS = ("parallel.dp", "parallel.sp", "parallel.tp", "train.micro_batch_size",
                "train.grad_accum_steps")
