@@ -31,6 +31,7 @@ import yaml
 
 from tape_train.hints import did_you_mean
 from tape_train.model.config import ModelConfig, load_model_config
+from tape_train.resources import named_file, resource_dir
 
 SECTIONS = ("model", "data", "eval", "train", "optim", "checkpoint", "parallel", "logging")
 
@@ -327,7 +328,8 @@ class RunConfig:
 
 def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()
                     ) -> RunConfig:
-    """Read a YAML run config, apply dotted ``key=value`` overrides, validate.
+    """Read a YAML run config (a path, or a shipped config's name such as ``demo``), apply
+    dotted ``key=value`` overrides, validate.
 
     Raises ``ConfigError`` naming the file and line (or the override) and the full key path.
     """
@@ -335,10 +337,12 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
     lines: dict[str, int] = {}
     source = "<defaults>"
     if path is not None:
-        path = Path(path)
+        path = named_file(path, "configs/train")  # `demo` -> the shipped configs/train/demo.yaml
         source = str(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+            shipped = ", ".join(sorted(p.stem for p in resource_dir("configs/train").glob("*.yaml")))
+            raise ConfigError(f"config file {path} does not exist (shipped configs, usable by "
+                              f"name: {shipped})")
         text = path.read_text()
         try:
             data = yaml.safe_load(text) or {}
