@@ -18,7 +18,7 @@ import torch
 
 from tape_train.model.config import ModelConfig
 from tape_train.model.pretrained import (CONFIG, PROVENANCE, TOKENIZER, WEIGHTS, cast_state,
-                                         write_dir_atomically)
+                                         save_weights, write_dir_atomically)
 
 REMOTE_CODE_DIR = Path(__file__).resolve().parent / "hf_remote"
 REMOTE_FILES = ("configuration_tape.py", "modeling_tape.py")
@@ -71,8 +71,6 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Pat
             dtype: torch.dtype = torch.float32, tokenizer: str | Path | None = None,
             provenance: dict | None = None) -> Path:
     """Write a Hugging Face directory for ``state`` (our names, consolidated)."""
-    from safetensors.torch import save_file
-
     arch = hf_architecture(cfg)
     if arch == "llama":
         from tape_train.model.hf import llama_config_dict, to_hf_llama_state_dict
@@ -96,7 +94,7 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Pat
                              f"{cfg.vocab_size} embeddings")
 
     def write(tmp: Path) -> None:
-        save_file(cast_state(weights, dtype), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        save_weights(cast_state(weights, dtype), tmp / WEIGHTS)
         ids = write_tokenizer_files(tmp, tokenizer, cfg)
         if ids is not None:
             shutil.copyfile(tokenizer, tmp / TOKENIZER)

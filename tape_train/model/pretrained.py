@@ -32,6 +32,29 @@ TOKENIZER = "tokenizer.model"
 PROVENANCE = "export.json"
 
 
+def umask_mode(mode: int = 0o666) -> int:
+    """``mode`` with the process umask applied: what ``open()`` would create."""
+    try:
+        with open("/proc/self/status") as fh:  # reads the umask without changing it
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return mode & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return mode & ~current
+
+
+def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors file of ``state``; safetensors creates it 0600, we give it the umask's mode
+    so others can read an export on a shared cluster as they can any file."""
+    from safetensors.torch import save_file
+
+    save_file(state, str(path), metadata={"format": "pt"})
+    os.chmod(path, umask_mode())
+
+
 def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp)`` on a fresh sibling directory, then rename it to ``out_dir``."""
     out_dir = Path(out_dir)
@@ -61,8 +84,6 @@ def save_pretrained(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: s
                     extra: Callable[[Path], None] | None = None) -> Path:
     """Write an export directory from a (consolidated) state dict; ``extra(dir)`` may add
     files before the directory is published."""
-    from safetensors.torch import save_file
-
     model_keys = set(parameter_names(cfg))
     if set(state) != model_keys:
         missing, extra = sorted(model_keys - set(state)), sorted(set(state) - model_keys)
@@ -72,7 +93,7 @@ def save_pretrained(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: s
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
 
     def write(tmp: Path) -> None:
-        save_file(cast_state(state, dtype), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        save_weights(cast_state(state, dtype), tmp / WEIGHTS)
         (tmp / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / TOKENIZER)
