@@ -220,6 +220,9 @@ class LoggingConfig:
         all_ranks: log from every rank (prefixed with the rank), not only rank 0.
         peak_tflops: peak FLOP/s (in TFLOP/s) per device used for MFU; ``None`` measures a
             GEMM peak at start-up on CPU and uses a known table value on GPU when possible.
+        wandb: opt-in Weights & Biases logging, ``{project, entity, name, mode, group,
+            tags}`` (mode: online, offline or disabled); the same scalars as TensorBoard and
+            the resolved config; a restart continues the same W&B run.
     """
 
     interval: int = 1
@@ -228,9 +231,15 @@ class LoggingConfig:
     progress_bar: bool | Literal["auto"] = "auto"
     all_ranks: bool = False
     peak_tflops: float | None = None
+    wandb: dict | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self, "logging")
+        if self.wandb is not None:
+            from tape_train.train.wandb_sink import check_wandb_settings
+
+            problem = check_wandb_settings(self.wandb)
+            _require(problem is None, problem or "")
         _require(self.interval > 0, f"logging.interval must be > 0, got {self.interval}")
         _require(self.console_interval > 0,
                  f"logging.console_interval must be > 0, got {self.console_interval}")

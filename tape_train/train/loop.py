@@ -161,7 +161,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
         self.writer = MetricsWriter(self.run_dir, enabled=self.rank == 0,
-                                    tensorboard=cfg.logging.tensorboard)
+                                    tensorboard=cfg.logging.tensorboard,
+                                    wandb=cfg.logging.wandb, run_config=cfg.to_dict())
         self.writer.write("event", self.state.step, {
             "event": "resume" if resumed_from else "start", "checkpoint": resumed_from,
             "world_size": self.dist.world_size, "slurm_restart_count": int(restarts or 0),
