@@ -20,6 +20,7 @@ RESOURCES = {
     "configs_data": "configs/data",
     "configs_train": "configs/train",
     "configs_experiments": "configs/experiments",
+    "configs_lm_eval": "configs/lm_eval",
     "tokenizer": "tokenizer",
     "slurm": "launch/slurm",
 }

@@ -18,6 +18,7 @@ SOURCE_DIRS = {
     "configs/data": "configs/data",
     "configs/train": "configs/train",
     "configs/experiments": "configs/experiments",
+    "configs/lm_eval": "configs/lm_eval",
     "tokenizer": "tokenizer",
     "slurm": "launch/slurm",
 }
