@@ -20,9 +20,13 @@ from tape_train.model.config import POSITIONAL_ENCODINGS
 transformers = pytest.importorskip("transformers")
 
 
+# transformers 5 renamed from_pretrained's torch_dtype to dtype
+_DTYPE_KW = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+
+
 def _load(path):
     return transformers.AutoModelForCausalLM.from_pretrained(
-        path, trust_remote_code=True, dtype=torch.float32).eval()
+        path, trust_remote_code=True, **{_DTYPE_KW: torch.float32}).eval()
 
 
 @pytest.fixture(scope="module")

@@ -127,6 +127,8 @@ def write_hf_tokenizer(model_path: str | Path, out_dir: str | Path,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
         "padding_side": "left",
+        # no token_type_ids (transformers 4.x would return them and generate() refuses them)
+        "model_input_names": ["input_ids", "attention_mask"],
     }
     _write_json(out_dir / "tokenizer_config.json", config)
     _write_json(out_dir / "special_tokens_map.json", special_map)
