@@ -32,9 +32,9 @@ class BuildWithResources(build_py):
         for name, source in RESOURCES.items():
             target = Path(self.build_lib) / "tape_train" / "_resources" / name
             shutil.rmtree(target, ignore_errors=True)
-            shutil.copytree(ROOT / source, target,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.model", "*.vocab",
-                                                          "*.training.json"))
+            skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.model", "*.vocab",
+                                          "*.training.json")  # trained tokenizers stay local
+            shutil.copytree(ROOT / source, target, ignore=skip)
 
 
 setup(cmdclass={"build_py": BuildWithResources})

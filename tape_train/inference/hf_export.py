@@ -85,7 +85,7 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Pat
             weights["lm_head.weight"] = weights["embed.weight"]
         config = _tape_config(cfg)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    if cfg.vocab_size and tokenizer is not None:
+    if tokenizer is not None:
         from tape_train.data.tokenizer import load_tokenizer
 
         vocab = load_tokenizer(tokenizer).vocab_size

@@ -30,7 +30,6 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_tape import TapeConfig
 
-_ROTARY = ("tape", "rope", "randpe", "xpos")
 _BIAS = ("alibi", "fire", "t5")
 
 
@@ -269,10 +268,8 @@ class TapeForCausalLM(TapePreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
-    def _positions(self, input_ids, attention_mask, past):
-        """Layer-0 positions of the new tokens (b|1, N), of all keys (b|1, Nk), key mask."""
-        n = input_ids.shape[1]
-        device = input_ids.device
+    def _positions(self, n, device, attention_mask, past):
+        """Layer-0 positions of the n new tokens (b|1, N), of all keys (b|1, Nk), key mask."""
         if attention_mask is None:
             k_pos = torch.arange(past + n, device=device)[None]
             return k_pos[:, past:], k_pos, None
@@ -304,8 +301,6 @@ class TapeForCausalLM(TapePreTrainedModel, GenerationMixin):
                 cache_position=None, logits_to_keep=0, **kwargs):
         if inputs_embeds is None:
             inputs_embeds = self.embed(input_ids)
-        if input_ids is None:
-            input_ids = inputs_embeds[..., 0].long()
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()
@@ -313,7 +308,8 @@ class TapeForCausalLM(TapePreTrainedModel, GenerationMixin):
             past_key_values = DynamicCache.from_legacy_cache(past_key_values)
         cache = past_key_values if isinstance(past_key_values, Cache) else None
         past = cache.get_seq_length() if cache is not None else 0
-        q_pos, k_pos, valid = self._positions(input_ids, attention_mask, past)
+        q_pos, k_pos, valid = self._positions(inputs_embeds.shape[1], inputs_embeds.device,
+                                              attention_mask, past)
         x = inputs_embeds
         pos = self._context(q_pos, k_pos, valid, x.dtype)
         state = None
