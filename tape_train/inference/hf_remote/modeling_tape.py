@@ -298,7 +298,7 @@ class TapeForCausalLM(TapePreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None,
                 past_key_values=None, inputs_embeds=None, labels=None, use_cache=None,
                 output_attentions=None, output_hidden_states=None, return_dict=None,
-                cache_position=None, logits_to_keep=0, **kwargs):
+                logits_to_keep=0, **kwargs):
         if inputs_embeds is None:
             inputs_embeds = self.embed(input_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
