@@ -31,6 +31,7 @@ import yaml
 
 from tape_train.hints import did_you_mean
 from tape_train.model.config import ModelConfig, load_model_config
+from tape_train.resources import named_file, resource_dir
 
 SECTIONS = ("model", "data", "eval", "train", "optim", "checkpoint", "parallel", "logging")
 
@@ -219,6 +220,9 @@ class LoggingConfig:
         all_ranks: log from every rank (prefixed with the rank), not only rank 0.
         peak_tflops: peak FLOP/s (in TFLOP/s) per device used for MFU; ``None`` measures a
             GEMM peak at start-up on CPU and uses a known table value on GPU when possible.
+        wandb: opt-in Weights & Biases logging, ``{project, entity, name, mode, group,
+            tags}`` (mode: online, offline or disabled); the same scalars as TensorBoard and
+            the resolved config; a restart continues the same W&B run.
     """
 
     interval: int = 1
@@ -227,9 +231,15 @@ class LoggingConfig:
     progress_bar: bool | Literal["auto"] = "auto"
     all_ranks: bool = False
     peak_tflops: float | None = None
+    wandb: dict | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self, "logging")
+        if self.wandb is not None:
+            from tape_train.train.wandb_sink import check_wandb_settings
+
+            problem = check_wandb_settings(self.wandb)
+            _require(problem is None, problem or "")
         _require(self.interval > 0, f"logging.interval must be > 0, got {self.interval}")
         _require(self.console_interval > 0,
                  f"logging.console_interval must be > 0, got {self.console_interval}")
@@ -327,7 +337,8 @@ class RunConfig:
 
 def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()
                     ) -> RunConfig:
-    """Read a YAML run config, apply dotted ``key=value`` overrides, validate.
+    """Read a YAML run config (a path, or a shipped config's name such as ``demo``), apply
+    dotted ``key=value`` overrides, validate.
 
     Raises ``ConfigError`` naming the file and line (or the override) and the full key path.
     """
@@ -335,10 +346,12 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
     lines: dict[str, int] = {}
     source = "<defaults>"
     if path is not None:
-        path = Path(path)
+        path = named_file(path, "configs/train")  # `demo` -> the shipped configs/train/demo.yaml
         source = str(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+            shipped = ", ".join(sorted(p.stem for p in resource_dir("configs/train").glob("*.yaml")))
+            raise ConfigError(f"config file {path} does not exist (shipped configs, usable by "
+                              f"name: {shipped})")
         text = path.read_text()
         try:
             data = yaml.safe_load(text) or {}

@@ -9,7 +9,7 @@ import torch
 
 from model_utils import small_model, tokens
 from tape_train.model import from_pretrained, save_pretrained
-from tape_train.model.pretrained import save_hf_llama
+from tape_train.inference.hf_export import save_hf
 
 
 @pytest.mark.parametrize("pe, tie", [("tape", False), ("fire", False), ("rope", True)])
@@ -38,17 +38,15 @@ def test_bf16_export_halves_the_file_and_stays_close(tmp_path):
 def test_hf_llama_export_loads_in_transformers_with_equal_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
     model = small_model("rope", dtype=torch.float32)
-    out = save_hf_llama(model.state_dict(), model.cfg, tmp_path / "hf")
+    out = save_hf(model.state_dict(), model.cfg, tmp_path / "hf")
     hf = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     x = tokens()
     with torch.no_grad():
         torch.testing.assert_close(hf(input_ids=x).logits, model(x).logits, rtol=0, atol=1e-5)
 
 
-def test_hf_export_refuses_tape_and_mismatched_states_are_refused(tmp_path):
+def test_mismatched_states_are_refused(tmp_path):
     tape = small_model("tape", dtype=torch.float32)
-    with pytest.raises(ValueError, match="needs pe=rope"):
-        save_hf_llama(tape.state_dict(), tape.cfg, tmp_path / "hf")
     rope = small_model("rope", dtype=torch.float32)
     with pytest.raises(ValueError, match="missing .*pos_update|unexpected .*pos_update"):
         save_pretrained(rope.state_dict(), tape.cfg, tmp_path / "bad")

@@ -274,8 +274,10 @@ def render_eval_script(template: str, opts: ClusterOptions, eval_args: list[str]
 
 
 def default_template_dir() -> Path:
-    """`launch/slurm/` of the source tree tape_train was installed from (editable install)."""
-    return Path(__file__).resolve().parents[2] / "launch" / "slurm"
+    """The shipped Slurm templates (the source tree's `launch/slurm/`, or the wheel's copy)."""
+    from tape_train.resources import resource_dir
+
+    return resource_dir("slurm")
 
 
 def read_template(path: Path) -> str:

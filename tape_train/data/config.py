@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
-
 from tape_train.hints import choice_error, read_named_yaml, unknown_keys
+from tape_train.resources import resource_dir
 
 SHARDING_MODES = ("documents", "global")
 DATA_FORMATS = ("text", "tokens")
-DATA_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "data"
+DATA_CONFIG_DIR = resource_dir("configs/data")
 
 
 class DataError(ValueError):

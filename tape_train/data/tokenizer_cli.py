@@ -28,6 +28,7 @@ from tape_train.data.sources import SourceCursor
 from tape_train.files import write_atomic
 from tape_train.data.tokenizer import (MODEL_TYPES, TokenizerTrainSpec, load_tokenizer,
                                        train_tokenizer)
+from tape_train.resources import named_file
 
 log = logging.getLogger("tape_train.data")
 
@@ -40,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--input", nargs="+", required=True, metavar="PATH",
                        help="files, directories, globs or a prepared directory")
     train.add_argument("--out", required=True, help="output prefix (writes PREFIX.model)")
-    train.add_argument("--spec", type=Path, help="YAML file of options (tokenizer/demo.yaml); "
+    train.add_argument("--spec", type=_spec_path,
+                       help="YAML file of options, or a shipped spec's name (demo: "
+                            "tokenizer/demo.yaml); "
                                                  "flags given on the command line win")
     train.add_argument("--vocab-size", type=int)
     train.add_argument("--model-type", choices=MODEL_TYPES)
@@ -57,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("model")
     info.add_argument("--text", help="also show how this text is tokenised")
     return parser
+
+
+def _spec_path(value: str) -> Path:
+    return named_file(value, "tokenizer")
 
 
 def _spec_from_args(args: argparse.Namespace) -> TokenizerTrainSpec:

@@ -18,6 +18,8 @@ import os
 import sys
 from pathlib import Path
 
+from tape_train.progress import MODES, show_progress
+
 log = logging.getLogger("tape_train.eval")
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp64": "float64"}
@@ -55,7 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                    help="evaluation dtype of the weights (default: fp32)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--progress", choices=MODES, default="auto",
+                   help="progress bars: auto (only on a terminal, never in a redirected log), "
+                        "on or off (default: %(default)s)")
+    p.add_argument("--no-progress", dest="progress", action="store_const", const="off",
+                   help="same as --progress off")
     return p
 
 
@@ -204,7 +210,7 @@ def run(args) -> int:
             results += evaluate_perplexity(
                 model, docs, lengths=lengths, protocol=protocol, stride=args.stride,
                 max_tokens=max_tokens, batch_size=args.batch_size, device=device,
-                progress=rank == 0 and not args.no_progress, reduce=reduce, dp_rank=rank,
+                progress=rank == 0 and show_progress(args.progress), reduce=reduce, dp_rank=rank,
                 dp_size=world)
         runs.append({"label": label, "checkpoint": str(tag_dir), "step": meta.get("step"),
                      "pe": model_cfg.pe, "model": model_cfg.name,

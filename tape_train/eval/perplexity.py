@@ -262,7 +262,8 @@ def evaluate_perplexity(model: torch.nn.Module, documents: Iterable, *, lengths:
             ones for every length and protocol); ``None`` scores everything.
         batch_size: windows per forward call.
         device: where the inputs go; ``None`` asks the model.
-        progress: show a tqdm bar per length.
+        progress: show a tqdm bar per length (callers decide with
+            ``tape_train.progress.show_progress``: only on a terminal by default).
         reduce: under data parallelism, a function summing a float64 tensor across the
             data-parallel ranks (e.g. an all-reduce returning its input); called exactly once
             per call, on every rank, with shape (len(lengths), 3) = (nll_sum, tokens, bytes).
@@ -397,11 +398,11 @@ def _evaluate_length(model, docs, length, protocol, stride, max_tokens, batch_si
 
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from tape_train.progress import progress_bar
 
         stride_note = f" S={resolve_stride(length, stride)}" if protocol == "sliding" else ""
-        bar = tqdm(total=total, desc=f"eval {protocol} L={length}{stride_note}", unit="tok",
-                   dynamic_ncols=True, leave=False)
+        bar = progress_bar(total, desc=f"eval {protocol} L={length}{stride_note}", unit="tok",
+                           mode="on", leave=False)
     nll_sum, scored, scored_bytes = 0.0, 0, 0.0
     own_batches = 0
     first_batch = None

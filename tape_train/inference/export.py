@@ -1,4 +1,9 @@
-"""``tape-export``: consolidate a checkpoint of any layout into a self-contained directory."""
+"""``tape-export``: consolidate a checkpoint of any layout into a self-contained directory.
+
+Without ``--hf`` the directory is tape-train's own (``tape_train.model.from_pretrained``);
+with ``--hf`` it loads in ``transformers`` (``tape_train.inference.hf_export``). Both carry the
+sentencepiece model and the Hugging Face tokenizer files when the run's tokenizer is known.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from tape_train.model.pretrained import save_hf_llama, save_pretrained
+from tape_train.inference.hf_export import save_hf, write_tokenizer_files
+from tape_train.model.pretrained import save_pretrained
 
 log = logging.getLogger("tape_train.export")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -24,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory (written atomically)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--hf", action="store_true",
-                        help="write a Hugging Face LlamaForCausalLM directory (pe=rope only)")
+                        help="write a Hugging Face directory: LlamaForCausalLM for pe=rope, "
+                             "remote code (trust_remote_code=True) for every other encoding")
     parser.add_argument("--tokenizer", help="tokenizer .model to bundle (default: the run's)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -42,10 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = None
     provenance = {"source": str(Path(args.checkpoint).resolve()), "step": meta.get("step"),
                   "tokens_seen": meta.get("tokens_seen"), "code_version": meta.get("code_version")}
-    save = save_hf_llama if args.hf else save_pretrained
     try:
-        out = save(state, cfg, args.out, dtype=DTYPES[args.dtype], tokenizer=tokenizer,
-                   provenance=provenance)
+        if args.hf:
+            out = save_hf(state, cfg, args.out, dtype=DTYPES[args.dtype], tokenizer=tokenizer,
+                          provenance=provenance)
+        else:
+            out = save_pretrained(state, cfg, args.out, dtype=DTYPES[args.dtype],
+                                  tokenizer=tokenizer, provenance=provenance,
+                                  extra=lambda d: write_tokenizer_files(d, tokenizer, cfg))
     except ValueError as exc:
         print(f"tape-export: {exc}", file=sys.stderr)
         return 2

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
-
 from tape_train.hints import choice_error, read_named_yaml, unknown_keys
 from tape_train.model.pe import ENCODINGS, EncodingSpec
+from tape_train.resources import resource_dir
 
 POSITIONAL_ENCODINGS = tuple(ENCODINGS)
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "blocked", "flash", "triton")
-MODEL_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
+MODEL_CONFIG_DIR = resource_dir("configs/model")
 
 
 @dataclass

@@ -36,20 +36,31 @@ def llama_encodings() -> list[str]:
     return [n for n, s in ENCODINGS.items() if s.hf_architecture == "LlamaForCausalLM"]
 
 
-def hf_llama_config(cfg: ModelConfig):
-    """The ``transformers.LlamaConfig`` of the same shape (RoPE only)."""
+def llama_config_dict(cfg: ModelConfig) -> dict:
+    """config.json of the ``LlamaForCausalLM`` of the same shape (encodings whose decoder is a Llama: RoPE)."""
     if cfg.encoding.hf_architecture != "LlamaForCausalLM":
         raise ValueError(f"pe={cfg.pe!r} has no Hugging Face Llama equivalent; encodings that "
                          f"have one: {llama_encodings()}")
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "initializer_range": cfg.init_std,
+    }
+
+
+def hf_llama_config(cfg: ModelConfig):
+    """The ``transformers.LlamaConfig`` of the same shape (RoPE only)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
-        attention_bias=False, mlp_bias=False, initializer_range=cfg.init_std)
+    data = llama_config_dict(cfg)
+    for key in ("architectures", "model_type"):
+        data.pop(key)
+    return LlamaConfig(**data)
 
 
 def to_hf_llama_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -6,10 +6,10 @@ An export directory holds:
     tokenizer.model     the sentencepiece model the weights were trained with (if known)
     export.json         provenance: source checkpoint, step, tokens seen, dtype
 
-For the RoPE baseline ``save_hf_llama`` writes a directory that ``transformers``'
-``LlamaForCausalLM.from_pretrained`` loads (Hugging Face names and config).
+Hugging Face directories (every encoding) are written by ``tape_train.inference.hf_export``.
 Directories are written to a temporary sibling and renamed, so a partial export never looks
-complete.
+complete; they get the permissions of ordinary files and directories (the umask), not
+``mkdtemp``'s private 0700.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,10 +33,35 @@ TOKENIZER = "tokenizer.model"
 PROVENANCE = "export.json"
 
 
-def _write_dir_atomically(out_dir: Path, write) -> Path:
+def umask_mode(mode: int = 0o666) -> int:
+    """``mode`` with the process umask applied: what ``open()`` would create."""
+    try:
+        with open("/proc/self/status") as fh:  # reads the umask without changing it
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return mode & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return mode & ~current
+
+
+def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors file of ``state``; safetensors creates it 0600, we give it the umask's mode
+    so others can read an export on a shared cluster as they can any file."""
+    from safetensors.torch import save_file
+
+    save_file(state, str(path), metadata={"format": "pt"})
+    os.chmod(path, umask_mode())
+
+
+def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
+    """Call ``write(tmp)`` on a fresh sibling directory, then rename it to ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()  # mode 0777 & ~umask, like any directory the user creates
     try:
         write(tmp)
         fsync_tree(tmp)
@@ -49,7 +75,7 @@ def _write_dir_atomically(out_dir: Path, write) -> Path:
     return out_dir
 
 
-def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     # safetensors refuses shared storage (tied embeddings): store contiguous copies.
     return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().clone()
             for k, v in state.items()}
@@ -57,10 +83,10 @@ def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch
 
 def save_pretrained(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, *,
                     dtype: torch.dtype = torch.float32, tokenizer: str | Path | None = None,
-                    provenance: dict | None = None) -> Path:
-    """Write an export directory from a (consolidated) state dict."""
-    from safetensors.torch import save_file
-
+                    provenance: dict | None = None,
+                    extra: Callable[[Path], None] | None = None) -> Path:
+    """Write an export directory from a (consolidated) state dict; ``extra(dir)`` may add
+    files before the directory is published."""
     model_keys = set(parameter_names(cfg))
     if set(state) != model_keys:
         missing, extra = sorted(model_keys - set(state)), sorted(set(state) - model_keys)
@@ -70,14 +96,16 @@ def save_pretrained(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: s
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
 
     def write(tmp: Path) -> None:
-        save_file(_cast(state, dtype), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        save_weights(cast_state(state, dtype), tmp / WEIGHTS)
         (tmp / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / TOKENIZER)
         info = {"dtype": str(dtype).removeprefix("torch."), **(provenance or {})}
         (tmp / PROVENANCE).write_text(json.dumps(info, indent=2, default=str) + "\n")
+        if extra is not None:
+            extra(tmp)
 
-    return _write_dir_atomically(Path(out_dir), write)
+    return write_dir_atomically(Path(out_dir), write)
 
 
 def parameter_names(cfg: ModelConfig) -> list[str]:
@@ -108,40 +136,3 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
     if dtype is None:
         dtype = next(iter(state.values())).dtype
     return model.to(dtype).eval()
-
-
-def save_hf_llama(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, *,
-                  dtype: torch.dtype = torch.float32, tokenizer: str | Path | None = None,
-                  provenance: dict | None = None) -> Path:
-    """Export the RoPE baseline as a Hugging Face Llama directory (no transformers needed)."""
-    from safetensors.torch import save_file
-
-    from tape_train.model.hf import llama_encodings, to_hf_llama_state_dict
-
-    if cfg.encoding.hf_architecture != "LlamaForCausalLM":
-        raise ValueError(f"--hf export needs pe={' or '.join(llama_encodings())} "
-                         f"(Llama has no {cfg.pe!r}); "
-                         f"use the native export and tape_train.model.from_pretrained")
-    hf_state = to_hf_llama_state_dict(state)
-    if cfg.tie_embeddings:
-        hf_state.pop("lm_head.weight", None)
-    hf_config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_seq_len,
-        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        "initializer_range": cfg.init_std, "torch_dtype": str(dtype).removeprefix("torch."),
-    }
-
-    def write(tmp: Path) -> None:
-        save_file(_cast(hf_state, dtype), str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
-        if tokenizer is not None:
-            shutil.copyfile(tokenizer, tmp / TOKENIZER)
-        (tmp / PROVENANCE).write_text(json.dumps({"format": "hf-llama", **(provenance or {})},
-                                                 indent=2, default=str) + "\n")
-
-    return _write_dir_atomically(Path(out_dir), write)

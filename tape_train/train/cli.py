@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="overrides: dotted keys with YAML values, e.g. model.pe=rope train.lr=3e-4 "
                "eval.lengths=[256,512]")
-    parser.add_argument("--config", required=True, help="run config YAML (configs/train/*.yaml)")
+    parser.add_argument("--config", required=True, help="run config YAML, or the name of a shipped one "
+                                                       "(demo, 125m: configs/train/<name>.yaml)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     parser.add_argument("--resume-from", default=None,
                         help="run dir, checkpoint root or checkpoint tag dir to resume from "

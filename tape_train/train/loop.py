@@ -157,7 +157,8 @@ class Trainer:
             write_atomic(self.run_dir / "config.yaml", cfg.to_yaml())
         self.writer = MetricsWriter(self.run_dir, enabled=self.rank == 0,
                                     tensorboard=cfg.logging.tensorboard,
-                                    resume_step=self.state.step)
+                                    resume_step=self.state.step,
+                                    wandb=cfg.logging.wandb, run_config=cfg.to_dict())
         self.writer.write("event", self.state.step, {
             "event": "resume" if resumed_from else "start", "checkpoint": resumed_from,
             "world_size": self.dist.world_size, "slurm_restart_count": int(restarts or 0),
@@ -422,14 +423,12 @@ class Trainer:
                 bar.close()
 
     def _progress_bar(self):
-        mode = self.cfg.logging.progress_bar
-        show = self.rank == 0 and (mode is True or (mode == "auto" and sys.stderr.isatty()))
-        if not show:
+        if self.rank != 0:
             return None
-        from tqdm import tqdm
+        from tape_train.progress import progress_bar
 
-        return tqdm(total=self.cfg.train.max_steps, initial=self.state.step, unit="step",
-                    dynamic_ncols=True, file=sys.stderr)
+        return progress_bar(self.cfg.train.max_steps, initial=self.state.step, unit="step",
+                            mode=self.cfg.logging.progress_bar)
 
     def _console(self, line: str, bar) -> None:
         if self.rank != 0 and not self.cfg.logging.all_ranks:

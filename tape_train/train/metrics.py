@@ -103,12 +103,18 @@ class MetricsWriter:
     """
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool,
-                 resume_step: int | None = None) -> None:
+                 resume_step: int | None = None, wandb: dict | None = None,
+                 run_config: dict | None = None) -> None:
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
+        self._wandb = None
         if not enabled:
             return
+        if wandb is not None:  # imported only when configured
+            from tape_train.train.wandb_sink import WandbSink
+
+            self._wandb = WandbSink(run_dir, wandb, run_config or {})
         run_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
             supersede_replayed_rows(run_dir, resume_step)
@@ -124,12 +130,12 @@ class MetricsWriter:
             return
         record = {"kind": kind, "step": step, "time": time.time(), **values}
         self._jsonl.write(json.dumps(record, default=_json_default) + "\n")
-        if self._tb is not None and kind in ("train", "eval"):
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) \
-                        and math.isfinite(value):
-                    tag = key if "/" in key else f"{kind}/{key}"
-                    self._tb.add_scalar(tag, value, step)
+        items = scalar_items(kind, values)
+        if self._tb is not None:
+            for tag, value in items.items():
+                self._tb.add_scalar(tag, value, step)
+        if self._wandb is not None:
+            self._wandb.write(items, step)
 
     def flush(self) -> None:
         if self._tb is not None:
@@ -141,6 +147,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
@@ -172,6 +181,16 @@ def supersede_replayed_rows(run_dir: Path, resume_step: int) -> int:
     log.info("metrics.jsonl: %d rows after step %d (replayed from there) superseded; kept in %s",
              len(moved), resume_step, replayed)
     return len(moved)
+
+
+def scalar_items(kind: str, values: dict) -> dict[str, float]:
+    """The scalars every dashboard sink logs for a record: finite numbers of ``train`` and
+    ``eval`` records, tagged ``<kind>/<key>`` unless the key already has a ``/``."""
+    if kind not in ("train", "eval"):
+        return {}
+    return {(key if "/" in key else f"{kind}/{key}"): value for key, value in values.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value)}
 
 
 def _json_default(obj):

@@ -1,0 +1,106 @@
+"""``tape-export --hf``: a directory every Hugging Face tool loads, for every encoding.
+
+RoPE exports to plain ``LlamaForCausalLM`` (Hugging Face names and config). Every other
+encoding exports our own weights (tape-train's parameter names) with ``configuration_tape.py``
+and ``modeling_tape.py`` copied in and ``auto_map`` in config.json, so
+``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`` loads it without
+tape-train installed. Both kinds carry the tokenizer files of
+:mod:`tape_train.inference.hf_tokenizer` and bos/eos/pad ids in config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from tape_train.model.config import ModelConfig
+from tape_train.model.pretrained import (CONFIG, PROVENANCE, TOKENIZER, WEIGHTS, cast_state,
+                                         save_weights, write_dir_atomically)
+
+REMOTE_CODE_DIR = Path(__file__).resolve().parent / "hf_remote"
+REMOTE_FILES = ("configuration_tape.py", "modeling_tape.py")
+
+
+def hf_architecture(cfg: ModelConfig) -> str:
+    """``llama`` when transformers has the encoding's architecture built in (its
+    ``EncodingSpec.hf_architecture``), else ``tape`` (the remote code shipped in the export)."""
+    return "llama" if cfg.encoding.hf_architecture == "LlamaForCausalLM" else "tape"
+
+
+def _tape_config(cfg: ModelConfig) -> dict:
+    return {
+        "architectures": ["TapeForCausalLM"], "model_type": "tape_lm",
+        "auto_map": {"AutoConfig": "configuration_tape.TapeConfig",
+                     "AutoModelForCausalLM": "modeling_tape.TapeForCausalLM"},
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "pe": cfg.pe, "rotary_theta": cfg.rope_theta, "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std,
+        "tape_position_size": cfg.tape_position_size, "tape_post_attn": cfg.tape_post_attn,
+        "xpos_scale_base": cfg.xpos_scale_base, "fire_hidden": cfg.fire_hidden,
+        "t5_num_buckets": cfg.t5_num_buckets, "t5_max_distance": cfg.t5_max_distance,
+        # Tied models are stored with both matrices: the remote code needs no tying logic,
+        # which differs between transformers 4.x and 5.x.
+        "tie_word_embeddings": False,
+    }
+
+
+def write_tokenizer_files(out_dir: Path, tokenizer: str | Path | None, cfg: ModelConfig
+                          ) -> dict[str, int] | None:
+    """The Hugging Face tokenizer and generation files of the sentencepiece model (the
+    ``.model`` itself is copied by the caller); returns the special ids, or None without a
+    tokenizer."""
+    if tokenizer is None:
+        return None
+    from tape_train.inference.hf_tokenizer import write_generation_config, write_hf_tokenizer
+
+    ids = write_hf_tokenizer(tokenizer, out_dir, model_max_length=cfg.max_seq_len)
+    write_generation_config(out_dir, ids)
+    return ids
+
+
+def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, *,
+            dtype: torch.dtype = torch.float32, tokenizer: str | Path | None = None,
+            provenance: dict | None = None) -> Path:
+    """Write a Hugging Face directory for ``state`` (our names, consolidated)."""
+    arch = hf_architecture(cfg)
+    if arch == "llama":
+        from tape_train.model.hf import llama_config_dict, to_hf_llama_state_dict
+
+        weights = to_hf_llama_state_dict(state)
+        if cfg.tie_embeddings:
+            weights.pop("lm_head.weight", None)
+        config = llama_config_dict(cfg)
+    else:
+        weights = dict(state)
+        if cfg.tie_embeddings and "lm_head.weight" not in weights:
+            weights["lm_head.weight"] = weights["embed.weight"]
+        config = _tape_config(cfg)
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    if tokenizer is not None:
+        from tape_train.data.tokenizer import load_tokenizer
+
+        vocab = load_tokenizer(tokenizer).vocab_size
+        if vocab > cfg.vocab_size:
+            raise ValueError(f"tokenizer {tokenizer} has {vocab} pieces but the model only "
+                             f"{cfg.vocab_size} embeddings")
+
+    def write(tmp: Path) -> None:
+        save_weights(cast_state(weights, dtype), tmp / WEIGHTS)
+        ids = write_tokenizer_files(tmp, tokenizer, cfg)
+        if ids is not None:
+            shutil.copyfile(tokenizer, tmp / TOKENIZER)
+            config.update(bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+                          pad_token_id=ids["pad"])
+        if arch == "tape":
+            for name in REMOTE_FILES:
+                shutil.copyfile(REMOTE_CODE_DIR / name, tmp / name)
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / PROVENANCE).write_text(json.dumps({"format": f"hf-{arch}", **(provenance or {})},
+                                                 indent=2, default=str) + "\n")
+
+    return write_dir_atomically(Path(out_dir), write)

@@ -1,0 +1,146 @@
+"""A Hugging Face fast tokenizer that gives exactly the ids training gave.
+
+Training tokenises with sentencepiece (``tape_train.data.tokenizer``): no special-token
+parsing (a literal ``<s>`` in text is three ordinary pieces), ``add_dummy_prefix`` as recorded
+in the model ("Hello world" → ``▁Hello ▁world``), only U+0020 escaped to "▁", byte fallback,
+and every document wrapped as ``[BOS] + tokens + [EOS]`` by the packer. This module rebuilds
+that with the ``tokenizers`` library from the ``.model`` proto itself (no conversion at load
+time, no sentencepiece/protobuf needed by users) and writes the files ``AutoTokenizer`` reads:
+
+    tokenizer.json            the fast tokenizer (BOS prepended by its post-processor)
+    tokenizer_config.json     special tokens, add_bos_token=true, add_eos_token=false,
+                              split_special_tokens=true, clean_up_tokenization_spaces=false
+    special_tokens_map.json
+    generation_config.json    bos/eos/pad ids: ``generate`` stops at EOS, pads with PAD
+
+Prompts get BOS and no EOS (training's documents start with BOS; a prompt is an unfinished
+document). PAD is the model's ``<pad>`` (our tokenizers: id 0), else UNK as in training.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tape_train.data.tokenizer import load_tokenizer
+
+# sentencepiece ModelProto.SentencePiece.Type
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+# Unigram scores of pieces sentencepiece never matches in text (control, byte, unused):
+# low enough that the Viterbi search never prefers them.
+_NEVER_MATCHED = -1e9
+
+
+def _proto(path: str):
+    """The parsed sentencepiece ModelProto (sentencepiece ships its own protobuf module)."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(Path(path).read_bytes())
+    return proto
+
+
+def _bpe_merges(pieces) -> list[tuple[str, str]]:
+    """Merges in sentencepiece's order: a pair merges when its concatenation is a normal piece,
+    the highest-scoring (lowest-id) result first; ties among splits of one piece by id."""
+    vocab = {p.piece: i for i, p in enumerate(pieces) if p.type == _NORMAL}
+    merges = []
+    for piece, piece_id in sorted(vocab.items(), key=lambda kv: kv[1]):
+        splits = [(piece[:i], piece[i:]) for i in range(1, len(piece))
+                  if piece[:i] in vocab and piece[i:] in vocab]
+        splits.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        merges.extend(splits)
+    return merges
+
+
+def build_fast_tokenizer(model_path: str | Path):
+    """A ``tokenizers.Tokenizer`` equivalent to the sentencepiece model at ``model_path``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
+    from tokenizers.models import BPE, Unigram
+
+    tok = load_tokenizer(model_path)
+    proto = _proto(str(model_path))
+    trainer, norm = proto.trainer_spec, proto.normalizer_spec
+    if norm.name not in ("identity", "") or norm.precompiled_charsmap:
+        raise ValueError(f"tokenizer {model_path}: normalization rule {norm.name!r} is not "
+                         f"supported by the Hugging Face export (identity only)")
+    if norm.remove_extra_whitespaces:
+        raise ValueError(f"tokenizer {model_path}: remove_extra_whitespaces=true is not "
+                         f"supported by the Hugging Face export")
+    pieces = list(proto.pieces)
+    byte_fallback = bool(trainer.byte_fallback)
+    if trainer.model_type == 2:  # BPE
+        model = BPE(vocab={p.piece: i for i, p in enumerate(pieces)}, merges=_bpe_merges(pieces),
+                    unk_token=pieces[tok.unk_id].piece, byte_fallback=byte_fallback,
+                    fuse_unk=True)
+    elif trainer.model_type == 1:  # unigram
+        scores = [(p.piece, p.score if p.type in (_NORMAL, _USER_DEFINED) else _NEVER_MATCHED)
+                  for p in pieces]
+        model = Unigram(scores, unk_id=tok.unk_id, byte_fallback=byte_fallback)
+    else:
+        raise ValueError(f"tokenizer {model_path}: model type {trainer.model_type} is not "
+                         f"bpe or unigram")
+    fast = Tokenizer(model)
+    steps = [normalizers.Replace(" ", "▁")]
+    if norm.add_dummy_prefix:
+        steps.insert(0, normalizers.Prepend("▁"))
+    fast.normalizer = normalizers.Sequence(steps)
+    fast.pre_tokenizer = None
+    fast.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if norm.add_dummy_prefix else []))
+    specials = [pieces[i].piece for i, p in enumerate(pieces) if p.type in (_CONTROL, _UNKNOWN)]
+    fast.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    # Training never parses special-token strings in text: neither does this tokenizer.
+    fast.encode_special_tokens = True
+    bos = pieces[tok.bos_id].piece
+    fast.post_processor = processors.TemplateProcessing(
+        single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+        special_tokens=[(bos, tok.bos_id)])
+    return fast
+
+
+def special_token_ids(model_path: str | Path) -> dict[str, int]:
+    """``bos``/``eos``/``pad``/``unk`` ids as training used them (PAD falls back to UNK)."""
+    tok = load_tokenizer(model_path)
+    return {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id, "unk": tok.unk_id}
+
+
+def write_hf_tokenizer(model_path: str | Path, out_dir: str | Path,
+                       model_max_length: int) -> dict[str, int]:
+    """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json and
+    generation_config.json for the sentencepiece model into ``out_dir``; returns the special
+    ids (for config.json)."""
+    out_dir = Path(out_dir)
+    tok = load_tokenizer(model_path)
+    ids = special_token_ids(model_path)
+    fast = build_fast_tokenizer(model_path)
+    fast.save(str(out_dir / "tokenizer.json"))
+    names = {key: tok.id_to_piece(i) for key, i in ids.items()}
+    special_map = {f"{key}_token": name for key, name in names.items()}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special_map,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "split_special_tokens": True,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "padding_side": "left",
+        # no token_type_ids (transformers 4.x would return them and generate() refuses them)
+        "model_input_names": ["input_ids", "attention_mask"],
+    }
+    _write_json(out_dir / "tokenizer_config.json", config)
+    _write_json(out_dir / "special_tokens_map.json", special_map)
+    return ids
+
+
+def write_generation_config(out_dir: str | Path, ids: dict[str, int]) -> None:
+    """generation_config.json: generation stops at EOS and pads with PAD."""
+    _write_json(Path(out_dir) / "generation_config.json",
+                {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"],
+                 "pad_token_id": ids["pad"], "do_sample": False})
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")

@@ -1,0 +1,122 @@
+"""`tape-export --hf`: every encoding loads with AutoModelForCausalLM and computes what
+tape-train computes (logits, KV-cache decoding, generate, batched padded generate)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model_utils import small_model, tokens
+from tape_train.inference.hf_export import REMOTE_CODE_DIR, REMOTE_FILES, save_hf
+from tape_train.model.config import POSITIONAL_ENCODINGS
+
+transformers = pytest.importorskip("transformers")
+
+
+# transformers 5 renamed from_pretrained's torch_dtype to dtype
+_DTYPE_KW = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+
+
+def _load(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, trust_remote_code=True, **{_DTYPE_KW: torch.float32}).eval()
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for pe in POSITIONAL_ENCODINGS:
+        model = small_model(pe, dtype=torch.float32, tie_embeddings=pe == "alibi")
+        out[pe] = (model, save_hf(model.state_dict(), model.cfg, root / pe))
+    return out
+
+
+@pytest.mark.parametrize("pe", POSITIONAL_ENCODINGS)
+def test_logits_and_kv_cache_equal_tape_train(exports, pe):
+    model, path = exports[pe]
+    hf = _load(path)
+    assert type(hf).__name__ == ("LlamaForCausalLM" if pe == "rope" else "TapeForCausalLM")
+    x = tokens()
+    with torch.no_grad():
+        full = hf(input_ids=x).logits
+        torch.testing.assert_close(full, model(x).logits, rtol=0, atol=1e-5)
+        out = hf(input_ids=x[:, :9], use_cache=True)
+        steps, cache = [out.logits], out.past_key_values
+        for i in range(9, x.shape[1]):
+            out = hf(input_ids=x[:, i:i + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+            cache = out.past_key_values
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("pe", ["tape", "t5", "fire"])
+def test_generate_equals_tape_train_and_batched_padding_changes_nothing(exports, pe):
+    model, path = exports[pe]
+    hf = _load(path)
+    prompts = [tokens(1, 7, seed=1)[0], tokens(1, 4, seed=2)[0]]
+    greedy = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    singles = []
+    for p in prompts:
+        ours = model.generate(p[None], max_new_tokens=8)
+        theirs = hf.generate(p[None], attention_mask=torch.ones_like(p[None]), **greedy)
+        assert torch.equal(theirs[0], ours[0])
+        singles.append(theirs[0, len(p):])
+    width = max(len(p) for p in prompts)
+    batch = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    for i, p in enumerate(prompts):  # left padding
+        batch[i, width - len(p):] = p
+        mask[i, width - len(p):] = 1
+    batched = hf.generate(batch, attention_mask=mask, **greedy)
+    for i, new in enumerate(singles):
+        assert torch.equal(batched[i, width:], new)
+
+
+@pytest.mark.slow
+def test_remote_code_loads_without_tape_train(exports):
+    _, path = exports["tape"]
+    for name in REMOTE_FILES:
+        assert "tape_train" not in (REMOTE_CODE_DIR / name).read_text().replace(
+            "tape-train", "")
+    code = ("import sys; sys.modules['tape_train'] = None\n"
+            "import torch, transformers\n"
+            f"m = transformers.AutoModelForCausalLM.from_pretrained({str(path)!r}, "
+            "trust_remote_code=True)\n"
+            "print(type(m).__name__, m(torch.tensor([[1, 2, 3]])).logits.shape)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_HUB_OFFLINE"] = "1"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, cwd=path.parent, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "TapeForCausalLM torch.Size([1, 3, 97])" in proc.stdout
+
+
+def test_export_is_readable_by_others_under_a_normal_umask(tmp_path):
+    model = small_model("tape", dtype=torch.float32)
+    old = os.umask(0o022)
+    try:
+        out = save_hf(model.state_dict(), model.cfg, tmp_path / "shared")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    for f in out.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f.name
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_tape.TapeForCausalLM"
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+
+
+def test_config_records_what_transformers_needs(exports):
+    rope = json.loads(Path(exports["rope"][1], "config.json").read_text())
+    assert rope["model_type"] == "llama" and "auto_map" not in rope
+    assert not (exports["rope"][1] / "modeling_tape.py").exists()
+    tape = json.loads(Path(exports["tape"][1], "config.json").read_text())
+    assert tape["model_type"] == "tape_lm" and tape["pe"] == "tape"

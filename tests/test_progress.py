@@ -1,0 +1,41 @@
+"""One progress convention: bars only on a terminal, plain lines in redirected logs."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from tape_train.eval.cli import main as eval_main
+from tape_train.progress import progress_bar, show_progress
+from test_eval_reports_cli import make_checkpoint
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_auto_draws_only_on_a_terminal():
+    assert show_progress("auto", _Terminal()) and not show_progress("auto", io.StringIO())
+    assert show_progress("on", io.StringIO()) and show_progress(True, io.StringIO())
+    assert not show_progress("off", _Terminal()) and not show_progress(False, _Terminal())
+    assert progress_bar(10, stream=io.StringIO()) is None
+    term = _Terminal()
+    bar = progress_bar(10, stream=term)
+    bar.update(5)
+    bar.close()
+    assert "\r" in term.getvalue()
+    with pytest.raises(ValueError, match="progress mode 'sometimes'"):
+        show_progress("sometimes")
+
+
+@pytest.mark.parametrize("flag, bars", [([], False), (["--progress", "on"], True)])
+def test_tape_eval_writes_no_carriage_returns_into_a_redirected_log(tmp_path, capsys, flag,
+                                                                    bars):
+    make_checkpoint(tmp_path / "run", "tape", seed=1)
+    rc = eval_main(["--checkpoint", str(tmp_path / "run"), "--lengths", "8", "--max-tokens",
+                    "40", "--batch-size", "3", "--out", str(tmp_path / "report"), *flag])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert ("\r" in captured.err + captured.out) is bars
