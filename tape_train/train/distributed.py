@@ -103,8 +103,11 @@ def _no_shm_comm_build(skip: bool):
     if not skip:
         yield
         return
-    import deepspeed.comm.torch as ds_torch
+    import importlib
 
+    # Not `import deepspeed.comm.torch as ...`: deepspeed.comm re-exports torch itself under
+    # that attribute name, so the import statement would bind the torch package.
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
     original = getattr(ds_torch, "build_shm_op", None)
     if original is None:  # another DeepSpeed version: nothing to skip
         yield

@@ -56,8 +56,22 @@ def machine_key() -> str:
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 
-def cached(name: str, key: str, measure: Callable[[], float]) -> tuple[float, bool]:
-    """``measure()`` once per (machine, ``name``, ``key``); returns (value, was_cached)."""
+def busy_cpu() -> str | None:
+    """A description of the load when the machine is busier than it has cores, else None (a
+    measurement taken then is low and must not be kept)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return None
+    cores = os.cpu_count() or 1
+    return f"load {load:.1f} on {cores} cores" if load > cores else None
+
+
+def cached(name: str, key: str, measure: Callable[[], float], keep: bool = True
+           ) -> tuple[float, bool]:
+    """``measure()`` once per (machine, ``name``, ``key``); returns (value, was_cached).
+
+    With ``keep=False`` a missing value is measured but not stored (a busy machine)."""
     path = cache_dir() / "measurements.json"
     full_key = f"{name}/{machine_key()}/{key}"
     try:
@@ -70,6 +84,8 @@ def cached(name: str, key: str, measure: Callable[[], float]) -> tuple[float, bo
     if isinstance(value, (int, float)) and value > 0:
         return float(value), True
     value = float(measure())
+    if not keep:
+        return value, False
     table[full_key] = value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from tape_train.train.machine_cache import cached
+from tape_train.train.machine_cache import busy_cpu, cached
 
 # Published dense (no sparsity) peaks in TFLOP/s: (bf16 tensor core, tf32 tensor core, fp32).
 # Matched by substring of torch.cuda.get_device_name(); the first match wins, so the more
@@ -75,13 +75,17 @@ def measure_gemm_peak_tflops(dtype: torch.dtype, budget_s: float = CPU_PEAK_BUDG
 
 
 def cpu_peak_tflops(dtype: torch.dtype) -> tuple[float, str]:
-    """The cached (else measured now) CPU GEMM peak for ``dtype`` and this thread count."""
+    """The cached (else measured now) CPU GEMM peak for ``dtype`` and this thread count. A
+    peak measured while the machine is busier than it has cores is used but not cached (it is
+    low: the next start measures again)."""
     threads = torch.get_num_threads()
     name = str(dtype).replace("torch.", "")
+    busy = busy_cpu()
     peak, was_cached = cached("gemm_peak_tflops", f"{name}/{threads}",
-                              lambda: measure_gemm_peak_tflops(dtype))
+                              lambda: measure_gemm_peak_tflops(dtype), keep=busy is None)
     how = "cached measurement" if was_cached else "measured"
-    return peak, f"{how} {name} GEMM peak, {threads} threads"
+    note = f"; machine busy ({busy}): not cached, may be low" if busy and not was_cached else ""
+    return peak, f"{how} {name} GEMM peak, {threads} threads{note}"
 
 
 def gpu_table_peak(name: str, dtype: torch.dtype, tf32: bool) -> float | None:
