@@ -1,12 +1,24 @@
-"""Console entry points. Each one imports its subsystem lazily so `--help` stays fast."""
+"""Console entry points. Each one imports its subsystem lazily so `--help` stays fast.
+
+Every command answers ``--version`` here, before its subsystem is imported; neither that nor
+``--help`` imports torch (tests/test_cli_startup.py holds them to it).
+"""
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 
 def _run(module: str) -> None:
+    args = sys.argv[1:]
+    own = args[:args.index("--")] if "--" in args else args  # after "--": another program's
+    if "--version" in own:
+        from tape_train import __version__
+
+        print(f"{os.path.basename(sys.argv[0])} {__version__}")
+        sys.exit(0)
     sys.exit(importlib.import_module(module).main())
 
 

@@ -64,8 +64,10 @@ class TrainConfig:
         decay: shape after warm-up: ``linear`` or ``cosine`` to ``min_lr_ratio * lr`` at
             ``max_steps``, or ``constant``.
         min_lr_ratio: final learning rate as a fraction of ``lr``.
-        dtype: ``bf16`` (parameters and activations in bfloat16, fp32 master weights) or
-            ``fp32``.
+        dtype: ``auto`` (default: ``bf16`` where the device has fast native bf16, else
+            ``fp32``; ``tape_train.train.precision``), ``bf16`` (parameters and activations in
+            bfloat16, fp32 master weights) or ``fp32``. A run records the resolved value in its
+            ``config.yaml``; a resumed ``auto`` run keeps its checkpoint's dtype.
         activation_checkpointing: recompute each decoder layer in the backward pass.
         seed: seeds Python, NumPy and torch on every rank (rank-specific streams derive from it).
         max_bad_steps: stop (with a checkpoint) after this many consecutive steps whose loss
@@ -89,7 +91,7 @@ class TrainConfig:
     warmup_fraction: float = 0.02
     decay: Literal["linear", "cosine", "constant"] = "linear"
     min_lr_ratio: float = 0.0
-    dtype: Literal["bf16", "fp32"] = "bf16"
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
     activation_checkpointing: bool = False
     seed: int = 1234
     max_bad_steps: int = 5

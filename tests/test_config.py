@@ -75,7 +75,7 @@ def test_unknown_section_and_nested_model_key(tmp_path):
 
 
 @pytest.mark.parametrize("override, pattern", [
-    ("train.dtype=bf15", r"train\.dtype: expected one of 'bf16', 'fp32', got 'bf15' "
+    ("train.dtype=bf15", r"train\.dtype: expected one of 'auto', 'bf16', 'fp32', got 'bf15' "
                          r"\(did you mean 'bf16'\?\)"),
     ("train.max_steps=abc", r"train\.max_steps: expected int, got 'abc'"),
     ("train.max_steps=0", r"train\.max_steps must be > 0"),

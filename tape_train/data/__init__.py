@@ -3,13 +3,35 @@
 Public API (the contract in docs/ARCHITECTURE.md)::
 
     from tape_train.data import DataConfig, load_tokenizer, build_train_loader, iter_eval_documents
+
+The exports are resolved lazily (PEP 562), so the config and the command-line tools' ``--help``
+do not import torch.
 """
 
-from tape_train.data.config import DataConfig, DataError, SourceConfig, load_data_config
-from tape_train.data.loader import TrainLoader, build_train_loader, iter_eval_documents
-from tape_train.data.tokenizer import SPECIAL_IDS, Tokenizer, TokenizerError, load_tokenizer
+from __future__ import annotations
 
-__all__ = [
-    "DataConfig", "DataError", "SourceConfig", "SPECIAL_IDS", "Tokenizer", "TokenizerError",
-    "TrainLoader", "build_train_loader", "iter_eval_documents", "load_data_config", "load_tokenizer",
-]
+import importlib
+
+_EXPORTS = {
+    "DataConfig": "tape_train.data.config",
+    "DataError": "tape_train.data.config",
+    "SourceConfig": "tape_train.data.config",
+    "load_data_config": "tape_train.data.config",
+    "TrainLoader": "tape_train.data.loader",
+    "build_train_loader": "tape_train.data.loader",
+    "iter_eval_documents": "tape_train.data.loader",
+    "SPECIAL_IDS": "tape_train.data.tokenizer",
+    "Tokenizer": "tape_train.data.tokenizer",
+    "TokenizerError": "tape_train.data.tokenizer",
+    "load_tokenizer": "tape_train.data.tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

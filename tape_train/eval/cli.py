@@ -22,7 +22,7 @@ from tape_train.progress import MODES, show_progress
 
 log = logging.getLogger("tape_train.eval")
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp64": "float64"}
+DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16", "fp64": "float64"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="eval_results", metavar="DIR",
                    help="output directory (default: %(default)s)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
-                   help="evaluation dtype of the weights (default: fp32)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
+                   help="evaluation dtype of the weights (default: auto: bf16 where the device "
+                        "has fast native bf16, else fp32; tape_train.train.precision)")
     p.add_argument("--progress", choices=MODES, default="auto",
                    help="progress bars: auto (only on a terminal, never in a redirected log), "
                         "on or off (default: %(default)s)")
@@ -175,7 +176,17 @@ def run(args) -> int:
         from tape_train.host_memory import keep_freed_memory
 
         keep_freed_memory()
-    dtype = getattr(torch, DTYPES[args.dtype])
+    dtype_name = args.dtype
+    if dtype_name in ("auto", "bf16"):
+        from tape_train.train.precision import resolve_dtype
+
+        precision = resolve_dtype(dtype_name, device.type)
+        dtype_name = precision.dtype
+        if rank == 0:
+            log.info("%s", precision.log_line(args.dtype))
+            if precision.warning:
+                log.warning("%s", precision.warning)
+    dtype = getattr(torch, DTYPES[dtype_name])
     tag_dirs = [resolve_checkpoint(p) for p in args.checkpoint]
 
     runs, docs, data_desc = [], None, None
@@ -226,7 +237,7 @@ def run(args) -> int:
         paths = write_reports(args.out, runs, settings={
             "protocols": settings.protocols, "sliding_stride": args.stride,
             "max_tokens": max_tokens, "batch_size": args.batch_size, "data": data_desc,
-            "world_size": world, "dtype": args.dtype, "device": str(device)})
+            "world_size": world, "dtype": dtype_name, "device": str(device)})
         print(f"wrote {paths['markdown']}, {paths['plot']}, {paths['json']}", flush=True)
     return 0
 

@@ -12,13 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-
-from tape_train.inference.hf_export import save_hf, write_tokenizer_files
-from tape_train.model.pretrained import save_pretrained
-
 log = logging.getLogger("tape_train.export")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
                     "safetensors + config + tokenizer, loadable without DeepSpeed.")
     parser.add_argument("checkpoint", help="run dir (latest complete checkpoint) or tag dir")
     parser.add_argument("--out", required=True, help="output directory (written atomically)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="weights' dtype in the export (default: auto, the precision the run "
+                             "trained in: its resolved train.dtype)")
     parser.add_argument("--hf", action="store_true",
                         help="write a Hugging Face directory: LlamaForCausalLM for pe=rope, "
                              "remote code (trust_remote_code=True) for every other encoding")
@@ -36,7 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    import torch
+
+    from tape_train.inference.hf_export import save_hf, write_tokenizer_files
     from tape_train.loading import CheckpointError, load_model_from_checkpoint
+    from tape_train.model.pretrained import save_pretrained
 
     try:
         cfg, state, meta = load_model_from_checkpoint(args.checkpoint)
@@ -49,13 +50,18 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = None
     provenance = {"source": str(Path(args.checkpoint).resolve()), "step": meta.get("step"),
                   "tokens_seen": meta.get("tokens_seen"), "code_version": meta.get("code_version")}
+    dtype_name = args.dtype
+    if dtype_name == "auto":  # a checkpoint of an `auto` run records the resolved value
+        trained = ((meta.get("config") or {}).get("train") or {}).get("dtype")
+        dtype_name = trained if trained in ("bf16", "fp32") else "fp32"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     try:
         if args.hf:
-            out = save_hf(state, cfg, args.out, dtype=DTYPES[args.dtype], tokenizer=tokenizer,
+            out = save_hf(state, cfg, args.out, dtype=dtype, tokenizer=tokenizer,
                           provenance=provenance)
         else:
-            out = save_pretrained(state, cfg, args.out, dtype=DTYPES[args.dtype],
-                                  tokenizer=tokenizer, provenance=provenance,
+            out = save_pretrained(state, cfg, args.out, dtype=dtype, tokenizer=tokenizer,
+                                  provenance=provenance,
                                   extra=lambda d: write_tokenizer_files(d, tokenizer, cfg))
     except ValueError as exc:
         print(f"tape-export: {exc}", file=sys.stderr)
@@ -67,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     n_params = sum(v.numel() for v in state.values())
     log.info("exported %s (step %s, %.2fM parameters, %s) to %s", cfg.pe, meta.get("step"),
-             n_params / 1e6, args.dtype, out)
+             n_params / 1e6, dtype_name, out)
     return 0
 
 

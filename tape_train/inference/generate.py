@@ -5,10 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
-from tape_train.inference.loading import load_for_inference
-
 
 class StreamPrinter:
     """Prints the decoded continuation as it grows (sentencepiece joins pieces with spaces
@@ -19,7 +15,7 @@ class StreamPrinter:
         self.ids: list[int] = []
         self.printed = ""
 
-    def __call__(self, new_ids: torch.Tensor) -> None:
+    def __call__(self, new_ids) -> None:
         self.ids.append(int(new_ids[0]))
         text = self.tokenizer.decode(self.ids)
         if text.startswith(self.printed):
@@ -39,12 +35,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", help="sentencepiece .model (default: the model's own)")
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="compute dtype on the CPU (default: auto, bf16 only where bf16 "
+                             "matrix products are fast here)")
     args = parser.parse_args(argv)
 
-    from tape_train.data import load_tokenizer
+    import torch
 
+    from tape_train.data import load_tokenizer
+    from tape_train.inference.loading import load_for_inference
+    from tape_train.train.precision import resolve_dtype
+
+    precision = resolve_dtype(args.dtype, "cpu")
+    if precision.warning:
+        print(f"tape-generate: {precision.warning}", file=sys.stderr)
     try:
-        model, tok_path, _ = load_for_inference(args.model)
+        model, tok_path, _ = load_for_inference(args.model, dtype=precision.torch_dtype)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"tape-generate: {exc}", file=sys.stderr)
         return 2

@@ -3,16 +3,29 @@
 Works under ``torchrun`` (reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*) and as a plain single
 process (``python -m tape_train.train.cli``): then a one-rank group is created on a free local
 port, because DeepSpeed always needs an initialised process group.
+
+No C++ build on the way: DeepSpeed's communication backend JIT-compiles its shared-memory
+all-reduce op (``deepspeed_shm_comm``, minutes on a small CPU, under a file lock) whenever it
+starts on CPU. Training never uses that op (it only serves DeepSpeed's inference all-reduce,
+which falls back to the process group without it), so it is not built for gloo runs. Any op
+DeepSpeed does build goes to a per-virtualenv cache (``TORCH_EXTENSIONS_DIR``, default
+``<venv>/torch_extensions``), and a build lock found there is reported before waiting on it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("tape_train.train")
 
 
 @dataclass(frozen=True)
@@ -51,12 +64,59 @@ def init_distributed(requested_device: str = "auto") -> DistInfo:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(requested_device, local_rank)
+    extensions = use_venv_extensions_dir()
+    report_build_locks(extensions)
     import deepspeed
 
     # Also when a group exists already (tests): DeepSpeed then only wraps it for its own comm.
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
-                               verbose=False)
+    with _no_shm_comm_build(device.type == "cpu"):
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
+                                   verbose=False)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def use_venv_extensions_dir() -> Path:
+    """Point torch's C++-extension cache at ``<venv>/torch_extensions`` unless the user chose
+    one: not the shared ``~/.cache/torch_extensions`` another checkout may hold locked."""
+    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(sys.prefix) / "torch_extensions")
+    return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+
+
+def report_build_locks(extensions_dir: Path) -> list[Path]:
+    """Warn about every build lock under ``extensions_dir``: a build that is running (this
+    start will wait for it) or a killed one (it would wait forever: delete the file)."""
+    try:
+        locks = sorted(extensions_dir.glob("*/*/lock")) + sorted(extensions_dir.glob("*/lock"))
+    except OSError:
+        return []
+    for lock in locks:
+        log.warning("C++ extension build lock %s exists: a build is running elsewhere, or was "
+                    "killed (then delete this file, or start-up waits for it forever)", lock)
+    return locks
+
+
+@contextlib.contextmanager
+def _no_shm_comm_build(skip: bool):
+    """While DeepSpeed's torch backend starts, make it find no shared-memory comm op instead of
+    JIT-compiling one (``deepspeed.comm.torch.build_shm_op``, called from its constructor)."""
+    if not skip:
+        yield
+        return
+    import importlib
+
+    # Not `import deepspeed.comm.torch as ...`: deepspeed.comm re-exports torch itself under
+    # that attribute name, so the import statement would bind the torch package.
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    original = getattr(ds_torch, "build_shm_op", None)
+    if original is None:  # another DeepSpeed version: nothing to skip
+        yield
+        return
+    ds_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch.build_shm_op = original
 
 
 def collective_device() -> torch.device:

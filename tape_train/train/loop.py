@@ -29,9 +29,10 @@ from tape_train.train import relayout
 from tape_train.train.relayout import protected_differences
 from tape_train.train.engine import build_engine, count_target_tokens, forward_backward
 from tape_train.host_memory import keep_freed_memory
-from tape_train.train.metrics import (MetricsWriter, device_peak_tflops, format_summary,
-                                      memory_metrics, setup_logging)
+from tape_train.train.metrics import MetricsWriter, format_summary, memory_metrics, setup_logging
 from tape_train.train.optim import LRSchedule
+from tape_train.train.peak import checked_mfu, device_peak_tflops
+from tape_train.train.precision import PrecisionChoice, resolve_dtype
 from tape_train.train.preflight import PreflightError
 from tape_train.train.run_lock import RunLock, RunLockError
 from tape_train.train.signals import StopRequest
@@ -52,6 +53,14 @@ class TrainState:
     tokens_seen: int = 0         # input tokens consumed, all ranks
     skipped_steps: int = 0       # non-finite updates skipped in the whole run
     bad_steps_in_row: int = 0
+
+
+class StoppedDuringSetup(Exception):
+    """A stop signal arrived before the first step; ``code`` is the exit code it asks for."""
+
+    def __init__(self, code: int, phase: str, signal_name: str | None) -> None:
+        super().__init__(f"stopped during start-up after the {phase}")
+        self.code, self.phase, self.signal_name = code, phase, signal_name
 
 
 def seed_everything(seed: int) -> None:
@@ -96,7 +105,7 @@ class Trainer:
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.stop.install()  # early: a SIGTERM during set-up stops at the first step boundary
+        self.stop.install()  # early: a stop signal during set-up ends it at the next phase
         self._preflight()
         from tape_train.parallel import RankGrid
 
@@ -109,6 +118,7 @@ class Trainer:
         self.dist = tdist.init_distributed(cfg.train.device)
         self.rank = self.dist.rank
         setup_logging(self.rank, cfg.logging.all_ranks)
+        self._stop_point("process-group start")
         if self.dist.device.type == "cpu" and cfg.train.keep_freed_memory:
             keep_freed_memory()
         self.grid.build()
@@ -124,8 +134,9 @@ class Trainer:
         # Find the checkpoint and compare configs before building anything expensive.
         self._resume_tag = self._find_resume_checkpoint()
         self._relayout = None
-        if self._resume_tag is not None:
-            marker = ckpt.read_marker(self._resume_tag)
+        marker = ckpt.read_marker(self._resume_tag) if self._resume_tag is not None else None
+        self._resolve_dtype(marker)
+        if marker is not None:
             self._relayout = relayout.plan(marker, cfg, self.grid)
             self._check_config(marker, self._resume_tag)
             if self._relayout is not None and self._relayout.universal:
@@ -141,9 +152,9 @@ class Trainer:
         self.engine, self.optimizer = build_engine(
             cfg, self.model, self.grid,
             load_universal=self._relayout is not None and self._relayout.universal)
+        self._stop_point("DeepSpeed engine start")
         seed_everything(cfg.train.seed + 1_000_003 * self.rank)
         self.schedule = LRSchedule.from_config(cfg.train)
-        self.dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
 
         # Measure the CPU GEMM peak before the loader's prefetch thread exists: tokenising in
         # the background during the measurement would lower the peak and inflate every MFU.
@@ -151,6 +162,7 @@ class Trainer:
         self.loader = self._build_loader()
         resumed_from = self._maybe_resume()
         self.data_iter = iter(self.loader)
+        self._stop_point("data loader and resume")
 
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -183,6 +195,14 @@ class Trainer:
         self._preflight_summary = (f"preflight: inputs checked in "
                                    f"{time.perf_counter() - start:.1f} s"
                                    + "".join(f"; warning: {w}" for w in report.warnings))
+
+    def _stop_point(self, phase: str) -> None:
+        """Honour a stop signal that arrived during start-up (collective: every rank calls it
+        at the same phases). Nothing was trained, so there is nothing to save: exit at once
+        with the signal's code (75 requeues the job), leaving the run directory as it was."""
+        code = self.stop.agreed(tdist.all_reduce_max_int)
+        if code:
+            raise StoppedDuringSetup(code, phase, self.stop.signal_name)
 
     def _build_loader(self):
         if self.loader_factory is not None:
@@ -268,6 +288,28 @@ class Trainer:
             raise ckpt.CheckpointError(f"converting {tag_dir} to the universal format failed "
                                        f"on rank 0 (see its log)")
 
+    def _resolve_dtype(self, marker: dict | None) -> None:
+        """Resolve ``train.dtype`` in place (``auto`` -> ``bf16``/``fp32``) before anything is
+        built or saved, so config.yaml and checkpoints record the precision really used. A
+        resumed ``auto`` run keeps its checkpoint's dtype (another machine may resolve ``auto``
+        differently); rank 0 decides and every rank follows."""
+        train = self.cfg.train
+        requested = train.dtype
+        saved = ((marker or {}).get("config") or {}).get("train", {}).get("dtype")
+        if requested == "auto" and saved in ("bf16", "fp32"):
+            choice = PrecisionChoice(saved, "kept from the checkpoint being resumed")
+        else:
+            choice = resolve_dtype(requested, self.dist.device.type) if self.rank == 0 else None
+            bf16 = tdist.all_reduce_max_int(int(choice is not None and choice.dtype == "bf16"))
+            if choice is None:
+                choice = PrecisionChoice("bf16" if bf16 else "fp32", "chosen on rank 0")
+        if self.rank == 0:
+            log.info("%s", choice.log_line(requested))
+            if choice.warning:
+                log.warning("%s", choice.warning)
+        train.dtype = choice.dtype
+        self.dtype = choice.torch_dtype
+
     def _check_config(self, marker: dict, tag_dir: Path) -> None:
         diffs = diff_configs(marker.get("config", {}), self.cfg.to_dict())
         protected = protected_differences(diffs)
@@ -297,6 +339,7 @@ class Trainer:
 
         self.flops_per_token = training_flops_per_token(self.cfg.model, self.cfg.train.seq_len)
         self.peak_tflops = None
+        self._mfu_warned = False
         if self.rank == 0:
             self.peak_tflops, source = device_peak_tflops(self.dist.device, self.dtype,
                                                           self.cfg.logging.peak_tflops)
@@ -369,8 +412,14 @@ class Trainer:
             "skipped_steps": self.state.skipped_steps,
         }
         if self.peak_tflops:
-            metrics["mfu"] = (tokens_per_s * self.flops_per_token
-                              / (self.peak_tflops * 1e12 * self.dist.world_size))
+            achieved = tokens_per_s * self.flops_per_token / self.dist.world_size  # per rank
+            metrics["mfu"] = checked_mfu(achieved, self.peak_tflops)
+            if metrics["mfu"] is None and not self._mfu_warned:
+                self._mfu_warned = True
+                log.warning("MFU would be %.0f%% (%.3f achieved vs %.3f peak TFLOP/s per rank): "
+                            "the peak is wrong, MFU is not reported; set logging.peak_tflops",
+                            100 * achieved / (self.peak_tflops * 1e12), achieved / 1e12,
+                            self.peak_tflops)
         return metrics
 
     def train(self) -> int:
@@ -557,6 +606,11 @@ class Trainer:
                 for line in exc.problems:
                     print(f"tape-train: preflight: error: {line}", file=sys.stderr, flush=True)
             code = EXIT_ERROR
+        except StoppedDuringSetup as stop:
+            log.warning("stopping on %s during start-up (after the %s), before the first step: "
+                        "nothing to save; exit %d", stop.signal_name or "a signal on another "
+                        "rank", stop.phase, stop.code)
+            code = stop.code
         finally:
             self.close()
             _write_exit_file(code if code is not None else EXIT_ERROR)

@@ -96,14 +96,11 @@ class MemoryEstimate:
 
 
 def dtype_of(cfg):
-    """The torch dtype training runs in. The one place the config's dtype is read for the
-    plan (a resolved ``auto`` dtype plugs in here)."""
+    """The torch dtype training runs in (``cfg.train.dtype`` already resolved: see
+    ``preflight.resolve_planning_dtype``). The one place the plan reads the config's dtype."""
     import torch
 
     return torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
-
-
-DENSE_BIAS_ENCODINGS = ("alibi", "t5", "fire")
 
 
 def _memory_efficient_core():
@@ -143,7 +140,7 @@ def trace_activations(model_cfg, micro_batch: int, seq_len: int, dtype, tp: int 
 
     with torch.device("meta"):
         model = TransformerLM(model_cfg).to(dtype)
-    if model_cfg.pe not in DENSE_BIAS_ENCODINGS:  # those keep SDPA with an N×N bias
+    if not model_cfg.encoding.dense_bias:  # dense-bias encodings keep SDPA with an N×N bias
         for layer in model.layers:
             layer.attn.core = _memory_efficient_core()
     params = {id(p) for p in model.parameters()}

@@ -19,45 +19,10 @@ from pathlib import Path
 
 import torch
 
+# The MFU peak lives in tape_train.train.peak; these names stay importable from here.
+from tape_train.train.peak import device_peak_tflops, measure_gemm_peak_tflops  # noqa: F401
+
 log = logging.getLogger("tape_train.train")
-
-# Dense bf16 tensor-core peaks (TFLOP/s) of common accelerators, by substring of the name.
-_GPU_PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0,
-                         "A6000": 155.0, "V100": 125.0}
-
-
-def measure_gemm_peak_tflops(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
-    """Best observed FLOP/s (in TFLOP/s) of a square ``size`` GEMM in ``dtype`` on the CPU.
-
-    This is the denominator of MFU on CPU: what this process, with its thread count, reaches
-    on the operation training is made of. One warm-up, then the best of ``repeats``.
-    """
-    gen = torch.Generator().manual_seed(0)  # never touch the training RNG streams
-    a = torch.randn(size, size, dtype=torch.float32, generator=gen).to(dtype)
-    b = torch.randn(size, size, dtype=torch.float32, generator=gen).to(dtype)
-    torch.mm(a, b)
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * size ** 3 / best / 1e12
-
-
-def device_peak_tflops(device: torch.device, dtype: torch.dtype, configured: float | None
-                       ) -> tuple[float | None, str]:
-    """Peak TFLOP/s per rank for MFU and where it came from."""
-    if configured is not None:
-        return configured, "logging.peak_tflops"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, peak in _GPU_PEAK_BF16_TFLOPS.items():
-            if key in name:
-                return (peak if dtype == torch.bfloat16 else peak / 2), f"table ({name})"
-        return None, f"unknown GPU {name!r}: set logging.peak_tflops for MFU"
-    return measure_gemm_peak_tflops(dtype), (
-        f"measured {str(dtype).replace('torch.', '')} GEMM, {torch.get_num_threads()} threads")
-
 
 def memory_metrics(device: torch.device) -> dict[str, float]:
     """Resident set size (GiB; peak too) and, on CUDA, allocated/reserved memory (GiB)."""

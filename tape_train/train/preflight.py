@@ -21,6 +21,8 @@ estimate (``tape_train.train.memory``) against the device; FLOPs per token
 
 from __future__ import annotations
 
+import copy
+
 import os
 import shutil
 import tempfile
@@ -103,6 +105,10 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
         report.info("memory and time plan: skipped until the layout and train.seq_len are valid")
     elif plan:
         device_type = _target_device(cfg, gpus_per_node)
+        if cfg.train.dtype == "auto":
+            cfg = copy.deepcopy(cfg)
+            cfg.train.dtype = resolve_planning_dtype(cfg, device_type)
+            report.info(f"precision: train.dtype=auto plans {cfg.train.dtype} on {device_type}")
         if ranks_per_node is None:
             ranks_per_node = gpus_per_node or (1 if device_type == "cuda" else world_size)
         _plan_memory(cfg, world_size, device_type, ranks_per_node, device_memory_gb, gpu_name,
@@ -411,20 +417,31 @@ def planning_peak_tflops(cfg, device_type: str, gpu_name: str | None = None
     import torch
 
     from tape_train.train.memory import dtype_of
-    from tape_train.train.metrics import _GPU_PEAK_BF16_TFLOPS, measure_gemm_peak_tflops
+    from tape_train.train.peak import cpu_peak_tflops, gpu_table_peak
 
     if cfg.logging.peak_tflops is not None:
         return cfg.logging.peak_tflops, "logging.peak_tflops"
     dtype = dtype_of(cfg)
     if device_type == "cuda":
         name = gpu_name or (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
-        for key, peak in _GPU_PEAK_BF16_TFLOPS.items():
-            if key in name:
-                return (peak if dtype == torch.bfloat16 else peak / 2), f"table ({key})"
-        return None, "unknown GPU: set logging.peak_tflops"
-    return measure_gemm_peak_tflops(dtype, size=512, repeats=3), (
-        f"measured {str(dtype).replace('torch.', '')} GEMM on this CPU, "
-        f"{torch.get_num_threads()} threads")
+        peak = gpu_table_peak(name, dtype, tf32=dtype == torch.float32)
+        if peak is None:
+            return None, f"no table peak for GPU {name!r}: set logging.peak_tflops"
+        return peak, f"published dense peak of {name}"
+    return cpu_peak_tflops(dtype)
+
+
+def resolve_planning_dtype(cfg, device_type: str) -> str:
+    """``train.dtype`` as the planned run will resolve it: ``auto`` on CUDA plans bf16 (every
+    GPU in the peak table has native bf16; the run itself checks its device); on CPU this
+    machine's choice (``tape_train.train.precision``)."""
+    if cfg.train.dtype != "auto":
+        return cfg.train.dtype
+    if device_type == "cuda":
+        return "bf16"
+    from tape_train.train.precision import resolve_dtype
+
+    return resolve_dtype("auto", "cpu").dtype
 
 
 def _plan_time(cfg, grid, device_type: str, gpu_name: str | None, mfu: float,

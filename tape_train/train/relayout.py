@@ -32,8 +32,11 @@ HARMLESS_KEYS = ("model.name", "model.attn_backend", "data.prefetch", "data.eval
 
 
 def protected_differences(diffs: list[tuple[str, object, object]]) -> list[str]:
-    return [key for key, _, _ in diffs
-            if key.startswith(PROTECTED_KEYS) and not key.startswith(HARMLESS_KEYS)]
+    """Keys of ``diff_configs(saved, current)`` that a resume must not change. ``train.dtype:
+    auto`` is not a change: a resumed ``auto`` run keeps the checkpoint's resolved dtype."""
+    return [key for key, _, new in diffs
+            if key.startswith(PROTECTED_KEYS) and not key.startswith(HARMLESS_KEYS)
+            and not (key == "train.dtype" and new == "auto")]
 
 
 # Config keys a layout change may legitimately change (checked by ``problems`` instead).

@@ -1,0 +1,97 @@
+"""Per-machine cache of small measurements (bf16 speed, GEMM peaks), so they are taken once.
+
+A measurement is keyed by what decides its value: the CPU model and ISA flags, the torch
+version, the ISA limits set in the environment (``ATEN_CPU_CAPABILITY``,
+``ONEDNN_MAX_CPU_ISA``) and the caller's own key (dtype, threads). The cache is one JSON file,
+``$TAPE_TRAIN_CACHE_DIR`` or ``$XDG_CACHE_HOME/tape-train`` (default ``~/.cache/tape-train``)
+``/measurements.json``; an unreadable or unwritable cache only means measuring again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+CACHE_ENV = "TAPE_TRAIN_CACHE_DIR"
+# /proc/cpuinfo flags that decide how fast bf16 and fp32 GEMMs can be.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tape-train"
+
+
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """(model name, flags) from /proc/cpuinfo; ('', {}) where it cannot be read."""
+    model, flags = platform.processor() or "", frozenset()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return model, flags
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and value.strip():
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = frozenset(value.split())
+    return model, flags
+
+
+def machine_key() -> str:
+    """What a CPU measurement depends on, as a short stable string."""
+    import torch
+
+    model, flags = cpu_info()
+    parts = [model, ",".join(f for f in ISA_FLAGS if f in flags), torch.__version__,
+             torch.backends.cpu.get_cpu_capability(),
+             os.environ.get("ATEN_CPU_CAPABILITY", ""), os.environ.get("ONEDNN_MAX_CPU_ISA", "")]
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+def busy_cpu() -> str | None:
+    """A description of the load when the machine is busier than it has cores, else None (a
+    measurement taken then is low and must not be kept)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return None
+    cores = os.cpu_count() or 1
+    return f"load {load:.1f} on {cores} cores" if load > cores else None
+
+
+def cached(name: str, key: str, measure: Callable[[], float], keep: bool = True
+           ) -> tuple[float, bool]:
+    """``measure()`` once per (machine, ``name``, ``key``); returns (value, was_cached).
+
+    With ``keep=False`` a missing value is measured but not stored (a busy machine)."""
+    path = cache_dir() / "measurements.json"
+    full_key = f"{name}/{machine_key()}/{key}"
+    try:
+        table = json.loads(path.read_text())
+        if not isinstance(table, dict):
+            table = {}
+    except (OSError, ValueError):
+        table = {}
+    value = table.get(full_key)
+    if isinstance(value, (int, float)) and value > 0:
+        return float(value), True
+    value = float(measure())
+    if not keep:
+        return value, False
+    table[full_key] = value
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return value, False

@@ -1,0 +1,139 @@
+"""train.dtype=auto: the precision follows the hardware (faked capabilities both ways, and the
+real measurement under an AVX2-only emulation), the per-machine measurement cache, and the MFU
+peak guard (a result above 100 % is never reported)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tape_train.train import machine_cache
+from tape_train.train.precision import BF16_MIN_SPEEDUP, choose_dtype
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(machine_cache.CACHE_ENV, str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("native,speedup,expected", [
+    (True, 4.0, "bf16"),     # AVX512-BF16 / AMX CPU where bf16 GEMMs are fast
+    (False, 0.01, "fp32"),   # AVX2-only CPU: bf16 emulated, ~100x slower
+    (True, 0.01, "fp32"),    # flags present but oneDNN limited to AVX2: measurement decides
+    (True, 1.0, "fp32"),     # native but no faster than fp32: keep fp32's accuracy
+    (False, None, "fp32"),
+])
+def test_auto_on_cpu_follows_the_measured_bf16_speed(native, speedup, expected):
+    choice = choose_dtype("auto", device_type="cpu", native_bf16=native, bf16_speedup=speedup,
+                          native_detail="faked")
+    assert choice.dtype == expected and choice.warning is None
+    assert "faked" in choice.reason and choice.log_line("auto").startswith(
+        f"precision: {expected} (requested auto")
+
+
+def test_auto_on_cuda_follows_native_bf16():
+    assert choose_dtype("auto", device_type="cuda", native_bf16=True).dtype == "bf16"
+    assert choose_dtype("auto", device_type="cuda", native_bf16=False).dtype == "fp32"
+
+
+def test_explicit_choices_are_honoured_and_slow_bf16_warns_with_the_slowdown():
+    slow = choose_dtype("bf16", device_type="cpu", native_bf16=False, bf16_speedup=0.01)
+    assert slow.dtype == "bf16" and "100x slower" in slow.warning
+    fast = choose_dtype("bf16", device_type="cpu", native_bf16=True, bf16_speedup=4.0)
+    assert fast.dtype == "bf16" and fast.warning is None
+    assert choose_dtype("fp32", device_type="cpu", native_bf16=True,
+                        bf16_speedup=4.0).dtype == "fp32"
+    assert choose_dtype("bf16", device_type="cuda", native_bf16=False).warning
+    with pytest.raises(ValueError, match="bf15"):
+        choose_dtype("bf15", device_type="cpu", native_bf16=True)
+
+
+def test_resolve_dtype_uses_the_machine_facts(monkeypatch):
+    from tape_train.train import precision
+
+    monkeypatch.setattr(precision, "cpu_native_bf16", lambda: (True, "amx_bf16"))
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 2 * BF16_MIN_SPEEDUP)
+    assert precision.resolve_dtype("auto").dtype == "bf16"
+    monkeypatch.setattr(precision, "cpu_native_bf16", lambda: (False, "no avx512_bf16"))
+    monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 0.02)
+    assert precision.resolve_dtype("auto").dtype == "fp32"
+    assert "50x slower" in precision.resolve_dtype("bf16").warning
+
+
+def test_avx2_emulation_is_detected_by_the_measurement(tmp_path):
+    """With torch and oneDNN limited to AVX2 a bf16 GEMM is emulated (slow on every x86 CPU),
+    so ``auto`` must pick fp32 there whatever flags the CPU advertises."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+           machine_cache.CACHE_ENV: str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
+    code = ("from tape_train.train.precision import resolve_dtype\n"
+            "c = resolve_dtype('auto'); print(c.dtype); print(c.reason)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    dtype, reason = out.stdout.splitlines()[:2]
+    assert dtype == "fp32", reason
+    assert "measured 0.0" in reason  # the emulated bf16 GEMM: ~100x slower than fp32
+
+
+def test_measurements_are_cached_per_machine_key(monkeypatch):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return 0.5
+
+    assert machine_cache.cached("x", "k", measure) == (0.5, False)
+    assert machine_cache.cached("x", "k", measure) == (0.5, True)
+    assert len(calls) == 1
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # another ISA limit: another machine key
+    assert machine_cache.cached("x", "k", measure) == (0.5, False)
+    assert machine_cache.cached("y", "k", measure, keep=False) == (0.5, False)
+    assert machine_cache.cached("y", "k", measure, keep=False) == (0.5, False)  # not kept
+    assert len(calls) == 3 + 1
+
+
+def test_mfu_above_100_percent_is_never_a_result():
+    from tape_train.train.peak import checked_mfu
+
+    assert checked_mfu(0.5e12, 1.0) == pytest.approx(0.5)
+    assert checked_mfu(1.0e12, 1.0) == pytest.approx(1.0)
+    assert checked_mfu(1.5e12, 1.0) is None      # the peak is wrong
+    assert checked_mfu(1.0e12, None) is None
+
+
+def test_gpu_peaks_come_from_the_table_by_model_and_dtype():
+    import torch
+
+    from tape_train.train.peak import gpu_table_peak
+
+    assert gpu_table_peak("NVIDIA H100 80GB HBM3", torch.bfloat16, tf32=False) == 989.4
+    assert gpu_table_peak("NVIDIA H100 PCIe", torch.bfloat16, tf32=False) == 756.0
+    assert gpu_table_peak("NVIDIA H200", torch.float32, tf32=True) == 494.7
+    assert gpu_table_peak("NVIDIA A100-SXM4-80GB", torch.float32, tf32=False) == 19.5
+    assert gpu_table_peak("NVIDIA L40S", torch.bfloat16, tf32=False) == 362.0
+    assert gpu_table_peak("NVIDIA A10G", torch.bfloat16, tf32=False) == 125.0
+    assert gpu_table_peak("Tesla V100-SXM2-16GB", torch.bfloat16, tf32=False) is None
+    assert gpu_table_peak("Some Future GPU", torch.bfloat16, tf32=False) is None
+
+
+def test_cpu_peak_measurement_is_time_bounded_and_cached():
+    import time
+
+    import torch
+
+    from tape_train.train.peak import cpu_peak_tflops, measure_gemm_peak_tflops
+
+    start = time.perf_counter()
+    peak = measure_gemm_peak_tflops(torch.float32, budget_s=0.2)
+    assert 0 < peak < 100 and time.perf_counter() - start < 30  # generous: a busy machine
+    first, how = cpu_peak_tflops(torch.float32)
+    again, how_again = cpu_peak_tflops(torch.float32)
+    if machine_cache.busy_cpu() is None:
+        assert again == first and how_again.startswith("cached")
+    assert "float32" in how and "threads" in how

@@ -1,0 +1,154 @@
+"""Start-up of a run: the resolved dtype is recorded and kept on resume, MFU above 100 % is
+reported as missing, a stop signal before the first step exits 75 with nothing written,
+DeepSpeed builds no C++ op on CPU, and every command's --help/--version imports no torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distributed import run_distributed_test
+
+REPO = Path(__file__).resolve().parents[1]
+OVERRIDES = ["model=tiny", "model.num_layers=1", "model.hidden_size=64", "model.num_heads=4",
+             "model.intermediate_size=128", "model.vocab_size=256",
+             "model.tape_position_size=8", "train.seq_len=32", "train.micro_batch_size=2",
+             "train.lr=1e-3", "train.warmup_steps=0", "train.device=cpu",
+             "train.synthetic_data=true", "checkpoint.interval=100", "parallel.zero_stage=1",
+             "logging.tensorboard=false", "eval.interval=0"]
+
+
+def _startup_scenarios(run_dir: str, ext_dir: str) -> dict:
+    import json
+    import signal
+
+    import yaml
+
+    from tape_train.config import load_run_config
+    from tape_train.train import loop
+    from tape_train.train.checkpoint import find_latest_complete, read_marker
+    from tape_train.train.precision import PrecisionChoice
+
+    out: dict = {}
+    resolved: list[str] = []
+
+    def fake_machine(dtype):
+        def resolve(requested, device_type="cpu"):
+            resolved.append(dtype)
+            return PrecisionChoice(dtype, "faked machine")
+        return resolve
+
+    def trainer(*extra):
+        return loop.Trainer(load_run_config(None, OVERRIDES + [f"train.run_dir={run_dir}",
+                                                               *extra]))
+
+    # 1. `auto` on a machine that resolves to fp32; a peak far too low gives MFU >> 100 %.
+    loop.resolve_dtype = fake_machine("fp32")
+    out["first_code"] = trainer("train.max_steps=2", "logging.peak_tflops=1e-9").run()
+    out["first_config_dtype"] = yaml.safe_load(
+        Path(run_dir, "config.yaml").read_text())["train"]["dtype"]
+    records = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+    out["guarded_mfu"] = [r.get("mfu") for r in records if r["kind"] == "train"]
+
+    # 2. Resume on a machine where `auto` means bf16: keeps the checkpoint's fp32, not refused;
+    #    a sensible peak gives an MFU in (0, 1].
+    loop.resolve_dtype = fake_machine("bf16")
+    resolved.clear()
+    out["resume_code"] = trainer("train.max_steps=3", "logging.peak_tflops=1e6").run()
+    out["resolved_on_resume"] = list(resolved)
+    out["resume_config_dtype"] = yaml.safe_load(
+        Path(run_dir, "config.yaml").read_text())["train"]["dtype"]
+    records = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
+    out["resumed_mfu"] = [r.get("mfu") for r in records if r["kind"] == "train"][-1]
+    tag = find_latest_complete(run_dir)
+    out["checkpoint_dtype"] = read_marker(tag)["dtype"]
+
+    # 3. SIGTERM while DeepSpeed starts: exit 75 before the first step; the run is untouched.
+    real_build_engine = loop.build_engine
+
+    def build_engine_then_sigterm(*args, **kwargs):
+        result = real_build_engine(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    loop.build_engine = build_engine_then_sigterm
+    before = sorted(p.name for p in Path(run_dir, "checkpoints").iterdir())
+    metrics_before = Path(run_dir, "metrics.jsonl").read_text()
+    out["sigterm_code"] = trainer("train.max_steps=5").run()
+    out["checkpoints_unchanged"] = before == sorted(
+        p.name for p in Path(run_dir, "checkpoints").iterdir())
+    out["metrics_unchanged"] = metrics_before == Path(run_dir, "metrics.jsonl").read_text()
+    out["still_resumable_at"] = read_marker(find_latest_complete(run_dir))["step"]
+    loop.build_engine = real_build_engine
+
+    # 4. No C++ op was built on the way (the extensions dir of this process stays empty).
+    import deepspeed.comm.comm as ds_comm
+
+    out["shm_op"] = ds_comm.cdb.shm_comm_op
+    out["extensions"] = sorted(os.listdir(ext_dir)) if os.path.isdir(ext_dir) else []
+    return out
+
+
+@pytest.mark.distributed
+def test_dtype_resume_mfu_guard_and_stop_during_startup(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    [r] = run_distributed_test(_startup_scenarios, world_size=1,
+                               args=(str(tmp_path / "run"), str(tmp_path / "ext")), timeout=300)
+    assert r["first_code"] == 0 and r["first_config_dtype"] == "fp32"
+    assert r["guarded_mfu"] == [None, None]            # 1e-9 TFLOP/s: MFU >> 100 %, not shown
+    assert r["resume_code"] == 0
+    assert r["resolved_on_resume"] == []              # auto kept the checkpoint's dtype ...
+    assert r["resume_config_dtype"] == "fp32" and r["checkpoint_dtype"] == "fp32"  # ... fp32
+    assert 0 < r["resumed_mfu"] <= 1                  # negative control: a real peak shows MFU
+    assert r["sigterm_code"] == 75
+    assert r["checkpoints_unchanged"] and r["metrics_unchanged"]
+    assert r["still_resumable_at"] == 3
+    assert r["shm_op"] is None and r["extensions"] == []
+
+
+CLIS = ["tape-train", "tape-eval", "tape-export", "tape-generate", "tape-data",
+        "tape-tokenizer", "tape-model", "tape-submit"]
+
+
+def test_help_and_version_of_every_command_import_no_torch():
+    code = """
+import sys
+from importlib.metadata import entry_points
+eps = {e.name: e for e in entry_points(group="console_scripts") if e.name.startswith("tape-")}
+for name in %r:
+    for flag in ("--help", "--version"):
+        sys.argv = [name, flag]
+        try:
+            eps[name].load()()
+        except SystemExit as exc:
+            assert exc.code in (0, None), (name, flag, exc.code)
+        else:
+            raise AssertionError((name, flag, "did not exit"))
+print("TORCH" if "torch" in sys.modules else "NO-TORCH")
+""" % (CLIS,)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name in CLIS:
+        assert f"{name} 0." in out.stdout, name           # every --version answered
+        assert f"usage: {name}" in out.stdout or name == "tape-model", name
+    assert out.stdout.strip().endswith("NO-TORCH"), out.stdout[-500:]
+
+
+def test_a_leftover_build_lock_is_reported(tmp_path, caplog):
+    import logging
+
+    from tape_train.train.distributed import report_build_locks
+
+    assert report_build_locks(tmp_path) == []                    # negative control
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    with caplog.at_level(logging.WARNING, logger="tape_train.train"):
+        assert report_build_locks(tmp_path) == [lock]
+    assert str(lock) in caplog.text and "delete this file" in caplog.text
