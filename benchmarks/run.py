@@ -223,7 +223,7 @@ def measure_training(args, work: Path) -> dict:
                for n in args.seq_lens for pe in args.encodings}
     flops = {key: training_flops_per_token(cfg.model, key[1]) for key, cfg in configs.items()}
     # The precision the trainers will resolve (``auto``: the same cached per-machine choice).
-    from tape_train.train.precision import resolve_dtype
+    from tape_train.precision import resolve_dtype
 
     dtype_name = resolve_dtype(next(iter(configs.values())).train.dtype, "cpu").dtype
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32

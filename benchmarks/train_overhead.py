@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     from tape_train.data.synthetic import SyntheticLoader
     from tape_train.train.peak import checked_mfu, measure_gemm_peak_tflops
 
-    from tape_train.train.precision import resolve_dtype
+    from tape_train.precision import resolve_dtype
 
     precision = resolve_dtype(args.dtype, "cpu")
     print(precision.log_line(args.dtype), flush=True)

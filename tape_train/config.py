@@ -65,7 +65,7 @@ class TrainConfig:
             ``max_steps``, or ``constant``.
         min_lr_ratio: final learning rate as a fraction of ``lr``.
         dtype: ``auto`` (default: ``bf16`` where the device has fast native bf16, else
-            ``fp32``; ``tape_train.train.precision``), ``bf16`` (parameters and activations in
+            ``fp32``; ``tape_train.precision``), ``bf16`` (parameters and activations in
             bfloat16, fp32 master weights) or ``fp32``. A run records the resolved value in its
             ``config.yaml``; a resumed ``auto`` run keeps its checkpoint's dtype.
         activation_checkpointing: recompute each decoder layer in the backward pass.

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tape_train.train import machine_cache
-from tape_train.train.precision import BF16_MIN_SPEEDUP, choose_dtype
+from tape_train import machine_cache
+from tape_train.precision import BF16_MIN_SPEEDUP, choose_dtype
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,7 @@ def test_explicit_choices_are_honoured_and_slow_bf16_warns_with_the_slowdown():
 
 
 def test_resolve_dtype_uses_the_machine_facts(monkeypatch):
-    from tape_train.train import precision
+    from tape_train import precision
 
     monkeypatch.setattr(precision, "cpu_native_bf16", lambda: (True, "amx_bf16"))
     monkeypatch.setattr(precision, "cpu_bf16_speedup", lambda: 2 * BF16_MIN_SPEEDUP)
@@ -71,7 +71,7 @@ def test_avx2_emulation_is_detected_by_the_measurement(tmp_path):
     so ``auto`` must pick fp32 there whatever flags the CPU advertises."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
            machine_cache.CACHE_ENV: str(tmp_path / "cache"), "PYTHONPATH": str(REPO)}
-    code = ("from tape_train.train.precision import resolve_dtype\n"
+    code = ("from tape_train.precision import resolve_dtype\n"
             "c = resolve_dtype('auto'); print(c.dtype); print(c.reason)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)

@@ -31,7 +31,7 @@ def _startup_scenarios(run_dir: str, ext_dir: str) -> dict:
     from tape_train.config import load_run_config
     from tape_train.train import loop
     from tape_train.train.checkpoint import find_latest_complete, read_marker
-    from tape_train.train.precision import PrecisionChoice
+    from tape_train.precision import PrecisionChoice
 
     out: dict = {}
     resolved: list[str] = []

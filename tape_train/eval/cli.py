@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
                    help="evaluation dtype of the weights (default: auto: bf16 where the device "
-                        "has fast native bf16, else fp32; tape_train.train.precision)")
+                        "has fast native bf16, else fp32; tape_train.precision)")
     p.add_argument("--progress", choices=MODES, default="auto",
                    help="progress bars: auto (only on a terminal, never in a redirected log), "
                         "on or off (default: %(default)s)")
@@ -178,7 +178,7 @@ def run(args) -> int:
         keep_freed_memory()
     dtype_name = args.dtype
     if dtype_name in ("auto", "bf16"):
-        from tape_train.train.precision import resolve_dtype
+        from tape_train.precision import resolve_dtype
 
         precision = resolve_dtype(dtype_name, device.type)
         dtype_name = precision.dtype

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tape_train.data import load_tokenizer
     from tape_train.inference.loading import load_for_inference
-    from tape_train.train.precision import resolve_dtype
+    from tape_train.precision import resolve_dtype
 
     precision = resolve_dtype(args.dtype, "cpu")
     if precision.warning:

@@ -32,7 +32,7 @@ from tape_train.host_memory import keep_freed_memory
 from tape_train.train.metrics import MetricsWriter, format_summary, memory_metrics, setup_logging
 from tape_train.train.optim import LRSchedule
 from tape_train.train.peak import checked_mfu, device_peak_tflops
-from tape_train.train.precision import PrecisionChoice, resolve_dtype
+from tape_train.precision import PrecisionChoice, resolve_dtype
 from tape_train.train.preflight import PreflightError
 from tape_train.train.run_lock import RunLock, RunLockError
 from tape_train.train.signals import StopRequest

@@ -4,7 +4,7 @@
   for fp32 when ``torch.backends.cuda.matmul.allow_tf32`` is on, else plain fp32 FMA).
 - CPU: a measured square-GEMM peak in the run's dtype, time-bounded (about 1 s, also where
   the dtype is slow there) and cached per machine, dtype and thread count
-  (``tape_train.train.machine_cache``), so it is the same number after every restart.
+  (``tape_train.machine_cache``), so it is the same number after every restart.
 - ``logging.peak_tflops`` overrides both.
 
 ``device_peak_tflops(device, dtype, configured)`` is the one entry point (the trainer and the
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from tape_train.train.machine_cache import busy_cpu, cached
+from tape_train.machine_cache import busy_cpu, cached
 
 # Published dense (no sparsity) peaks in TFLOP/s: (bf16 tensor core, tf32 tensor core, fp32).
 # Matched by substring of torch.cuda.get_device_name(); the first match wins, so the more

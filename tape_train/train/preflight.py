@@ -434,12 +434,12 @@ def planning_peak_tflops(cfg, device_type: str, gpu_name: str | None = None
 def resolve_planning_dtype(cfg, device_type: str) -> str:
     """``train.dtype`` as the planned run will resolve it: ``auto`` on CUDA plans bf16 (every
     GPU in the peak table has native bf16; the run itself checks its device); on CPU this
-    machine's choice (``tape_train.train.precision``)."""
+    machine's choice (``tape_train.precision``)."""
     if cfg.train.dtype != "auto":
         return cfg.train.dtype
     if device_type == "cuda":
         return "bf16"
-    from tape_train.train.precision import resolve_dtype
+    from tape_train.precision import resolve_dtype
 
     return resolve_dtype("auto", "cpu").dtype
 

@@ -5,7 +5,7 @@
 - ``bf16`` on a CUDA device with native bf16 (compute capability >= 8.0), else ``fp32``;
 - on a CPU, ``bf16`` only where a bf16 GEMM is actually faster than an fp32 one: the CPU must
   advertise AVX512-BF16 or AMX-BF16 *and* a short measurement (256² GEMMs, well under a
-  second, cached per machine by ``tape_train.train.machine_cache``) must find bf16 at least
+  second, cached per machine by ``tape_train.machine_cache``) must find bf16 at least
   ``BF16_MIN_SPEEDUP`` times as fast as fp32. The measurement sees what torch/oneDNN really
   use, so ISA limits (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``) are honoured.
   ``fp32`` otherwise: without native support a bf16 GEMM is ~100x slower than fp32.
@@ -89,7 +89,7 @@ def cpu_native_bf16() -> tuple[bool, str]:
     """Whether this CPU advertises bf16 matrix instructions and torch may use them."""
     import torch
 
-    from tape_train.train.machine_cache import cpu_info
+    from tape_train.machine_cache import cpu_info
 
     _, flags = cpu_info()
     found = [f for f in _NATIVE_BF16_FLAGS if f in flags]
@@ -135,7 +135,7 @@ def measure_cpu_bf16_speedup(budget_s: float = 0.5) -> float:
 
 def cpu_bf16_speedup() -> float:
     """``measure_cpu_bf16_speedup`` once per machine (cached; not kept from a busy machine)."""
-    from tape_train.train.machine_cache import busy_cpu, cached
+    from tape_train.machine_cache import busy_cpu, cached
 
     return cached("bf16_speedup", str(_PROBE_SIZE), measure_cpu_bf16_speedup,
                   keep=busy_cpu() is None)[0]
