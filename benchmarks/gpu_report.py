@@ -42,8 +42,9 @@ FULL = {
     "model": {"model": MODEL_SMALL, "seq": 1000, "batch": 2, "prompt": 300, "new": 8},
     "trainer": {"overrides": ["model.base=tiny", "model.pe=tape", "train.seq_len=256",
                               "train.micro_batch_size=4"], "steps": 4},
-    # (D, heads): the 350m, 1b and 125m configs at D=64, and the same widths at D=128.
-    "speed": {"head_configs": [(64, 16), (64, 32), (64, 12), (128, 8), (128, 16), (128, 6)],
+    # (D, heads): the 350m, 1b and 125m configs at D=64 and the same widths at D=128,
+    # alternating D so that a run cut short still has both head dims.
+    "speed": {"head_configs": [(64, 16), (128, 8), (64, 32), (128, 16), (64, 12), (128, 6)],
               "lengths": [1024, 2048, 4096, 8192, 16384], "tokens": 32768, "dtype": "bfloat16",
               "warmup": 3, "reps": 10},
     "sweep": {"head_configs": [(64, 16), (128, 8)], "length": 4096, "tokens": 32768,

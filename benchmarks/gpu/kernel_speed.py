@@ -27,17 +27,24 @@ FLOP_UNITS = {"rope_flash": (2, 5), "rope_cudnn": (2, 5), "tape_fused": (4, 9),
 
 
 def _sdpa_backend(name: str | None):
+    """Pin SDPA to one backend; ``fused``: any but the math one (whose N² memory and time
+    at long N would only burn the time budget before an OOM)."""
     if name is None:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION,
-                        "cudnn": SDPBackend.CUDNN_ATTENTION}[name])
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    return sdpa_kernel({"flash": [SDPBackend.FLASH_ATTENTION],
+                        "cudnn": [SDPBackend.CUDNN_ATTENTION], "fused": fused}[name])
 
 
-def methods(deterministic: bool) -> dict:
+def methods(deterministic: bool, device) -> dict:
+    """The methods, each ``(q, k, v, E⁰, E¹) -> tuple of outputs``. On CPU (smoke) the unfused
+    paths may use any SDPA backend (only the math one runs a 3D-wide value there)."""
     from tape_train.kernels import tape_attention_triton
     from tape_train.kernels.reference import modulate
+
+    fused = "fused" if device.type == "cuda" else None
 
     def rope(backend):
         def run(q, k, v, e0, e1):
@@ -51,11 +58,14 @@ def methods(deterministic: bool) -> dict:
 
     def tape_3calls(q, k, v, e0, e1):
         qt, kt = modulate(q, e0, e1), modulate(k, e0, e1)
-        return tuple(F.scaled_dot_product_attention(qt, kt, x, is_causal=True) for x in (v, e0, e1))
+        with _sdpa_backend(fused):
+            return tuple(F.scaled_dot_product_attention(qt, kt, x, is_causal=True)
+                         for x in (v, e0, e1))
 
     def tape_sdpa3d(q, k, v, e0, e1):
         qt, kt = modulate(q, e0, e1), modulate(k, e0, e1)
-        out = F.scaled_dot_product_attention(qt, kt, torch.cat((v, e0, e1), -1), is_causal=True)
+        with _sdpa_backend(fused):
+            out = F.scaled_dot_product_attention(qt, kt, torch.cat((v, e0, e1), -1), is_causal=True)
         return out.split(q.shape[-1], -1)
 
     return {"rope_flash": rope("flash"), "rope_cudnn": rope("cudnn"), "tape_fused": tape_fused,
@@ -112,7 +122,7 @@ def bench_shape(device, fns: dict, b: int, h: int, n: int, d: int, dtype, warmup
 
 def kernel_speed(device, plan: dict, budget: Budget, sink: list, flush) -> None:
     """Every (D, heads, N) of ``plan`` in order until the budget ends."""
-    fns = methods(deterministic=False)
+    fns = methods(deterministic=False, device=device)
     dtype = getattr(torch, plan["dtype"])
     for d, heads in plan["head_configs"]:
         for n in plan["lengths"]:

@@ -42,7 +42,9 @@ DS_BUILD_OPS=0 "$PY" -m pip wheel --quiet --no-deps --no-build-isolation -w "$WH
   "deepspeed==0.19.8"
 
 echo "prepare_lease: building this project's wheel"
+had_build=0; [[ -e "$ROOT/build" ]] && had_build=1
 "$PY" -m pip wheel --quiet --no-deps --no-build-isolation -w "$WHL" "$ROOT"
+(( had_build )) || rm -rf "$ROOT/build"  # setuptools' scratch in the source tree
 
 ls -1 "$WHL"
 size_kib=$(du -sk "$OUT_DIR" | cut -f1)
