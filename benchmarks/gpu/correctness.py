@@ -52,14 +52,28 @@ def _run(fn, inputs, grads, dtype):
     return [o.detach() for o in outs], [x.grad for x in leaves]
 
 
+def preferred_configs(device, d: int):
+    """The first (preferred) table entry of each kernel for this GPU; None on CPU (the
+    interpreter's tiles). Pinned so that the checks compile 4 kernels per (D, dtype) instead of
+    autotuning every candidate: the other candidates are checked by the sweep."""
+    if device.type != "cuda":
+        return None
+    from tape_train.kernels.tape_attention_configs import (TapeKernelConfigs, arch_for_capability,
+                                                           autotune_configs)
+
+    arch = arch_for_capability(*torch.cuda.get_device_capability(device))
+    return TapeKernelConfigs(*(autotune_configs(arch, d, k)[0] for k in ("fwd", "bwd_dkv", "bwd_dq")))
+
+
 def kernel_case(device, dtype, d: int, n: int, deterministic: bool, b: int, m: int) -> dict:
     """One fused-kernel check: forward and the five input gradients, causal."""
     from tape_train.kernels import tape_attention_reference, tape_attention_triton
 
     inputs, grads = make_inputs(b, m, n, d, device, seed=1000 * n + d)
+    configs = preferred_configs(device, d)
 
     def kernel(*xs):
-        return tape_attention_triton(*xs, causal=True, deterministic=deterministic)
+        return tape_attention_triton(*xs, causal=True, deterministic=deterministic, configs=configs)
 
     def reference(*xs):
         return tape_attention_reference(*xs, causal=True)
@@ -68,7 +82,10 @@ def kernel_case(device, dtype, d: int, n: int, deterministic: bool, b: int, m: i
     out, grad = _run(kernel, inputs, grads, dtype)
     errors = {k: rel_err(a, r) for k, a, r in zip(OUTPUTS + GRADS, out + grad, ref_out + ref_grad)}
     case = {"dtype": str(dtype).removeprefix("torch."), "D": d, "N": n, "batch": b, "heads": m,
-            "dq": "deterministic" if deterministic else "atomic", "errors": errors}
+            "dq": "deterministic" if deterministic else "atomic",
+            "configs": None if configs is None else {k: getattr(configs, k).label()
+                                                     for k in ("fwd", "bwd_dkv", "bwd_dq")},
+            "errors": errors}
     if dtype == torch.float32:
         case["tolerance"] = {k: FP32_TOL for k in errors}
     else:
@@ -160,11 +177,10 @@ def kv_cache_check(device, model_kw: dict, prompt: int, new: int) -> dict:
             "ok": err <= 10 * FP32_TOL}
 
 
-def trainer_checks(recipe: Path, work: Path, common_overrides: list[str], steps: int,
-                   budget: Budget, sink: list, flush) -> None:
-    """bf16 and fp32 runs of the real trainer under ZeRO-1 and ZeRO-3, each in its own process
-    (one-rank NCCL group on a GPU, gloo on CPU); per-step losses compared."""
-    from trainer_process import BenchmarkError, Child
+def start_trainers(recipe: Path, work: Path, common_overrides: list[str]) -> dict:
+    """Spawn the four trainer processes (ZeRO-1/3 × fp32/bf16); they set up in the background
+    while the kernel checks run. Finish with ``trainer_checks``."""
+    from trainer_process import Child
 
     from gpu.end_to_end import TrainerProbe
 
@@ -175,11 +191,21 @@ def trainer_checks(recipe: Path, work: Path, common_overrides: list[str], steps:
         overrides = [*common_overrides, f"parallel.zero_stage={zero}", f"train.dtype={dtype}",
                      f"train.run_dir={work / name}"]
         runs[name] = Child(name, work / f"{name}.log", TrainerProbe, recipe, overrides)
-    losses, failures = {}, {}
+    return runs
+
+
+def trainer_checks(runs: dict, steps: int, budget: Budget, sink: list, flush) -> None:
+    """bf16 and fp32 runs of the real trainer under ZeRO-1 and ZeRO-3, each in its own process
+    (one-rank NCCL group on a GPU, gloo on CPU); per-step losses compared. Closes ``runs``."""
+    from trainer_process import BenchmarkError
+
+    losses, failures, skipped = {}, {}, []
     try:
         for name, child in runs.items():
+            if budget.left() <= 0:
+                skipped.append(name)
+                continue
             try:
-                budget.check(f"trainer run {name}")
                 child.result()
                 losses[name] = child.call("losses", steps)
             except BenchmarkError as exc:
@@ -187,7 +213,8 @@ def trainer_checks(recipe: Path, work: Path, common_overrides: list[str], steps:
     finally:
         for child in runs.values():
             child.close()
-    res = {"steps": steps, "losses": losses, "failures": failures,
+    res = {"check": "trainer", "steps": steps, "losses": losses, "failures": failures,
+           "skipped_for_time": skipped,
            "bf16_tolerance": TRAIN_BF16_TOL, "zero_tolerance": TRAIN_ZERO_TOL, "comparisons": {}}
     for zero in (1, 3):
         a, b = losses.get(f"zero{zero}_bf16"), losses.get(f"zero{zero}_fp32")
@@ -203,8 +230,10 @@ def trainer_checks(recipe: Path, work: Path, common_overrides: list[str], steps:
     limits = {k: (TRAIN_BF16_TOL if "bf16 vs" in k else
                   TRAIN_BF16_TOL if k.startswith("bf16") else TRAIN_ZERO_TOL)
               for k in res["comparisons"]}
-    res["ok"] = (not failures and finite and len(res["comparisons"]) == 4
+    res["ok"] = (not failures and finite
                  and all(v <= limits[k] for k, v in res["comparisons"].items()))
+    if res["ok"] and len(res["comparisons"]) < 4:
+        res["ok"] = None  # not judged: runs skipped for time
     sink.append(res)
     flush()
 

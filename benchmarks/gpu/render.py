@@ -107,10 +107,13 @@ def _correctness(results: list) -> list[str]:
             detail = {k: v for k, v in r.items() if k not in ("check", "ok")}
             lines.append(f"- {r['check']}: {'ok' if r['ok'] else 'FAILED'} {detail}")
         elif r.get("check") == "trainer":
+            verdict = {True: "ok", False: "FAILED", None: "NOT JUDGED"}[r["ok"]]
             lines.append(f"- trainer (ZeRO-1/3, bf16 vs fp32, {r['steps']} steps): "
-                         f"{'ok' if r['ok'] else 'FAILED'}; max relative loss differences "
+                         f"{verdict}; max relative loss differences "
                          + ", ".join(f"{k} {_f(v)}" for k, v in r["comparisons"].items())
-                         + (f"; failed: {list(r['failures'])}" if r["failures"] else ""))
+                         + (f"; failed: {list(r['failures'])}" if r["failures"] else "")
+                         + (f"; skipped for time: {r['skipped_for_time']}"
+                            if r["skipped_for_time"] else ""))
     if kernel:
         keys = list(kernel[0]["errors"])
         lines += ["", "Fused kernel vs fp64 reference (relative error; tolerance in the JSON):", "",
