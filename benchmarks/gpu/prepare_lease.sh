@@ -7,7 +7,8 @@
 # The GPU image brings its own torch, Triton, numpy, pandas, pyarrow, transformers,
 # sentencepiece, safetensors, tensorboard, einops, msgpack, ninja, psutil, py-cpuinfo. It lacks
 # DeepSpeed (sdist only on PyPI: built here as a pure-Python wheel, no compiled ops), pydantic
-# and hjson (DeepSpeed's), datasets with dill and multiprocess, and zstandard. Everything is
+# and hjson (DeepSpeed's), datasets with dill and multiprocess, and zstandard; typing-extensions
+# goes too, at the version pydantic needs (the image's may be older). Everything is
 # fetched with --no-deps for CPython 3.12 / manylinux x86-64 and installed there with
 # --no-deps --no-index; this project goes as a wheel too (its own dependency pins are not
 # installed: the image's torch and Triton are the ones measured).
@@ -22,7 +23,8 @@ LIMIT_MIB=64  # the device tool's limit for the whole carried working tree
 # One pinned version each (two versions of one package stop the install there).
 BINARY=(
   "pydantic==2.13.4" "pydantic-core==2.46.4" "annotated-types==0.7.0" "typing-inspection==0.4.2"
-  "hjson==3.1.0" "datasets==5.2.0" "dill==0.4.1" "multiprocess==0.70.19" "zstandard==0.25.0"
+  "typing-extensions==4.16.0" "hjson==3.1.0" "datasets==5.2.0" "dill==0.4.1"
+  "multiprocess==0.70.19" "zstandard==0.25.0"
 )
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64
            manylinux2014_x86_64 manylinux1_x86_64)
