@@ -29,10 +29,10 @@ from tape_train.kernels.tape_attention_common import (
     head_ptr,
     key_ranges,
     load_halves,
+    load_key_block,
     load_modulated,
     load_rows,
     load_with_state,
-    modulate,
     modulation_backward,
     program_head,
     query_block,
@@ -252,12 +252,9 @@ def _dq_inner(
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = offs_n < N_CTX
-        k1, k2, e0a, e0b, e1a, e1b = load_with_state(
-            k_base, e0_base, e1_base, offs_n, stride_kn, stride_e0n, stride_e1n, HALF, col_ok, MASKED)
-        v = load_rows(v_base, offs_n, stride_vn, HEAD_DIM, col_ok, MASKED).to(dt)
-        kt1, kt2 = modulate(k1, k2, e0a, e0b, e1a, e1b)
-        kt1 = kt1.to(dt)
-        kt2 = kt2.to(dt)
+        kt1, kt2, e0a, e0b, e1a, e1b, v = load_key_block(
+            k_base, v_base, e0_base, e1_base, offs_n, stride_kn, stride_vn, stride_e0n, stride_e1n,
+            HALF, HEAD_DIM, col_ok, MASKED)
         s = tl.dot(qt1, tl.trans(kt1), input_precision=PRECISION)
         s = tl.dot(qt2, tl.trans(kt2), s, input_precision=PRECISION)
         p = tl.math.exp2(s * qk_scale - lse[:, None])

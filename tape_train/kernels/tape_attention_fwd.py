@@ -18,10 +18,8 @@ from tape_train.kernels.tape_attention_common import (
     LOG2E,
     head_ptr,
     key_ranges,
+    load_key_block,
     load_modulated,
-    load_rows,
-    load_with_state,
-    modulate,
     program_head,
     query_block,
     store_halves,
@@ -41,13 +39,11 @@ def _fwd_inner(
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = offs_n < N_CTX
-        # All four loads are issued before the modulation (the order the pipeliner was tuned on).
-        k1, k2, e0a, e0b, e1a, e1b = load_with_state(
-            k_base, e0_base, e1_base, offs_n, stride_kn, stride_e0n, stride_e1n, HALF, col_ok, MASKED)
-        v = load_rows(v_base, offs_n, stride_vn, HEAD_DIM, col_ok, MASKED)
-        kt1, kt2 = modulate(k1, k2, e0a, e0b, e1a, e1b)
-        s = tl.dot(qt1, tl.trans(kt1.to(dt)), input_precision=PRECISION)
-        s = tl.dot(qt2, tl.trans(kt2.to(dt)), s, input_precision=PRECISION)
+        kt1, kt2, e0a, e0b, e1a, e1b, v = load_key_block(
+            k_base, v_base, e0_base, e1_base, offs_n, stride_kn, stride_vn, stride_e0n, stride_e1n,
+            HALF, HEAD_DIM, col_ok, MASKED)
+        s = tl.dot(qt1, tl.trans(kt1), input_precision=PRECISION)
+        s = tl.dot(qt2, tl.trans(kt2), s, input_precision=PRECISION)
         s = s * qk_scale  # log2 units
         if MASKED:
             keep = col_ok[None, :]
