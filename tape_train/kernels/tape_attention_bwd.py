@@ -255,6 +255,9 @@ def _dq_inner(
         kt1, kt2, e0a, e0b, e1a, e1b, v = load_key_block(
             k_base, v_base, e0_base, e1_base, offs_n, stride_kn, stride_vn, stride_e0n, stride_e1n,
             HALF, HEAD_DIM, col_ok, MASKED)
+        kt1 = kt1.to(dt)
+        kt2 = kt2.to(dt)
+        v = v.to(dt)
         s = tl.dot(qt1, tl.trans(kt1), input_precision=PRECISION)
         s = tl.dot(qt2, tl.trans(kt2), s, input_precision=PRECISION)
         p = tl.math.exp2(s * qk_scale - lse[:, None])

@@ -110,15 +110,16 @@ def load_modulated(x_base, e0_base, e1_base, offs, stride_xn, stride_e0n, stride
 @triton.jit
 def load_key_block(k_base, v_base, e0_base, e1_base, offs_n, stride_kn, stride_vn, stride_e0n, stride_e1n,
                    HALF: tl.constexpr, HEAD_DIM: tl.constexpr, col_ok, MASKED: tl.constexpr):
-    """One streamed key block of the forward / dq loops: (k̃₁, k̃₂) in k's dtype, the E halves as
-    loaded (also the value operand [E⁰ | E¹]) and v. All four loads are issued before the
-    modulation, the order the tables' static figures were taken with."""
+    """One streamed key block of the forward / dq loops: (k̃₁, k̃₂) in fp32, the E halves as
+    loaded (also the value operand [E⁰ | E¹]) and v as loaded. All four loads are issued before
+    the modulation. Callers cast k̃ to the dot dtype themselves, where the kernel did before the
+    helper existed: where that cast sits changes Triton's schedule (casting here cost the sm_90
+    D=64 forward 4–8 KiB of shared memory and made its 64×64 entry spill)."""
     k1, k2, e0a, e0b, e1a, e1b = load_with_state(
         k_base, e0_base, e1_base, offs_n, stride_kn, stride_e0n, stride_e1n, HALF, col_ok, MASKED)
     v = load_rows(v_base, offs_n, stride_vn, HEAD_DIM, col_ok, MASKED)
     kt1, kt2 = modulate(k1, k2, e0a, e0b, e1a, e1b)
-    dt = k_base.dtype.element_ty
-    return kt1.to(dt), kt2.to(dt), e0a, e0b, e1a, e1b, v.to(dt)
+    return kt1, kt2, e0a, e0b, e1a, e1b, v
 
 
 @triton.jit
