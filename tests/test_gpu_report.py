@@ -52,7 +52,8 @@ def test_cpu_smoke_report_is_complete_and_finite(tmp_path):
                                                    (64, "atomic"), (64, "deterministic")}
     assert all(r["ok"] and max(r["errors"].values()) < 1e-4 for r in kernel)
     assert set(kernel[0]["errors"]) == {"O", "E0_hat", "E1_hat", "dq", "dk", "dv", "dE0", "dE1"}
-    assert corr[0]["control"]["ok"] and corr[0]["control"]["error"] > 0.1  # negative control
+    control = next(r["control"] for r in corr if "control" in r)
+    assert control["ok"] and control["error"] > 0.1  # negative control: must differ
     checks = {r.get("check"): r for r in corr if "check" in r}
     assert checks["model_backend"]["ok"] and checks["kv_cache"]["ok"]
     trainer = checks["trainer"]

@@ -23,8 +23,12 @@ class TrainerProbe:
     def __init__(self, recipe: Path, overrides: list[str]) -> None:
         from trainer_process import build_trainer
 
+        from tape_train.model.flops import training_flops_per_token
+
         self.trainer = build_trainer(recipe, overrides)
         self.device = self.trainer.dist.device
+        cfg = self.trainer.cfg
+        self.flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
 
     def losses(self, steps: int) -> list[float]:
         """Per-step loss of ``steps`` real steps on the recipe's (synthetic) data."""
@@ -56,7 +60,8 @@ class TrainerProbe:
         step = statistics.median(times)
         res = {"micro_batch": micro_batch, "oom": False, "step_s": step,
                "tokens_per_s": micro_batch * cfg.train.seq_len / step,
-               "loss": losses[-1], "finite": all(x == x for x in losses)}
+               "loss": losses[-1], "finite": all(x == x for x in losses),
+               "flops_per_token": self.flops_per_token}
         if self.device.type == "cuda":
             res["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             res["reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
@@ -76,9 +81,6 @@ def end_to_end(recipe: Path, work: Path, plan: dict, peak_tflops: float | None,
     time budget; the last fitting one is the row's result (all probes are kept)."""
     from trainer_process import BenchmarkError, Child, trainer_overrides
 
-    from tape_train.model import load_model_config
-    from tape_train.model.flops import training_flops_per_token
-
     n = plan["seq_len"]
     work.mkdir(parents=True, exist_ok=True)
     for size, pe in itertools.product(plan["sizes"], plan["encodings"]):
@@ -87,8 +89,6 @@ def end_to_end(recipe: Path, work: Path, plan: dict, peak_tflops: float | None,
         sink.append(row)
         overrides = [*trainer_overrides(size, pe, n, 1, work / f"{size}_{pe}"),
                      *plan["overrides"]]
-        cfg = load_model_config(size)
-        row["flops_per_token"] = training_flops_per_token(cfg, n)
         child = Child(f"{size}_{pe}", work / f"{size}_{pe}.log", TrainerProbe, recipe, overrides)
         t0 = time.monotonic()
         try:
@@ -115,7 +115,8 @@ def end_to_end(recipe: Path, work: Path, plan: dict, peak_tflops: float | None,
         if fits:
             best = fits[-1]
             row.update(micro_batch=best["micro_batch"], tokens_per_s=best["tokens_per_s"],
-                       peak_mem_gib=best["peak_mem_gib"], finite=best["finite"])
+                       peak_mem_gib=best["peak_mem_gib"], finite=best["finite"],
+                       flops_per_token=best["flops_per_token"])
             if peak_tflops:
                 row["mfu"] = best["tokens_per_s"] * row["flops_per_token"] / (peak_tflops * 1e12)
         flush()
