@@ -45,8 +45,11 @@ DS_BUILD_OPS=0 "$PY" -m pip wheel --quiet --no-deps --no-build-isolation -w "$WH
 
 echo "prepare_lease: building this project's wheel"
 had_build=0; [[ -e "$ROOT/build" ]] && had_build=1
+had_egg=0; compgen -G "$ROOT/*.egg-info" >/dev/null && had_egg=1
 "$PY" -m pip wheel --quiet --no-deps --no-build-isolation -w "$WHL" "$ROOT"
-(( had_build )) || rm -rf "$ROOT/build"  # setuptools' scratch in the source tree
+# setuptools' scratch in the source tree
+(( had_build )) || rm -rf "$ROOT/build"
+(( had_egg )) || rm -rf "$ROOT"/*.egg-info
 
 ls -1 "$WHL"
 size_kib=$(du -sk "$OUT_DIR" | cut -f1)
