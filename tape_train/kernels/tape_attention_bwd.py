@@ -158,9 +158,12 @@ def tape_attention_bwd_dkv_kernel(
     k_base = head_ptr(K, off_b, off_h, stride_kb, stride_kh)
     e0_base = head_ptr(E0, off_b, off_h, stride_e0b, stride_e0h)
     e1_base = head_ptr(E1, off_b, off_h, stride_e1b, stride_e1h)
-    kt1, kt2, e0a, e0b, e1a, e1b = load_modulated(k_base, e0_base, e1_base, offs_n, stride_kn, stride_e0n,
-                                                  stride_e1n, HALF, col_ok, True)
-    v = load_rows(head_ptr(V, off_b, off_h, stride_vb, stride_vh), offs_n, stride_vn, HEAD_DIM, col_ok, True).to(dt)
+    kt1, kt2, e0a, e0b, e1a, e1b, v = load_key_block(
+        k_base, head_ptr(V, off_b, off_h, stride_vb, stride_vh), e0_base, e1_base, offs_n, stride_kn, stride_vn,
+        stride_e0n, stride_e1n, HALF, HEAD_DIM, col_ok, True)
+    kt1 = kt1.to(dt)
+    kt2 = kt2.to(dt)
+    v = v.to(dt)
 
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv0a = tl.zeros([BLOCK_N, HALF], tl.float32)
