@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench extrapolation clean
+.PHONY: install test demo bench gpu-report extrapolation clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
+
+# On a CUDA machine: correctness, kernel speed, sweep, end-to-end -> docs/gpu/<gpu-model>/.
+gpu-report: $(STAMP)
+	$(PY) benchmarks/gpu_report.py
 
 extrapolation: $(STAMP)
 	$(PY) benchmarks/length_extrapolation.py

@@ -25,10 +25,17 @@ import triton
 import triton.language as tl
 
 from tape_train.kernels.tape_attention_common import (
+    LOG2E,
+    head_ptr,
+    key_ranges,
     load_halves,
+    load_key_block,
+    load_modulated,
     load_rows,
-    modulate,
+    load_with_state,
     modulation_backward,
+    program_head,
+    query_block,
     store_halves,
 )
 
@@ -42,18 +49,18 @@ def tape_attention_bwd_preprocess_kernel(
     N_HEADS, N_CTX,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    bh = tl.program_id(1)
-    off_b = (bh // N_HEADS).to(tl.int64)
-    off_h = (bh % N_HEADS).to(tl.int64)
+    bh, off_b, off_h = program_head(N_HEADS)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < N_CTX
     out_off = bh.to(tl.int64) * N_CTX * HEAD_DIM
     o = load_rows(O + out_off, offs_m, HEAD_DIM, HEAD_DIM, row_ok, True).to(tl.float32)
     e0 = load_rows(E0_HAT + out_off, offs_m, HEAD_DIM, HEAD_DIM, row_ok, True).to(tl.float32)
     e1 = load_rows(E1_HAT + out_off, offs_m, HEAD_DIM, HEAD_DIM, row_ok, True).to(tl.float32)
-    do = load_rows(DO + off_b * stride_dob + off_h * stride_doh, offs_m, stride_don, HEAD_DIM, row_ok, True)
-    de0 = load_rows(DE0_HAT + off_b * stride_de0b + off_h * stride_de0h, offs_m, stride_de0n, HEAD_DIM, row_ok, True)
-    de1 = load_rows(DE1_HAT + off_b * stride_de1b + off_h * stride_de1h, offs_m, stride_de1n, HEAD_DIM, row_ok, True)
+    do = load_rows(head_ptr(DO, off_b, off_h, stride_dob, stride_doh), offs_m, stride_don, HEAD_DIM, row_ok, True)
+    de0 = load_rows(head_ptr(DE0_HAT, off_b, off_h, stride_de0b, stride_de0h), offs_m, stride_de0n, HEAD_DIM,
+                    row_ok, True)
+    de1 = load_rows(head_ptr(DE1_HAT, off_b, off_h, stride_de1b, stride_de1h), offs_m, stride_de1n, HEAD_DIM,
+                    row_ok, True)
     delta = tl.sum(o * do.to(tl.float32), 1) + tl.sum(e0 * de0.to(tl.float32), 1)
     delta += tl.sum(e1 * de1.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * N_CTX + offs_m, delta, mask=row_ok)
@@ -73,12 +80,8 @@ def _dkv_inner(
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < N_CTX
-        q1, q2 = load_halves(q_base, offs_m, stride_qn, HALF, row_ok, MASKED)
-        qe0a, qe0b = load_halves(e0_base, offs_m, stride_e0n, HALF, row_ok, MASKED)
-        qe1a, qe1b = load_halves(e1_base, offs_m, stride_e1n, HALF, row_ok, MASKED)
-        qt1, qt2 = modulate(q1, q2, qe0a, qe0b, qe1a, qe1b)
-        qt1 = qt1.to(dt)
-        qt2 = qt2.to(dt)
+        qt1, qt2, _, _, _, _ = load_modulated(q_base, e0_base, e1_base, offs_m, stride_qn, stride_e0n,
+                                              stride_e1n, HALF, row_ok, MASKED)
         do = load_rows(do_base, offs_m, stride_don, HEAD_DIM, row_ok, MASKED).to(dt)
         g0a, g0b = load_halves(de0_base, offs_m, stride_de0n, HALF, row_ok, MASKED)
         g1a, g1b = load_halves(de1_base, offs_m, stride_de1n, HALF, row_ok, MASKED)
@@ -145,22 +148,22 @@ def tape_attention_bwd_dkv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
-    bh = tl.program_id(1)
-    off_b = (bh // N_HEADS).to(tl.int64)
-    off_h = (bh % N_HEADS).to(tl.int64)
+    bh, off_b, off_h = program_head(N_HEADS)
     # Causal: the earliest key blocks see the most queries; launch them first.
     start_n = tl.program_id(0) * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     col_ok = offs_n < N_CTX
     dt = Q.dtype.element_ty
 
-    k1, k2 = load_halves(K + off_b * stride_kb + off_h * stride_kh, offs_n, stride_kn, HALF, col_ok, True)
-    e0a, e0b = load_halves(E0 + off_b * stride_e0b + off_h * stride_e0h, offs_n, stride_e0n, HALF, col_ok, True)
-    e1a, e1b = load_halves(E1 + off_b * stride_e1b + off_h * stride_e1h, offs_n, stride_e1n, HALF, col_ok, True)
-    v = load_rows(V + off_b * stride_vb + off_h * stride_vh, offs_n, stride_vn, HEAD_DIM, col_ok, True).to(dt)
-    kt1, kt2 = modulate(k1, k2, e0a, e0b, e1a, e1b)
+    k_base = head_ptr(K, off_b, off_h, stride_kb, stride_kh)
+    e0_base = head_ptr(E0, off_b, off_h, stride_e0b, stride_e0h)
+    e1_base = head_ptr(E1, off_b, off_h, stride_e1b, stride_e1h)
+    kt1, kt2, e0a, e0b, e1a, e1b, v = load_key_block(
+        k_base, head_ptr(V, off_b, off_h, stride_vb, stride_vh), e0_base, e1_base, offs_n, stride_kn, stride_vn,
+        stride_e0n, stride_e1n, HALF, HEAD_DIM, col_ok, True)
     kt1 = kt1.to(dt)
     kt2 = kt2.to(dt)
+    v = v.to(dt)
 
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv0a = tl.zeros([BLOCK_N, HALF], tl.float32)
@@ -170,15 +173,13 @@ def tape_attention_bwd_dkv_kernel(
     dkt1 = tl.zeros([BLOCK_N, HALF], tl.float32)
     dkt2 = tl.zeros([BLOCK_N, HALF], tl.float32)
 
-    q_base = Q + off_b * stride_qb + off_h * stride_qh
-    qe0_base = E0 + off_b * stride_e0b + off_h * stride_e0h
-    qe1_base = E1 + off_b * stride_e1b + off_h * stride_e1h
-    do_base = DO + off_b * stride_dob + off_h * stride_doh
-    de0_base = DE0_HAT + off_b * stride_de0b + off_h * stride_de0h
-    de1_base = DE1_HAT + off_b * stride_de1b + off_h * stride_de1h
+    q_base = head_ptr(Q, off_b, off_h, stride_qb, stride_qh)
+    do_base = head_ptr(DO, off_b, off_h, stride_dob, stride_doh)
+    de0_base = head_ptr(DE0_HAT, off_b, off_h, stride_de0b, stride_de0h)
+    de1_base = head_ptr(DE1_HAT, off_b, off_h, stride_de1b, stride_de1h)
     row_off = bh.to(tl.int64) * N_CTX
     out_off = row_off * HEAD_DIM
-    qk_scale = sm_scale * 1.4426950408889634
+    qk_scale = sm_scale * LOG2E
 
     # Query blocks: [diagonal, masked] [middle, unmasked] [tail past the last full block, masked].
     full_end = (N_CTX // BLOCK_M) * BLOCK_M
@@ -186,7 +187,7 @@ def tape_attention_bwd_dkv_kernel(
         diag_end = tl.minimum(start_n + BLOCK_N, N_CTX)
         (dv, dv0a, dv0b, dv1a, dv1b, dkt1, dkt2) = _dkv_inner(
             dv, dv0a, dv0b, dv1a, dv1b, dkt1, dkt2, kt1, kt2, v, e0a.to(dt), e0b.to(dt), e1a.to(dt), e1b.to(dt),
-            offs_n, col_ok, q_base, qe0_base, qe1_base, do_base, de0_base, de1_base,
+            offs_n, col_ok, q_base, e0_base, e1_base, do_base, de0_base, de1_base,
             LSE + row_off, DELTA + row_off, DQT + out_off,
             stride_qn, stride_e0n, stride_e1n, stride_don, stride_de0n, stride_de1n,
             start_n, diag_end, N_CTX, sm_scale, qk_scale,
@@ -200,7 +201,7 @@ def tape_attention_bwd_dkv_kernel(
     mid_end = tl.where(start_n + BLOCK_N > N_CTX, mid_start, mid_end)
     (dv, dv0a, dv0b, dv1a, dv1b, dkt1, dkt2) = _dkv_inner(
         dv, dv0a, dv0b, dv1a, dv1b, dkt1, dkt2, kt1, kt2, v, e0a.to(dt), e0b.to(dt), e1a.to(dt), e1b.to(dt),
-        offs_n, col_ok, q_base, qe0_base, qe1_base, do_base, de0_base, de1_base,
+        offs_n, col_ok, q_base, e0_base, e1_base, do_base, de0_base, de1_base,
         LSE + row_off, DELTA + row_off, DQT + out_off,
         stride_qn, stride_e0n, stride_e1n, stride_don, stride_de0n, stride_de1n,
         mid_start, mid_end, N_CTX, sm_scale, qk_scale,
@@ -208,7 +209,7 @@ def tape_attention_bwd_dkv_kernel(
     )
     (dv, dv0a, dv0b, dv1a, dv1b, dkt1, dkt2) = _dkv_inner(
         dv, dv0a, dv0b, dv1a, dv1b, dkt1, dkt2, kt1, kt2, v, e0a.to(dt), e0b.to(dt), e1a.to(dt), e1b.to(dt),
-        offs_n, col_ok, q_base, qe0_base, qe1_base, do_base, de0_base, de1_base,
+        offs_n, col_ok, q_base, e0_base, e1_base, do_base, de0_base, de1_base,
         LSE + row_off, DELTA + row_off, DQT + out_off,
         stride_qn, stride_e0n, stride_e1n, stride_don, stride_de0n, stride_de1n,
         mid_end, N_CTX, N_CTX, sm_scale, qk_scale,
@@ -219,9 +220,8 @@ def tape_attention_bwd_dkv_kernel(
     dkt2 = dkt2 * sm_scale
     # Re-read k and E (one tile each) rather than keep the raw tiles live across the loop:
     # registers are the binding constraint of this kernel.
-    k1, k2 = load_halves(K + off_b * stride_kb + off_h * stride_kh, offs_n, stride_kn, HALF, col_ok, True)
-    e0a, e0b = load_halves(qe0_base, offs_n, stride_e0n, HALF, col_ok, True)
-    e1a, e1b = load_halves(qe1_base, offs_n, stride_e1n, HALF, col_ok, True)
+    k1, k2, e0a, e0b, e1a, e1b = load_with_state(k_base, e0_base, e1_base, offs_n, stride_kn, stride_e0n,
+                                                 stride_e1n, HALF, col_ok, True)
     dk1, dk2, g0a, g0b, g1a, g1b = modulation_backward(dkt1, dkt2, k1, k2, e0a, e0b, e1a, e1b)
     store_halves(DK + out_off, offs_n, HEAD_DIM, HALF, col_ok, dk1, dk2)
     dv_ptrs = DV + out_off + offs_n[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
@@ -255,13 +255,12 @@ def _dq_inner(
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = offs_n < N_CTX
-        k1, k2 = load_halves(k_base, offs_n, stride_kn, HALF, col_ok, MASKED)
-        e0a, e0b = load_halves(e0_base, offs_n, stride_e0n, HALF, col_ok, MASKED)
-        e1a, e1b = load_halves(e1_base, offs_n, stride_e1n, HALF, col_ok, MASKED)
-        v = load_rows(v_base, offs_n, stride_vn, HEAD_DIM, col_ok, MASKED).to(dt)
-        kt1, kt2 = modulate(k1, k2, e0a, e0b, e1a, e1b)
+        kt1, kt2, e0a, e0b, e1a, e1b, v = load_key_block(
+            k_base, v_base, e0_base, e1_base, offs_n, stride_kn, stride_vn, stride_e0n, stride_e1n,
+            HALF, HEAD_DIM, col_ok, MASKED)
         kt1 = kt1.to(dt)
         kt2 = kt2.to(dt)
+        v = v.to(dt)
         s = tl.dot(qt1, tl.trans(kt1), input_precision=PRECISION)
         s = tl.dot(qt2, tl.trans(kt2), s, input_precision=PRECISION)
         p = tl.math.exp2(s * qk_scale - lse[:, None])
@@ -299,40 +298,31 @@ def tape_attention_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    start_m = tl.num_programs(0) - 1 - pid_m if CAUSAL else pid_m
-    off_b = (bh // N_HEADS).to(tl.int64)
-    off_h = (bh % N_HEADS).to(tl.int64)
+    bh, off_b, off_h = program_head(N_HEADS)
+    start_m = query_block(CAUSAL)
     dt = Q.dtype.element_ty
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < N_CTX
-    e0_base = E0 + off_b * stride_e0b + off_h * stride_e0h
-    e1_base = E1 + off_b * stride_e1b + off_h * stride_e1h
-    q1, q2 = load_halves(Q + off_b * stride_qb + off_h * stride_qh, offs_m, stride_qn, HALF, row_ok, True)
-    e0a, e0b = load_halves(e0_base, offs_m, stride_e0n, HALF, row_ok, True)
-    e1a, e1b = load_halves(e1_base, offs_m, stride_e1n, HALF, row_ok, True)
-    qt1, qt2 = modulate(q1, q2, e0a, e0b, e1a, e1b)
-    qt1 = qt1.to(dt)
-    qt2 = qt2.to(dt)
-    do = load_rows(DO + off_b * stride_dob + off_h * stride_doh, offs_m, stride_don, HEAD_DIM, row_ok, True).to(dt)
-    g0a, g0b = load_halves(DE0_HAT + off_b * stride_de0b + off_h * stride_de0h, offs_m, stride_de0n, HALF, row_ok, True)
-    g1a, g1b = load_halves(DE1_HAT + off_b * stride_de1b + off_h * stride_de1h, offs_m, stride_de1n, HALF, row_ok, True)
+    q_base = head_ptr(Q, off_b, off_h, stride_qb, stride_qh)
+    e0_base = head_ptr(E0, off_b, off_h, stride_e0b, stride_e0h)
+    e1_base = head_ptr(E1, off_b, off_h, stride_e1b, stride_e1h)
+    qt1, qt2, _, _, _, _ = load_modulated(q_base, e0_base, e1_base, offs_m, stride_qn, stride_e0n, stride_e1n,
+                                          HALF, row_ok, True)
+    do = load_rows(head_ptr(DO, off_b, off_h, stride_dob, stride_doh), offs_m, stride_don, HEAD_DIM, row_ok,
+                   True).to(dt)
+    g0a, g0b = load_halves(head_ptr(DE0_HAT, off_b, off_h, stride_de0b, stride_de0h), offs_m, stride_de0n, HALF,
+                           row_ok, True)
+    g1a, g1b = load_halves(head_ptr(DE1_HAT, off_b, off_h, stride_de1b, stride_de1h), offs_m, stride_de1n, HALF,
+                           row_ok, True)
     row_off = bh.to(tl.int64) * N_CTX
     lse = tl.load(LSE + row_off + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + row_off + offs_m, mask=row_ok, other=0.0)
     dqt1 = tl.zeros([BLOCK_M, HALF], tl.float32)
     dqt2 = tl.zeros([BLOCK_M, HALF], tl.float32)
-    k_base = K + off_b * stride_kb + off_h * stride_kh
-    v_base = V + off_b * stride_vb + off_h * stride_vh
-    qk_scale = sm_scale * 1.4426950408889634
-
-    if CAUSAL:
-        unmasked_end = start_m * BLOCK_M
-        masked_end = tl.minimum((start_m + 1) * BLOCK_M, N_CTX)
-    else:
-        unmasked_end = (N_CTX // BLOCK_N) * BLOCK_N
-        masked_end = N_CTX
+    k_base = head_ptr(K, off_b, off_h, stride_kb, stride_kh)
+    v_base = head_ptr(V, off_b, off_h, stride_vb, stride_vh)
+    qk_scale = sm_scale * LOG2E
+    unmasked_end, masked_end = key_ranges(start_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
     dqt1, dqt2 = _dq_inner(
         dqt1, dqt2, qt1, qt2, do, g0a.to(dt), g0b.to(dt), g1a.to(dt), g1b.to(dt), lse, delta, offs_m, row_ok,
         k_base, v_base, e0_base, e1_base, stride_kn, stride_vn, stride_e0n, stride_e1n,
@@ -344,9 +334,8 @@ def tape_attention_bwd_dq_kernel(
         unmasked_end, masked_end, N_CTX, qk_scale, BLOCK_N, HALF, HEAD_DIM, CAUSAL, True, PRECISION,
     )
     # Re-read q and E for the modulation backward (see the dk/dv kernel: registers bind).
-    q1, q2 = load_halves(Q + off_b * stride_qb + off_h * stride_qh, offs_m, stride_qn, HALF, row_ok, True)
-    e0a, e0b = load_halves(e0_base, offs_m, stride_e0n, HALF, row_ok, True)
-    e1a, e1b = load_halves(e1_base, offs_m, stride_e1n, HALF, row_ok, True)
+    q1, q2, e0a, e0b, e1a, e1b = load_with_state(q_base, e0_base, e1_base, offs_m, stride_qn, stride_e0n,
+                                                 stride_e1n, HALF, row_ok, True)
     _finish_query_side(
         dqt1 * sm_scale, dqt2 * sm_scale, q1, q2, e0a, e0b, e1a, e1b, offs_m, row_ok,
         row_off * HEAD_DIM, DQ, DE0, DE1, DE0_PART, DE1_PART, HALF, HEAD_DIM,
@@ -363,15 +352,14 @@ def tape_attention_bwd_dq_finish_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
-    bh = tl.program_id(1)
-    off_b = (bh // N_HEADS).to(tl.int64)
-    off_h = (bh % N_HEADS).to(tl.int64)
+    bh, off_b, off_h = program_head(N_HEADS)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < N_CTX
     out_off = bh.to(tl.int64) * N_CTX * HEAD_DIM
-    q1, q2 = load_halves(Q + off_b * stride_qb + off_h * stride_qh, offs_m, stride_qn, HALF, row_ok, True)
-    e0a, e0b = load_halves(E0 + off_b * stride_e0b + off_h * stride_e0h, offs_m, stride_e0n, HALF, row_ok, True)
-    e1a, e1b = load_halves(E1 + off_b * stride_e1b + off_h * stride_e1h, offs_m, stride_e1n, HALF, row_ok, True)
+    q1, q2, e0a, e0b, e1a, e1b = load_with_state(
+        head_ptr(Q, off_b, off_h, stride_qb, stride_qh), head_ptr(E0, off_b, off_h, stride_e0b, stride_e0h),
+        head_ptr(E1, off_b, off_h, stride_e1b, stride_e1h), offs_m, stride_qn, stride_e0n, stride_e1n, HALF,
+        row_ok, True)
     dqt1, dqt2 = load_halves(DQT + out_off, offs_m, HEAD_DIM, HALF, row_ok, True)
     _finish_query_side(
         dqt1, dqt2, q1, q2, e0a, e0b, e1a, e1b, offs_m, row_ok, out_off,

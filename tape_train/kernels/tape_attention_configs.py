@@ -13,6 +13,7 @@ Block-shape rules the kernels rely on (checked by :func:`validate_config`):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 KERNELS = ("fwd", "bwd_dkv", "bwd_dq")
@@ -21,6 +22,7 @@ HEAD_DIMS = (32, 64, 128)
 ARCHS = (80, 90)
 #: Shared memory per thread block that a kernel may request (bytes): the opt-in maximum.
 SHARED_MEMORY_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+_LABEL = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)")
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,16 @@ class KernelConfig:
     num_stages: int
 
     def label(self) -> str:
-        return f"M{self.block_m}_N{self.block_n}_w{self.num_warps}_s{self.num_stages}"
+        """``128x64w8s3``: BLOCK_M × BLOCK_N, warps, stages (the table's notation)."""
+        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}"
+
+    @classmethod
+    def parse(cls, label: str) -> "KernelConfig":
+        match = _LABEL.fullmatch(label.strip())
+        if match is None:
+            raise ValueError(f"launch config {label!r}: expected BLOCK_MxBLOCK_Nw<warps>s<stages>, "
+                             "e.g. 128x64w8s3")
+        return cls(*(int(g) for g in match.groups()))
 
 
 @dataclass(frozen=True)
@@ -59,10 +70,6 @@ def validate_config(kernel: str, cfg: KernelConfig) -> None:
         raise ValueError(f"{kernel} config {cfg}: block_n must be a multiple of block_m")
 
 
-def _c(block_m: int, block_n: int, num_warps: int, num_stages: int) -> KernelConfig:
-    return KernelConfig(block_m, block_n, num_warps, num_stages)
-
-
 # Why these shapes: the forward keeps three D-wide fp32 accumulators ([O | Ê⁰ | Ê¹]) per query
 # row, the dk/dv kernel four per key row (dv, dÊ-value-path for E⁰ and E¹, dk̃), so tiles are
 # smaller than FlashAttention-2's for the same head dim (on sm_80, mma.sync also keeps the
@@ -71,47 +78,56 @@ def _c(block_m: int, block_n: int, num_warps: int, num_stages: int) -> KernelCon
 # `python -m tape_train.kernels.aot` (0 spills, shared memory within SHARED_MEMORY_LIMIT);
 # docs/kernel.md lists registers and shared memory. Shapes that spilled were removed (e.g.
 # dk/dv 16×32 at D=64 on sm_80, and at D=128 on sm_90 for the deterministic variant).
-AUTOTUNE_CONFIGS: dict[int, dict[int, dict[str, tuple[KernelConfig, ...]]]] = {
-    80: {
-        32: {
-            "fwd": (_c(128, 64, 8, 3), _c(64, 64, 4, 3), _c(128, 32, 4, 4)),
-            "bwd_dkv": (_c(32, 64, 4, 2), _c(16, 64, 4, 3)),
-            "bwd_dq": (_c(128, 32, 8, 2), _c(64, 32, 4, 2), _c(64, 16, 4, 3)),
-        },
-        64: {
-            "fwd": (_c(128, 16, 8, 2), _c(64, 32, 4, 3), _c(64, 16, 4, 2)),
-            "bwd_dkv": (_c(16, 16, 4, 2),),
-            "bwd_dq": (_c(64, 16, 8, 2), _c(64, 16, 4, 2), _c(32, 16, 4, 2)),
-        },
-        128: {
-            "fwd": (_c(32, 32, 4, 2), _c(32, 16, 4, 2)),
-            "bwd_dkv": (_c(16, 32, 8, 2), _c(16, 16, 4, 2), _c(16, 16, 4, 1)),
-            "bwd_dq": (_c(32, 32, 8, 2), _c(32, 16, 8, 2), _c(16, 16, 4, 2)),
-        },
-    },
-    90: {
-        32: {
-            "fwd": (_c(128, 64, 4, 3), _c(128, 128, 8, 3), _c(64, 64, 4, 4)),
-            "bwd_dkv": (_c(32, 128, 8, 3), _c(32, 64, 4, 3), _c(16, 64, 8, 2)),
-            "bwd_dq": (_c(128, 32, 8, 3), _c(128, 64, 8, 2), _c(64, 32, 4, 3)),
-        },
-        64: {
-            "fwd": (_c(128, 64, 8, 3), _c(128, 128, 8, 2), _c(64, 64, 4, 4)),
-            "bwd_dkv": (_c(32, 64, 8, 2), _c(16, 64, 8, 2)),
-            "bwd_dq": (_c(128, 64, 8, 2), _c(128, 32, 8, 2), _c(64, 32, 4, 2)),
-        },
-        128: {
-            "fwd": (_c(64, 32, 8, 3), _c(64, 32, 8, 2), _c(128, 16, 8, 2)),
-            "bwd_dkv": (_c(16, 16, 4, 2),),
-            "bwd_dq": (_c(64, 32, 8, 2), _c(64, 16, 8, 2)),
-        },
-    },
-}
+# None of these has been timed on a GPU yet: `python benchmarks/gpu_report.py --sections sweep`
+# prints rows in this format, ranked by measured time, to replace them.
+#
+# arch  D    kernel   candidates BLOCK_MxBLOCK_N w<warps> s<stages>, preferred first
+TABLE = """
+80    32   fwd      128x64w8s3  64x64w4s3   128x32w4s4
+80    32   bwd_dkv  32x64w4s2   16x64w4s3
+80    32   bwd_dq   128x32w8s2  64x32w4s2   64x16w4s3
+80    64   fwd      128x16w8s2  64x32w4s3   64x16w4s2
+80    64   bwd_dkv  16x16w4s2
+80    64   bwd_dq   64x16w8s2   64x16w4s2   32x16w4s2
+80    128  fwd      32x32w4s2   32x16w4s2
+80    128  bwd_dkv  16x32w8s2   16x16w4s2   16x16w4s1
+80    128  bwd_dq   32x32w8s2   32x16w8s2   16x16w4s2
+90    32   fwd      128x64w4s3  128x128w8s3 64x64w4s4
+90    32   bwd_dkv  32x128w8s3  32x64w4s3   16x64w8s2
+90    32   bwd_dq   128x32w8s3  128x64w8s2  64x32w4s3
+90    64   fwd      128x64w8s3  128x128w8s2 64x64w4s4
+90    64   bwd_dkv  32x64w8s2   16x64w8s2
+90    64   bwd_dq   128x64w8s2  128x32w8s2  64x32w4s2
+90    128  fwd      64x32w8s3   64x32w8s2   128x16w8s2
+90    128  bwd_dkv  16x16w4s2
+90    128  bwd_dq   64x32w8s2   64x16w8s2
+"""
+
+
+def parse_table(text: str) -> dict[int, dict[int, dict[str, tuple[KernelConfig, ...]]]]:
+    """``{arch: {head_dim: {kernel: configs}}}`` from rows ``arch D kernel label...``."""
+    table: dict = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) < 4:
+            raise ValueError(f"config table line {lineno}: expected 'arch D kernel config...', "
+                             f"got {line.strip()!r}")
+        arch, head_dim, kernel = int(fields[0]), int(fields[1]), fields[2]
+        per_kernel = table.setdefault(arch, {}).setdefault(head_dim, {})
+        if kernel in per_kernel:
+            raise ValueError(f"config table line {lineno}: {arch} {head_dim} {kernel} repeated")
+        per_kernel[kernel] = tuple(KernelConfig.parse(label) for label in fields[3:])
+    return table
+
+
+AUTOTUNE_CONFIGS = parse_table(TABLE)
 
 #: Small tiles for Triton's CPU interpreter (tests): several blocks and a masked tail at N≈40.
-INTERPRETER_CONFIGS = TapeKernelConfigs(
-    fwd=_c(32, 16, 1, 1), bwd_dkv=_c(16, 32, 1, 1), bwd_dq=_c(32, 16, 1, 1)
-)
+INTERPRETER_CONFIGS = TapeKernelConfigs(fwd=KernelConfig.parse("32x16w1s1"),
+                                        bwd_dkv=KernelConfig.parse("16x32w1s1"),
+                                        bwd_dq=KernelConfig.parse("32x16w1s1"))
 
 
 def arch_for_capability(major: int, minor: int) -> int:

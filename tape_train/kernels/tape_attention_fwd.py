@@ -14,7 +14,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tape_train.kernels.tape_attention_common import load_halves, load_rows, modulate, store_halves
+from tape_train.kernels.tape_attention_common import (
+    LOG2E,
+    head_ptr,
+    key_ranges,
+    load_key_block,
+    load_modulated,
+    program_head,
+    query_block,
+    store_halves,
+)
 
 
 @triton.jit
@@ -30,11 +39,9 @@ def _fwd_inner(
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = offs_n < N_CTX
-        k1, k2 = load_halves(k_base, offs_n, stride_kn, HALF, col_ok, MASKED)
-        e0a, e0b = load_halves(e0_base, offs_n, stride_e0n, HALF, col_ok, MASKED)
-        e1a, e1b = load_halves(e1_base, offs_n, stride_e1n, HALF, col_ok, MASKED)
-        v = load_rows(v_base, offs_n, stride_vn, HEAD_DIM, col_ok, MASKED)
-        kt1, kt2 = modulate(k1, k2, e0a, e0b, e1a, e1b)
+        kt1, kt2, e0a, e0b, e1a, e1b, v = load_key_block(
+            k_base, v_base, e0_base, e1_base, offs_n, stride_kn, stride_vn, stride_e0n, stride_e1n,
+            HALF, HEAD_DIM, col_ok, MASKED)
         s = tl.dot(qt1, tl.trans(kt1.to(dt)), input_precision=PRECISION)
         s = tl.dot(qt2, tl.trans(kt2.to(dt)), s, input_precision=PRECISION)
         s = s * qk_scale  # log2 units
@@ -77,27 +84,18 @@ def tape_attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    # Causal: launch the longest rows first so the tail of the grid is short programs.
-    start_m = tl.num_programs(0) - 1 - pid_m if CAUSAL else pid_m
-    off_b = (bh // N_HEADS).to(tl.int64)
-    off_h = (bh % N_HEADS).to(tl.int64)
-    q_base = Q + off_b * stride_qb + off_h * stride_qh
-    k_base = K + off_b * stride_kb + off_h * stride_kh
-    v_base = V + off_b * stride_vb + off_h * stride_vh
-    e0_base = E0 + off_b * stride_e0b + off_h * stride_e0h
-    e1_base = E1 + off_b * stride_e1b + off_h * stride_e1h
+    bh, off_b, off_h = program_head(N_HEADS)
+    start_m = query_block(CAUSAL)
+    k_base = head_ptr(K, off_b, off_h, stride_kb, stride_kh)
+    v_base = head_ptr(V, off_b, off_h, stride_vb, stride_vh)
+    e0_base = head_ptr(E0, off_b, off_h, stride_e0b, stride_e0h)
+    e1_base = head_ptr(E1, off_b, off_h, stride_e1b, stride_e1h)
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < N_CTX
-    q1, q2 = load_halves(q_base, offs_m, stride_qn, HALF, row_ok, True)
-    e0a, e0b = load_halves(e0_base, offs_m, stride_e0n, HALF, row_ok, True)
-    e1a, e1b = load_halves(e1_base, offs_m, stride_e1n, HALF, row_ok, True)
-    dt = Q.dtype.element_ty
-    qt1, qt2 = modulate(q1, q2, e0a, e0b, e1a, e1b)
-    qt1 = qt1.to(dt)
-    qt2 = qt2.to(dt)
+    qt1, qt2, _, _, _, _ = load_modulated(head_ptr(Q, off_b, off_h, stride_qb, stride_qh), e0_base,
+                                          e1_base, offs_m, stride_qn, stride_e0n, stride_e1n, HALF,
+                                          row_ok, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -106,15 +104,8 @@ def tape_attention_fwd_kernel(
     acc_e0b = tl.zeros([BLOCK_M, HALF], tl.float32)
     acc_e1a = tl.zeros([BLOCK_M, HALF], tl.float32)
     acc_e1b = tl.zeros([BLOCK_M, HALF], tl.float32)
-    qk_scale = sm_scale * 1.4426950408889634
-
-    # Unmasked key blocks: strictly left of the diagonal (causal) or fully inside N.
-    if CAUSAL:
-        unmasked_end = start_m * BLOCK_M
-        masked_end = tl.minimum((start_m + 1) * BLOCK_M, N_CTX)
-    else:
-        unmasked_end = (N_CTX // BLOCK_N) * BLOCK_N
-        masked_end = N_CTX
+    qk_scale = sm_scale * LOG2E
+    unmasked_end, masked_end = key_ranges(start_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
     acc_v, acc_e0a, acc_e0b, acc_e1a, acc_e1b, m_i, l_i = _fwd_inner(
         acc_v, acc_e0a, acc_e0b, acc_e1a, acc_e1b, m_i, l_i, qt1, qt2, offs_m,
         k_base, v_base, e0_base, e1_base, stride_kn, stride_vn, stride_e0n, stride_e1n,

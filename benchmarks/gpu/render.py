@@ -1,0 +1,213 @@
+"""The GPU report's targets (issue item 3), its Markdown and its plots, from the JSON data."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+TARGETS = {
+    "kernel": "fused TAPE fwd+bwd TFLOP/s >= 0.60 x RoPE SDPA-flash's, causal bf16, N 2k-16k, "
+              "D 64 and 128",
+    "e2e_ratio": "end-to-end training tokens/s TAPE / RoPE >= 0.90 at 350m, N = 2048",
+    "rope_mfu": "RoPE MFU at 1b >= 40 % of the device's bf16 peak",
+}
+
+
+def evaluate_targets(data: dict) -> dict:
+    """Each target: met / missed / not measured, the measured value and its gap."""
+    out = {}
+    speed = data["sections"].get("kernel_speed", {}).get("results", [])
+    ratios = []
+    for row in speed:
+        m = row["methods"]
+        if 2048 <= row["N"] <= 16384 and row["D"] in (64, 128) and all(
+                "fwd_bwd_tflops" in m.get(k, {}) for k in ("tape_fused", "rope_flash")):
+            ratios.append((m["tape_fused"]["fwd_bwd_tflops"] / m["rope_flash"]["fwd_bwd_tflops"],
+                           f"D={row['D']} H={row['heads']} N={row['N']}"))
+    out["kernel"] = _verdict(ratios, 0.60, "fused/flash TFLOP/s")
+    e2e = {(r["size"], r["pe"]): r for r in data["sections"].get("end_to_end", {}).get("results", [])}
+    tape, rope = e2e.get(("350m", "tape"), {}), e2e.get(("350m", "rope"), {})
+    if "tokens_per_s" in tape and "tokens_per_s" in rope:
+        out["e2e_ratio"] = _verdict([(tape["tokens_per_s"] / rope["tokens_per_s"], "350m N=2048")],
+                                    0.90, "TAPE/RoPE tokens/s")
+    else:
+        out["e2e_ratio"] = {"status": "not measured"}
+    rope1b = e2e.get(("1b", "rope"), {})
+    if "mfu" in rope1b:
+        out["rope_mfu"] = _verdict([(rope1b["mfu"], "1b N=2048")], 0.40, "RoPE MFU")
+    else:
+        out["rope_mfu"] = {"status": "not measured"}
+    for key, text in TARGETS.items():
+        out[key]["target"] = text
+    return out
+
+
+def _verdict(values: list[tuple[float, str]], threshold: float, what: str) -> dict:
+    if not values:
+        return {"status": "not measured"}
+    worst, where = min(values)
+    res = {"status": "met" if worst >= threshold else "missed", "what": what,
+           "threshold": threshold, "worst": worst, "worst_at": where,
+           "all": {w: v for v, w in values}}
+    if worst < threshold:
+        res["gap"] = threshold - worst
+    return res
+
+
+def target_lines(targets: dict) -> list[str]:
+    lines = []
+    for key, t in targets.items():
+        if t["status"] == "not measured":
+            lines.append(f"target {key}: NOT MEASURED ({t['target']})")
+        else:
+            gap = f", gap {t['gap']:.3f}" if "gap" in t else ""
+            lines.append(f"target {key}: {t['status'].upper()}: worst {t['what']} "
+                         f"{t['worst']:.3f} at {t['worst_at']} vs {t['threshold']:.2f}{gap}")
+    return lines
+
+
+def _f(x, fmt=".3g"):
+    if x is None:
+        return "–"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return format(x, fmt) if isinstance(x, (int, float)) else str(x)
+
+
+def markdown(data: dict) -> str:
+    m = data["machine"]
+    head = "# GPU report" if data["complete"] else "# GPU report — PARTIAL (run did not finish)"
+    lines = [head, "", f"`{data['command']}` on **{m.get('name')}** "
+             f"(torch {m.get('torch')}, Triton {m.get('triton')}, DeepSpeed {m.get('deepspeed')}, "
+             f"CUDA {m.get('cuda')}), {data['started']}; {data['elapsed_s']:.0f} s.", ""]
+    if data.get("smoke"):
+        lines += ["CPU smoke run: tiny shapes in Triton's interpreter; the numbers check the "
+                  "code paths, not the speed of anything.", ""]
+    if m.get("matmul_tflops"):
+        lines += [f"Measured bf16 GEMM ceiling: {m['matmul_tflops']:.0f} TFLOP/s "
+                  f"(datasheet dense peak {_f(m.get('bf16_peak_tflops'))}).", ""]
+    lines += ["## Targets", ""] + [f"- {t}" for t in target_lines(data.get("targets", {}))] + [""]
+    for name, sec in data["sections"].items():
+        lines += [f"## {name.replace('_', ' ')} — {sec['status']}", ""]
+        if sec.get("error"):
+            lines += ["```", sec["error"][-2000:], "```", ""]
+        lines += _SECTION_RENDER[name](sec["results"]) + [""]
+    return "\n".join(lines)
+
+
+def _correctness(results: list) -> list[str]:
+    lines = []
+    kernel = [r for r in results if "errors" in r]
+    for r in results:
+        if "control" in r:
+            c = r["control"]
+            lines.append(f"- negative control ({c['what']}): error {_f(c['error'])} -> "
+                         f"{'ok' if c['ok'] else 'FAILED'}")
+        elif r.get("check") in ("model_backend", "kv_cache"):
+            detail = {k: v for k, v in r.items() if k not in ("check", "ok")}
+            lines.append(f"- {r['check']}: {'ok' if r['ok'] else 'FAILED'} {detail}")
+        elif r.get("check") == "trainer":
+            verdict = {True: "ok", False: "FAILED", None: "NOT JUDGED"}[r["ok"]]
+            lines.append(f"- trainer (ZeRO-1/3, bf16 vs fp32, {r['steps']} steps): "
+                         f"{verdict}; max relative loss differences "
+                         + ", ".join(f"{k} {_f(v)}" for k, v in r["comparisons"].items())
+                         + (f"; failed: {list(r['failures'])}" if r["failures"] else "")
+                         + (f"; skipped for time: {r['skipped_for_time']}"
+                            if r["skipped_for_time"] else ""))
+    if kernel:
+        keys = list(kernel[0]["errors"])
+        lines += ["", "Fused kernel vs fp64 reference (relative error; tolerance in the JSON):", "",
+                  "| dtype | D | N | dq | " + " | ".join(keys) + " | ok |",
+                  "|---" * (len(keys) + 5) + "|"]
+        for r in kernel:
+            lines.append(f"| {r['dtype']} | {r['D']} | {r['N']} | {r['dq']} | "
+                         + " | ".join(_f(r["errors"][k], ".1e") for k in keys)
+                         + f" | {'yes' if r['ok'] else 'NO'} |")
+    return lines
+
+
+def _speed(results: list) -> list[str]:
+    names = ["tape_fused", "tape_unfused", "rope_flash", "rope_cudnn"]
+    lines = ["fwd+bwd ms / TFLOP/s (FLOP model: RoPE 7U, TAPE 13U); last column fused/flash "
+             "TFLOP/s.", "", "| D | heads | N | batch | " + " | ".join(names) + " | ratio |",
+             "|---" * (len(names) + 5) + "|"]
+    for r in results:
+        m = r["methods"]
+        cells = [f"{m[k]['fwd_bwd_ms']:.2f} / {m[k]['fwd_bwd_tflops']:.0f}" if "fwd_bwd_ms" in
+                 m.get(k, {}) else ("error" if k in m else "–") for k in names]
+        ratio = (m["tape_fused"]["fwd_bwd_tflops"] / m["rope_flash"]["fwd_bwd_tflops"]
+                 if all("fwd_bwd_tflops" in m.get(k, {}) for k in ("tape_fused", "rope_flash"))
+                 else None)
+        lines.append(f"| {r['D']} | {r['heads']} | {r['N']} | {r['batch']} | " + " | ".join(cells)
+                     + f" | {_f(ratio)} |")
+    errors = {(k, v["error"]) for r in results for k, v in r["methods"].items() if "error" in v}
+    lines += [f"- {k}: {e}" for k, e in sorted(errors)]
+    return lines
+
+
+def _sweep(results: list) -> list[str]:
+    lines = ["| D | kernel | config | ms | TFLOP/s | error vs fp64 (tolerance) | ok |",
+             "|---" * 7 + "|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['D']} | {r['kernel']} | {r['config']} | {r['error']} | | | no |")
+        else:
+            lines.append(f"| {r['D']} | {r['kernel']} | {r['config']} | {r['ms']:.3f} | "
+                         f"{r['tflops']:.0f} | {r['err']:.1e} ({r['tolerance']:.1e}) | "
+                         f"{'yes' if r['ok'] else 'NO'} |")
+    return lines
+
+
+def _e2e(results: list) -> list[str]:
+    lines = ["| size | pe | micro-batch | tokens/s | MFU | peak mem (GiB) | status |",
+             "|---" * 7 + "|"]
+    for r in results:
+        lines.append(f"| {r['size']} | {r['pe']} | {_f(r.get('micro_batch'))} | "
+                     f"{_f(r.get('tokens_per_s'), '.0f')} | {_f(r.get('mfu'), '.1%')} | "
+                     f"{_f(r.get('peak_mem_gib'), '.1f')} | {r['status']} |")
+    return lines
+
+
+_SECTION_RENDER = {"correctness": _correctness, "kernel_speed": _speed, "sweep": _sweep,
+                   "end_to_end": _e2e}
+
+
+def plots(data: dict, out_dir: Path) -> list[str]:
+    """kernel_speed.png and end_to_end.png; returns the files written (none without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    speed = data["sections"].get("kernel_speed", {}).get("results", [])
+    groups = sorted({(r["D"], r["heads"]) for r in speed})
+    if groups:
+        fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.5), squeeze=False)
+        for ax, (d, h) in zip(axes[0], groups):
+            rows = [r for r in speed if (r["D"], r["heads"]) == (d, h)]
+            for name in ("tape_fused", "tape_unfused", "rope_flash", "rope_cudnn"):
+                pts = [(r["N"], r["methods"][name]["fwd_bwd_tflops"]) for r in rows
+                       if "fwd_bwd_tflops" in r["methods"].get(name, {})]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=name)
+            ax.set(xscale="log", xlabel="N", ylabel="fwd+bwd TFLOP/s", title=f"D={d}, {h} heads")
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / "kernel_speed.png", dpi=100)
+        plt.close(fig)
+        written.append("kernel_speed.png")
+    e2e = [r for r in data["sections"].get("end_to_end", {}).get("results", [])
+           if "tokens_per_s" in r]
+    if e2e:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        labels = [f"{r['size']}\n{r['pe']} mb{r['micro_batch']}" for r in e2e]
+        ax.bar(labels, [r["tokens_per_s"] for r in e2e])
+        ax.set(ylabel="tokens/s", title="end-to-end training, N=%d" % e2e[0]["seq_len"])
+        fig.tight_layout()
+        fig.savefig(out_dir / "end_to_end.png", dpi=100)
+        plt.close(fig)
+        written.append("end_to_end.png")
+    return written

@@ -1,0 +1,238 @@
+"""The GPU report, one command on any CUDA machine (≤ 10 min on one H100): correctness on the
+device, attention-kernel speed, a launch-config sweep of the fused kernel, and end-to-end
+training, with the targets of docs/kernel.md evaluated as met / missed.
+
+    python benchmarks/gpu_report.py                       # -> docs/gpu/<gpu-model>/
+    python benchmarks/gpu_report.py --out-dir $OUT --time-budget 540
+    python benchmarks/gpu_report.py --sections sweep --sweep-extra   # the autotune table's data
+    python benchmarks/gpu_report.py --cpu-smoke           # same code paths, tiny, CPU (tests)
+
+Writes ``report.json`` (every number, the machine, ``"complete": false`` until the end),
+``report.md`` (marked PARTIAL until the end) and ``kernel_speed.png`` / ``end_to_end.png``,
+rewritten after every measurement, so a run cut short keeps what it measured. Sections run in
+order, each with a share of the time left before the global deadline; one failing section is
+recorded with its traceback and the next one runs. Exit code 1 if a correctness check failed
+or a section crashed. ``--cpu-smoke`` runs the fused kernel in Triton's interpreter (fp32 only:
+the interpreter's bf16 ``tl.dot`` is wrong in Triton 3.9), a tiny model and trainer (gloo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SECTIONS = ("correctness", "kernel_speed", "end_to_end", "sweep")
+SHARE = {"correctness": 0.2, "kernel_speed": 0.25, "end_to_end": 0.45, "sweep": 0.10}
+
+MODEL_SMALL = dict(vocab_size=1000, hidden_size=256, num_layers=2, num_heads=4,
+                   intermediate_size=512, tape_position_size=16, max_seq_len=4096)
+FULL = {
+    "kernel": {"dtypes": ["float32", "bfloat16"], "head_dims": [32, 64, 128],
+               "lengths": [128, 1000, 2065], "batch": 2, "heads": 3},
+    "model": {"model": MODEL_SMALL, "seq": 1000, "batch": 2, "prompt": 300, "new": 8},
+    "trainer": {"overrides": ["model.base=tiny", "model.pe=tape", "train.seq_len=256",
+                              "train.micro_batch_size=4"], "steps": 4},
+    # (D, heads): the 350m, 1b and 125m configs at D=64 and the same widths at D=128,
+    # alternating D so that a run cut short still has both head dims.
+    "speed": {"head_configs": [(64, 16), (128, 8), (64, 32), (128, 16), (64, 12), (128, 6)],
+              "lengths": [1024, 2048, 4096, 8192, 16384], "tokens": 32768, "dtype": "bfloat16",
+              "warmup": 3, "reps": 10},
+    "sweep": {"head_configs": [(64, 16), (128, 8)], "length": 4096, "tokens": 32768,
+              "dtype": "bfloat16", "check_len": 300, "warmup": 2, "reps": 5, "extra": False},
+    "e2e": {"sizes": ["350m", "1b", "125m"], "encodings": ["tape", "rope"], "seq_len": 2048,
+            "max_micro_batch": 64, "warmup": 2, "steps": 3,
+            "overrides": ["train.device=auto", "train.dtype=bf16", "parallel.zero_stage=1"]},
+}
+_TINY_TRAIN = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=2",
+               "model.intermediate_size=128", "model.vocab_size=512"]
+SMOKE = {
+    "kernel": {"dtypes": ["float32"], "head_dims": [32, 64], "lengths": [40], "batch": 1,
+               "heads": 2},
+    "model": {"model": dict(MODEL_SMALL, vocab_size=97, hidden_size=64, num_heads=2,
+                            intermediate_size=96, max_seq_len=64), "seq": 24, "batch": 2,
+              "prompt": 16, "new": 4},
+    "trainer": {"overrides": ["model.base=tiny", "model.pe=tape", "train.seq_len=32",
+                              "train.micro_batch_size=2", *_TINY_TRAIN], "steps": 2},
+    "speed": {"head_configs": [(32, 2)], "lengths": [32], "tokens": 64, "dtype": "float32",
+              "warmup": 0, "reps": 1},
+    "sweep": {"head_configs": [(32, 2)], "length": 32, "tokens": 32, "dtype": "float32",
+              "check_len": 24, "warmup": 0, "reps": 1, "extra": False, "max_per_kernel": 1},
+    "e2e": {"sizes": ["tiny"], "encodings": ["tape", "rope"], "seq_len": 32,
+            "max_micro_batch": 2, "warmup": 1, "steps": 1,
+            "overrides": ["train.device=cpu", "train.dtype=bf16", "parallel.zero_stage=1",
+                          *_TINY_TRAIN]},
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", type=Path, help="default: docs/gpu/<gpu-model-slug>/")
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument("--time-budget", type=float,
+                   help="seconds for the whole report (global deadline); default 540 on a GPU, "
+                        "1500 with --cpu-smoke (Triton's interpreter on a busy CPU)")
+    p.add_argument("--sweep-extra", action="store_true",
+                   help="sweep larger tiles beyond the tables' entries too")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="tiny shapes on CPU, the kernel in Triton's interpreter")
+    p.add_argument("--work-dir", type=Path, help="trainer run dirs and logs (default: a temp dir)")
+    args = p.parse_args(argv)
+    args.command = "python benchmarks/gpu_report.py" + "".join(
+        f" {shlex.quote(a)}" for a in (sys.argv[1:] if argv is None else argv))
+    return args
+
+
+class Report:
+    """The JSON document, rewritten (with its Markdown) after every result."""
+
+    def __init__(self, out_dir: Path, command: str, smoke: bool) -> None:
+        self.out_dir, self.t0 = out_dir, time.monotonic()
+        self.data = {"complete": False, "smoke": smoke, "command": command,
+                     "started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                     "elapsed_s": 0.0, "machine": {}, "sections": {}, "targets": {}}
+
+    def section(self, name: str) -> list:
+        self.data["sections"][name] = {"status": "running", "results": []}
+        return self.data["sections"][name]["results"]
+
+    def flush(self) -> None:
+        from gpu.render import evaluate_targets, markdown
+
+        self.data["elapsed_s"] = time.monotonic() - self.t0
+        self.data["targets"] = evaluate_targets(self.data)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in (("report.json", json.dumps(self.data, indent=1, default=str)),
+                           ("report.md", markdown(self.data))):
+            tmp = self.out_dir / f".{name}.tmp"
+            tmp.write_text(text + "\n")
+            tmp.replace(self.out_dir / name)
+
+
+def run_section(name: str, args, plan: dict, report: Report, device, deadline: float,
+                remaining: list[str], work: Path) -> bool:
+    """Run one section inside its budget; returns False if it crashed or a check failed."""
+    from gpu import correctness, end_to_end, kernel_speed
+    from gpu.common import Budget, OutOfTime
+
+    shares = sum(SHARE[s] for s in remaining)
+    budget = Budget(seconds=(deadline - time.monotonic()) * SHARE[name] / shares,
+                    deadline=deadline)
+    sink, flush = report.section(name), report.flush
+    sec = report.data["sections"][name]
+    print(f"gpu_report: {name} (budget {budget.left():.0f} s)", flush=True)
+    ok = True
+    try:
+        if name == "correctness":
+            tp = plan["trainer"]
+            overrides = [*tp["overrides"], f"train.device={device.type}",
+                         "train.synthetic_data=true", "train.max_steps=1000",
+                         "eval.interval=0", "logging.tensorboard=false",
+                         "logging.progress_bar=false", "logging.peak_tflops=1.0"]
+            trainers = correctness.start_trainers(ROOT / "configs/train/demo.yaml",
+                                                  work / "trainer", overrides)
+            # Model and KV-cache checks while the trainers set up; the many kernel cases last,
+            # so that a short budget cuts kernel cases, not whole kinds of check.
+            try:
+                mp = plan["model"]
+                sink.append({"check": "model_backend", **correctness.model_backend_check(
+                    device, mp["model"], mp["seq"], mp["batch"])})
+                flush()
+                budget.check("KV-cache check")
+                sink.append({"check": "kv_cache", **correctness.kv_cache_check(
+                    device, mp["model"], mp["prompt"], mp["new"])})
+                flush()
+            finally:  # skipped, not failed, when time is out; always closes the trainers
+                correctness.trainer_checks(trainers, tp["steps"], budget, sink, flush)
+            correctness.kernel_checks(device, plan["kernel"], budget, sink, flush)
+            ok = not any(r.get("ok", r.get("control", {}).get("ok")) is False for r in sink)
+        elif name == "kernel_speed":
+            kernel_speed.kernel_speed(device, plan["speed"], budget, sink, flush)
+        elif name == "sweep":
+            from tape_train.kernels.tape_attention_configs import arch_for_capability
+
+            arch = (arch_for_capability(*__import__("torch").cuda.get_device_capability(device))
+                    if device.type == "cuda" else 90)
+            sweep_plan = dict(plan["sweep"], extra=plan["sweep"]["extra"] or args.sweep_extra)
+            kernel_speed.sweep(device, sweep_plan, arch, budget, sink, flush)
+            sec["paste"] = kernel_speed.table_lines(sink, arch)
+        elif name == "end_to_end":
+            end_to_end.end_to_end(ROOT / "configs/train/demo.yaml", work / "e2e", plan["e2e"],
+                                  report.data["machine"].get("bf16_peak_tflops"), budget, sink,
+                                  flush)
+        sec["status"] = "done"
+    except OutOfTime as exc:
+        sec["status"] = f"partial ({exc})"
+    except Exception:  # noqa: BLE001 - one section's crash must not lose the others
+        sec["status"] = "failed"
+        sec["error"] = traceback.format_exc()
+        print(sec["error"], file=sys.stderr, flush=True)
+        ok = False
+    sec["elapsed_s"] = round(time.monotonic() - budget.start, 1)
+    report.flush()
+    print(f"gpu_report: {name}: {sec['status']} ({sec['elapsed_s']:.0f} s)", flush=True)
+    return ok
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.time_budget is None:
+        args.time_budget = 1500.0 if args.cpu_smoke else 540.0
+    deadline = time.monotonic() + args.time_budget
+    if args.cpu_smoke:  # must precede the first import of Triton
+        os.environ["TRITON_INTERPRET"] = "1"
+    sys.path[:0] = [str(ROOT), str(HERE)]
+    import torch
+
+    from gpu.common import device_facts, gpu_slug, measure_matmul_tflops
+    from gpu.render import plots, target_lines
+
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("gpu_report: no CUDA device (use --cpu-smoke to check the code paths on CPU)",
+              file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    plan = SMOKE if args.cpu_smoke else FULL
+    facts = device_facts(device)
+    out_dir = args.out_dir or ROOT / "docs" / "gpu" / gpu_slug(facts["name"])
+    report = Report(out_dir, args.command, args.cpu_smoke)
+    report.data["machine"] = facts
+    if device.type == "cuda":
+        facts["matmul_tflops"] = measure_matmul_tflops(device, 8192, reps=10)
+    report.flush()
+    work_ctx = (tempfile.TemporaryDirectory(prefix="gpu_report_") if args.work_dir is None
+                else None)
+    work = Path(work_ctx.name) if work_ctx else args.work_dir
+    ok = True
+    order = [s for s in SECTIONS if s in args.sections]
+    try:
+        for i, name in enumerate(order):
+            ok &= run_section(name, args, plan, report, device, deadline, order[i:], work)
+    finally:
+        if work_ctx is not None:
+            work_ctx.cleanup()
+    report.data["complete"] = True
+    report.flush()
+    report.data["plots"] = plots(report.data, out_dir)
+    report.flush()
+    print("\n".join(target_lines(report.data["targets"])))
+    if "sweep" in report.data["sections"]:
+        print("autotune rows (paste into tape_attention_configs.TABLE):")
+        print("\n".join(report.data["sections"]["sweep"].get("paste", [])))
+    print(f"gpu_report: wrote {out_dir}/report.md ({report.data['elapsed_s']:.0f} s, "
+          f"{'all checks passed' if ok else 'SOME CHECKS FAILED'})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

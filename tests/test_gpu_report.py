@@ -1,0 +1,120 @@
+"""benchmarks/gpu_report.py: the --cpu-smoke run (the report's real code paths at tiny shapes:
+fused kernel in Triton's interpreter, tiny model, trainer steps through DeepSpeed with gloo)
+writes a complete JSON + Markdown report with finite numbers; target verdicts and partial
+reports; the GPU lease command stays within the device tool's limits."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from gpu.render import evaluate_targets, markdown  # noqa: E402
+
+
+def _numbers(obj):
+    if isinstance(obj, bool):
+        return
+    if isinstance(obj, (int, float)):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _numbers(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _numbers(v)
+
+
+@pytest.mark.slow
+def test_cpu_smoke_report_is_complete_and_finite(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_report.py", "--cpu-smoke",
+                           "--out-dir", str(tmp_path), "--work-dir", str(tmp_path / "work")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["complete"] and data["smoke"]
+    assert list(data["sections"]) == ["correctness", "kernel_speed", "end_to_end", "sweep"]
+    for name, sec in data["sections"].items():
+        assert sec["status"] == "done", (name, sec.get("error"))
+    corr = data["sections"]["correctness"]["results"]
+    kernel = [r for r in corr if "errors" in r]
+    assert {(r["D"], r["dq"]) for r in kernel} == {(32, "atomic"), (32, "deterministic"),
+                                                   (64, "atomic"), (64, "deterministic")}
+    assert all(r["ok"] and max(r["errors"].values()) < 1e-4 for r in kernel)
+    assert set(kernel[0]["errors"]) == {"O", "E0_hat", "E1_hat", "dq", "dk", "dv", "dE0", "dE1"}
+    control = next(r["control"] for r in corr if "control" in r)
+    assert control["ok"] and control["error"] > 0.1  # negative control: must differ
+    checks = {r.get("check"): r for r in corr if "check" in r}
+    assert checks["model_backend"]["ok"] and checks["kv_cache"]["ok"]
+    trainer = checks["trainer"]
+    assert trainer["ok"] and not trainer["failures"]
+    assert set(trainer["losses"]) == {"zero1_fp32", "zero1_bf16", "zero3_fp32", "zero3_bf16"}
+    assert len(trainer["comparisons"]) == 4
+    speed = data["sections"]["kernel_speed"]["results"][0]["methods"]
+    for name in ("tape_fused", "tape_unfused", "rope_flash"):
+        assert speed[name]["fwd_bwd_ms"] > 0, name
+    e2e = data["sections"]["end_to_end"]["results"]
+    assert {(r["size"], r["pe"]) for r in e2e} == {("tiny", "tape"), ("tiny", "rope")}
+    assert all(r["tokens_per_s"] > 0 and r["finite"] and r["status"] == "done" for r in e2e)
+    sweep = data["sections"]["sweep"]
+    assert {r["kernel"] for r in sweep["results"]} == {"fwd", "bwd_dkv", "bwd_dq"}
+    assert all(r["ok"] for r in sweep["results"]) and len(sweep["paste"]) == 3
+    assert all(math.isfinite(x) for x in _numbers(data))
+    md = (tmp_path / "report.md").read_text()
+    assert md.startswith("# GPU report\n") and "PARTIAL" not in md
+    for heading in ("## Targets", "## correctness", "## kernel speed", "## end to end", "## sweep"):
+        assert heading in md
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["end_to_end.png", "kernel_speed.png"]
+
+
+def _speed_row(n, d, fused, flash):
+    return {"N": n, "D": d, "heads": 16, "batch": 1,
+            "methods": {"tape_fused": {"fwd_bwd_tflops": fused},
+                        "rope_flash": {"fwd_bwd_tflops": flash}}}
+
+
+def _report(speed, e2e, complete=True):
+    return {"complete": complete, "command": "x", "started": "now", "elapsed_s": 1.0,
+            "machine": {"name": "GPU"}, "targets": {},
+            "sections": {"kernel_speed": {"status": "done", "results": speed},
+                         "end_to_end": {"status": "done", "results": e2e}}}
+
+
+def test_targets_met_missed_and_not_measured():
+    speed = [_speed_row(1024, 64, 100.0, 400.0),  # N=1k: outside the target's range
+             _speed_row(2048, 64, 300.0, 400.0), _speed_row(4096, 128, 200.0, 400.0)]
+    e2e = [{"size": "350m", "pe": "tape", "tokens_per_s": 95.0},
+           {"size": "350m", "pe": "rope", "tokens_per_s": 100.0},
+           {"size": "1b", "pe": "rope", "tokens_per_s": 1.0, "mfu": 0.35}]
+    t = evaluate_targets(_report(speed, e2e))
+    assert t["kernel"]["status"] == "missed"
+    assert t["kernel"]["worst"] == pytest.approx(0.5) and t["kernel"]["worst_at"] == "D=128 H=16 N=4096"
+    assert t["kernel"]["gap"] == pytest.approx(0.1)
+    assert t["e2e_ratio"]["status"] == "met" and t["e2e_ratio"]["worst"] == pytest.approx(0.95)
+    assert t["rope_mfu"]["status"] == "missed" and t["rope_mfu"]["gap"] == pytest.approx(0.05)
+    empty = evaluate_targets(_report([_speed_row(1024, 64, 1.0, 1.0)], []))
+    assert {v["status"] for v in empty.values()} == {"not measured"}
+
+
+def test_partial_report_is_marked():
+    data = _report([], [], complete=False)
+    data["targets"] = evaluate_targets(data)
+    assert markdown(data).startswith("# GPU report — PARTIAL")
+
+
+def test_lease_command_fits_the_device_tool():
+    cmd = (REPO / "benchmarks/gpu/lease_command.txt").read_text().strip()
+    assert len(cmd) <= 2000 and "\n" not in cmd
+    assert "--no-index --no-deps" in cmd and ".lease/whl/*.whl" in cmd
+    assert "benchmarks/gpu_report.py --out-dir $OUT" in cmd
+    assert ".lease/" in (REPO / ".gitignore").read_text().split()
