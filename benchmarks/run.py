@@ -222,7 +222,10 @@ def measure_training(args, work: Path) -> dict:
     configs = {(pe, n): load_run_config(args.recipe, overrides(pe, n))
                for n in args.seq_lens for pe in args.encodings}
     flops = {key: training_flops_per_token(cfg.model, key[1]) for key, cfg in configs.items()}
-    dtype_name = next(iter(configs.values())).train.dtype
+    # The precision the trainers will resolve (``auto``: the same cached per-machine choice).
+    from tape_train.train.precision import resolve_dtype
+
+    dtype_name = resolve_dtype(next(iter(configs.values())).train.dtype, "cpu").dtype
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
     steps_per_worker = args.warmup + args.rounds * args.steps
     total_work = sum(flops.values()) * steps_per_worker
