@@ -4,7 +4,6 @@ peak guard (a result above 100 % is never reported)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -79,9 +78,7 @@ def test_avx2_emulation_is_detected_by_the_measurement(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     dtype, reason = out.stdout.splitlines()[:2]
     assert dtype == "fp32", reason
-    # The measurement was cached for this machine (and this ISA limit).
-    table = json.loads((tmp_path / "cache" / "measurements.json").read_text())
-    assert [k for k in table if k.startswith("bf16_speedup/")]
+    assert "measured 0.0" in reason  # the emulated bf16 GEMM: ~100x slower than fp32
 
 
 def test_measurements_are_cached_per_machine_key(monkeypatch):
