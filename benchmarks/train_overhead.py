@@ -1,9 +1,13 @@
 """Trainer overhead and MFU, measured side by side in one run (one process, CPU or GPU).
 
 For one model shape, batch and dtype this times
-  * ``plain``: a minimal PyTorch loop (model in the run dtype, torch AdamW, clip, no DeepSpeed),
+  * ``plain``: a minimal PyTorch loop (model in the run dtype, the trainer's AdamW with the
+    same groups and settings, clip, no DeepSpeed),
   * ``zero<k>``: our trainer's full step (``Trainer.train_step``: data, token all-reduce,
     DeepSpeed forward/backward/step, metrics) for every requested ZeRO stage,
+like with like: one process, so one allocator setting for all (``train.keep_freed_memory``
+unless ``--default-malloc``), the same model config (``max_seq_len`` raised to at least N for
+every variant, so no variant runs TAPE/RoPE past its table), the same optimizer settings.
 rounds interleaved (plain, zero0, ..., plain, zero0, ...) so drifting machine load hits all
 variants alike, and reports the median step time of each, the ratio to ``plain`` and MFU
 against a square-GEMM peak measured in the same run and dtype.
@@ -35,7 +39,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="auto: bf16 where this CPU has fast native bf16, else fp32")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="model.max_seq_len of every variant (default: the model's, raised to "
+                        "--seq-len if smaller)")
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
@@ -58,16 +66,15 @@ class PlainLoop:
     def __init__(self, args, model_cfg, loader) -> None:
         import torch
 
+        from tape_train.config import OptimConfig, TrainConfig
         from tape_train.model import TransformerLM
-        from tape_train.train.optim import param_groups
-        from tape_train.config import OptimConfig
+        from tape_train.train.optim import build_optimizer
 
         torch.manual_seed(0)
         dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
         self.model = TransformerLM(model_cfg).to(dtype)
-        groups = [{k: v for k, v in g.items() if k != "names"}
-                  for g in param_groups(self.model, OptimConfig())]
-        self.opt = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.999), eps=1e-8)
+        # The trainer's optimizer (groups, betas, eps, weight decay, foreach=False) and lr.
+        self.opt = build_optimizer(self.model, OptimConfig(), TrainConfig(lr=1e-4))
         self.loader, self.gas = loader, args.grad_accum
 
     def step(self) -> None:
@@ -89,7 +96,8 @@ class OurStep:
         from tape_train.train.loop import Trainer
 
         cfg = load_run_config(None, [
-            f"model={args.model}", f"model.pe={args.pe}", f"train.run_dir={run_dir}",
+            f"model={args.model}", f"model.pe={args.pe}",
+            f"model.max_seq_len={args.max_seq_len}", f"train.run_dir={run_dir}",
             f"train.seq_len={args.seq_len}", f"train.micro_batch_size={args.micro_batch}",
             f"train.grad_accum_steps={args.grad_accum}", f"train.dtype={args.dtype}",
             "train.synthetic_data=true", "train.max_steps=1000000", "train.device=cpu",
@@ -119,15 +127,23 @@ def main(argv=None) -> int:
         keep_freed_memory()
     from tape_train.model import load_model_config
     from tape_train.model.flops import training_flops_per_token
-    from tape_train.train.metrics import measure_gemm_peak_tflops
+    from tape_train.train.peak import checked_mfu, measure_gemm_peak_tflops
     from tape_train.train.synthetic import SyntheticLoader
 
-    model_cfg = load_model_config(args.model, pe=args.pe)
+    from tape_train.train.precision import resolve_dtype
+
+    precision = resolve_dtype(args.dtype, "cpu")
+    print(precision.log_line(args.dtype), flush=True)
+    args.dtype = precision.dtype
+    if args.max_seq_len is None:
+        args.max_seq_len = max(load_model_config(args.model).max_seq_len, args.seq_len)
+    model_cfg = load_model_config(args.model, pe=args.pe, max_seq_len=args.max_seq_len)
     tokens_per_step = args.seq_len * args.micro_batch * args.grad_accum
     flops_per_token = training_flops_per_token(model_cfg, args.seq_len)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dtype = precision.torch_dtype
     peak = measure_gemm_peak_tflops(dtype)
-    print(f"model {args.model} pe={args.pe} N={args.seq_len} b={args.micro_batch} "
+    print(f"model {args.model} pe={args.pe} N={args.seq_len} max_seq_len={args.max_seq_len} "
+          f"b={args.micro_batch} "
           f"gas={args.grad_accum} {args.dtype}; threads {torch.get_num_threads()}; "
           f"{flops_per_token / 1e9:.3f} GFLOP/token; GEMM peak {peak:.3f} TFLOP/s", flush=True)
 
@@ -162,10 +178,11 @@ def main(argv=None) -> int:
     for name, samples in times.items():
         med = statistics.median(samples)
         tok_s = tokens_per_step / med
-        mfu = tok_s * flops_per_token / (peak * 1e12)
+        mfu = checked_mfu(tok_s * flops_per_token, peak)  # None: above 100 %, peak is wrong
         rows.append({"variant": name, "step_s": med, "ratio": med / base, "tokens_per_s": tok_s,
                      "mfu": mfu, "samples": samples})
-        print(f"{name:<10} {med:8.3f} {med / base:8.3f}x {tok_s:9.0f} {100 * mfu:6.1f}%")
+        shown = f"{100 * mfu:6.1f}%" if mfu is not None else "    n/a"
+        print(f"{name:<10} {med:8.3f} {med / base:8.3f}x {tok_s:9.0f} {shown}")
     for variant in variants.values():
         if hasattr(variant, "close"):
             variant.close()
