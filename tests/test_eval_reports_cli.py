@@ -112,7 +112,7 @@ def test_tape_eval_two_checkpoints_end_to_end(tmp_path, capsys):
     rc = main(["--checkpoint", str(tmp_path / "tape"),
                str(tmp_path / "rope" / "checkpoints" / "step_00000005"),
                "--label", "TAPE", "RoPE", "--lengths", "8", "16", "--max-tokens", "40",
-               "--batch-size", "3", "--out", str(out), "--no-progress"])
+               "--batch-size", "3", "--dtype", "fp32", "--out", str(out), "--no-progress"])
     assert rc == 0
     stdout = capsys.readouterr().out
     assert "| TAPE | sliding | 16 | 2× | 8 |" in stdout and "eval.json" in stdout
