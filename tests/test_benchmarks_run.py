@@ -1,6 +1,6 @@
 """``benchmarks/run.py --quick`` end to end on a shrunken model: every part runs in its own
 processes and the JSON, Markdown and PNGs come out with sane numbers. Slow-ish (~30 s on 2
-quiet cores): it spawns three trainers."""
+quiet cores): it spawns three trainers. Timeouts are hang guards, far above the expected time."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ SCRIPT = ROOT / "benchmarks" / "run.py"
 SHRINK = ["model.num_layers=2", "model.vocab_size=512"]
 
 
-def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _run(*args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
+    # The timeout only catches a hang: a slow or busy CPU must not fail the test. The demo
+    # recipe's dtype is `auto` (fp32 where bf16 is slow), so it never depends on bf16 speed.
     return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -83,7 +85,7 @@ def test_quick_run_writes_a_consistent_report(tmp_path):
 
 def test_bad_request_fails_before_measuring(tmp_path):
     proc = _run("--quick", "--out-dir", str(tmp_path), "--seq-lens", "96",
-                "--tokens-per-step", "128", timeout=60)
+                "--tokens-per-step", "128", timeout=300)
     assert proc.returncode == 2
     assert "not a positive multiple of N=96" in proc.stderr
     assert not any(tmp_path.iterdir())  # nothing written
@@ -94,7 +96,7 @@ def test_worker_failure_is_reported_with_its_traceback(tmp_path):
     # Valid config, but the trainer cannot start on this machine: the child's error must reach
     # the parent's stderr with the traceback and the log's path, and nothing is written.
     proc = _run("--quick", "--parts", "checkpoint", "--out-dir", str(tmp_path / "docs"),
-                "--work-dir", str(tmp_path), "--set", "train.device=cuda", timeout=120)
+                "--work-dir", str(tmp_path), "--set", "train.device=cuda", timeout=600)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "checkpoint worker (tiny) failed" in proc.stderr
     assert "torch.cuda.is_available() is False" in proc.stderr
@@ -106,7 +108,7 @@ def test_cpu_attention_benchmark_runs_every_variant():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_attention.py"),
                           "--dtypes", "float32", "--seq-lens", "32", "--tokens", "64",
                           "--heads", "2", "--head-dim", "8", "--reps", "1"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     row = next(line for line in out.stdout.splitlines() if line.startswith("float32"))
     ratios = [float(cell.rstrip("x")) for cell in row.split()[3:]]
