@@ -138,3 +138,17 @@ print("TORCH" if "torch" in sys.modules else "NO-TORCH")
         assert f"{name} 0." in out.stdout, name           # every --version answered
         assert f"usage: {name}" in out.stdout or name == "tape-model", name
     assert out.stdout.strip().endswith("NO-TORCH"), out.stdout[-500:]
+
+
+def test_a_leftover_build_lock_is_reported(tmp_path, caplog):
+    import logging
+
+    from tape_train.train.distributed import report_build_locks
+
+    assert report_build_locks(tmp_path) == []                    # negative control
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    with caplog.at_level(logging.WARNING, logger="tape_train.train"):
+        assert report_build_locks(tmp_path) == [lock]
+    assert str(lock) in caplog.text and "delete this file" in caplog.text
