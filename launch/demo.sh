@@ -24,7 +24,7 @@ data=data/demo
 run_dir=runs/demo
 lengths=(128 256 512 1024)
 
-step() { printf '\n==> %s\n' "$*"; }
+step() { printf '\n==> %s (%ds so far)\n' "$*" "$SECONDS"; }
 
 step "1/4 demo corpus -> $data"
 if [[ -f $data/manifest.json ]]; then
@@ -49,7 +49,7 @@ step "4/4 perplexity at context lengths ${lengths[*]} -> $run_dir/eval"
 
 cat <<MSG
 
-Done.
+Done in ${SECONDS}s.
   metrics (JSON lines):  $run_dir/metrics.jsonl
   TensorBoard:           $bin/tensorboard --logdir $run_dir/tensorboard
   perplexity plot:       $run_dir/eval/ppl_vs_length.png   (table: $run_dir/eval/eval.md)
