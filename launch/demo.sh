@@ -44,8 +44,10 @@ step "3/4 training the tiny TAPE model on CPU -> $run_dir"
 bash launch/local.sh 1 --config configs/train/demo.yaml "train.run_dir=$run_dir" "$@"
 
 step "4/4 perplexity at context lengths ${lengths[*]} -> $run_dir/eval"
+progress=()
+[[ -t 2 ]] || progress=(--no-progress)  # no carriage-return bars in a log file
 "$bin/tape-eval" --checkpoint "$run_dir" --lengths "${lengths[@]}" --max-tokens 16384 \
-    --out "$run_dir/eval"
+    --out "$run_dir/eval" "${progress[@]}"
 
 cat <<MSG
 

@@ -330,8 +330,9 @@ def test_export_of_a_zero3_checkpoint_loads_without_deepspeed_and_partial_is_ref
     result = _run([sys.executable, "-m", "tape_train.inference.export", str(ref_2p),
                    "--out", str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert {p.name for p in out.iterdir()} == {"model.safetensors", "config.json",
-                                               "tokenizer.model", "export.json"}
+    assert {p.name for p in out.iterdir()} == {
+        "model.safetensors", "config.json", "tokenizer.model", "export.json", "tokenizer.json",
+        "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"}
     cfg, state, _ = load_model_from_checkpoint(ref_2p)
     direct = TransformerLM(cfg).eval()
     direct.load_state_dict(state)
