@@ -6,6 +6,7 @@ They live at the repository root for users of the source tree (``configs/train/d
 is declared in pyproject.toml.
 """
 
+import runpy
 import shutil
 from pathlib import Path
 
@@ -13,24 +14,16 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
-# packaged name (tape_train/_resources/<name>) -> source directory; keep in step with
-# tape_train/resources.py SOURCE_DIRS
-RESOURCES = {
-    "configs_model": "configs/model",
-    "configs_data": "configs/data",
-    "configs_train": "configs/train",
-    "configs_experiments": "configs/experiments",
-    "configs_lm_eval": "configs/lm_eval",
-    "tokenizer": "tokenizer",
-    "slurm": "launch/slurm",
-}
+# resource name -> source directory: the one table, in tape_train/resources.py (read without
+# importing the package, which a build environment may not be able to do)
+SOURCE_DIRS = runpy.run_path(str(ROOT / "tape_train" / "resources.py"))["SOURCE_DIRS"]
 
 
 class BuildWithResources(build_py):
     def run(self):
         super().run()
-        for name, source in RESOURCES.items():
-            target = Path(self.build_lib) / "tape_train" / "_resources" / name
+        for name, source in SOURCE_DIRS.items():
+            target = Path(self.build_lib) / "tape_train" / "_resources" / name.replace("/", "_")
             shutil.rmtree(target, ignore_errors=True)
             skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.model", "*.vocab",
                                           "*.training.json")  # trained tokenizers stay local

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import xxhash
@@ -138,19 +139,22 @@ def list_tags(root: Path) -> list[Path]:
     return sorted(tags, key=lambda p: step_of_tag(p.name))
 
 
-def find_latest_complete(path: str | Path, warn: bool = True) -> Path | None:
-    """Newest complete tag directory under a run dir or checkpoint root (``None``: none yet).
-
-    Newer incomplete tags are skipped with a warning naming the reason.
-    """
-    root = checkpoint_root(path)
-    for tag_dir in reversed(list_tags(root)):
-        reason = why_incomplete(tag_dir)
+def find_newest(path: str | Path, why_not: Callable[[Path], str | None],
+                warn: bool = True) -> Path | None:
+    """Newest tag directory under a run dir or checkpoint root for which ``why_not(tag)`` is
+    None (``None``: no such tag). Newer tags are skipped with a warning naming the reason."""
+    for tag_dir in reversed(list_tags(checkpoint_root(path))):
+        reason = why_not(tag_dir)
         if reason is None:
             return tag_dir
         if warn:
             log.warning("skipping checkpoint %s: %s", tag_dir, reason)
     return None
+
+
+def find_latest_complete(path: str | Path, warn: bool = True) -> Path | None:
+    """Newest complete tag directory (its marker and every file's size check out)."""
+    return find_newest(path, why_incomplete, warn)
 
 
 def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:

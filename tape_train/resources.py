@@ -12,13 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parent
-# resource name -> directory relative to the repository root (source checkout)
+# resource name -> directory relative to the repository root (source checkout); setup.py
+# copies each into the wheel as tape_train/_resources/<name with "/" as "_">
 SOURCE_DIRS = {
-    "configs/model": "configs/model",
-    "configs/data": "configs/data",
-    "configs/train": "configs/train",
-    "configs/experiments": "configs/experiments",
-    "configs/lm_eval": "configs/lm_eval",
+    **{f"configs/{kind}": f"configs/{kind}"
+       for kind in ("model", "data", "train", "experiments", "lm_eval")},
     "tokenizer": "tokenizer",
     "slurm": "launch/slurm",
 }

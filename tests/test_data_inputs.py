@@ -12,14 +12,9 @@ import pytest
 import zstandard
 
 from tape_train.data import DataConfig, DataError, build_train_loader, iter_eval_documents
-from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+from tape_train.data.testing import real_text_documents, write_jsonl
 
 SEQ = 32
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return train_small_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")

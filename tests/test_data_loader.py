@@ -15,11 +15,6 @@ SEQ = 48
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return train_small_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Two sources of uniquely tagged real-text documents: A (3 shards, 45 docs), B (1 shard,
     6 docs). Small, so a few dozen batches cross several epoch boundaries."""

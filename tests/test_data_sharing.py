@@ -14,14 +14,9 @@ from tape_train.data import DataConfig, SourceConfig, build_train_loader
 from tape_train.data import formats
 from tape_train.data.formats import SkipLog
 from tape_train.data.sources import SourceCursor, rank_share
-from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+from tape_train.data.testing import real_text_documents, write_jsonl
 
 SEQ = 32
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return train_small_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")

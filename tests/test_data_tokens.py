@@ -20,11 +20,6 @@ SEQ = 40
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return train_small_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
 def prepared(tmp_path_factory, tok):
     root = tmp_path_factory.mktemp("tokcorpus")
     texts = [f"[D{i:03d}] {t[:300]}" for i, t in enumerate(real_text_documents(120))]

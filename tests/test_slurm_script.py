@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -55,14 +56,20 @@ esac
 """
 
 
-@pytest.fixture
-def fake_slurm(tmp_path):
+def _fake_slurm_bin(tmp_path: Path) -> Path:
+    """A bin/ with stand-ins for srun, scancel and scontrol (put it first on PATH)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL),
                        ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    bin_dir = _fake_slurm_bin(tmp_path)
     opts = ClusterOptions(nodes=2, procs_per_node=2, cpus_per_task=8, signal_grace=120,
                           socket_ifname="lo", max_requeues=3, python="python3",
                           log_dir=str(tmp_path), workdir=str(tmp_path),
@@ -225,12 +232,7 @@ def test_requeue_guard_counts_restarts_without_a_new_checkpoint(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("progress", [False, True])
 def test_job_stops_requeueing_after_restarts_without_progress(tmp_path, progress):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL),
-                       ("scontrol", FAKE_SCONTROL)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
+    bin_dir = _fake_slurm_bin(tmp_path)
     run_dir = tmp_path / "run"
     config = tmp_path / "run.yaml"
     config.write_text("model: {base: tiny}\ntrain: {synthetic_data: true}\n")

@@ -46,7 +46,7 @@ import torch
 
 from tape_train.checkpoint_layout import (  # noqa: F401 - re-exported
     CHECKPOINT_DIR, CHECKSUM, LATEST, MARKER, UNIVERSAL, CheckpointError, checkpoint_root,
-    checksum_bytes, file_checksum, find_latest_complete, list_tags, rank_state_name,
+    checksum_bytes, file_checksum, find_latest_complete, find_newest, list_tags, rank_state_name,
     read_marker, resolve_checkpoint, step_of_tag, tag_for_step, verify_files, why_incomplete)
 from tape_train.files import describe_os_error, free_bytes, human_bytes, is_disk_full, write_atomic
 from tape_train.loading import (ensure_universal,  # noqa: F401 - re-exported
@@ -94,14 +94,7 @@ def verify_checkpoint(tag_dir: Path) -> str | None:
 def find_latest_intact(path: str | Path, warn: bool = True) -> Path | None:
     """Newest tag that is complete and passes ``verify_checkpoint``. Collective when a process
     group exists (every rank must call it); damaged tags are skipped with one warning each."""
-    root = checkpoint_root(path)
-    for tag_dir in reversed(list_tags(root)):
-        reason = verify_checkpoint(tag_dir)
-        if reason is None:
-            return tag_dir
-        if warn:
-            log.warning("skipping checkpoint %s: %s", tag_dir, reason)
-    return None
+    return find_newest(path, verify_checkpoint, warn)
 
 
 # RNG and code version
