@@ -1,8 +1,9 @@
 """Trainer overhead and MFU, measured side by side in one run (one process, CPU or GPU).
 
 For one model shape, batch and dtype this times
-  * ``plain``: a minimal PyTorch loop (model in the run dtype, the trainer's AdamW with the
-    same groups and settings, clip, no DeepSpeed),
+  * ``plain``: a minimal PyTorch loop (model in the run dtype; in bf16 with fp32 master
+    weights and AdamW states, as the trainer keeps them; the trainer's AdamW with the same
+    groups and settings, clip, no DeepSpeed),
   * ``zero<k>``: our trainer's full step (``Trainer.train_step``: data, token all-reduce,
     DeepSpeed forward/backward/step, metrics) for every requested ZeRO stage,
 like with like: one process, so one allocator setting for all (``train.keep_freed_memory``
@@ -74,8 +75,15 @@ class PlainLoop:
         torch.manual_seed(0)
         dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
         self.model = TransformerLM(model_cfg).to(dtype)
+        # Mixed precision as the trainer (DeepSpeed's bf16 optimizer) and any careful bf16 loop
+        # do it: fp32 master weights and AdamW states, the bf16 weights refreshed every step.
+        self.master = None
+        if dtype != torch.float32:
+            self.master = TransformerLM(model_cfg)
+            self.master.load_state_dict(self.model.state_dict())
         # The trainer's optimizer (groups, betas, eps, weight decay, foreach=False) and lr.
-        self.opt = build_optimizer(self.model, OptimConfig(), TrainConfig(lr=1e-4))
+        self.opt = build_optimizer(self.master or self.model, OptimConfig(),
+                                   TrainConfig(lr=1e-4))
         self.loader, self.gas = loader, args.grad_accum
 
     def step(self) -> None:
@@ -86,9 +94,21 @@ class PlainLoop:
         for b in batches:
             out = self.model(b["input_ids"], labels=b["labels"])
             (out.loss_sum / tokens).backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        if self.master is None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            return
+        pairs = list(zip(self.model.parameters(), self.master.parameters()))
+        for p, m in pairs:
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+        torch.nn.utils.clip_grad_norm_(self.master.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in pairs:
+                p.copy_(m)
 
 
 class OurStep:
