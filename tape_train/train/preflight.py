@@ -424,6 +424,9 @@ def planning_peak_tflops(cfg, device_type: str, gpu_name: str | None = None
     dtype = dtype_of(cfg)
     if device_type == "cuda":
         name = gpu_name or (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+        if not name:
+            return None, ("GPU model unknown here: pass --gpu-name (e.g. 'H100') or set "
+                          "logging.peak_tflops")
         peak = gpu_table_peak(name, dtype, tf32=dtype == torch.float32)
         if peak is None:
             return None, f"no table peak for GPU {name!r}: set logging.peak_tflops"
