@@ -152,3 +152,78 @@ def test_a_leftover_build_lock_is_reported(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="tape_train.train"):
         assert report_build_locks(tmp_path) == [lock]
     assert str(lock) in caplog.text and "delete this file" in caplog.text
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` has a handler for SIGTERM (``SigCgt`` in /proc/<pid>/status)."""
+    import signal
+
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(next(line.split()[1] for line in status.splitlines()
+                    if line.startswith("SigCgt:")), 16)
+    return bool(mask & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_sigterm_while_importing_torch_exits_75_and_writes_nothing(tmp_path):
+    """The CLI installs the stop handlers before the heavy imports: a SIGTERM that lands while
+    torch and DeepSpeed are still importing ends the start-up with 75 (requeue), not a bare
+    SIGTERM death (-15), and leaves no run directory behind."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tape_train.train.cli", "--config", "demo",
+         "train.synthetic_data=true", "train.dtype=fp32", "train.max_steps=2",
+         "train.warmup_steps=0", f"train.run_dir={run_dir}", "eval.interval=0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not _catches_sigterm(proc.pid):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out[-3000:]
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
+
+
+def test_cli_installs_stop_handlers_before_importing_the_trainer(monkeypatch, tmp_path):
+    """What the test above relies on, checked without timing: when ``tape-train`` imports the
+    trainer module (torch, DeepSpeed), SIGTERM already has the trainer's handler, and that
+    same stop flag is handed to the Trainer."""
+    import signal
+    import types
+
+    from tape_train.train import cli
+
+    seen = {}
+
+    class FakeTrainer:
+        def __init__(self, cfg, *, stop=None, **_):
+            self.stop = stop
+
+        def run(self):
+            seen["stop_given"] = self.stop is not None
+            if self.stop is not None:
+                self.stop.close()  # give the test process its handlers back
+            return 0
+
+    class TrainerModule(types.ModuleType):
+        def __getattr__(self, name):  # called by ``from tape_train.train.loop import Trainer``
+            if name == "Trainer":
+                seen["handler_at_import"] = signal.getsignal(signal.SIGTERM)
+                return FakeTrainer
+            raise AttributeError(name)
+
+    monkeypatch.setitem(sys.modules, "tape_train.train.loop", TrainerModule("fake_loop"))
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["--config", "demo", "train.synthetic_data=true",
+                     f"train.run_dir={tmp_path / 'run'}"]) == 0
+    assert seen["handler_at_import"] not in (signal.SIG_DFL, signal.SIG_IGN, None, before)
+    assert seen["stop_given"]
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -67,10 +67,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.dry_run:
         return dry_run(cfg, args)
+    from tape_train.train.signals import StopRequest
+
+    # Before torch and DeepSpeed are imported (seconds): a stop signal from here on is
+    # remembered and ends the start-up at its next phase with exit 75, never a bare SIGTERM death.
+    stop = StopRequest().install()
     from tape_train.train.loop import Trainer
 
     return Trainer(cfg, resume_from=args.resume_from,
-                   allow_config_change=args.allow_config_change).run()
+                   allow_config_change=args.allow_config_change, stop=stop).run()
 
 
 def dry_run(cfg, args: argparse.Namespace) -> int:

@@ -81,11 +81,14 @@ class Trainer:
             default ``tape_train.data.build_train_loader`` on ``cfg.data``.
         eval_documents: ``() -> iterable of (token_ids, n_bytes)``; default
             ``tape_train.data.iter_eval_documents``.
+        stop: the stop-signal flag, when the caller installed it already (the CLI does, before
+            the heavy imports); else one is created and installed by ``setup``.
     """
 
     def __init__(self, cfg: RunConfig, *, resume_from: str | Path | None = None,
                  allow_config_change: bool = False, loader_factory: LoaderFactory | None = None,
-                 eval_documents: Callable[[], Iterable] | None = None) -> None:
+                 eval_documents: Callable[[], Iterable] | None = None,
+                 stop: StopRequest | None = None) -> None:
         self.cfg = cfg
         self.resume_from = resume_from
         self.allow_config_change = allow_config_change
@@ -93,7 +96,7 @@ class Trainer:
         self.eval_documents_fn = eval_documents
         self.run_dir = Path(cfg.train.run_dir)
         self.state = TrainState()
-        self.stop = StopRequest()
+        self.stop = stop or StopRequest()
         self.writer: MetricsWriter | None = None
         self._eval_docs = None
         self._last_saved_step = -1

@@ -34,6 +34,8 @@ class StopRequest:
         self._previous: dict[int, object] = {}
 
     def install(self) -> "StopRequest":
+        if self._previous:  # installed already: keep the original handlers to restore
+            return self
         for sig, kind in ((signal.SIGUSR1, _REQUEUE), (signal.SIGTERM, _REQUEUE),
                           (signal.SIGINT, _INTERRUPT)):
             self._previous[sig] = signal.signal(sig, self._make_handler(kind))
