@@ -45,7 +45,8 @@ def plot_vs_n(rows: list[dict], panels: list[tuple[str, str, float]], path: Path
     seq_lens = sorted({r["seq_len"] for r in rows})
     for ax, (key, label, scale) in zip(axes, panels):
         for pe in _encodings(rows):
-            points = sorted((r["seq_len"], r[key] * scale) for r in rows if r["pe"] == pe)
+            points = sorted((r["seq_len"], r[key] * scale) for r in rows
+                            if r["pe"] == pe and r.get(key) is not None)
             ax.plot(*zip(*points), marker="o", label=pe,
                     linewidth=2.4 if pe in ("tape", "rope") else 1.2)
         ax.set_xscale("log", base=2)
@@ -128,7 +129,8 @@ def _training_md(report: dict) -> str:
         f"GEMM peak measured in this run (`measure_gemm_peak_tflops`, the trainer's CPU peak).\n",
         "Tokens/s:\n", grid(rows, lambda r: f"{r['tokens_per_s']:.0f}"),
         _spread_note(rows),
-        "MFU:\n", grid(rows, lambda r: f"{100 * r['mfu']:.1f} %"),
+        "MFU (n/a: above 100 %, a peak measured too low on a busy machine):\n",
+        grid(rows, lambda r: "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f} %"),
         "![tokens/s and MFU vs N](benchmarks/throughput.png)\n",
     ]
     if t["tape_vs_rope"]:

@@ -271,8 +271,10 @@ def measure_training(args, work: Path) -> dict:
                          "flops_per_token": flops[pe, n], "load_1min": os.getloadavg()[0],
                          **summary[pe]})
     peak = max(peaks)
-    for row in rows:
-        row["mfu"] = row["tokens_per_s"] * row["flops_per_token"] / (peak * 1e12)
+    from tape_train.train.peak import checked_mfu
+
+    for row in rows:  # None where the result would exceed 100 %: then the peak is wrong
+        row["mfu"] = checked_mfu(row["tokens_per_s"] * row["flops_per_token"], peak)
     return {"model": args.model, "overrides": args.set, "recipe": _shown(args.recipe),
             "dtype": dtype_name,
             "tokens_per_step": args.tokens_per_step, "warmup_steps": args.warmup,
@@ -296,12 +298,6 @@ def tape_vs_rope(rows: list[dict]) -> list[dict]:
         out.append({"seq_len": n, "time_ratio": time_ratio, "flop_ratio": flop_ratio,
                     "efficiency": flop_ratio / time_ratio})
     return out
-
-
-def _shown(path) -> str:
-    """A path as the report shows it: relative to the repository when inside it."""
-    path = Path(path)
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def measure_data(args) -> dict:
