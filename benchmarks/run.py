@@ -18,7 +18,7 @@ How each number is measured:
   alive at once and their timed steps are interleaved round by round, so drifting machine load
   hits them alike. Warm-up steps are excluded; the median step counts. MFU = tokens/s ·
   ``training_flops_per_token`` / the best square-GEMM peak measured in the run
-  (``tape_train.train.metrics.measure_gemm_peak_tflops``, the trainer's CPU peak).
+  (``tape_train.train.peak.measure_gemm_peak_tflops``, the trainer's CPU peak).
 * data: ``benchmarks/data_throughput.py`` in a child process (its final JSON line).
 * checkpoint: ``Trainer.save()`` and ``checkpoint.load_training_state`` of a real run, and in
   the same process a raw sequential write (+ fsync) and read of as many bytes in the same
@@ -213,7 +213,7 @@ def measure_training(args, work: Path) -> dict:
 
     from tape_train.config import load_run_config
     from tape_train.model.flops import training_flops_per_token
-    from tape_train.train.metrics import measure_gemm_peak_tflops
+    from tape_train.train.peak import measure_gemm_peak_tflops
 
     def overrides(pe, n):
         return trainer_overrides(args.model, pe, n, args.tokens_per_step // n,

@@ -74,7 +74,7 @@ class TrainConfig:
             was NaN/inf; such steps are skipped, not applied.
         device: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``.
         keep_freed_memory: on CPU, set glibc's malloc to reuse freed memory instead of
-            returning large buffers to the OS every step (``train.host_memory``; faster).
+            returning large buffers to the OS every step (``tape_train.host_memory``; faster).
         synthetic_data: train (and evaluate) on deterministic random tokens instead of the
             ``data`` section: no corpus or tokenizer needed (benchmarks, smoke tests).
         synthetic_mask_fraction: with ``synthetic_data``, mask a random prefix of up to this

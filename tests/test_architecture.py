@@ -21,8 +21,6 @@ MAY_NOT_IMPORT = {
     "inference": {"train", "eval"},
     "loading": {"train", "eval", "inference", "parallel"},
 }
-# Re-export shims for old import paths (they import their new home, nothing else).
-SHIMS = {"tape_train.train.synthetic", "tape_train.train.host_memory"}
 
 
 def module_name(path: Path) -> str:
@@ -83,8 +81,6 @@ def test_no_import_cycles_between_modules():
 def test_no_layer_reaches_back():
     bad = []
     for module, deps in import_graph().items():
-        if module in SHIMS:
-            continue
         forbidden = MAY_NOT_IMPORT.get(layer_of(module), set())
         bad += [f"{module} imports {d}" for d in sorted(deps) if layer_of(d) in forbidden]
     assert not bad, "\n".join(bad)

@@ -19,10 +19,8 @@ from pathlib import Path
 
 import torch
 
-# The MFU peak lives in tape_train.train.peak; these names stay importable from here.
-from tape_train.train.peak import device_peak_tflops, measure_gemm_peak_tflops  # noqa: F401
-
 log = logging.getLogger("tape_train.train")
+
 
 def memory_metrics(device: torch.device) -> dict[str, float]:
     """Resident set size (GiB; peak too) and, on CUDA, allocated/reserved memory (GiB)."""
