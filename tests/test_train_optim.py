@@ -65,3 +65,58 @@ def test_skippable_adamw_step_is_a_no_op_while_flagged():
     opt.skip_next_step = False
     opt.step()
     assert (p.detach() < 1).all()  # negative control: a normal step moves the weights
+
+
+def _adamw_pair(piece_elements: int):
+    import torch
+
+    torch.manual_seed(0)
+    shapes = [(37, 29), (5,), (64, 48), (7, 300)]
+    base = [torch.randn(s, dtype=torch.float32) for s in shapes]
+    ours_params = [torch.nn.Parameter(b.clone()) for b in base]
+    ref_params = [torch.nn.Parameter(b.clone()) for b in base]
+    # A non-contiguous parameter (a transposed view) is updated whole.
+    ours_params.append(torch.nn.Parameter(torch.randn(40, 30).t()))
+    ref_params.append(torch.nn.Parameter(ours_params[-1].detach().clone()))
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    ours = SkippableAdamW([{"params": ours_params[:3], "weight_decay": 0.1, "names": ["a"] * 3},
+                           {"params": ours_params[3:], "weight_decay": 0.0, "names": ["b"] * 2}],
+                          piece_elements=piece_elements, **kwargs)
+    ref = torch.optim.AdamW([{"params": ref_params[:3], "weight_decay": 0.1},
+                             {"params": ref_params[3:], "weight_decay": 0.0}], **kwargs)
+    return ours, ours_params, ref, ref_params
+
+
+def test_adamw_in_pieces_is_bit_identical_to_torch_adamw(monkeypatch):
+    import torch
+    import torch.optim.adam as adam_module
+
+    ours, ours_params, ref, ref_params = _adamw_pair(piece_elements=100)
+    seen = []
+    real = adam_module.adam
+
+    def counting(params, *args, **kwargs):
+        seen.append(len(params))
+        return real(params, *args, **kwargs)
+
+    monkeypatch.setattr(adam_module, "adam", counting)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        for p, q in zip(ours_params, ref_params):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        ours.step()
+        ref.step()
+        for p, q in zip(ours_params, ref_params):
+            assert torch.equal(p.detach(), q.detach())
+    # The large tensors really were cut: 37·29 → 11 pieces, 64·48 → 31, 7·300 → 21.
+    assert seen[0] == 11 + 1 + 31 and seen[1] == 21 + 1
+    for p, q in zip(ours_params, ref_params):
+        a, b = ours.state[p], ref.state[q]
+        assert torch.equal(a["step"], b["step"]) and float(a["step"]) == 4
+        assert torch.equal(a["exp_avg"], b["exp_avg"])
+        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    # Same state layout as torch's AdamW: its state_dict loads into ours and vice versa.
+    ours.load_state_dict(ref.state_dict())
+    ref.load_state_dict(ours.state_dict())
+
