@@ -8,6 +8,7 @@ loader is built, so a default ``DataConfig()`` is always constructible.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from tape_train.hints import choice_error, read_named_yaml, unknown_keys
 from tape_train.resources import resource_dir
@@ -77,8 +78,8 @@ class SourceConfig:
             raise DataError(f"{k}.data_files needs 'hub' (a datasets builder such as json or "
                             f"parquet); for plain local files use 'path'")
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) \
-                or not self.weight > 0:
-            raise DataError(f"{k}.weight must be a number > 0, got {self.weight!r}")
+                or not 0 < self.weight < math.inf:
+            raise DataError(f"{k}.weight must be a finite number > 0, got {self.weight!r}")
         self.weight = float(self.weight)
         if not isinstance(self.text_field, str) or not self.text_field:
             raise DataError(f"{k}.text_field must be a non-empty string, got {self.text_field!r}")
