@@ -46,7 +46,8 @@ class SourceConfig:
         data_files: passed to ``load_dataset`` with ``hub`` — e.g. ``hub: json`` plus a glob
             streams local or remote files through any ``datasets`` builder (csv, arrow, ...).
         weight: relative probability that the next document of the mixture comes from this
-            source (document-level sampling; need not sum to 1 over sources).
+            source (document-level sampling; need not sum to 1 over sources). With
+            ``format: tokens``: the source's share of the training samples (blocks).
         text_field: record field holding the document text (JSONL, Parquet, Hub).
         name: label used in logs and the fingerprint; defaults to the path or hub name.
     """
@@ -147,9 +148,10 @@ class DataConfig:
             can resume on a different number of ranks (costs dp_size× tokenisation).
         format: ``"text"``: sources are text, tokenised while training (``sharding`` applies).
             ``"tokens"``: every source is a directory written by ``tape-data prepare
-            --tokenize``; training reads fixed blocks of its token shards by a global sample
-            index (one stream for any number of ranks, O(1) resume; ``sharding``,
-            ``shuffle_buffer`` and ``prefetch`` do not apply).
+            --tokenize`` (or a list of them, concatenated); training reads fixed blocks of
+            their token shards by a global sample index, several sources mixed by weight (one
+            sequence for any number of ranks, O(1) resume; ``sharding``, ``shuffle_buffer``
+            and ``prefetch`` do not apply).
     """
 
     sources: list = field(default_factory=_default_sources)
