@@ -5,8 +5,11 @@ number of ranks, and one source (or a `path` list) keeping the concatenated stre
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +22,7 @@ from tape_train.data.token_mixture import MIXTURE_BLOCK, SampleMixture, integer_
 from tape_train.data.tokens import feistel_permutation
 from token_utils import rows
 
+ROOT = Path(__file__).resolve().parents[1]
 SEQ = 40
 L = SEQ + 1
 SIZES = {"a": 60, "b": 40, "c": 20}  # documents per source: three sources of different sizes
@@ -319,3 +323,18 @@ def test_preflight_reports_each_source_and_refuses_a_bad_mixture(dirs, tok, tmp_
     report = run_preflight(cfg, world_size=1, check_eval=False, check_resume=False, plan=False)
     assert len(report.problems) == 1 and report.problems[0].startswith("data.sources[2].weight")
 
+
+def test_mixture_benchmark_runs(dirs, tok, tmp_path):
+    """benchmarks/token_mixture.py end to end on the tiny directories (a few seconds)."""
+    out = tmp_path / "mix.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "token_mixture.py"),
+                           "--tokenizer", tok.path, "--single", str(dirs["a"]), "--mix",
+                           f"{dirs['a']}:5", f"{dirs['b']}:3", str(dirs["c"]), "--seq-len",
+                           str(SEQ), "--batch", "2", "--seconds", "0.3", "--repeats", "1",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["weights"] == [5.0, 3.0, 1.0] and result["samples_delivered"] > 100
+    assert result["tokens_per_cpu_s"]["single"] > 0 and result["tokens_per_cpu_s"]["mixture"] > 0
+    assert result["shares"] == pytest.approx(result["target_shares"], abs=0.05)
