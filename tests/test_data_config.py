@@ -29,7 +29,9 @@ def test_shipped_configs_load(name):
 @pytest.mark.parametrize("data, match", [
     ({"shufle_buffer": 4}, r"data: unknown key\(s\) 'shufle_buffer' \(did you mean 'shuffle_buffer'\?\)"),
     ({"sources": [{"pth": "x"}]}, r"data.sources\[0\]: unknown key\(s\) 'pth' \(did you mean 'path'\?\)"),
-    ({"sources": [{"path": "x", "weight": 0}]}, r"data.sources\[0\].weight must be a number > 0"),
+    ({"sources": [{"path": "x", "weight": 0}]}, r"data.sources\[0\].weight must be a finite number > 0"),
+    ({"sources": ["y", {"path": "x", "weight": float("inf")}]},
+     r"data.sources\[1\].weight must be a finite number > 0, got inf"),
     ({"sources": [{"path": "x", "hub": "c4"}]}, r"data.sources\[0\]: set exactly one of"),
     ({"sources": []}, r"data.sources must be a non-empty list"),
     ({"sources": [{"path": "x", "data_files": "*.json"}]}, r"data.sources\[0\].data_files needs 'hub'"),

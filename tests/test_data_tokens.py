@@ -15,6 +15,7 @@ from tape_train.data import cli as data_cli
 from tape_train.data.corpus import read_complete_manifest
 from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
 from tape_train.data.tokens import feistel_permutation, token_dtype
+from token_utils import rows
 
 SEQ = 40
 
@@ -33,14 +34,6 @@ def prepared(tmp_path_factory, tok):
 
 def cfg_for(prepared, tok, **kw) -> DataConfig:
     return DataConfig(sources=[str(prepared["out"])], tokenizer=tok.path, format="tokens", **kw)
-
-
-def rows(loader, n_batches) -> list[torch.Tensor]:
-    out = []
-    for _ in range(n_batches):
-        b = next(loader)
-        out.extend(torch.cat([b["input_ids"], b["labels"][:, -1:]], dim=1))
-    return out
 
 
 def test_feistel_permutation_is_a_keyed_bijection():
@@ -105,8 +98,9 @@ def test_prepare_tokenize_bad_arguments_are_one_line_errors(prepared, tmp_path, 
 
 def test_one_epoch_visits_every_block_once(prepared, tok):
     loader = build_train_loader(cfg_for(prepared, tok), tok, SEQ, 4, seed=3)
-    n = loader.blocks.num_blocks
-    stream = np.concatenate([np.memmap(p, dtype="<u2", mode="r") for p in loader.blocks.paths])
+    n = loader.sources[0].num_blocks
+    stream = np.concatenate([np.memmap(p, dtype="<u2", mode="r")
+                             for p in loader.sources[0].paths])
     blocks = {tuple(stream[k * (SEQ + 1):(k + 1) * (SEQ + 1)].tolist()) for k in range(n)}
     seen = [tuple(r.tolist()) for r in rows(loader, -(-n // 4))][:n]
     assert set(seen) == blocks and len(seen) == len(blocks) == n  # a permutation of all blocks
@@ -125,7 +119,7 @@ def test_exact_resume_and_world_size_change_continue_the_global_stream(prepared,
     samples c + r·b …; a state saved on 2 ranks resumes on 3 (and on 1) exactly."""
     cfg, b = cfg_for(prepared, tok), 2
     single = build_train_loader(cfg, tok, SEQ, 1, 0, 1, seed=5)
-    n_blocks = single.blocks.num_blocks
+    n_blocks = single.sources[0].num_blocks
     flat = rows(single, n_blocks + 30)
     start = n_blocks - 9  # the 2-rank run starts late in epoch 0 and crosses into epoch 1
     two = [build_train_loader(cfg, tok, SEQ, b, r, 2, seed=5) for r in range(2)]

@@ -8,6 +8,7 @@ loader is built, so a default ``DataConfig()`` is always constructible.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from tape_train.hints import choice_error, read_named_yaml, unknown_keys
 from tape_train.resources import resource_dir
@@ -45,7 +46,8 @@ class SourceConfig:
         data_files: passed to ``load_dataset`` with ``hub`` — e.g. ``hub: json`` plus a glob
             streams local or remote files through any ``datasets`` builder (csv, arrow, ...).
         weight: relative probability that the next document of the mixture comes from this
-            source (document-level sampling; need not sum to 1 over sources).
+            source (document-level sampling; need not sum to 1 over sources). With
+            ``format: tokens``: the source's share of the training samples (blocks).
         text_field: record field holding the document text (JSONL, Parquet, Hub).
         name: label used in logs and the fingerprint; defaults to the path or hub name.
     """
@@ -77,8 +79,8 @@ class SourceConfig:
             raise DataError(f"{k}.data_files needs 'hub' (a datasets builder such as json or "
                             f"parquet); for plain local files use 'path'")
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) \
-                or not self.weight > 0:
-            raise DataError(f"{k}.weight must be a number > 0, got {self.weight!r}")
+                or not 0 < self.weight < math.inf:
+            raise DataError(f"{k}.weight must be a finite number > 0, got {self.weight!r}")
         self.weight = float(self.weight)
         if not isinstance(self.text_field, str) or not self.text_field:
             raise DataError(f"{k}.text_field must be a non-empty string, got {self.text_field!r}")
@@ -146,9 +148,10 @@ class DataConfig:
             can resume on a different number of ranks (costs dp_size× tokenisation).
         format: ``"text"``: sources are text, tokenised while training (``sharding`` applies).
             ``"tokens"``: every source is a directory written by ``tape-data prepare
-            --tokenize``; training reads fixed blocks of its token shards by a global sample
-            index (one stream for any number of ranks, O(1) resume; ``sharding``,
-            ``shuffle_buffer`` and ``prefetch`` do not apply).
+            --tokenize`` (or a list of them, concatenated); training reads fixed blocks of
+            their token shards by a global sample index, several sources mixed by weight (one
+            sequence for any number of ranks, O(1) resume; ``sharding``, ``shuffle_buffer``
+            and ``prefetch`` do not apply).
     """
 
     sources: list = field(default_factory=_default_sources)

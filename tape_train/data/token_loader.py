@@ -1,13 +1,17 @@
 """The training loader of pre-tokenised corpora (``data.format: tokens``).
 
-One global sequence of samples, independent of the number of ranks: sample ``i`` is block
-``perm_e(i mod N)`` of epoch ``e = i // N`` (``tokens.TokenBlocks``, ``feistel_permutation``
-keyed by the train seed and the epoch; identity order with ``data.shuffle: false``). Each call
-of ``next()`` on every data-parallel rank together consumes the next ``dp_size × b`` samples:
-rank ``r`` takes samples ``c + r·b … c + r·b + b - 1`` where ``c`` is the global count
-consumed so far. The state is that one integer ``c`` (identical on every rank), so resuming is
-O(1) — no data is re-read — and a run stopped on ``n`` ranks continues the same global sample
-sequence on ``n'`` ranks.
+One global sequence of samples, independent of the number of ranks. Each source (one prepared
+directory, or a list of them concatenated) is cut into ``N_s`` fixed blocks; its sample ``j``
+is block ``perm_{s,e}(j mod N_s)`` of its own epoch ``e = j // N_s`` (``tokens.TokenBlocks``,
+``feistel_permutation`` keyed by the train seed, the source and the epoch; identity order with
+``data.shuffle: false``). With one source global sample ``i`` is that source's sample ``i``;
+with several, ``token_mixture.SampleMixture`` says which source global sample ``i`` comes from
+and which of its samples it is, with exact long-run shares equal to the normalised
+``data.sources[i].weight``. Each call of ``next()`` on every data-parallel rank together
+consumes the next ``dp_size × b`` samples: rank ``r`` takes samples ``c + r·b … c + r·b + b -
+1`` where ``c`` is the global count consumed so far. The state is that one integer ``c``
+(identical on every rank), so resuming is O(1) — no data is re-read — and a run stopped on
+``n`` ranks continues the same global sample sequence on ``n'`` ranks.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from tape_train.data.config import DataConfig, DataError
 from tape_train.data.state import STATE_VERSION
 from tape_train.data.state import digest as _digest
+from tape_train.data.token_mixture import MIXTURE_BLOCK, SampleMixture, integer_weights
 from tape_train.data.tokens import TokenBlocks, feistel_permutation
 
 log = logging.getLogger("tape_train.data")
@@ -29,23 +34,56 @@ log = logging.getLogger("tape_train.data")
 _EPOCH_TAG = 0x544B
 
 
-def token_directories(cfg: DataConfig) -> list[tuple[Path, str]]:
-    """``(directory, config key)`` of every training source, which must each be one prepared,
-    tokenised directory (a Hub source or plain files are errors naming the key)."""
+def token_directories(cfg: DataConfig) -> list[list[tuple[Path, str]]]:
+    """Per training source, ``(directory, config key)`` of each of its prepared, tokenised
+    directories (a ``path`` list is concatenated into one source; a Hub source is an error
+    naming its key)."""
     out = []
-    weights = {s.weight for s in cfg.sources}
-    if len(weights) > 1:
-        raise DataError("data.format=tokens concatenates its sources into one stream; source "
-                        f"weights {sorted(weights)} are not supported (prepare the inputs "
-                        f"together with `tape-data prepare --input A B --tokenize`)")
     for source in cfg.sources:
-        key = f"{source.key}.path"
-        if source.hub is not None or len(source.paths) != 1:
-            raise DataError(f"{source.key}: data.format=tokens needs a single prepared "
-                            f"directory per source (from `tape-data prepare --tokenize`), "
-                            f"got {source.hub or source.path!r}")
-        out.append((Path(source.paths[0]), key))
+        if source.hub is not None:
+            raise DataError(f"{source.key}: data.format=tokens needs prepared directories (from "
+                            f"`tape-data prepare --tokenize`), got hub {source.hub!r}")
+        paths = source.paths
+        keys = [f"{source.key}.path"] if len(paths) == 1 else [
+            f"{source.key}.path[{i}]" for i in range(len(paths))]
+        out.append([(Path(p), key) for p, key in zip(paths, keys)])
     return out
+
+
+def open_token_sources(cfg: DataConfig, tokenizer, seq_len: int) -> list[TokenBlocks]:
+    """The ``seq_len + 1``-token blocks of every source, checked against ``tokenizer`` (by
+    sha256) and the BOS/EOS convention of ``cfg``."""
+    sources = []
+    for source, directories in zip(cfg.sources, token_directories(cfg)):
+        blocks = TokenBlocks(directories, seq_len + 1, name=source.key)
+        for (directory, key), manifest in zip(directories, blocks.manifests):
+            if manifest["tokenizer_sha256"] != tokenizer.sha256:
+                raise DataError(f"{key}: {directory} was tokenised with tokenizer "
+                                f"{manifest['tokenizer']!r} (sha256 "
+                                f"{manifest['tokenizer_sha256'][:12]}…), but data.tokenizer is "
+                                f"{tokenizer.path!r} (sha256 {tokenizer.sha256[:12]}…)")
+            if (manifest["add_bos"], manifest["add_eos"]) != (cfg.add_bos, cfg.add_eos):
+                raise DataError(f"{key}: {directory} was tokenised with add_bos="
+                                f"{manifest['add_bos']}, add_eos={manifest['add_eos']}, but "
+                                f"data.add_bos={cfg.add_bos}, data.add_eos={cfg.add_eos}")
+        sources.append(blocks)
+    return sources
+
+
+def token_mixture(cfg: DataConfig, seed: int) -> SampleMixture | None:
+    """The weighted mixture of several sources (``None`` for one: its weight has no effect).
+    Every source needs a share of at least ``1/MIXTURE_BLOCK``."""
+    if len(cfg.sources) == 1:
+        return None
+    weights = integer_weights([s.weight for s in cfg.sources])
+    total = sum(weights)
+    for source, weight in zip(cfg.sources, weights):
+        if weight * MIXTURE_BLOCK < total:
+            raise DataError(f"{source.key}.weight: {source.weight:g} gives a share of "
+                            f"{weight / total:.3g} of the samples, below the 1/{MIXTURE_BLOCK} "
+                            f"that data.format=tokens needs per source (raise it, or drop the "
+                            f"source)")
+    return SampleMixture(weights, seed, cfg.shuffle)
 
 
 class TokenLoader:
@@ -58,26 +96,24 @@ class TokenLoader:
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed = int(seed)
-        directories = token_directories(cfg)
-        self.blocks = TokenBlocks(directories, seq_len + 1)
-        for (directory, key), manifest in zip(directories, self.blocks.manifests):
-            if manifest["tokenizer_sha256"] != tokenizer.sha256:
-                raise DataError(f"{key}: {directory} was tokenised with tokenizer "
-                                f"{manifest['tokenizer']!r} (sha256 "
-                                f"{manifest['tokenizer_sha256'][:12]}…), but data.tokenizer is "
-                                f"{tokenizer.path!r} (sha256 {tokenizer.sha256[:12]}…)")
-            if (manifest["add_bos"], manifest["add_eos"]) != (cfg.add_bos, cfg.add_eos):
-                raise DataError(f"{key}: {directory} was tokenised with add_bos="
-                                f"{manifest['add_bos']}, add_eos={manifest['add_eos']}, but "
-                                f"data.add_bos={cfg.add_bos}, data.add_eos={cfg.add_eos}")
+        self.sources = open_token_sources(cfg, tokenizer, seq_len)
+        self.mixture = token_mixture(cfg, self.seed)
         self.fingerprint_fields = {
             "sources": _digest([[s["path"], s["tokens"], s["sha256"]]
-                                for m in self.blocks.manifests for s in m["shards"]]),
+                                for source in self.sources for m in source.manifests
+                                for s in m["shards"]]),
             "tokenizer": tokenizer.sha256,
             "seq_len": seq_len,
             "seed": self.seed,
             "packing": _digest(["tokens", cfg.add_bos, cfg.add_eos, cfg.shuffle]),
         }
+        if self.mixture is not None:  # one source keeps the fields (and stream) it always had
+            self.fingerprint_fields["mixture"] = {
+                "weights": self.mixture.ratio(), "block": self.mixture.block,
+                "shards": [len(source.paths) for source in self.sources]}
+            log.info("data: token mixture %s: %s", self.mixture.ratio(), "; ".join(
+                f"{c.key}: {b.num_blocks} blocks, {w / self.mixture.total:.1%} of the samples"
+                for c, b, w in zip(cfg.sources, self.sources, self.mixture.weights)))
         self.fingerprint = _digest(self.fingerprint_fields)
         self.samples = 0  # global samples consumed by all ranks together
         self.batches_received = 0
@@ -85,17 +121,30 @@ class TokenLoader:
         self.tokens_read = 0
 
     # -- order --------------------------------------------------------------------------------
-    def block_of(self, samples: np.ndarray) -> np.ndarray:
-        """Block index of each global sample index."""
-        n = self.blocks.num_blocks
-        samples = np.asarray(samples, dtype=np.int64)
-        epochs, within = samples // n, samples % n
+    def locate(self, samples) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, block within the source)`` of each global sample index."""
+        samples = np.asarray(samples, dtype=np.int64).reshape(-1)
+        if self.mixture is None:
+            sources, indices = np.zeros_like(samples), samples
+        else:
+            sources, indices = self.mixture.locate(samples)
+        blocks = np.empty_like(indices)
+        for source in np.unique(sources):
+            sel = sources == source
+            blocks[sel] = self._permute(int(source), indices[sel])
+        return sources, blocks
+
+    def _permute(self, source: int, indices: np.ndarray) -> np.ndarray:
+        """Block of each of ``source``'s sample indices: ``perm_{source,e}(j mod N)``."""
+        n = self.sources[source].num_blocks
+        epochs, within = indices // n, indices % n
         if not self.cfg.shuffle:
             return within
         out = np.empty_like(within)
         for epoch in np.unique(epochs):
             sel = epochs == epoch
-            out[sel] = feistel_permutation(within[sel], n, [self.seed, _EPOCH_TAG, int(epoch)])
+            key = [self.seed, _EPOCH_TAG, int(epoch)] + ([source] if self.mixture else [])
+            out[sel] = feistel_permutation(within[sel], n, key)
         return out
 
     # -- state --------------------------------------------------------------------------------
@@ -115,11 +164,18 @@ class TokenLoader:
                             "resume a data.format=tokens run (different streams)")
         if state.get("fingerprint") != self.fingerprint:
             saved = state.get("fingerprint_fields", {})
-            differing = [k for k in self.fingerprint_fields
-                         if saved.get(k) != self.fingerprint_fields[k]] or ["fingerprint"]
+            keys = list(self.fingerprint_fields) + [k for k in saved
+                                                    if k not in self.fingerprint_fields]
+            differing = [k for k in keys if saved.get(k) != self.fingerprint_fields.get(k)] \
+                or ["fingerprint"]
             problem = "data fingerprint differs in " + ", ".join(
                 f"{k} (saved {saved.get(k)!r}, now {self.fingerprint_fields.get(k)!r})"
                 for k in differing)
+            if "mixture" in differing and "mixture" not in saved:
+                problem += (" (the state was saved by a loader that concatenated all sources "
+                            "into one stream; to continue that stream, list their directories "
+                            "in order as one source, `path: [A, B, ...]`, and resume with "
+                            "tape-train --allow-config-change, as data.sources changes)")
             if not allow_mismatch:
                 raise DataError(f"cannot resume the data loader: {problem}. Pass "
                                 f"allow_mismatch=True to resume from the saved position anyway")
@@ -145,8 +201,8 @@ class TokenLoader:
         started = time.perf_counter()
         b = self.micro_batch_size
         first = self.samples + self.dp_rank * b
-        blocks = self.block_of(np.arange(first, first + b))
-        array = np.stack([self.blocks.read(int(k)) for k in blocks])
+        sources, blocks = self.locate(np.arange(first, first + b))
+        array = np.stack([self.sources[s].read(int(k)) for s, k in zip(sources, blocks)])
         self.samples += self.dp_size * b
         self.batches_received += 1
         self.tokens_read += array.size
@@ -156,18 +212,20 @@ class TokenLoader:
         return batch
 
     def close(self) -> None:
-        self.blocks.close()
+        for source in self.sources:
+            source.close()
 
     def __del__(self) -> None:
         try:
-            self.blocks.close()
-        except Exception:  # interpreter shutdown
+            self.close()
+        except Exception:  # interpreter shutdown, or a constructor that failed early
             pass
 
     @property
     def epochs(self) -> list[int]:
-        """Epoch of the next global sample (one entry: the sources form one stream)."""
-        return [self.samples // self.blocks.num_blocks]
+        """Per source, the epoch of its next sample (for logging)."""
+        counts = [self.samples] if self.mixture is None else self.mixture.counts(self.samples)
+        return [n // source.num_blocks for n, source in zip(counts, self.sources)]
 
     @property
     def stats(self) -> dict:

@@ -7,12 +7,12 @@ holds ``train-0000i-of-0000n.tokens``: the same documents in the same order, eac
 ``tokens`` section is the index: per shard its token and document counts, file size and
 sha256, plus the dtype, the tokenizer's sha256 and the BOS/EOS convention.
 
-The training view (``TokenBlocks``) concatenates the shards of all sources in manifest order
-into one stream of ``T`` tokens, cut into ``N = T // block_len`` fixed blocks (the last
-``T mod block_len`` tokens are never used). Global sample ``i`` is block
-``perm_e(i mod N)`` of epoch ``e = i // N``, where ``perm_e`` is a keyed bijection of
-``[0, N)`` (``feistel_permutation``) evaluated per index — no per-epoch array, so a corpus of
-any size costs O(1) memory and any sample index is reachable in O(1).
+The training view of one source (``TokenBlocks``) concatenates the shards of its prepared
+directories in manifest order into one stream of ``T`` tokens, cut into ``N = T // block_len``
+fixed blocks (the last ``T mod block_len`` tokens are never used). The source's sample ``j``
+is block ``perm_e(j mod N)`` of its epoch ``e = j // N``, where ``perm_e`` is a keyed
+bijection of ``[0, N)`` (``feistel_permutation``) evaluated per index — no per-epoch array, so
+a corpus of any size costs O(1) memory and any sample index is reachable in O(1).
 """
 
 from __future__ import annotations
@@ -151,18 +151,20 @@ def feistel_permutation(index, n: int, key: list[int], rounds: int = 6) -> np.nd
 
 
 class TokenBlocks:
-    """Fixed ``block_len``-token blocks over the concatenated token shards of ``directories``.
+    """Fixed ``block_len``-token blocks over the concatenated token shards of ``directories``
+    (one source; ``name`` is its config key in errors).
 
     Reads with ``os.pread`` (each block is one or two reads of ``block_len × itemsize``
     bytes), so the I/O is exactly the blocks delivered.
     """
 
-    def __init__(self, directories: list[tuple[Path, str]], block_len: int):
+    def __init__(self, directories: list[tuple[Path, str]], block_len: int,
+                 name: str = "data.sources"):
         self.block_len = block_len
         self.manifests = [read_token_manifest(Path(d), key) for d, key in directories]
         dtypes = {m["dtype"] for m in self.manifests}
         if len(dtypes) != 1:
-            raise DataError(f"data.sources: token shards of different dtypes {sorted(dtypes)} "
+            raise DataError(f"{name}: token shards of different dtypes {sorted(dtypes)} "
                             f"(tokenised with different vocabularies?)")
         self.dtype = np.dtype(dtypes.pop())
         self.paths: list[Path] = []
@@ -175,7 +177,7 @@ class TokenBlocks:
         self.total_tokens = int(self.starts[-1])
         self.num_blocks = self.total_tokens // block_len
         if self.num_blocks == 0:
-            raise DataError(f"data.sources: the token corpus has {self.total_tokens} tokens, "
+            raise DataError(f"{name}: the token corpus has {self.total_tokens} tokens, "
                             f"fewer than one block of seq_len + 1 = {block_len}")
         self._fds: dict[int, int] = {}
 

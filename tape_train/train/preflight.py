@@ -12,6 +12,8 @@ target layout. ::
 Checks: train.seq_len <= model.max_seq_len; the rank grid (``RankGrid.from_sizes`` +
 ``check_model``); the tokenizer loads and fits model.vocab_size; every data source resolves,
 each of its files (up to ``max_shards``) opens and its first documents read and tokenise;
+with ``data.format: tokens`` the token shards match the tokenizer and the mixture weights are
+valid (each source's blocks, share and samples per epoch are reported);
 held-out documents are long enough for every evaluation length (counted over the documents
 the evaluation will score, ``eval.max_tokens``); the run directory is writable with room for
 ``checkpoint.keep`` + 1 checkpoints; a resume's layout and batch (``relayout``); the memory
@@ -94,6 +96,9 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
     if check_data and not synthetic:
         before = len(report.problems)
         _check_sources(cfg, tokenizer, report, limits)
+        if cfg.data.format == "tokens" and tokenizer is not None \
+                and len(report.problems) == before:
+            _check_token_sources(cfg, tokenizer, grid, report)
         sources_ok = len(report.problems) == before
     # Held-out documents come from the sources too: a bad source is reported once, above.
     if check_eval and not synthetic and tokenizer is not None and sources_ok:
@@ -232,6 +237,29 @@ def _check_sources(cfg, tokenizer, report: Report, limits: Limits) -> None:
             if empty:
                 report.warn(f"{key}: {len(empty)} file(s) without usable documents, e.g. "
                             f"{empty[0]} (skipped during training)")
+
+
+def _check_token_sources(cfg, tokenizer, grid, report: Report) -> None:
+    """``data.format: tokens``: the token shards match the tokenizer, the mixture is valid, and
+    how often each source repeats."""
+    from tape_train.data import DataError
+    from tape_train.data.token_loader import open_token_sources, token_mixture
+
+    try:
+        sources = open_token_sources(cfg.data, tokenizer, cfg.train.seq_len)
+        mixture = token_mixture(cfg.data, seed=0)
+    except DataError as exc:
+        report.problem(str(exc))
+        return
+    per_step = global_batch(cfg, grid.dp) if grid is not None else None
+    for i, (source, blocks) in enumerate(zip(cfg.data.sources, sources)):
+        share = 1.0 if mixture is None else mixture.weights[i] / mixture.total
+        epoch = blocks.num_blocks / share  # global samples per epoch of this source
+        when = f" ≈ {_count(epoch / per_step)} steps" if per_step else ""
+        report.info(f"{source.key}: {_count(blocks.total_tokens)} tokens in "
+                    f"{_count(blocks.num_blocks)} blocks of seq_len + 1, {share:.1%} of the "
+                    f"samples: one epoch per {_count(epoch)} samples{when}")
+        blocks.close()
 
 
 def _check_held_out(cfg, tokenizer, report: Report, limits: Limits) -> None:
