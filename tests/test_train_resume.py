@@ -289,6 +289,37 @@ def test_resume_with_another_model_shape_is_refused(ref_1p, tmp_path_factory):
     assert not (run_dir / "metrics.jsonl").exists()  # refused before training anything
 
 
+def test_bad_record_met_mid_run_is_one_line_not_a_traceback(tmp_path_factory):
+    """A malformed line deep in the corpus passes the preflight (it reads the first documents)
+    and is met by the loader mid-run: one error naming file:line, exit 1, no traceback, the
+    checkpoint written before it intact."""
+    import json
+
+    from tape_train.data.testing import real_text_documents
+
+    config = _config(tmp_path_factory)
+    base = tmp_path_factory.mktemp("badrecord")
+    docs = real_text_documents()[:12]  # a few steps of reading before the bad line
+    lines = [json.dumps({"text": d}) for d in docs]
+    bad_line = len(lines) // 2 + 1
+    lines.insert(bad_line - 1, '{"text": "unterminated')
+    corpus = base / "bad.jsonl"
+    corpus.write_text("\n".join(lines) + "\n")
+    tokenizer = config.parent / "corpus" / "small-bpe.model"
+    run_dir = base / "run"
+    result = _run(_command(1, config, run_dir, 1, f"data.sources=[{corpus}]",
+                           f"data.tokenizer={tokenizer}", "data.shuffle=false",
+                           "data.eval_fraction=0", "eval.interval=0", "train.max_steps=100000",
+                           "checkpoint.interval=2"))
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f"bad.jsonl:{bad_line}: malformed JSON" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    from tape_train.checkpoint_layout import why_incomplete
+
+    tags = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert tags and all(why_incomplete(t) is None for t in tags)
+
+
 @pytest.mark.parametrize("which", ["ref_1p", "ref_2p"])
 def test_consolidated_checkpoint_reproduces_logged_perplexity(which, request):
     from tape_train.eval.perplexity import evaluate_perplexity

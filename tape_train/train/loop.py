@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tape_train.config import RunConfig, diff_configs
+from tape_train.data.config import DataError
 from tape_train.eval.perplexity import UnmeasuredLengthError
 from tape_train.files import FileWriteError, write_atomic
 from tape_train.train import checkpoint as ckpt
@@ -600,8 +601,8 @@ class Trainer:
         try:
             self.setup()
             code = self.train()
-        except (ckpt.CheckpointError, RunLockError, UnmeasuredLengthError,
-                FileWriteError) as exc:
+        except (ckpt.CheckpointError, RunLockError, UnmeasuredLengthError, FileWriteError,
+                DataError) as exc:  # their messages name the file, key or value: no traceback
             log.error("%s", exc)
             code = EXIT_ERROR
         except PreflightError as exc:
