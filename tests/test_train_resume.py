@@ -309,7 +309,8 @@ def test_bad_record_met_mid_run_is_one_line_not_a_traceback(tmp_path_factory):
     run_dir = base / "run"
     result = _run(_command(1, config, run_dir, 1, f"data.sources=[{corpus}]",
                            f"data.tokenizer={tokenizer}", "data.shuffle=false",
-                           "data.eval_fraction=0", "eval.interval=0", "train.max_steps=100000",
+                           "data.shuffle_buffer=4", "data.eval_fraction=0", "eval.interval=0",
+                           "train.max_steps=100000",
                            "checkpoint.interval=2"))
     assert result.returncode == 1, result.stderr[-3000:]
     assert f"bad.jsonl:{bad_line}: malformed JSON" in result.stderr, result.stderr[-3000:]
