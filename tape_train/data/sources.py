@@ -53,7 +53,7 @@ class SourceCursor:
 
     def __init__(self, source: SourceConfig, index: int, seed: int, shuffle: bool,
                  window_size: int, eval_fraction: float, skip_bad: bool, skips: SkipLog,
-                 rank: int = 0, world: int = 1):
+                 rank: int = 0, world: int = 1, hub_row_groups: bool = True):
         self.source = source
         self.index = index
         self.seed = seed
@@ -64,7 +64,8 @@ class SourceCursor:
         self.skips = skips
         self.hub_dataset = None
         if source.hub is not None:
-            self.hub_dataset, self.all_shards = hub_shards(source, min_shards=world)
+            self.hub_dataset, self.all_shards = hub_shards(source, min_shards=world,
+                                                           row_groups=hub_row_groups)
         else:
             self.all_shards = resolve_local_shards(source, split="train")
         self.rank, self.world = rank, world
