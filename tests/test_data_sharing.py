@@ -181,6 +181,29 @@ def test_hub_state_saved_with_file_shards_still_resumes_exactly(tok, texts, tmp_
         build_train_loader(cfg, tok, SEQ, 2, 0, 2, seed=3).load_state_dict(state)  # no pass
 
 
+def _shared_shard_warnings(tok, caplog, cfg, rank, world) -> list[str]:
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tape_train.data"):
+        build_train_loader(cfg, tok, SEQ, 2, rank, world).close()
+    return [r.getMessage() for r in caplog.records if "share one shard" in r.getMessage()]
+
+
+def test_ranks_sharing_shards_are_warned_about_once_on_rank_0(tok, texts, tmp_path, caplog):
+    for s in range(2):
+        write_jsonl(tmp_path / "c" / f"part{s}.jsonl", texts[s::2])
+    cfg = DataConfig(sources=[str(tmp_path / "c")], prefetch=0)
+    (line,) = _shared_shard_warnings(tok, caplog, cfg, 0, 8)
+    for part in ("data.sources[0]", "2 shard(s) for 8 data-parallel ranks", "up to 4 ranks",
+                 "4x the bytes read", f"tape-data prepare --input {tmp_path / 'c'} --out DIR "
+                 "--num-shards 8", "data.format: tokens"):
+        assert part in line, part
+    assert _shared_shard_warnings(tok, caplog, cfg, 1, 8) == []  # rank 0 only
+    assert _shared_shard_warnings(tok, caplog, cfg, 0, 2) == []  # S >= n: whole shards
+    assert _shared_shard_warnings(tok, caplog, DataConfig(sources=[str(tmp_path / "c")],
+                                                          prefetch=0, sharding="global"),
+                                  0, 8) == []  # every rank reads everything anyway
+
+
 def test_prepared_shards_resume_from_the_nearest_zstd_frame(texts, tmp_path, monkeypatch):
     """Prepared shards are written as many zstd frames, indexed in the manifest, so reading
     from record k decompresses from the frame holding k — not from the start of the shard."""

@@ -36,7 +36,8 @@ import torch
 from tape_train.data.config import DataConfig, DataError
 from tape_train.data.formats import SkipLog
 from tape_train.data.packing import pack_documents, wrap_document
-from tape_train.data.sources import DocumentStream, SourceCursor, iter_held_out_texts
+from tape_train.data.sources import (DocumentStream, SourceCursor, iter_held_out_texts,
+                                     shared_shard_warning)
 from tape_train.data.state import STATE_VERSION
 from tape_train.data.state import digest as _digest
 
@@ -74,6 +75,11 @@ class TrainLoader:
         # documents: each rank reads only its own share; global: every rank reads everything.
         self._share = (dp_rank, dp_size) if cfg.sharding == "documents" else (0, 1)
         self._adopt(self._cursors(hub_row_groups=True))
+        if self._share[1] > 1 and dp_rank == 0:
+            for cursor in self._stream.cursors:
+                warning = shared_shard_warning(cursor.source, len(cursor.all_shards), dp_size)
+                if warning:
+                    log.warning("data: %s", warning)
         self.batches_received = 0
         self.documents_tokenized = 0
         self.wait_seconds = 0.0

@@ -167,6 +167,23 @@ def rank_share(num_shards: int, rank: int, world: int) -> tuple[list[int], int, 
     return [shard], len(range(shard, world, num_shards)), rank // num_shards
 
 
+def shared_shard_warning(source: SourceConfig, num_shards: int, world: int) -> str | None:
+    """What it costs when ``documents`` sharding gives ranks a shared shard (fewer shards than
+    ranks), and the fix; None when every rank reads whole shards of its own."""
+    if world <= 1 or num_shards >= world:
+        return None
+    k = -(-world // num_shards)  # ranks on the most shared shard (rank 0's)
+    if source.hub is not None:
+        what = f"--hub {source.hub}" + (f" --hub-config {source.config}" if source.config else "")
+    else:
+        what = f"--input {' '.join(source.paths)}"
+    return (f"{source.key} ({source.name}): {num_shards} shard(s) for {world} data-parallel "
+            f"ranks: up to {k} ranks share one shard, and each reads all of it every epoch to "
+            f"keep 1/{k} of its records ({k}x the bytes read per document; tokens/s per rank "
+            f"falls as ranks grow). Fix: `tape-data prepare {what} --out DIR --num-shards "
+            f"{world}` (or more shards), or pre-tokenise it (`--tokenize`, data.format: tokens)")
+
+
 class DocumentStream:
     """The training document stream: a seeded weighted mixture over source cursors.
 

@@ -93,7 +93,7 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
     sources_ok = True
     if check_data and not synthetic:
         before = len(report.problems)
-        _check_sources(cfg, tokenizer, report, limits)
+        _check_sources(cfg, tokenizer, report, limits, grid.dp if grid is not None else None)
         sources_ok = len(report.problems) == before
     # Held-out documents come from the sources too: a bad source is reported once, above.
     if check_eval and not synthetic and tokenizer is not None and sources_ok:
@@ -180,9 +180,12 @@ def _check_tokenizer(cfg, report: Report):
     return tok
 
 
-def _check_sources(cfg, tokenizer, report: Report, limits: Limits) -> None:
+def _check_sources(cfg, tokenizer, report: Report, limits: Limits, dp: int | None) -> None:
+    """Each source resolves and its first documents read and tokenise; with ``dp`` ranks in
+    text ``documents`` sharding, a source with fewer shards than ranks is a warning."""
     from tape_train.data import DataError
     from tape_train.data.formats import SkipLog, hub_shards, read_documents, resolve_local_shards
+    from tape_train.data.sources import shared_shard_warning
 
     for source in cfg.data.sources:
         key = source.key
@@ -225,10 +228,15 @@ def _check_sources(cfg, tokenizer, report: Report, limits: Limits) -> None:
                 report.problem(f"{key}: no usable documents in {what} (empty file or only "
                                f"blank/skipped records){skipped}")
                 continue
-            more = f" (first {len(checked)} of {len(shards)} files checked)" \
+            unit = "file" if source.hub is None else "shard"
+            more = f" (first {len(checked)} of {len(shards)} {unit}s checked)" \
                 if len(shards) > len(checked) else ""
-            report.info(f"{key}: {source.name}: {len(shards)} file(s){more}, first {docs} "
+            report.info(f"{key}: {source.name}: {len(shards)} {unit}(s){more}, first {docs} "
                         f"document(s) read and tokenised ({tokens} tokens)")
+            if dp is not None and cfg.data.format == "text" and cfg.data.sharding == "documents":
+                shared = shared_shard_warning(source, len(shards), dp)
+                if shared:
+                    report.warn(shared)
             if empty:
                 report.warn(f"{key}: {len(empty)} file(s) without usable documents, e.g. "
                             f"{empty[0]} (skipped during training)")
