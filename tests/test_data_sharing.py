@@ -146,6 +146,10 @@ def test_parquet_hub_shards_are_row_groups_so_a_resume_reads_one(texts, tmp_path
     write_jsonl(tmp_path / "js" / "a.jsonl", texts[:30])
     json_source = SourceConfig(hub="json", data_files=str(tmp_path / "js" / "*.jsonl"), key="k")
     assert len(formats.hub_shards(json_source)[1]) == 1
+    # Its one file shared by 3 ranks: every third record each, disjoint and complete.
+    per_rank = [epoch_documents(json_source, rank, 3) for rank in range(3)]
+    assert [len(docs) for docs in per_rank] == [10, 10, 10]
+    assert sorted(d for docs in per_rank for d in docs) == sorted(texts[:30])
 
 
 def test_hub_state_saved_with_file_shards_still_resumes_exactly(tok, texts, tmp_path,
@@ -197,6 +201,14 @@ def test_ranks_sharing_shards_are_warned_about_once_on_rank_0(tok, texts, tmp_pa
                  "4x the bytes read", f"tape-data prepare --input {tmp_path / 'c'} --out DIR "
                  "--num-shards 8", "data.format: tokens"):
         assert part in line, part
+    from tape_train.data.corpus import write_corpus
+
+    write_corpus(({"text": t, "source": "s", "id": str(i)} for i, t in enumerate(texts)),
+                 tmp_path / "p", num_shards=2)
+    (line,) = _shared_shard_warnings(tok, caplog, DataConfig(sources=[str(tmp_path / "p")],
+                                                             prefetch=0), 0, 4)
+    assert f"re-run the `tape-data prepare` that wrote {tmp_path / 'p'} with --num-shards 4" \
+        in line  # not --input of the directory, which would lose its eval split
     assert _shared_shard_warnings(tok, caplog, cfg, 1, 8) == []  # rank 0 only
     assert _shared_shard_warnings(tok, caplog, cfg, 0, 2) == []  # S >= n: whole shards
     assert _shared_shard_warnings(tok, caplog, DataConfig(sources=[str(tmp_path / "c")],

@@ -173,15 +173,21 @@ def shared_shard_warning(source: SourceConfig, num_shards: int, world: int) -> s
     if world <= 1 or num_shards >= world:
         return None
     k = -(-world // num_shards)  # ranks on the most shared shard (rank 0's)
-    if source.hub is not None:
-        what = f"--hub {source.hub}" + (f" --hub-config {source.config}" if source.config else "")
+    prepared = [p for p in source.paths if (Path(p) / MANIFEST_NAME).is_file()]
+    if prepared:  # re-preparing from its shards would lose its eval split: from the inputs
+        fix = (f"re-run the `tape-data prepare` that wrote {', '.join(prepared)} with "
+               f"--num-shards {world}")
+    elif source.hub is not None:
+        config = f" --hub-config {source.config}" if source.config else ""
+        fix = f"`tape-data prepare --hub {source.hub}{config} --out DIR --num-shards {world}`"
     else:
-        what = f"--input {' '.join(source.paths)}"
+        fix = (f"`tape-data prepare --input {' '.join(source.paths)} --out DIR --num-shards "
+               f"{world}`")
     return (f"{source.key} ({source.name}): {num_shards} shard(s) for {world} data-parallel "
             f"ranks: up to {k} ranks share one shard, and each reads all of it every epoch to "
             f"keep 1/{k} of its records ({k}x the bytes read per document; tokens/s per rank "
-            f"falls as ranks grow). Fix: `tape-data prepare {what} --out DIR --num-shards "
-            f"{world}` (or more shards), or pre-tokenise it (`--tokenize`, data.format: tokens)")
+            f"falls as k grows). Fix: {fix} (or more shards), or pre-tokenise it "
+            f"(`--tokenize`, data.format: tokens)")
 
 
 class DocumentStream:
