@@ -129,9 +129,9 @@ def _hub_documents(source: SourceConfig, dataset, skip_bad: bool, bar) -> Iterat
         except DataError:
             raise
         except Exception as exc:  # noqa: BLE001 - network or reader errors of datasets
-            raise DataError(f"{source.field_key('hub')}: reading {shard.path} failed ({type(exc).__name__}: "
-                            f"{str(exc)[:300]}); nothing was kept: re-run to stream it "
-                            f"again") from None
+            raise DataError(f"{source.field_key('hub')}: reading {shard.path} failed "
+                            f"({type(exc).__name__}: {str(exc)[:300]}); nothing was kept: "
+                            f"re-run to stream it again") from None
         seconds = time.monotonic() - started
         line = (f"{documents} records, {text_bytes / 1e6:.1f} MB of text, "
                 f"{text_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s")

@@ -13,6 +13,8 @@ builder cannot name the failing line or skip a bad record; Hub datasets go throu
 
 from __future__ import annotations
 
+import atexit
+import gc
 import glob
 import gzip
 import json
@@ -358,6 +360,19 @@ def _read_parquet(shard: Shard, start: int, text_field: str, skip_bad: bool,
             row += 1
 
 
+_hub_opened = False
+
+
+@atexit.register  # registered on import, before the loader's prefetch stop: runs after it
+def _collect_hub_streams() -> None:
+    """Parquet streams of ``datasets`` leave Arrow readers in reference cycles; collected during
+    interpreter teardown, when Arrow's runtime is gone, they abort the process ("terminate
+    called without an active exception", huggingface/datasets#7566; with row-group shards on
+    a busy machine 11 of 80 exits aborted, none of 100 with this). Collect them at exit."""
+    if _hub_opened:
+        gc.collect()
+
+
 def open_hub_dataset(source: SourceConfig):
     """``source.hub`` as a streaming ``IterableDataset``, and what identifies it:
     ``(dataset, facts)``; facts: ``builder``, ``revision`` (the Hub commit; None for local
@@ -365,6 +380,8 @@ def open_hub_dataset(source: SourceConfig):
     (the dataset's own shards) and ``fields``. Errors name the source's key (or flag)."""
     import datasets
 
+    global _hub_opened
+    _hub_opened = True
     try:  # what load_dataset(..., streaming=True) does, keeping the builder for its facts
         builder = datasets.load_dataset_builder(source.hub, source.config,
                                                 data_files=source.data_files)
