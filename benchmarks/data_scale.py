@@ -111,6 +111,23 @@ def child(args: argparse.Namespace) -> dict:
     return result
 
 
+def parse_or_run_child(parser: argparse.ArgumentParser, child, hidden: dict):
+    """Parse the command line of a benchmark that measures in child processes of itself: adds
+    ``--out`` and the hidden ``--child``/``--src`` (the source tree measured) and ``hidden``
+    (option: type); in a child, runs ``child(args)``, prints its JSON result and returns
+    None."""
+    parser.add_argument("--out", default=None, help="also write the results as JSON here")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    for option, kind in hidden.items():
+        parser.add_argument(option, type=kind, help=argparse.SUPPRESS)
+    parser.add_argument("--src", default=str(REPO), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not args.child:
+        return args
+    print(json.dumps(child(args)))
+    return None
+
+
 def corpus_bytes(data: Path) -> dict:
     manifest = json.loads((data / "manifest.json").read_text())
     train = [s for s in manifest["shards"] if s["split"] == "train"]
@@ -136,14 +153,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--max-seconds", type=float, default=15.0,
                         help="end a measurement at the first epoch boundary after this")
-    parser.add_argument("--out", default=None, help="also write the results as JSON here")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--path", help=argparse.SUPPRESS)
-    parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--src", default=str(REPO), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(child(args)))
+    args = parse_or_run_child(parser, child, {"--path": str, "--n": int})
+    if args is None:
         return 0
     sizes = corpus_bytes(Path(args.data))
     results = []

@@ -6,6 +6,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +128,127 @@ def test_prepare_demo_corpus_end_to_end(tmp_path, capsys):
     assert sum(c.isalpha() for c in text) > 0.5 * len(text)  # real prose, not bytes
     loader.close()
     assert len(list(iter_eval_documents(cfg, tok))) == 20
+
+
+def _shard_texts(directory) -> dict[str, list[str]]:
+    import zstandard
+
+    manifest = read_complete_manifest(directory)
+    out = {}
+    for shard in manifest["shards"]:
+        raw = zstandard.ZstdDecompressor().stream_reader(
+            open(directory / shard["path"], "rb")).read().decode()
+        out[shard["path"]] = [json.loads(line)["text"] for line in raw.splitlines()]
+    return out
+
+
+@pytest.fixture
+def parquet_corpus(tmp_path):
+    """3 Parquet files of real text (2 row groups each, 4 duplicates), an extra column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = real_text_documents(60)
+    (tmp_path / "pq").mkdir()
+    for s in range(3):
+        part = texts[s * 20:(s + 1) * 20] + (texts[:2] if s == 2 else [])
+        pq.write_table(pa.table({"text": part, "url": [f"u{i}" for i in range(len(part))]}),
+                       tmp_path / "pq" / f"part-{s}.parquet", row_group_size=12)
+    return texts, str(tmp_path / "pq" / "*.parquet")
+
+
+def test_prepare_hub_writes_what_input_writes(tmp_path, parquet_corpus, tok, capsys, caplog):
+    """`--hub` streams the dataset file by file (a `datasets` builder over local Parquet stands
+    in for the Hub) into the same prepared directory `--input` makes of the same files: same
+    documents in the same shards, dedup and held-out split; plus the Hub facts and progress
+    lines per file; re-running is a no-op; `--tokenize` works the same."""
+    texts, files = parquet_corpus
+    common = ["--num-shards", "4", "--eval-fraction", "0.2", "--progress", "off"]
+    with caplog.at_level("INFO", logger="tape_train.data"):
+        assert data_cli.main(["prepare", "--hub", "parquet", "--data-files", files,
+                              "--out", str(tmp_path / "hub"), *common]) == 0
+    for i in (1, 2, 3):
+        assert f"prepare: file {i}/3 of parquet done: " in caplog.text
+    assert data_cli.main(["prepare", "--input", files, "--out", str(tmp_path / "in"),
+                          *common]) == 0
+    manifest = read_complete_manifest(tmp_path / "hub")
+    assert manifest["dropped"]["duplicates"] == 2
+    assert manifest["splits"] == read_complete_manifest(tmp_path / "in")["splits"]
+    assert _shard_texts(tmp_path / "hub") == _shard_texts(tmp_path / "in")
+    hub = manifest["hub"]
+    assert (hub["name"], hub["config"], hub["split"], hub["data_files"], hub["files"]) == \
+        ("parquet", None, "train", [files], 3)
+    assert hub["revision"] is None and hub["fingerprint"].startswith("default-")
+    assert hub["fields"] == ["text", "url"]
+    capsys.readouterr()
+    assert data_cli.main(["info", str(tmp_path / "hub")]) == 0
+    assert "hub: parquet (config None, split train" in capsys.readouterr().out
+    assert data_cli.main(["prepare", "--hub", "parquet", "--data-files", files,
+                          "--out", str(tmp_path / "hub"), *common]) == 0
+    assert "already complete" in capsys.readouterr().out
+    assert data_cli.main(["prepare", "--hub", "parquet", "--data-files", files, "--out",
+                          str(tmp_path / "tok"), *common, "--tokenize", "--tokenizer",
+                          tok.path]) == 0
+    cfg = DataConfig(sources=[str(tmp_path / "tok")], tokenizer=tok.path, format="tokens")
+    assert next(build_train_loader(cfg, tok, 32, 2))["input_ids"].shape == (2, 32)
+
+
+def test_prepare_hub_records_the_hub_revision(tmp_path, parquet_corpus, monkeypatch):
+    """For a Hub repository `datasets` pins a commit (the builder's hash); the manifest keeps
+    it. A builder with a repo_id and a commit hash stands in for the Hub."""
+    import datasets
+
+    _, files = parquet_corpus
+    real = datasets.load_dataset_builder
+    commit = "0123abcd" * 5
+
+    def hub_builder(path, name=None, data_files=None):
+        assert (path, name, data_files) == ("org/corpus", "en", None)
+        builder = real("parquet", data_files=files)
+        builder.repo_id, builder.hash = path, commit
+        return builder
+
+    monkeypatch.setattr(datasets, "load_dataset_builder", hub_builder)
+    assert data_cli.main(["prepare", "--hub", "org/corpus", "--hub-config", "en",
+                          "--out", str(tmp_path / "o"), "--progress", "off"]) == 0
+    hub = read_complete_manifest(tmp_path / "o")["hub"]
+    assert (hub["name"], hub["config"], hub["revision"]) == ("org/corpus", "en", commit)
+
+
+def test_prepare_hub_errors_are_one_line_and_leave_nothing_complete(tmp_path, parquet_corpus,
+                                                                    capsys):
+    texts, files = parquet_corpus
+
+    def error(*args) -> str:
+        """Our one error line, the last on stderr (datasets may log the failure before it)."""
+        capsys.readouterr()
+        assert data_cli.main(["prepare", *args, "--progress", "off"]) == 1
+        lines = capsys.readouterr().err.strip().splitlines()
+        ours = [line for line in lines if line.startswith("tape-data: ")]
+        assert len(ours) == 1 and lines[-1] == ours[0], lines
+        return ours[0]
+
+    out = str(tmp_path / "o")
+    missing = str(tmp_path / "no-such-dataset")  # a local path: no network in tests
+    assert error("--hub", missing, "--out", out).startswith(
+        f"tape-data: error: --hub: cannot open dataset '{missing}' (config=None, split='train')")
+    assert error("--hub", "parquet", "--data-files", files, "--text-field", "body",
+                 "--out", out) == ("tape-data: error: --text-field: dataset 'parquet' has no "
+                                   "field 'body' (its fields: text, url)")
+    assert error("--input", files, "--split", "test", "--out", out) == \
+        "tape-data: error: --split needs --hub (it selects what to stream from the Hub)"
+    # A JSON record without the text: one line naming the record (or skipped and counted).
+    lines = [json.dumps({"text": t}) for t in texts[:5]]
+    lines[2] = json.dumps({"body": "no text here"})
+    (tmp_path / "j.jsonl").write_text("\n".join(lines) + "\n")
+    jsonl = ["--hub", "json", "--data-files", str(tmp_path / "j.jsonl"), "--out", out]
+    assert "#0:record 2: text not a string: field 'text' is NoneType" in error(*jsonl)
+    assert data_cli.main(["prepare", *jsonl, "--skip-bad-records", "--eval-fraction", "0",
+                          "--progress", "off"]) == 0
+    assert read_complete_manifest(tmp_path / "o")["splits"]["train"]["documents"] == 4
+    # A file that breaks mid-stream: one line, no manifest, no partial shards left behind.
+    (tmp_path / "pq" / "part-3.parquet").write_bytes(b"PAR1 not really parquet PAR1")
+    broken = str(tmp_path / "broken")
+    assert "--hub: reading hub:parquet/default/train" in error(
+        "--hub", "parquet", "--data-files", files, "--out", broken)
+    assert read_complete_manifest(broken) is None and not list(Path(broken).iterdir())

@@ -76,11 +76,10 @@ def test_local_ranks_open_only_their_own_shards(texts, tmp_path, monkeypatch):
 
 
 def test_hub_stream_ranks_read_disjoint_complete_shares(tok, texts, tmp_path):
-    """Parquet through `datasets` streaming (`hub: parquet` + data_files stands in for the Hub):
-    with as many files as ranks each rank reads its files, the same documents as
-    `datasets.distributed.split_dataset_by_node`; with more ranks than files the stream is
-    re-sharded by row group (`IterableDataset.reshard`) and every rank still reads only its
-    own row groups."""
+    """Parquet through `datasets` streaming (`hub: parquet` + data_files stands in for the Hub)
+    is read by row group (`IterableDataset.reshard`): each rank reads its own row groups, the
+    same documents as `datasets.distributed.split_dataset_by_node` on the re-sharded stream,
+    also with more ranks than files."""
     from datasets import load_dataset
     from datasets.distributed import split_dataset_by_node
 
@@ -92,7 +91,8 @@ def test_hub_stream_ranks_read_disjoint_complete_shares(tok, texts, tmp_path):
     source = SourceConfig(hub="parquet", data_files=str(hub / "*.parquet"),
                           key="data.sources[0]")
     ds = load_dataset("parquet", data_files=str(hub / "*.parquet"), split="train",
-                      streaming=True)
+                      streaming=True).reshard()
+    assert ds.n_shards == 6
     for rank in range(2):
         ours = epoch_documents(source, rank, 2)
         theirs = [r["text"] for r in split_dataset_by_node(ds, rank=rank, world_size=2)]
@@ -114,6 +114,106 @@ def test_hub_stream_ranks_read_disjoint_complete_shares(tok, texts, tmp_path):
     resumed = build_train_loader(cfg, tok, SEQ, 2, 4, 6, seed=2)
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
     assert all(torch.equal(next(resumed)["input_ids"], r) for r in reference[6:])
+
+
+def _two_parquet_files(texts, directory) -> str:
+    """2 files × 3 row groups of 10 rows; returns the data_files glob."""
+    directory.mkdir()
+    for s in range(2):
+        pq.write_table(pa.table({"text": texts[s::2]}), directory / f"part-{s}.parquet",
+                       row_group_size=10)
+    return str(directory / "*.parquet")
+
+
+def test_parquet_hub_shards_are_row_groups_so_a_resume_reads_one(texts, tmp_path):
+    """Every Parquet Hub shard is one row group (also with fewer ranks than files), so reading
+    from record k of a shard streams at most that row group; JSON streams keep file shards."""
+    glob = _two_parquet_files(texts, tmp_path / "pq")
+    rows = [t for s in range(2) for t in texts[s::2]]  # the files' rows, in order
+    source = SourceConfig(hub="parquet", data_files=glob, key="data.sources[0]")
+    for world in (1, 2):
+        cursor = SourceCursor(source, 0, 3, True, 4, 0.0, False, SkipLog(), 0, world)
+        assert len(cursor.all_shards) == 6
+    ds, shards = formats.hub_shards(source)
+    for i, shard in enumerate(shards):
+        got = list(formats.read_documents(shard, 0, "text", False, SkipLog(), ds))
+        assert [t for _, t in got] == rows[10 * i:10 * i + 10]
+        resumed = list(formats.read_documents(shard, 7, "text", False, SkipLog(), ds))
+        assert resumed == [(r, rows[10 * i + r]) for r in (7, 8, 9)]
+    # Control: the same files as file shards (the rule before) hold 30 records each.
+    _, files = formats.hub_shards(source, row_groups=False)
+    assert len(files) == 2
+    write_jsonl(tmp_path / "js" / "a.jsonl", texts[:30])
+    json_source = SourceConfig(hub="json", data_files=str(tmp_path / "js" / "*.jsonl"), key="k")
+    assert len(formats.hub_shards(json_source)[1]) == 1
+    # Its one file shared by 3 ranks: every third record each, disjoint and complete.
+    per_rank = [epoch_documents(json_source, rank, 3) for rank in range(3)]
+    assert [len(docs) for docs in per_rank] == [10, 10, 10]
+    assert sorted(d for docs in per_rank for d in docs) == sorted(texts[:30])
+
+
+def test_hub_state_saved_with_file_shards_still_resumes_exactly(tok, texts, tmp_path,
+                                                                 monkeypatch, caplog):
+    """A state saved when Parquet Hub streams were sharded by file (before row groups: rank 0
+    of 2 over 2 files read file shards) has another fingerprint; it resumes its own stream
+    exactly, with a warning, and a fresh loader reads row groups (another stream)."""
+    from tape_train.data import DataError, sources
+
+    glob = _two_parquet_files(texts, tmp_path / "pq")
+    cfg = DataConfig(sources=[{"hub": "parquet", "data_files": glob}], prefetch=0,
+                     shuffle_buffer=4)
+    real = sources.hub_shards
+    with monkeypatch.context() as patch:  # the code before: file shards when files >= ranks
+        patch.setattr(sources, "hub_shards", lambda source, min_shards=1, row_groups=True:
+                      real(source, min_shards, row_groups=False))
+        ref = build_train_loader(cfg, tok, SEQ, 2, 0, 2, seed=2)
+        reference = [next(ref)["input_ids"] for _ in range(10)]
+        first = build_train_loader(cfg, tok, SEQ, 2, 0, 2, seed=2)
+        for _ in range(5):
+            next(first)
+        state = json.loads(json.dumps(first.state_dict()))
+    fresh = build_train_loader(cfg, tok, SEQ, 2, 0, 2, seed=2)
+    assert fresh.fingerprint != state["fingerprint"]
+    assert not all(torch.equal(next(fresh)["input_ids"], r) for r in reference[:3])
+    resumed = build_train_loader(cfg, tok, SEQ, 2, 0, 2, seed=2)
+    with caplog.at_level("WARNING", logger="tape_train.data"):
+        resumed.load_state_dict(state)
+    assert "file by file" in caplog.text
+    assert all(torch.equal(next(resumed)["input_ids"], r) for r in reference[5:])
+    assert resumed.state_dict()["fingerprint"] == state["fingerprint"]
+    with pytest.raises(DataError, match=r"fingerprint differs in seed \(saved 2, now 3\)\. "):
+        build_train_loader(cfg, tok, SEQ, 2, 0, 2, seed=3).load_state_dict(state)  # no pass
+
+
+def _shared_shard_warnings(tok, caplog, cfg, rank, world) -> list[str]:
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tape_train.data"):
+        build_train_loader(cfg, tok, SEQ, 2, rank, world).close()
+    return [r.getMessage() for r in caplog.records if "share one shard" in r.getMessage()]
+
+
+def test_ranks_sharing_shards_are_warned_about_once_on_rank_0(tok, texts, tmp_path, caplog):
+    for s in range(2):
+        write_jsonl(tmp_path / "c" / f"part{s}.jsonl", texts[s::2])
+    cfg = DataConfig(sources=[str(tmp_path / "c")], prefetch=0)
+    (line,) = _shared_shard_warnings(tok, caplog, cfg, 0, 8)
+    for part in ("data.sources[0]", "2 shard(s) for 8 data-parallel ranks", "up to 4 ranks",
+                 "4x the bytes read", f"tape-data prepare --input {tmp_path / 'c'} --out DIR "
+                 "--num-shards 8", "data.format: tokens"):
+        assert part in line, part
+    from tape_train.data.corpus import write_corpus
+
+    write_corpus(({"text": t, "source": "s", "id": str(i)} for i, t in enumerate(texts)),
+                 tmp_path / "p", num_shards=2)
+    (line,) = _shared_shard_warnings(tok, caplog, DataConfig(sources=[str(tmp_path / "p")],
+                                                             prefetch=0), 0, 4)
+    assert f"re-run the `tape-data prepare` that wrote {tmp_path / 'p'} with --num-shards 4" \
+        in line  # not --input of the directory, which would lose its eval split
+    assert _shared_shard_warnings(tok, caplog, cfg, 1, 8) == []  # rank 0 only
+    assert _shared_shard_warnings(tok, caplog, cfg, 0, 2) == []  # S >= n: whole shards
+    assert _shared_shard_warnings(tok, caplog, DataConfig(sources=[str(tmp_path / "c")],
+                                                          prefetch=0, sharding="global"),
+                                  0, 8) == []  # every rank reads everything anyway
 
 
 def test_prepared_shards_resume_from_the_nearest_zstd_frame(texts, tmp_path, monkeypatch):

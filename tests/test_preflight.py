@@ -117,6 +117,25 @@ def test_each_bad_input_is_one_line_and_exit_1(corpus, name):
     assert "nothing was started" in err
 
 
+def test_ranks_outnumbering_shards_is_a_warning_not_an_error(corpus):
+    """One file for 4 data-parallel ranks: they share it, each reading all of it for a quarter
+    (documents sharding). The dry run warns, names the fix, and still passes; with one rank
+    (the control) and with global sharding there is no such warning."""
+    def shared(*args) -> list[str]:
+        rc, out, err = dry_run(["--config", str(corpus / "run.yaml"), "--dry-run", *args])
+        assert rc == 0 and "preflight: ok" in out, err
+        return [ln for ln in err.splitlines()
+                if ": preflight: warning: " in ln and "share one shard" in ln]
+
+    (line,) = shared("--world-size", "4")
+    for part in ("tape-train: preflight: warning: data.sources[0] (", "1 shard(s) for 4 "
+                 "data-parallel ranks", "4x the bytes read", "--num-shards 4",
+                 "data.format: tokens"):
+        assert part in line, part
+    assert shared() == []
+    assert shared("--world-size", "4", "data.sharding=global") == []
+
+
 def _write_marker(run_dir: Path, config: dict, dp: int) -> Path:
     tag = run_dir / "checkpoints" / "step_00000010"
     tag.mkdir(parents=True)

@@ -3,6 +3,8 @@
     tape-data prepare --demo --out data/demo            # Debian demo corpus (needs apt)
     tape-data prepare --input docs/ more/*.jsonl --out data/mine
     tape-data prepare --input docs/ --out data/mine-tok --tokenize --tokenizer tok.model
+    tape-data prepare --hub HuggingFaceFW/fineweb-edu --hub-config sample-10BT --out data/fw \
+        --num-shards 256 --tokenize --tokenizer tok.model   # stream a Hub dataset once
     tape-data info data/demo                            # summary of a prepared directory
 
 Re-running ``prepare`` with the same options on a complete directory does nothing.
@@ -11,16 +13,20 @@ Re-running ``prepare`` with the same options on a complete directory does nothin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from tape_train.data.config import DataError, SourceConfig
 from tape_train.data.corpus import read_complete_manifest, write_corpus
-from tape_train.data.formats import SkipLog, read_documents, resolve_local_shards
+from tape_train.data.formats import (SkipLog, hub_shards, open_hub_dataset, read_documents,
+                                     resolve_local_shards)
+from tape_train.progress import MODES, progress_bar
 
 log = logging.getLogger("tape_train.data")
 
@@ -41,8 +47,22 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--input", nargs="+", metavar="PATH",
                       help="local files, directories or globs (.jsonl[.gz|.zst], .parquet, "
                            ".txt/.md/.rst[.gz|.zst]; text files are one document each)")
+    what.add_argument("--hub", metavar="NAME",
+                      help="a Hugging Face Hub dataset (or a local dataset directory, or a "
+                           "datasets builder such as json/parquet with --data-files), streamed "
+                           "once with datasets")
+    prep.add_argument("--hub-config", default=None, metavar="C",
+                      help="dataset configuration of --hub (e.g. en for allenai/c4)")
+    prep.add_argument("--split", default=None, help="split of --hub (default train)")
+    prep.add_argument("--data-files", nargs="+", default=None, metavar="GLOB",
+                      help="data files of --hub (e.g. --hub json --data-files 'x/*.jsonl.gz', "
+                           "or a subset of a Hub repository's files)")
+    prep.add_argument("--progress", choices=MODES, default="auto",
+                      help="--hub: a progress bar over the dataset's files on a terminal "
+                           "(auto; a redirected log gets one line per file), on or off")
     prep.add_argument("--out", required=True, help="output directory")
-    prep.add_argument("--text-field", default="text", help="JSONL/Parquet field with the text")
+    prep.add_argument("--text-field", default="text",
+                      help="JSONL/Parquet/Hub field with the text")
     prep.add_argument("--num-shards", type=int, default=16,
                       help="training shards (a multiple of your data-parallel sizes; default 16)")
     prep.add_argument("--eval-fraction", type=float, default=0.01,
@@ -79,10 +99,60 @@ def _local_documents(inputs: list[str], text_field: str, skip_bad: bool) -> Iter
         log.warning("prepare: skipped records: %s", dict(skips.counts))
 
 
+def _hub_source(args: argparse.Namespace) -> SourceConfig | None:
+    """The source of ``--hub`` and its flags (None without ``--hub``)."""
+    if args.hub is None:
+        for flag, value in (("--hub-config", args.hub_config), ("--split", args.split),
+                            ("--data-files", args.data_files)):
+            if value is not None:
+                raise DataError(f"{flag} needs --hub (it selects what to stream from the Hub)")
+        return None
+    return SourceConfig(hub=args.hub, config=args.hub_config, split=args.split or "train",
+                        data_files=args.data_files, text_field=args.text_field, key="--hub")
+
+
+def _hub_documents(source: SourceConfig, dataset, skip_bad: bool, bar) -> Iterator[dict]:
+    """Every record of the dataset, file by file (its own shards, in order), with a progress
+    line per file (or the bar's update on a terminal)."""
+    dataset, shards = hub_shards(source, row_groups=False, dataset=dataset)
+    skips = SkipLog()
+    started = time.monotonic()
+    documents = text_bytes = 0
+    log.info("prepare: streaming %s: %d file(s)", source.hub, len(shards))
+    for i, shard in enumerate(shards):
+        try:
+            for record, text in read_documents(shard, 0, source.text_field, skip_bad, skips,
+                                               dataset):
+                documents += 1
+                text_bytes += len(text.encode("utf-8"))
+                yield {"text": text, "source": source.name, "id": f"{i}:{record}"}
+        except DataError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - network or reader errors of datasets
+            raise DataError(f"{source.field_key('hub')}: reading {shard.path} failed "
+                            f"({type(exc).__name__}: {str(exc)[:300]}); nothing was kept: "
+                            f"re-run to stream it again") from None
+        seconds = time.monotonic() - started
+        line = (f"{documents} records, {text_bytes / 1e6:.1f} MB of text, "
+                f"{text_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s")
+        if bar is not None:
+            bar.set_postfix_str(line, refresh=False)
+            bar.update(1)
+        else:
+            log.info("prepare: file %d/%d of %s done: %s so far", i + 1, len(shards),
+                     source.hub, line)
+    if skips.counts:
+        log.warning("prepare: skipped records: %s", dict(skips.counts))
+
+
 def _prepare(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    hub = _hub_source(args)
     if args.demo:
         config = {"demo": True}
+    elif hub is not None:
+        config = {"hub": hub.hub, "hub_config": hub.config, "split": hub.split,
+                  "data_files": hub.data_files, "text_field": hub.text_field}
     else:
         config = {"inputs": list(args.input), "text_field": args.text_field}
     config.update(num_shards=args.num_shards, eval_fraction=args.eval_fraction, seed=args.seed)
@@ -100,6 +170,7 @@ def _prepare(args: argparse.Namespace) -> int:
         print(f"tape-data: {out} is already complete ({splits['train']['documents']} train / "
               f"{splits['eval']['documents']} eval documents); use --force to rebuild")
         return 0
+    bar = None
     if args.demo:
         from tape_train.data import demo_corpus
 
@@ -108,14 +179,35 @@ def _prepare(args: argparse.Namespace) -> int:
                                              args.cache_dir or _default_cache_dir())
         documents = demo_corpus.iter_demo_documents(debs)
         extra = {"packages": {name: version for name, (_, version) in debs.items()}}
+    elif hub is not None:
+        dataset, facts = open_hub_dataset(hub)
+        extra = {"hub": {"name": hub.hub, "config": hub.config, "split": hub.split,
+                         "data_files": hub.data_files, "text_field": hub.text_field, **facts}}
+        bar = progress_bar(facts["files"], desc=f"prepare {hub.hub}", unit="file",
+                           mode=args.progress)
+        documents = _hub_documents(hub, dataset, args.skip_bad_records, bar)
     else:
         documents = _local_documents(args.input, args.text_field, args.skip_bad_records)
         extra = {}
-    manifest = write_corpus(documents, out, num_shards=args.num_shards,
-                            eval_fraction=args.eval_fraction, seed=args.seed, config=config,
-                            extra=extra, tokenizer=tokenizer)
+    try:
+        with _logging_around(bar):
+            manifest = write_corpus(documents, out, num_shards=args.num_shards,
+                                    eval_fraction=args.eval_fraction, seed=args.seed,
+                                    config=config, extra=extra, tokenizer=tokenizer)
+    finally:
+        if bar is not None:
+            bar.close()
     _print_summary(out, manifest)
     return 0
+
+
+def _logging_around(bar):
+    """Log lines go through the bar's ``write`` while a bar is drawn (no torn bar lines)."""
+    if bar is None:
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm()
 
 
 def _print_summary(out: Path, manifest: dict) -> None:
@@ -126,6 +218,12 @@ def _print_summary(out: Path, manifest: dict) -> None:
           f"({splits['eval']['text_bytes'] / 1e6:.1f} MB)")
     for name, stats in sorted(manifest["sources"].items()):
         print(f"  {name:32s} {stats['documents']:8d} docs {stats['text_bytes'] / 1e6:8.2f} MB")
+    if manifest.get("hub"):
+        hub = manifest["hub"]
+        print(f"  hub: {hub['name']} (config {hub['config']}, split {hub['split']}"
+              f"{', data_files ' + str(hub['data_files']) if hub['data_files'] else ''}), "
+              f"revision {hub['revision'] or 'n/a (not a Hub repository)'}, "
+              f"datasets fingerprint {hub['fingerprint']}, {hub['files']} file(s)")
     if manifest.get("tokens"):
         tokens = manifest["tokens"]
         print(f"  token shards: {tokens['total_tokens']} tokens ({tokens['dtype']}, tokenizer "
@@ -145,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"(no valid manifest.json)", file=sys.stderr)
             return 1
         _print_summary(args.dir, manifest)
-        print(json.dumps({k: manifest[k] for k in ("config", "held_out", "dropped")}, indent=1))
+        print(json.dumps({k: manifest[k] for k in ("config", "held_out", "dropped", "hub")
+                          if k in manifest}, indent=1))
         return 0
     except DataError as exc:
         print(f"tape-data: error: {exc}", file=sys.stderr)

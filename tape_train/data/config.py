@@ -16,6 +16,9 @@ from tape_train.resources import resource_dir
 SHARDING_MODES = ("documents", "global")
 DATA_FORMATS = ("text", "tokens")
 DATA_CONFIG_DIR = resource_dir("configs/data")
+# The `tape-data prepare` flag that sets each source field (errors name the flag).
+CLI_FLAGS = {"path": "--input", "hub": "--hub", "config": "--hub-config", "split": "--split",
+             "data_files": "--data-files", "text_field": "--text-field"}
 
 
 class DataError(ValueError):
@@ -87,6 +90,13 @@ class SourceConfig:
         if self.name is None:
             self.name = self.hub if self.hub is not None else (
                 self.path if isinstance(self.path, str) else ",".join(self.path))
+
+    def field_key(self, name: str) -> str:
+        """How an error names field ``name``: ``data.sources[0].hub``; a source built from
+        ``tape-data`` flags (its key is a flag, ``--input``/``--hub``) names the flag instead."""
+        if self.key.startswith("--"):
+            return CLI_FLAGS.get(name, self.key)
+        return f"{self.key}.{name}"
 
     @property
     def paths(self) -> list[str]:

@@ -36,7 +36,8 @@ import torch
 from tape_train.data.config import DataConfig, DataError
 from tape_train.data.formats import SkipLog
 from tape_train.data.packing import pack_documents, wrap_document
-from tape_train.data.sources import DocumentStream, SourceCursor, iter_held_out_texts
+from tape_train.data.sources import (DocumentStream, SourceCursor, iter_held_out_texts,
+                                     shared_shard_warning)
 from tape_train.data.state import STATE_VERSION
 from tape_train.data.state import digest as _digest
 
@@ -72,33 +73,69 @@ class TrainLoader:
         self.seed = int(seed)
         self.skips = SkipLog()
         # documents: each rank reads only its own share; global: every rank reads everything.
-        share = (dp_rank, dp_size) if cfg.sharding == "documents" else (0, 1)
-        cursors = [SourceCursor(src, i, self.seed, cfg.shuffle, cfg.shuffle_buffer,
-                                cfg.eval_fraction, cfg.skip_bad_records, self.skips, *share)
-                   for i, src in enumerate(cfg.sources)]
-        self._stream = DocumentStream(cursors, self.seed,
-                                      list(share) if share[1] > 1 else None)
-        self.fingerprint_fields = {
-            "sources": _digest([[c.source.weight, c.source.text_field,
-                                 [s.identity for s in c.all_shards]] for c in cursors]),
-            "tokenizer": getattr(tokenizer, "sha256", None)
-            or _digest([type(tokenizer).__name__, tokenizer.vocab_size]),
-            "seq_len": seq_len,
-            "seed": self.seed,
-            # Per-rank reading shares (documents, n > 1) changed the streams: states saved
-            # when every rank dealt from one global stream are flagged as a mismatch.
-            "packing": _digest([cfg.add_bos, cfg.add_eos, cfg.shuffle, cfg.shuffle_buffer,
-                                cfg.eval_fraction, cfg.sharding]
-                               + (["rank-share/1"] if share[1] > 1 else [])),
-        }
-        self.fingerprint = _digest(self.fingerprint_fields)
-        self._initial_position = {"stream": self._stream.state(), "offset": 0, "blocks": 0}
-        self._position = json.loads(json.dumps(self._initial_position))
+        self._share = (dp_rank, dp_size) if cfg.sharding == "documents" else (0, 1)
+        self._adopt(self._cursors(hub_row_groups=True))
+        if self._share[1] > 1 and dp_rank == 0:
+            for cursor in self._stream.cursors:
+                warning = shared_shard_warning(cursor.source, len(cursor.all_shards), dp_size)
+                if warning:
+                    log.warning("data: %s", warning)
         self.batches_received = 0
         self.documents_tokenized = 0
         self.wait_seconds = 0.0
         self._batches: Iterator | None = None
         self._prefetcher: _Prefetcher | None = None
+
+    def _cursors(self, hub_row_groups: bool) -> list[SourceCursor]:
+        cfg = self.cfg
+        return [SourceCursor(src, i, self.seed, cfg.shuffle, cfg.shuffle_buffer,
+                             cfg.eval_fraction, cfg.skip_bad_records, self.skips, *self._share,
+                             hub_row_groups=hub_row_groups)
+                for i, src in enumerate(cfg.sources)]
+
+    def _adopt(self, cursors: list[SourceCursor]) -> None:
+        """Read from ``cursors`` from the start: the stream, its fingerprint, the position."""
+        share = self._share
+        self._stream = DocumentStream(cursors, self.seed, list(share) if share[1] > 1 else None)
+        self.fingerprint_fields = self._fingerprint_fields(cursors)
+        self.fingerprint = _digest(self.fingerprint_fields)
+        self._initial_position = {"stream": self._stream.state(), "offset": 0, "blocks": 0}
+        self._position = json.loads(json.dumps(self._initial_position))
+
+    def _fingerprint_fields(self, cursors: list[SourceCursor]) -> dict:
+        cfg = self.cfg
+        return {
+            "sources": _digest([[c.source.weight, c.source.text_field,
+                                 [s.identity for s in c.all_shards]] for c in cursors]),
+            "tokenizer": getattr(self.tokenizer, "sha256", None)
+            or _digest([type(self.tokenizer).__name__, self.tokenizer.vocab_size]),
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            # Per-rank reading shares (documents, n > 1) changed the streams: states saved
+            # when every rank dealt from one global stream are flagged as a mismatch.
+            "packing": _digest([cfg.add_bos, cfg.add_eos, cfg.shuffle, cfg.shuffle_buffer,
+                                cfg.eval_fraction, cfg.sharding]
+                               + (["rank-share/1"] if self._share[1] > 1 else [])),
+        }
+
+    def _adopt_file_level_hub_shards(self, state: dict) -> None:
+        """A state saved when Parquet Hub streams were read file by file (before row-group
+        shards) fingerprints file shards: if its sources are this config's sources read by
+        file, read them so again, so that the run continues its own stream (any other
+        difference is then reported as usual)."""
+        saved = state.get("fingerprint_fields")
+        sources = saved.get("sources") if isinstance(saved, dict) else None
+        if sources in (None, self.fingerprint_fields["sources"]) or not any(
+                c.source.hub is not None for c in self._stream.cursors):
+            return
+        legacy = self._cursors(hub_row_groups=False)
+        if self._fingerprint_fields(legacy)["sources"] != sources:
+            return
+        log.warning("data: the saved state reads Hub sources file by file (it was saved before "
+                    "Parquet streams were sharded by row group); resuming it exactly so, where a "
+                    "resume re-streams a file up to its saved record. A new data stream (a run "
+                    "without this state) uses row-group shards")
+        self._adopt(legacy)
 
     # -- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -120,12 +157,16 @@ class TrainLoader:
         A different fingerprint (sources, tokenizer, seq_len, seed, packing options) or, in
         ``documents`` sharding, a different dp_rank/dp_size is an error unless
         ``allow_mismatch=True``, which resumes from the saved position anyway (the stream then
-        is *not* the one the original run would have seen).
+        is *not* the one the original run would have seen). A state saved before Parquet Hub
+        streams were sharded by row group resumes exactly on file shards (with a warning).
         """
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise DataError(f"loader state: unsupported or missing version "
                             f"(got {state.get('version') if isinstance(state, dict) else state!r}"
                             f", expected {STATE_VERSION})")
+        self._stop()  # the producer thread must not touch the stream while we rewind it
+        if state.get("fingerprint") != self.fingerprint:
+            self._adopt_file_level_hub_shards(state)
         problems = []
         if state.get("fingerprint") != self.fingerprint:
             saved = state.get("fingerprint_fields", {})
@@ -148,7 +189,6 @@ class TrainLoader:
                               "anyway")
         for problem in problems:
             log.warning("data: resuming despite mismatch (allow_mismatch=True): %s", problem)
-        self._stop()  # the producer thread must not touch the stream while we rewind it
         try:
             position = state["position"]
             self._stream.load_state(position["stream"])  # validates the shape

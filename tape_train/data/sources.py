@@ -53,7 +53,7 @@ class SourceCursor:
 
     def __init__(self, source: SourceConfig, index: int, seed: int, shuffle: bool,
                  window_size: int, eval_fraction: float, skip_bad: bool, skips: SkipLog,
-                 rank: int = 0, world: int = 1):
+                 rank: int = 0, world: int = 1, hub_row_groups: bool = True):
         self.source = source
         self.index = index
         self.seed = seed
@@ -64,7 +64,8 @@ class SourceCursor:
         self.skips = skips
         self.hub_dataset = None
         if source.hub is not None:
-            self.hub_dataset, self.all_shards = hub_shards(source, min_shards=world)
+            self.hub_dataset, self.all_shards = hub_shards(source, min_shards=world,
+                                                           row_groups=hub_row_groups)
         else:
             self.all_shards = resolve_local_shards(source, split="train")
         self.rank, self.world = rank, world
@@ -164,6 +165,29 @@ def rank_share(num_shards: int, rank: int, world: int) -> tuple[list[int], int, 
         return list(range(rank, num_shards, world)), 1, 0
     shard = rank % num_shards
     return [shard], len(range(shard, world, num_shards)), rank // num_shards
+
+
+def shared_shard_warning(source: SourceConfig, num_shards: int, world: int) -> str | None:
+    """What it costs when ``documents`` sharding gives ranks a shared shard (fewer shards than
+    ranks), and the fix; None when every rank reads whole shards of its own."""
+    if world <= 1 or num_shards >= world:
+        return None
+    k = -(-world // num_shards)  # ranks on the most shared shard (rank 0's)
+    prepared = [p for p in source.paths if (Path(p) / MANIFEST_NAME).is_file()]
+    if prepared:  # re-preparing from its shards would lose its eval split: from the inputs
+        fix = (f"re-run the `tape-data prepare` that wrote {', '.join(prepared)} with "
+               f"--num-shards {world}")
+    elif source.hub is not None:
+        config = f" --hub-config {source.config}" if source.config else ""
+        fix = f"`tape-data prepare --hub {source.hub}{config} --out DIR --num-shards {world}`"
+    else:
+        fix = (f"`tape-data prepare --input {' '.join(source.paths)} --out DIR --num-shards "
+               f"{world}`")
+    return (f"{source.key} ({source.name}): {num_shards} shard(s) for {world} data-parallel "
+            f"ranks: up to {k} ranks share one shard, and each reads all of it every epoch to "
+            f"keep 1/{k} of its records ({k}x the bytes read per document; tokens/s per rank "
+            f"falls as k grows). Fix: {fix} (or more shards), or pre-tokenise it "
+            f"(`--tokenize`, data.format: tokens)")
 
 
 class DocumentStream:

@@ -95,7 +95,7 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
     sources_ok = True
     if check_data and not synthetic:
         before = len(report.problems)
-        _check_sources(cfg, tokenizer, report, limits)
+        _check_sources(cfg, tokenizer, report, limits, grid.dp if grid is not None else None)
         if cfg.data.format == "tokens" and tokenizer is not None \
                 and len(report.problems) == before:
             _check_token_sources(cfg, tokenizer, grid, report)
@@ -185,9 +185,12 @@ def _check_tokenizer(cfg, report: Report):
     return tok
 
 
-def _check_sources(cfg, tokenizer, report: Report, limits: Limits) -> None:
+def _check_sources(cfg, tokenizer, report: Report, limits: Limits, dp: int | None) -> None:
+    """Each source resolves and its first documents read and tokenise; with ``dp`` ranks in
+    text ``documents`` sharding, a source with fewer shards than ranks is a warning."""
     from tape_train.data import DataError
     from tape_train.data.formats import SkipLog, hub_shards, read_documents, resolve_local_shards
+    from tape_train.data.sources import shared_shard_warning
 
     for source in cfg.data.sources:
         key = source.key
@@ -230,10 +233,15 @@ def _check_sources(cfg, tokenizer, report: Report, limits: Limits) -> None:
                 report.problem(f"{key}: no usable documents in {what} (empty file or only "
                                f"blank/skipped records){skipped}")
                 continue
-            more = f" (first {len(checked)} of {len(shards)} files checked)" \
+            unit = "file" if source.hub is None else "shard"
+            more = f" (first {len(checked)} of {len(shards)} {unit}s checked)" \
                 if len(shards) > len(checked) else ""
-            report.info(f"{key}: {source.name}: {len(shards)} file(s){more}, first {docs} "
+            report.info(f"{key}: {source.name}: {len(shards)} {unit}(s){more}, first {docs} "
                         f"document(s) read and tokenised ({tokens} tokens)")
+            if dp is not None and cfg.data.format == "text" and cfg.data.sharding == "documents":
+                shared = shared_shard_warning(source, len(shards), dp)
+                if shared:
+                    report.warn(shared)
             if empty:
                 report.warn(f"{key}: {len(empty)} file(s) without usable documents, e.g. "
                             f"{empty[0]} (skipped during training)")
