@@ -30,10 +30,14 @@ def test_train_overhead_reports_every_variant_like_with_like(tmp_path):
         "plain": "native", "zero1": "native", "zero3": "native"}
 
 
-def test_zero3_on_cpu_keeps_torchs_linear_and_cuda_keeps_deepspeeds_default():
+def test_cpu_zero_settings_and_cuda_keeps_deepspeeds_defaults():
     from tape_train.config import load_run_config
     from tape_train.train.engine import deepspeed_config
 
     cfg = load_run_config(None, ["model=tiny", "parallel.zero_stage=3"])
     assert deepspeed_config(cfg, "cpu")["zero_optimization"]["memory_efficient_linear"] is False
     assert "memory_efficient_linear" not in deepspeed_config(cfg, "cuda")["zero_optimization"]
+    for stage in (1, 2):
+        cfg = load_run_config(None, ["model=tiny", f"parallel.zero_stage={stage}"])
+        assert deepspeed_config(cfg, "cpu")["zero_optimization"]["contiguous_gradients"] is False
+        assert "contiguous_gradients" not in deepspeed_config(cfg, "cuda")["zero_optimization"]
