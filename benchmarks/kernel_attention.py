@@ -19,7 +19,6 @@ ratio (spec §4: RoPE 2U+5U, fused TAPE 4U+9U, three calls 6U+15U). Exits 0 with
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 import torch

@@ -136,8 +136,8 @@ def write_results(exp, table, summaries, out_dir: Path, results_md: Path) -> Non
             lines.append(f"| {pe} | " + " | ".join(cell(cells[(protocol, n)]) for n in lengths)
                          + f" | {cell(growth, 3)} |")
         lines.append("")
-    lines += [f"The last column is the extrapolation in one number: below 1, the model uses "
-              f"the context beyond its training length; above 1, it degrades there.", "",
+    lines += ["The last column is the extrapolation in one number: below 1, the model uses "
+              "the context beyond its training length; above 1, it degrades there.", "",
               f"Held-out text: {ev.get('data_note', 'see the experiment config')}.", ""]
     lines += ["## Training runs", "",
               "Same data order, token budget and schedule for every run; throughput per "

@@ -25,10 +25,8 @@ from typing import Any
 
 import torch
 
-from tape_train.checkpoint_layout import (  # noqa: F401 - part of the loading API
-    CHECKPOINT_DIR, LATEST, MARKER, UNIVERSAL, CheckpointError, checkpoint_root,
-    find_latest_complete, list_tags, read_marker, resolve_checkpoint, step_of_tag, tag_for_step,
-    why_incomplete)
+from tape_train.checkpoint_layout import (MARKER, UNIVERSAL, CheckpointError, read_marker,
+                                          resolve_checkpoint, why_incomplete)
 from tape_train.files import write_atomic
 
 log = logging.getLogger("tape_train.checkpoint")

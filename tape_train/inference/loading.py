@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 
-from tape_train.loading import is_export_dir  # noqa: F401  (kept for callers)
 from tape_train.model import TransformerLM
 
 

@@ -19,7 +19,6 @@ from tape_train.kernels.tape_attention_bwd import (
 )
 from tape_train.kernels.tape_attention_configs import (
     INTERPRETER_CONFIGS,
-    KernelConfig,
     TapeKernelConfigs,
     arch_for_capability,
     autotune_configs,

@@ -45,13 +45,12 @@ import numpy as np
 import torch
 
 from tape_train.checkpoint_layout import (  # noqa: F401 - re-exported
-    CHECKPOINT_DIR, CHECKSUM, LATEST, MARKER, UNIVERSAL, CheckpointError, checkpoint_root,
+    CHECKSUM, LATEST, MARKER, UNIVERSAL, CheckpointError, checkpoint_root,
     checksum_bytes, file_checksum, find_latest_complete, find_newest, list_tags, rank_state_name,
     read_marker, resolve_checkpoint, step_of_tag, tag_for_step, verify_files, why_incomplete)
 from tape_train.files import describe_os_error, free_bytes, human_bytes, is_disk_full, write_atomic
 from tape_train.loading import (ensure_universal,  # noqa: F401 - re-exported
-                                load_model_from_checkpoint, read_universal_weights,
-                                saved_layout)
+                                load_model_from_checkpoint, saved_layout)
 from tape_train.train import distributed as tdist
 
 log = logging.getLogger("tape_train.train")
