@@ -252,3 +252,75 @@ def test_prepare_hub_errors_are_one_line_and_leave_nothing_complete(tmp_path, pa
     assert "--hub: reading hub:parquet/default/train" in error(
         "--hub", "parquet", "--data-files", files, "--out", broken)
     assert read_complete_manifest(broken) is None and not list(Path(broken).iterdir())
+
+
+class _FakeApt:
+    """apt as ``demo_corpus`` calls it, over a fake archive that serves ``archive`` versions.
+    The machine's lists (no ``Dir::State::Lists`` option) are stale: ``system`` versions."""
+
+    def __init__(self, system: dict[str, str], archive: dict[str, str], update_ok: bool = True):
+        self.system, self.archive, self.update_ok = system, archive, update_ok
+        self.commands: list[list[str]] = []
+
+    def __call__(self, cmd, cwd=None):
+        self.commands.append(cmd)
+        private = any(arg.startswith("Dir::State::Lists=") for arg in cmd)
+        lists = self.archive if private else self.system
+        if cmd[0] == "apt-cache":
+            names = cmd[cmd.index("--no-all-versions") + 1:]
+            out = "\n\n".join(f"Package: {n}\nVersion: {lists[n]}" for n in names if n in lists)
+            return subprocess.CompletedProcess(cmd, 0, out, "")
+        if cmd[-1] == "update":
+            if not self.update_ok:
+                return subprocess.CompletedProcess(cmd, 100, "", "E: offline")
+            lists_dir = next(a.split("=", 1)[1] for a in cmd if a.startswith("Dir::State::Lists="))
+            (Path(lists_dir) / "archive_main_binary-amd64_Packages").write_text("")
+            return subprocess.CompletedProcess(cmd, 0, "", "")
+        names = cmd[cmd.index("download") + 1:]
+        if any(lists.get(n) != self.archive.get(n) for n in names):
+            return subprocess.CompletedProcess(cmd, 100, "", "E: 404  Not Found")
+        for name in names:
+            (Path(cwd) / f"{name}_{lists[name].replace(':', '%3a')}_all.deb").write_bytes(b"")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+
+def test_demo_packages_refresh_stale_lists_privately(tmp_path, monkeypatch):
+    from tape_train.data import demo_corpus
+
+    archive = {name: "2.0-new" for name in demo_corpus.FIXED_PACKAGES}
+    archive["python3.11-doc"] = "3.11.2-6+deb12u9"
+    system = {**archive, "perl-doc": "1.0-old"}       # a point release replaced perl-doc
+    del system["fortunes"]                            # and the lists lack one package
+    apt = _FakeApt(system, archive)
+    monkeypatch.setattr(demo_corpus, "_run", apt)
+    debs = demo_corpus.fetch_demo_packages(tmp_path)
+    assert {name: version for name, (_, version) in debs.items()} == archive
+    updates = [cmd for cmd in apt.commands if cmd[-1] == "update"]
+    assert len(updates) == 1
+    assert f"Dir::State::Lists={tmp_path / 'apt-lists'}" in updates[0]  # never the system's
+    # Packages the machine's lists gave are not downloaded again with the fresh lists.
+    fresh_downloads = [n for cmd in apt.commands if "download" in cmd
+                       and any("Dir::State::Lists" in a for a in cmd)
+                       for n in cmd[cmd.index("download") + 1:]]
+    assert sorted(fresh_downloads) == ["fortunes", "perl-doc"]
+    # Second run: the fresh lists are used first; all cached, nothing downloaded, no update.
+    apt.commands.clear()
+    assert demo_corpus.fetch_demo_packages(tmp_path).keys() == debs.keys()
+    assert not [cmd for cmd in apt.commands if cmd[0] == "apt-get"]
+
+
+def test_demo_packages_offline_skips_what_it_cannot_get(tmp_path, monkeypatch, caplog):
+    from tape_train.data import demo_corpus
+    from tape_train.data.config import DataError
+
+    archive = {name: "2.0-new" for name in demo_corpus.FIXED_PACKAGES}
+    system = {**archive, "perl-doc": "1.0-old"}
+    monkeypatch.setattr(demo_corpus, "_run", _FakeApt(system, archive, update_ok=False))
+    with caplog.at_level("WARNING", logger="tape_train.data"):
+        debs = demo_corpus.fetch_demo_packages(tmp_path)
+    assert "perl-doc" not in debs and "fortunes" in debs
+    assert "package perl-doc could not be downloaded" in caplog.text
+    assert "apt-get update failed" in caplog.text
+    monkeypatch.setattr(demo_corpus, "_run", _FakeApt({}, archive, update_ok=False))
+    with pytest.raises(DataError, match="none of the demo packages"):
+        demo_corpus.fetch_demo_packages(tmp_path / "empty")

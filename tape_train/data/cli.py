@@ -174,9 +174,7 @@ def _prepare(args: argparse.Namespace) -> int:
     if args.demo:
         from tape_train.data import demo_corpus
 
-        demo_corpus.require_apt()
-        debs = demo_corpus.download_packages(demo_corpus.demo_packages(),
-                                             args.cache_dir or _default_cache_dir())
+        debs = demo_corpus.fetch_demo_packages(args.cache_dir or _default_cache_dir())
         documents = demo_corpus.iter_demo_documents(debs)
         extra = {"packages": {name: version for name, (_, version) in debs.items()}}
     elif hub is not None:

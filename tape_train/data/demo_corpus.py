@@ -1,7 +1,8 @@
 """The demo corpus: real English prose and documentation from Debian packages.
 
 Packages are fetched with ``apt-get download`` into a cache directory and unpacked with
-``dpkg-deb -x`` into a temporary directory — nothing is installed system-wide. Each package
+``dpkg-deb -x`` into a temporary directory — nothing is installed system-wide; stale or missing
+package lists are refreshed into the cache directory, never the system's. Each package
 has an extractor that turns its files into documents:
 
 =====================  ==============================================  ======================
@@ -52,10 +53,18 @@ def require_apt() -> None:
 _PYTHON_DOC_CANDIDATES = tuple(f"python3.{minor}-doc" for minor in range(8, 21))
 
 
-def available_versions(names: list[str]) -> dict[str, str]:
+def _private_lists_options(lists_dir: Path) -> list[str]:
+    """apt options that read (and ``apt-get update`` writes) package lists in ``lists_dir``
+    instead of the system's: no root needed, the system's lists are left alone. The binary
+    caches are switched off so apt builds them in memory from those lists."""
+    return ["-o", f"Dir::State::Lists={lists_dir}", "-o", "Dir::Cache::pkgcache=",
+            "-o", "Dir::Cache::srcpkgcache=", "-o", "Debug::NoLocking=1"]
+
+
+def available_versions(names: list[str], apt_options: list[str]) -> dict[str, str]:
     """``{package: candidate version}`` for the names apt knows, in ONE ``apt-cache`` call
     (each call re-reads the package lists, seconds on a loaded machine)."""
-    out = _run(["apt-cache", "show", "--no-all-versions", *names])
+    out = _run(["apt-cache", *apt_options, "show", "--no-all-versions", *names])
     found: dict[str, str] = {}
     for stanza in out.stdout.split("\n\n"):
         package = re.search(r"^Package: (\S+)", stanza, re.M)
@@ -65,31 +74,21 @@ def available_versions(names: list[str]) -> dict[str, str]:
     return found
 
 
-def demo_packages() -> dict[str, str]:
-    """The demo packages apt can fetch, ``{name: version}``: the newest python3.N-doc and
-    every package of FIXED_PACKAGES; missing ones are skipped with a warning."""
-    found = available_versions([*_PYTHON_DOC_CANDIDATES, *FIXED_PACKAGES])
+def demo_packages(apt_options: list[str]) -> dict[str, str]:
+    """The demo packages apt knows, ``{name: version}``: the newest python3.N-doc and every
+    package of FIXED_PACKAGES that the lists have."""
+    found = available_versions([*_PYTHON_DOC_CANDIDATES, *FIXED_PACKAGES], apt_options)
     python_docs = [n for n in _PYTHON_DOC_CANDIDATES if n in found]
-    chosen = {}
-    if python_docs:
-        chosen[python_docs[-1]] = found[python_docs[-1]]
-    else:
-        log.warning("prepare: no python3.N-doc package in the apt archive; skipping it")
-    for name in FIXED_PACKAGES:
-        if name in found:
-            chosen[name] = found[name]
-        else:
-            log.warning("prepare: package %s is not in the apt archive; skipping it", name)
-    if not chosen:
-        raise DataError(f"prepare --demo: none of the demo packages (python3.N-doc, "
-                        f"{', '.join(FIXED_PACKAGES)}) is available from apt; run "
-                        f"`apt-get update` first (needs network to Debian's archive)")
+    chosen = {python_docs[-1]: found[python_docs[-1]]} if python_docs else {}
+    chosen.update((name, found[name]) for name in FIXED_PACKAGES if name in found)
     return chosen
 
 
-def download_packages(available: dict[str, str], cache_dir: Path) -> dict[str, tuple[Path, str]]:
-    """``{name: (.deb path, version)}`` for the packages that could be downloaded; others are
-    skipped with a warning. Cached ``.deb`` files of the right version are reused."""
+def download_packages(wanted: dict[str, str], cache_dir: Path,
+                      apt_options: list[str]) -> dict[str, tuple[Path, str]]:
+    """``{name: (.deb path, version)}`` for the packages of ``wanted`` that are cached or
+    could be downloaded now; the others are left out. Cached ``.deb`` files of the right
+    version are reused."""
     cache_dir.mkdir(parents=True, exist_ok=True)
 
     def cached(name: str, version: str) -> Path | None:
@@ -98,26 +97,60 @@ def download_packages(available: dict[str, str], cache_dir: Path) -> dict[str, t
         hits = sorted(cache_dir.glob(f"{name}_{quoted}_*.deb"))
         return hits[0] if hits else None
 
-    missing = [n for n, v in available.items() if cached(n, v) is None]
+    missing = [n for n, v in wanted.items() if cached(n, v) is None]
     if missing:
         log.info("prepare: apt-get download %s (into %s)", " ".join(missing), cache_dir)
-        out = _run(["apt-get", "download", *missing], cwd=cache_dir)
+        out = _run(["apt-get", *apt_options, "download", *missing], cwd=cache_dir)
         if out.returncode != 0:
-            log.warning("prepare: apt-get download failed (%s); trying packages one by one",
-                        out.stderr.strip().splitlines()[-1:] or out.returncode)
+            log.info("prepare: apt-get download failed (%s); trying packages one by one",
+                     out.stderr.strip().splitlines()[-1:] or out.returncode)
             for name in missing:
-                one = _run(["apt-get", "download", name], cwd=cache_dir)
+                one = _run(["apt-get", *apt_options, "download", name], cwd=cache_dir)
                 if one.returncode != 0:
-                    log.warning("prepare: cannot download %s: %s; skipping it", name,
-                                one.stderr.strip()[-300:])
-    result = {}
-    for name, version in available.items():
-        deb = cached(name, version)
-        if deb is not None:
-            result[name] = (deb, version)
-    if not result:
-        raise DataError("prepare --demo: no demo package could be downloaded")
-    return result
+                    log.info("prepare: cannot download %s: %s", name, one.stderr.strip()[-300:])
+    found = {name: cached(name, version) for name, version in wanted.items()}
+    return {name: (deb, wanted[name]) for name, deb in found.items() if deb is not None}
+
+
+def fetch_demo_packages(cache_dir: Path) -> dict[str, tuple[Path, str]]:
+    """Download the demo packages into ``cache_dir``: ``{name: (.deb path, version)}``.
+
+    The machine's package lists are tried first (or those an earlier run fetched). Where they
+    lack a demo package, or name a version the archive no longer serves (lists older than the
+    archive's last point release: ``apt-get download`` gets a 404), the lists are fetched
+    afresh into ``cache_dir/apt-lists`` (``apt-get update`` with private options: no root
+    needed, the machine's lists untouched) and the rest is downloaded with those. Packages still missing then are skipped with a warning;
+    none at all is an error."""
+    require_apt()
+    lists_dir = cache_dir / "apt-lists"
+    private = _private_lists_options(lists_dir)
+    # Lists fetched by an earlier run are at least as new as the machine's were then.
+    first = private if any(lists_dir.glob("*Packages*")) else []
+    debs = download_packages(demo_packages(first), cache_dir, first)
+    has_python_doc = any(name in debs for name in _PYTHON_DOC_CANDIDATES)
+    if not has_python_doc or any(name not in debs for name in FIXED_PACKAGES):
+        (lists_dir / "partial").mkdir(parents=True, exist_ok=True)
+        log.info("prepare: the package lists could not give %s; fetching them afresh into %s",
+                 ", ".join(sorted(set(FIXED_PACKAGES) - set(debs))) or "a python3.N-doc",
+                 lists_dir)
+        update = _run(["apt-get", *private, "update"])
+        if update.returncode != 0:
+            log.warning("prepare: apt-get update failed: %s", update.stderr.strip()[-300:])
+        else:
+            fresh = {name: version for name, version in demo_packages(private).items()
+                     if name not in debs
+                     and not (has_python_doc and name in _PYTHON_DOC_CANDIDATES)}
+            debs.update(download_packages(fresh, cache_dir, private))
+    if not debs:
+        raise DataError(f"prepare --demo: none of the demo packages (python3.N-doc, "
+                        f"{', '.join(FIXED_PACKAGES)}) could be downloaded with apt-get; it "
+                        f"needs network access to Debian's or Ubuntu's archive")
+    if not any(name in debs for name in _PYTHON_DOC_CANDIDATES):
+        log.warning("prepare: no python3.N-doc package could be downloaded; skipping it")
+    for name in FIXED_PACKAGES:
+        if name not in debs:
+            log.warning("prepare: package %s could not be downloaded; skipping it", name)
+    return debs
 
 
 def _decode(data: bytes) -> str:
