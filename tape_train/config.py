@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import yaml
 
-from tape_train.hints import did_you_mean
+from tape_train.hints import did_you_mean, read_yaml
 from tape_train.model.config import ModelConfig, load_model_config
 from tape_train.resources import named_file, resource_dir
 
@@ -354,12 +354,9 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
             shipped = ", ".join(sorted(p.stem for p in resource_dir("configs/train").glob("*.yaml")))
             raise ConfigError(f"config file {path} does not exist (shipped configs, usable by "
                               f"name: {shipped})")
-        text = path.read_text()
-        try:
-            data = yaml.safe_load(text) or {}
-            lines = _key_lines(yaml.compose(text))
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        text, data = read_yaml(path, ConfigError)
+        data = data or {}
+        lines = _key_lines(yaml.compose(text))
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections")
     for item in overrides:

@@ -28,6 +28,41 @@ def unknown_keys(unknown: Iterable, known: Iterable, prefix: str = "") -> str:
     return ", ".join(f"'{prefix}{key}'{did_you_mean(key, known, prefix)}" for key in unknown)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (PyYAML keeps the
+    last silently: a second ``train:`` section would drop the first without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: the base class reports it
+                break
+            if first != key_node.start_mark.line + 1:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (first on line {first})",
+                    key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path: Path, error: type[Exception]) -> tuple[str, object]:
+    """``(text, data)`` of a YAML file; an unreadable or non-UTF-8 file, invalid YAML or a
+    key given twice raise ``error`` naming the file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not a UTF-8 text file (byte {exc.start}: "
+                    f"{exc.object[exc.start:exc.start + 1]!r})") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        return text, yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        raise error(f"{path}: not valid YAML: {exc}") from None
+
+
 def read_named_yaml(name_or_path: str, directory: Path, kind: str,
                     error: type[Exception], missing: type[Exception] | None = None
                     ) -> tuple[Path, dict]:
@@ -43,10 +78,7 @@ def read_named_yaml(name_or_path: str, directory: Path, kind: str,
         names = sorted(p.stem for p in directory.glob("*.yaml"))
         raise (missing or error)(f"{kind} config {name_or_path!r} not found (looked for {path}); named "
                     f"{kind} configs: {', '.join(names)}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise error(f"{path}: not valid YAML: {exc}") from None
+    data = read_yaml(path, error)[1] or {}
     if not isinstance(data, dict):
         raise error(f"{path}: expected a mapping of keys, got {type(data).__name__}")
     return path, data

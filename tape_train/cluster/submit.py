@@ -169,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
             eval_out = Path(args.eval_out) if args.eval_out else run_dir / "eval"
             eval_args = ["--checkpoint", str(run_dir), "--out", str(workdir / eval_out)]
             if args.eval_lengths:
+                from tape_train.eval.config import EvalConfig
+
+                try:  # tape-eval's own rules, checked now rather than after the training job
+                    EvalConfig(lengths=args.eval_lengths)
+                except ValueError as exc:
+                    raise ValueError(f"--eval-lengths: {exc}") from None
                 eval_args += ["--lengths", *map(str, args.eval_lengths)]
             eval_args += args.eval_arg
             eval_path = template_dir / "eval.sbatch"

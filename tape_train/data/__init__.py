@@ -24,6 +24,7 @@ _EXPORTS = {
     "Tokenizer": "tape_train.data.tokenizer",
     "TokenizerError": "tape_train.data.tokenizer",
     "load_tokenizer": "tape_train.data.tokenizer",
+    "load_model_tokenizer": "tape_train.data.tokenizer",
 }
 
 __all__ = sorted(_EXPORTS)

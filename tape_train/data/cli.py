@@ -247,6 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as exc:
         print(f"tape-data: error: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # e.g. --out names an existing file, a full disk, no permission
+        from tape_train.files import describe_os_error
+
+        print(f"tape-data: error: {describe_os_error(exc, exc.filename or getattr(args, 'out', ''))}",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -99,6 +99,16 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     return Tokenizer(processor, path, hashlib.sha256(blob).hexdigest())
 
 
+def load_model_tokenizer(path: str | os.PathLike, vocab_size: int) -> Tokenizer:
+    """``load_tokenizer`` for a model with ``vocab_size`` embeddings: a tokenizer with more
+    pieces (ids the embedding cannot index) is a ``TokenizerError``."""
+    tokenizer = load_tokenizer(path)
+    if tokenizer.vocab_size > vocab_size:
+        raise TokenizerError(f"tokenizer {path} has {tokenizer.vocab_size} tokens but the "
+                             f"model's vocabulary is {vocab_size}: wrong tokenizer?")
+    return tokenizer
+
+
 @dataclass
 class TokenizerTrainSpec:
     """Options of ``train_tokenizer`` (also the keys of ``tokenizer/*.yaml`` specs)."""

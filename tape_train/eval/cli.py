@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sentencepiece model (default: the data config's tokenizer)")
     p.add_argument("--out", default="eval_results", metavar="DIR",
                    help="output directory (default: %(default)s)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto, cpu or cuda (default: auto)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
                    help="evaluation dtype of the weights (default: auto: bf16 where the device "
                         "has fast native bf16, else fp32; tape_train.precision)")
@@ -89,6 +90,9 @@ def _init_distributed(device_arg: str):
         device_arg = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(f"cuda:{local_rank}" if device_arg == "cuda" else device_arg)
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device here (torch.cuda.is_available() is "
+                             "False); use --device cpu or auto")
         torch.cuda.set_device(device)
     if world == 1:
         return 0, 1, device, None
@@ -137,13 +141,10 @@ def _documents(args, meta: dict, longest: int, model_cfg):
         docs = synthetic_eval_documents(model_cfg.vocab_size, 4, 2 * longest + 1,
                                         int(train.get("seed", 0)))
         return docs, "synthetic random tokens (the run trained on synthetic data)"
-    from tape_train.data import iter_eval_documents, load_tokenizer
+    from tape_train.data import iter_eval_documents, load_model_tokenizer
 
     data_cfg, desc = _data_config(args.data, config, args.tokenizer)
-    tokenizer = load_tokenizer(data_cfg.tokenizer)
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ValueError(f"tokenizer {data_cfg.tokenizer} has {tokenizer.vocab_size} tokens but "
-                         f"the model's vocabulary is {model_cfg.vocab_size}: wrong tokenizer?")
+    tokenizer = load_model_tokenizer(data_cfg.tokenizer, model_cfg.vocab_size)
     return iter_eval_documents(data_cfg, tokenizer), desc
 
 
@@ -167,6 +168,11 @@ def run(args) -> int:
         raise ValueError(f"--label got {len(args.label)} name(s) for {len(args.checkpoint)} "
                          f"checkpoint(s): give one per checkpoint, in the same order")
     max_tokens = _parse_max_tokens(args.max_tokens)
+    existing = Path(args.out)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():  # found now, not after evaluating every checkpoint
+        raise ValueError(f"--out {args.out}: {existing} exists and is not a directory")
     # Validates lengths, stride, batch size with the same messages as the run config.
     settings = EvalConfig(lengths=args.lengths, protocols=args.protocols,
                           sliding_stride=args.stride, max_tokens=max_tokens,

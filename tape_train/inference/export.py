@@ -35,19 +35,33 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from tape_train.data import TokenizerError, load_model_tokenizer, load_tokenizer
     from tape_train.inference.hf_export import save_hf, write_tokenizer_files
     from tape_train.loading import CheckpointError, load_model_from_checkpoint
-    from tape_train.model.pretrained import save_pretrained
+    from tape_train.model.pretrained import check_export_target, save_pretrained
 
-    try:
+    try:  # what can be checked before the (possibly long) consolidation
+        check_export_target(args.out)
+        if args.tokenizer:
+            load_tokenizer(args.tokenizer)
         cfg, state, meta = load_model_from_checkpoint(args.checkpoint)
-    except (CheckpointError, FileNotFoundError) as exc:
-        print(f"tape-export: {exc}", file=sys.stderr)
+    except (CheckpointError, FileNotFoundError, FileExistsError, TokenizerError) as exc:
+        print(f"tape-export: {'--tokenizer: ' if isinstance(exc, TokenizerError) else ''}{exc}",
+              file=sys.stderr)
         return 2
     tokenizer = args.tokenizer or (meta.get("config") or {}).get("data", {}).get("tokenizer")
-    if tokenizer and not Path(tokenizer).is_file():
-        log.warning("tokenizer %s not found; exporting without it", tokenizer)
+    if tokenizer and not args.tokenizer and not Path(tokenizer).is_file():
+        # The run's own tokenizer may live elsewhere by now; one asked for by name may not.
+        log.warning("tokenizer %s not found; exporting without it (bundle one with "
+                    "--tokenizer)", tokenizer)
         tokenizer = None
+    if tokenizer:
+        try:
+            load_model_tokenizer(tokenizer, cfg.vocab_size)
+        except ValueError as exc:
+            print(f"tape-export: --tokenizer: {exc}" if args.tokenizer else
+                  f"tape-export: {exc} (bundle another with --tokenizer)", file=sys.stderr)
+            return 2
     provenance = {"source": str(Path(args.checkpoint).resolve()), "step": meta.get("step"),
                   "tokens_seen": meta.get("tokens_seen"), "code_version": meta.get("code_version")}
     dtype_name = args.dtype

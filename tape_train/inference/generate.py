@@ -10,8 +10,8 @@ class StreamPrinter:
     """Prints the decoded continuation as it grows (sentencepiece joins pieces with spaces
     that only the full decode gets right, so decode the whole suffix and print the delta)."""
 
-    def __init__(self, tokenizer, out=sys.stdout) -> None:
-        self.tokenizer, self.out = tokenizer, out
+    def __init__(self, tokenizer, out=None) -> None:
+        self.tokenizer, self.out = tokenizer, out or sys.stdout  # stdout as it is now
         self.ids: list[int] = []
         self.printed = ""
 
@@ -42,8 +42,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from tape_train.data import load_tokenizer
+    from tape_train.data import TokenizerError, load_model_tokenizer
     from tape_train.inference.loading import load_for_inference
+    from tape_train.model.generate import check_sampling
+
+    try:
+        check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                       name=lambda key: "--" + key.replace("_", "-"))
+    except ValueError as exc:
+        parser.error(str(exc))
     from tape_train.precision import resolve_dtype
 
     precision = resolve_dtype(args.dtype, "cpu")
@@ -58,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     if tok_path is None:
         print("tape-generate: no tokenizer bundled with the model; pass --tokenizer", file=sys.stderr)
         return 2
-    tokenizer = load_tokenizer(tok_path)
+    try:
+        tokenizer = load_model_tokenizer(tok_path, model.cfg.vocab_size)
+    except TokenizerError as exc:
+        print(f"tape-generate: {exc}", file=sys.stderr)
+        return 2
     ids = torch.tensor([[tokenizer.bos_id, *tokenizer.encode(args.prompt)]])
     sys.stdout.write(args.prompt)
     model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -82,12 +82,9 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Pat
         config = _tape_config(cfg)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     if tokenizer is not None:
-        from tape_train.data.tokenizer import load_tokenizer
+        from tape_train.data.tokenizer import load_model_tokenizer
 
-        vocab = load_tokenizer(tokenizer).vocab_size
-        if vocab > cfg.vocab_size:
-            raise ValueError(f"tokenizer {tokenizer} has {vocab} pieces but the model only "
-                             f"{cfg.vocab_size} embeddings")
+        load_model_tokenizer(tokenizer, cfg.vocab_size)
 
     def write(tmp: Path) -> None:
         save_weights(cast_state(weights, dtype), tmp / WEIGHTS)

@@ -104,11 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pe", nargs="*", default=["tape", "rope"], choices=POSITIONAL_ENCODINGS)
     parser.add_argument("--seq-len", type=int, nargs="*", default=[1024])
     args = parser.parse_args(argv)
+    bad = [n for n in args.seq_len if n < 1]
+    if bad:
+        parser.error(f"--seq-len must be positive integers, got {bad[0]}")
     for size in args.sizes:
         for seq_len in args.seq_len:
             flops = {}
             for pe in args.pe:
-                cfg = load_model_config(size, pe=pe)
+                try:
+                    cfg = load_model_config(size, pe=pe)
+                except (ValueError, FileNotFoundError) as exc:
+                    parser.exit(1, f"tape-model info: error: {exc}\n")
                 flops[pe] = training_flops_per_token(cfg, seq_len)
                 print(describe(cfg, seq_len))
             if "tape" in flops and "rope" in flops:

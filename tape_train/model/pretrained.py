@@ -56,9 +56,27 @@ def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
     os.chmod(path, umask_mode())
 
 
-def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp)`` on a fresh sibling directory, then rename it to ``out_dir``."""
+def check_export_target(out_dir: str | os.PathLike) -> None:
+    """Raise ``FileExistsError`` unless ``out_dir`` may be replaced by an export: it is absent,
+    an empty directory, or an earlier export (it holds ``export.json``). Anything else would
+    be deleted by the replacement."""
     out_dir = Path(out_dir)
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return
+    if not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a directory; choose another --out")
+    if (out_dir / PROVENANCE).is_file() or not any(out_dir.iterdir()):
+        return
+    raise FileExistsError(f"{out_dir} is a non-empty directory that is not an export (no "
+                          f"{PROVENANCE}); an export replaces its directory, so choose an "
+                          f"empty or new --out")
+
+
+def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
+    """Call ``write(tmp)`` on a fresh sibling directory, then rename it to ``out_dir``
+    (which ``check_export_target`` must allow: an earlier export is replaced)."""
+    out_dir = Path(out_dir)
+    check_export_target(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()  # mode 0777 & ~umask, like any directory the user creates

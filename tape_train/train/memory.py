@@ -36,6 +36,7 @@ against real runs in docs/training.md ("Preflight"): ``benchmarks/memory_estimat
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -138,6 +139,9 @@ def trace_activations(model_cfg, micro_batch: int, seq_len: int, dtype, tp: int 
 
     from tape_train.model import TransformerLM
 
+    # The core below stands in for every backend; `auto` keeps an explicit one (triton,
+    # flash) from refusing the meta device.
+    model_cfg = dataclasses.replace(model_cfg, attn_backend="auto")
     with torch.device("meta"):
         model = TransformerLM(model_cfg).to(dtype)
     if not model_cfg.encoding.dense_bias:  # dense-bias encodings keep SDPA with an N×N bias

@@ -85,6 +85,7 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
     per node, else the whole world on this machine)."""
     report = Report()
     grid = _check_grid(cfg, world_size, report)
+    _check_attention_backend(cfg, _target_device(cfg, gpus_per_node), report)
     lengths_ok = _check_lengths(cfg, report)
     synthetic = cfg.train.synthetic_data
     tokenizer = None
@@ -125,6 +126,26 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
 # ------------------------------------------------------------------------------------------------
 # Config-level checks
 # ------------------------------------------------------------------------------------------------
+
+
+def _check_attention_backend(cfg, device_type: str, report: Report) -> None:
+    """An explicit ``model.attn_backend`` that cannot run for this encoding or on the target
+    device (the model would raise at its first forward, after DeepSpeed start-up)."""
+    backend, spec = cfg.model.attn_backend, cfg.model.encoding
+    key = f"model.attn_backend={backend}"
+    if backend == "flash" and not spec.flash_ok:
+        report.problem(f"{key} does not support pe={cfg.model.pe} (a dense logit bias or a "
+                       f"value wider than the head); use sdpa or auto")
+    elif backend == "blocked" and spec.dense_bias:
+        report.problem(f"{key} has no dense logit bias; pe={cfg.model.pe} needs sdpa, eager "
+                       f"or auto")
+    elif backend in ("flash", "triton") and device_type != "cuda" \
+            and not (backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
+        report.problem(f"{key} needs a CUDA device, and this run trains on {device_type} "
+                       f"(train.device={cfg.train.device}); use auto")
+    elif backend == "flash" and cfg.train.dtype == "fp32":
+        report.problem(f"{key} needs fp16/bf16 and train.dtype is fp32; use bf16, or "
+                       f"attn_backend=auto")
 
 
 def _check_grid(cfg, world_size: int, report: Report):

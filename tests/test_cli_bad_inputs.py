@@ -1,0 +1,166 @@
+"""Bad input through the real entry points: one clear line naming the culprit, an exit code,
+no traceback, and nothing of the user's lost. Each case has a positive control."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_eval_reports_cli import make_checkpoint
+from tape_train.config import ConfigError, load_run_config
+from tape_train.data.testing import train_small_tokenizer
+
+
+def _base_yaml(tmp_path, extra=""):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: tiny\ntrain:\n  seq_len: 16\n" + extra)
+    return path
+
+
+def test_config_file_with_a_repeated_section_or_binary_bytes_is_refused(tmp_path):
+    path = _base_yaml(tmp_path, "train:\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"run.yaml: .*key 'train' given twice \(first on line 2\)"):
+        load_run_config(path)
+    path.write_bytes(b"\xffmodel: tiny\n")
+    with pytest.raises(ConfigError, match=r"run.yaml: not a UTF-8 text file \(byte 0"):
+        load_run_config(path)
+    assert load_run_config(_base_yaml(tmp_path)).train.seq_len == 16
+
+
+def test_tape_model_info_errors_are_one_line(tmp_path, capsys):
+    from tape_train.model.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["info", "no-such-size"])
+    assert exc.value.code == 1
+    assert "tape-model info: error: model config 'no-such-size' not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["info", "tiny", "--seq-len", "0"])
+    assert exc.value.code == 2 and "--seq-len must be positive" in capsys.readouterr().err
+    assert main(["info", "tiny", "--pe", "tape", "--seq-len", "64"]) == 0
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.attn_backend=triton", "model.attn_backend=triton needs a CUDA device"),
+    ("model.attn_backend=flash", "model.attn_backend=flash does not support pe=tape"),
+])
+def test_dry_run_refuses_a_backend_that_cannot_run_without_a_traceback(tmp_path, capsys,
+                                                                        override, message):
+    from tape_train.train.cli import main
+
+    path = _base_yaml(tmp_path, f"  run_dir: {tmp_path / 'run'}\n  device: cpu\n"
+                                "  synthetic_data: true\n")
+    assert main(["--config", str(path), "--dry-run", override]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    # Planned for GPU nodes, the fused kernel is fine (the memory trace runs on meta).
+    assert main(["--config", str(path), "--dry-run", "model.attn_backend=triton",
+                 "--nodes", "1", "--gpus-per-node", "8"]) == 0
+
+
+@pytest.fixture(scope="module")
+def run_and_tokenizers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    make_checkpoint(root / "run", "tape", seed=1, vocab_size=512)
+    small = train_small_tokenizer(root / "tok512", vocab_size=512, max_bytes=200_000)
+    large = train_small_tokenizer(root / "tok600", vocab_size=600, max_bytes=200_000)
+    return root, small.path, large.path
+
+
+def test_export_keeps_a_directory_that_is_not_an_export(run_and_tokenizers, tmp_path, capsys):
+    from tape_train.inference.export import main
+
+    run, tok, _ = run_and_tokenizers
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    assert main([str(run / "run"), "--out", str(out), "--tokenizer", tok]) == 2
+    assert "is a non-empty directory that is not an export" in capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "keep me"
+    (tmp_path / "file").write_text("x")
+    assert main([str(run / "run"), "--out", str(tmp_path / "file"), "--hf"]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    # An earlier export is replaced.
+    assert main([str(run / "run"), "--out", str(tmp_path / "exp"), "--tokenizer", tok]) == 0
+    assert main([str(run / "run"), "--out", str(tmp_path / "exp"), "--tokenizer", tok]) == 0
+
+
+def test_export_refuses_a_missing_or_too_large_tokenizer(run_and_tokenizers, tmp_path, capsys):
+    from tape_train.inference.export import main
+
+    run, _, large = run_and_tokenizers
+    assert main([str(run / "run"), "--out", str(tmp_path / "a"), "--tokenizer",
+                 str(tmp_path / "nope.model")]) == 2
+    assert "--tokenizer: tokenizer" in capsys.readouterr().err
+    assert main([str(run / "run"), "--out", str(tmp_path / "b"), "--tokenizer", large]) == 2
+    assert "has 600 tokens but the model's vocabulary is 512" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--top-k", "-2"], "--top-k must be >= 0"),
+])
+def test_generate_refuses_bad_sampling_settings(run_and_tokenizers, capsys, args, message):
+    from tape_train.inference.generate import main
+
+    run, tok, _ = run_and_tokenizers
+    with pytest.raises(SystemExit) as exc:
+        main([str(run / "run"), "--prompt", "x", "--tokenizer", tok, *args])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_generate_names_a_bad_tokenizer(run_and_tokenizers, tmp_path, capsys):
+    from tape_train.inference.generate import main
+
+    run, tok, large = run_and_tokenizers
+    assert main([str(run / "run"), "--prompt", "x", "--tokenizer", str(tmp_path / "no")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main([str(run / "run"), "--prompt", "x", "--tokenizer", large]) == 2
+    assert "has 600 tokens but the model's vocabulary is 512" in capsys.readouterr().err
+    assert main([str(run / "run"), "--prompt", "x", "--tokenizer", tok, "--max-new-tokens",
+                 "2", "--top-p", "1", "--top-k", "0"]) == 0
+
+
+def test_tape_eval_checks_out_and_device_before_evaluating(run_and_tokenizers, tmp_path,
+                                                           capsys):
+    import torch
+
+    from tape_train.eval.cli import main
+
+    run, _, _ = run_and_tokenizers
+    (tmp_path / "file").write_text("x")
+    assert main(["--checkpoint", str(run / "run"), "--out", str(tmp_path / "file" / "o")]) == 1
+    assert "exists and is not a directory" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["--checkpoint", str(run / "run"), "--device", "cuda",
+                     "--out", str(tmp_path / "o")]) == 1
+        assert "--device cuda: no CUDA device here" in capsys.readouterr().err
+
+
+def test_tape_submit_checks_eval_lengths_before_submitting(tmp_path, capsys):
+    from tape_train.cluster.submit import main
+
+    path = _base_yaml(tmp_path)
+    assert main(["--config", str(path), "--dry-run", "--eval-after", "--eval-lengths", "0"]) == 2
+    assert "--eval-lengths: eval.lengths[0] must be a positive integer" in capsys.readouterr().err
+    assert main(["--config", str(path), "--dry-run", "--eval-after", "--eval-lengths", "16",
+                 "32"]) == 0
+
+
+def test_prepare_and_tokenizer_onto_a_file_say_so(tmp_path, capsys):
+    from tape_train.data.cli import main as data_main
+    from tape_train.data.testing import real_text_documents, write_jsonl
+    from tape_train.data.tokenizer_cli import main as tok_main
+
+    write_jsonl(tmp_path / "in.jsonl", real_text_documents(max_documents=4))
+    (tmp_path / "file").write_text("x")
+    assert data_main(["prepare", "--input", str(tmp_path / "in.jsonl"), "--out",
+                      str(tmp_path / "file")]) == 1
+    assert "tape-data: error:" in capsys.readouterr().err
+    assert tok_main(["train", "--input", str(tmp_path / "in.jsonl"), "--vocab-size", "300",
+                     "--out", str(tmp_path / "file" / "tok")]) == 1
+    assert "tape-tokenizer: error:" in capsys.readouterr().err
