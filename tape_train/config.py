@@ -22,6 +22,7 @@ override) and the full dotted key, with a did-you-mean suggestion.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -441,17 +442,14 @@ def _conform(value: Any, hint: Any) -> tuple[bool, Any]:
         return isinstance(value, bool), value
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool), value
-    if hint is float:
-        if isinstance(value, bool):
+    if hint is float:  # no config float means anything when infinite or NaN
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             return False, value
-        if isinstance(value, (int, float)):
-            return True, float(value)
-        if isinstance(value, str):
-            try:
-                return True, float(value)
-            except ValueError:
-                return False, value
-        return False, value
+        try:
+            number = float(value)
+        except ValueError:
+            return False, value
+        return math.isfinite(number), number
     if hint is str:
         return isinstance(value, str), value
     return isinstance(value, hint), value
@@ -467,6 +465,8 @@ def _type_name(hint: Any) -> str:
         return f"a list of {_type_name(args[0])}" if args else "a list"
     if hint is type(None):
         return "null"
+    if hint is float:
+        return "a finite number"
     return getattr(hint, "__name__", str(hint))
 
 

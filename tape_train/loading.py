@@ -120,7 +120,8 @@ def load_model_from_checkpoint(path: str | Path, map_dtype: torch.dtype | None =
         verify: read every file back against its checksum first (``False``: the caller did).
 
     Returns:
-        ``(model_cfg, state_dict, meta)``: the ``ModelConfig`` the run trained, a state dict
+        ``(model_cfg, state_dict, meta)``: the ``ModelConfig`` the run trained (a CUDA-only
+        attention backend replaced by ``auto``: ``ModelConfig.for_any_device``), a state dict
         loadable into ``TransformerLM(model_cfg)``, and the marker (step, tokens_seen, config,
         code_version, ...).
     """
@@ -129,7 +130,7 @@ def load_model_from_checkpoint(path: str | Path, map_dtype: torch.dtype | None =
     tag_dir = resolve_checkpoint(path, verify=verify)
     meta = read_marker(tag_dir)
     model_cfg = ModelConfig.from_dict(dict(meta["config"]["model"]),
-                                      source=f"{tag_dir / MARKER} [model]")
+                                      source=f"{tag_dir / MARKER} [model]").for_any_device()
     if meta.get("zero_stage", 3) >= 1 and saved_layout(meta)["tp"] > 1:
         # zero_to_fp32 cannot merge tensor-parallel shards: go through the universal form.
         state = read_universal_weights(_universal_for_reading(tag_dir))

@@ -55,6 +55,21 @@ def test_dry_run_refuses_a_backend_that_cannot_run_without_a_traceback(tmp_path,
     # Planned for GPU nodes, the fused kernel is fine (the memory trace runs on meta).
     assert main(["--config", str(path), "--dry-run", "model.attn_backend=triton",
                  "--nodes", "1", "--gpus-per-node", "8"]) == 0
+    assert main(["--config", str(path), "--dry-run", "--nodes", "0", "--gpus-per-node",
+                 "8"]) == 1
+    assert "--nodes must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_run_trained_with_the_fused_kernel_evaluates_on_cpu(tmp_path, capsys):
+    """attn_backend=triton was the training machine's choice: tape-eval on a CPU picks its
+    own backend instead of failing at the first forward."""
+    from tape_train.eval.cli import main
+
+    make_checkpoint(tmp_path / "run", "tape", seed=1, attn_backend="triton", num_layers=2)
+    assert main(["--checkpoint", str(tmp_path / "run"), "--lengths", "8", "--max-tokens",
+                 "16", "--dtype", "fp32", "--out", str(tmp_path / "eval"),
+                 "--no-progress"]) == 0
+    assert (tmp_path / "eval" / "eval.json").is_file()
 
 
 @pytest.fixture(scope="module")

@@ -84,11 +84,12 @@ class StateDictEngine:
         torch.save({"module": self.model.state_dict()}, tag_dir / "mp_rank_00_model_states.pt")
 
 
-def make_checkpoint(run_dir, pe, seed, step=5, vocab_size=50, data=None, seq_len=8):
+def make_checkpoint(run_dir, pe, seed, step=5, vocab_size=50, data=None, seq_len=8,
+                    **model_overrides):
     torch.manual_seed(seed)
-    cfg = load_model_config("tiny", num_layers=1, hidden_size=32, num_heads=2,
-                            intermediate_size=64, vocab_size=vocab_size, pe=pe,
-                            tape_position_size=8)
+    cfg = load_model_config("tiny", **{"num_layers": 1, "hidden_size": 32, "num_heads": 2,
+                                       "intermediate_size": 64, "vocab_size": vocab_size,
+                                       "pe": pe, "tape_position_size": 8, **model_overrides})
     model = TransformerLM(cfg)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():

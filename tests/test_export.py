@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from model_utils import small_model, tokens
-from tape_train.model import from_pretrained, save_pretrained
+from tape_train.model import TransformerLM, from_pretrained, save_pretrained
 from tape_train.inference.hf_export import save_hf
 
 
@@ -53,3 +54,21 @@ def test_mismatched_states_are_refused(tmp_path):
     assert not (tmp_path / "bad").exists()
     with pytest.raises(FileNotFoundError, match="not an exported model .missing model.safetensors"):
         from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("backend", ["triton", "flash"])
+def test_a_cuda_only_backend_of_the_training_run_does_not_follow_the_weights(tmp_path, backend):
+    """A run trained with attn_backend=triton/flash on GPUs: its export loads and runs on CPU
+    (the backend becomes auto); a device-neutral choice is kept."""
+    model = small_model("tape", dtype=torch.float32)
+    cfg = dataclasses.replace(model.cfg, attn_backend=backend)
+    as_trained = TransformerLM(cfg)
+    as_trained.load_state_dict(model.state_dict())
+    with pytest.raises((RuntimeError, ValueError), match=f"attn_backend={backend}"):
+        as_trained(tokens())  # what loading the config as it was saved would give on CPU
+    loaded = from_pretrained(save_pretrained(model.state_dict(), cfg, tmp_path / "export"))
+    assert loaded.cfg.attn_backend == "auto"
+    torch.testing.assert_close(loaded(tokens()).logits, model(tokens()).logits)
+    kept = dataclasses.replace(model.cfg, attn_backend="eager")
+    assert from_pretrained(save_pretrained(model.state_dict(), kept,
+                                           tmp_path / "eager")).cfg.attn_backend == "eager"

@@ -14,6 +14,8 @@ from tape_train.resources import resource_dir
 
 POSITIONAL_ENCODINGS = tuple(ENCODINGS)
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "blocked", "flash", "triton")
+# Backends that run only on CUDA (flash also needs flash-attn): a choice for one machine.
+CUDA_ONLY_BACKENDS = ("flash", "triton")
 MODEL_CONFIG_DIR = resource_dir("configs/model")
 
 
@@ -123,6 +125,14 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def for_any_device(self) -> "ModelConfig":
+        """This config for weights leaving the run that trained them (evaluation, export,
+        generation): a CUDA-only ``attn_backend`` becomes ``auto``, which picks it again
+        wherever it can run. Every other field, and a device-neutral backend, is kept."""
+        if self.attn_backend not in CUDA_ONLY_BACKENDS:
+            return self
+        return dataclasses.replace(self, attn_backend="auto")
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "model config") -> "ModelConfig":

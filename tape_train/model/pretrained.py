@@ -142,7 +142,8 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
         if not (path / name).is_file():
             raise FileNotFoundError(f"{path}: not an exported model (missing {name}); "
                                     f"create one with `tape-export <checkpoint> --out {path}`")
-    cfg = ModelConfig.from_dict(json.loads((path / CONFIG).read_text()), source=str(path / CONFIG))
+    cfg = ModelConfig.from_dict(json.loads((path / CONFIG).read_text()),
+                                source=str(path / CONFIG)).for_any_device()
     state = load_file(str(path / WEIGHTS), device=str(device))
     with torch.device(device):
         model = TransformerLM(cfg)

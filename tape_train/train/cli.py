@@ -85,6 +85,11 @@ def dry_run(cfg, args: argparse.Namespace) -> int:
     from tape_train.train.preflight import (DEFAULT_ASSUMED_MFU, format_report,
                                             run_preflight)
 
+    for flag, value, least in (("--nodes", args.nodes, 1),
+                               ("--gpus-per-node", args.gpus_per_node, 0)):
+        if value is not None and value < least:
+            print(f"tape-train: {flag} must be >= {least}, got {value}", file=sys.stderr)
+            return 1
     world = args.world_size
     if world is None and args.nodes is not None and args.gpus_per_node:
         world = args.nodes * args.gpus_per_node
