@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,3 +54,35 @@ def test_mismatched_states_are_refused(tmp_path):
     assert not (tmp_path / "bad").exists()
     with pytest.raises(FileNotFoundError, match="not an exported model .missing model.safetensors"):
         from_pretrained(tmp_path)
+
+
+def test_a_kill_while_replacing_an_export_never_leaves_a_half_deleted_one(tmp_path,
+                                                                          monkeypatch):
+    import shutil
+
+    from tape_train.model import pretrained
+
+    model = small_model("tape", dtype=torch.float32)
+    tokenizer = tmp_path / "tok.model"
+    tokenizer.write_bytes(b"sentencepiece model")
+    out = tmp_path / "export"
+    save_pretrained(model.state_dict(), model.cfg, out, tokenizer=tokenizer,
+                    provenance={"step": 1})
+    complete = sorted(p.name for p in out.iterdir())
+    assert pretrained.TOKENIZER in complete
+    real_rmtree, victim = shutil.rmtree, pretrained.TOKENIZER
+
+    def killed_midway(path, *args, **kwargs):  # deletes the tokenizer, then the process dies
+        if (Path(path) / pretrained.WEIGHTS).is_file() and (Path(path) / victim).is_file():
+            (Path(path) / victim).unlink()
+            raise KeyboardInterrupt
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(pretrained.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        save_pretrained(model.state_dict(), model.cfg, out, tokenizer=tokenizer,
+                        provenance={"step": 2})
+    # The directory that loads is complete: the new export with every file.
+    assert sorted(p.name for p in out.iterdir()) == complete
+    assert json.loads((out / pretrained.PROVENANCE).read_text())["step"] == 2
+    from_pretrained(out)
