@@ -3,7 +3,8 @@ fp32, synthetic data), then the same command again: the re-run must finish the r
 an uninterrupted one, or refuse; nothing partial may be taken for complete.
 
 The kill is injected by wrapping a function of the real code path in the child process
-(``_KILLER``): the process sends itself SIGKILL at that point, so no ``finally`` runs.
+(``_KILLER``): the process sends itself SIGKILL at that point, so no ``finally`` runs. Also
+here: the training corpus changing between two runs of the same command.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _train(run_dir: Path, kill_at: str | None = None) -> subprocess.CompletedProcess:
+def _train(run_dir: Path, kill_at: str | None = None,
+           extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("KILL_AT", None)
     if kill_at:
@@ -52,7 +54,7 @@ def _train(run_dir: Path, kill_at: str | None = None) -> subprocess.CompletedPro
     config = run_dir.parent / "run.yaml"
     config.write_text("model: tiny\n")
     return subprocess.run([sys.executable, "-c", _KILLER, "--config", str(config), *OVERRIDES,
-                           f"train.run_dir={run_dir}"], cwd=REPO, env=env,
+                           f"train.run_dir={run_dir}", *extra], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -86,3 +88,28 @@ def test_kill_during_the_final_evaluation_is_finished_by_the_rerun(tmp_path):
     again = _train(run_dir)
     assert again.returncode == 0 and "run already complete" in again.stderr, again.stderr[-2000:]
     assert _records(run_dir) == expected
+
+
+def test_a_corpus_changed_between_runs_is_refused_on_resume_in_one_line(tmp_path):
+    from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+
+    corpus = write_jsonl(tmp_path / "data" / "train.jsonl", real_text_documents(120))
+    train_small_tokenizer(tmp_path / "data", vocab_size=512, max_bytes=200_000)
+    data = [f"data.sources=[{corpus}]", f"data.tokenizer={tmp_path / 'data' / 'small-bpe.model'}",
+            "model.vocab_size=512", "train.synthetic_data=false", "eval.interval=0",
+            "data.eval_fraction=0.1"]
+    run_dir = tmp_path / "run"
+    first = _train(run_dir, extra=[*data, "train.max_steps=2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    original = corpus.read_bytes()
+    corpus.write_bytes(original + b'{"text": "a document added after the checkpoint"}\n')
+    changed = _train(run_dir, extra=data)
+    assert changed.returncode == 1
+    [line] = [ln for ln in changed.stderr.splitlines() if " ERROR " in ln]
+    assert f"resuming from {run_dir / 'checkpoints' / 'step_00000002'}: cannot resume the data " \
+           f"loader: data fingerprint differs in sources" in line
+    assert "--allow-config-change" in line and "Traceback" not in changed.stderr
+    # Negative control: the corpus as it was resumes.
+    corpus.write_bytes(original)
+    resumed = _train(run_dir, extra=data)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]

@@ -266,8 +266,11 @@ class Trainer:
         self.state = TrainState(**meta["train_state"])
         ckpt.restore_rng_state(rank_state["rng"])
         if rank_state.get("loader") is not None:
-            self.loader.load_state_dict(rank_state["loader"],
-                                        allow_mismatch=self.allow_config_change)
+            try:
+                self.loader.load_state_dict(rank_state["loader"],
+                                            allow_mismatch=self.allow_config_change)
+            except DataError as exc:  # e.g. the corpus changed since the checkpoint
+                raise DataError(f"resuming from {tag_dir}: {exc}") from None
         self._last_saved_step = self.state.step
         log.info("resumed from %s at step %d (%d tokens seen)", tag_dir, self.state.step,
                  self.state.tokens_seen)
