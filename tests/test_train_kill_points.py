@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from test_train_faults import OVERRIDES as FAULTS_OVERRIDES  # tiny model, 4 steps
+
 REPO = Path(__file__).resolve().parents[1]
-OVERRIDES = ["model=tiny", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
-             "model.intermediate_size=128", "model.vocab_size=256",
-             "model.tape_position_size=8", "train.seq_len=32", "train.micro_batch_size=2",
-             "train.lr=1e-3", "train.warmup_steps=0", "train.dtype=fp32", "train.device=cpu",
-             "train.synthetic_data=true", "train.max_steps=4", "checkpoint.interval=2",
-             "parallel.zero_stage=1", "logging.peak_tflops=1.0", "logging.tensorboard=false",
+# The fault tests' tiny 4-step run (checkpoint every 2 steps), on one process with ZeRO-1 and
+# a scheduled evaluation every 2 steps (so one after the last checkpoint).
+OVERRIDES = [*FAULTS_OVERRIDES, "parallel.zero_stage=1", "logging.tensorboard=false",
              "eval.interval=2", "eval.lengths=[32]", "eval.batch_size=2"]
 
 # Runs the trainer's CLI; with KILL_AT=<Trainer method>:<step>, SIGKILLs itself when that
