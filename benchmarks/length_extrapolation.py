@@ -100,10 +100,11 @@ def plot(table, lengths, protocols, train_len, path: Path) -> None:
 
 
 def run_summary(run_dir: Path) -> dict:
-    """Final loss, steps and tokens of one run, from its metrics log."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-               if line.strip()]
-    train_records = [r for r in records if r.get("kind") == "train"]
+    """Final loss, steps and tokens of one run, from its metrics log (``read_metrics``: a line
+    cut by a kill is skipped, a replayed step counted once)."""
+    from tape_train.train.metrics import read_metrics
+
+    train_records = read_metrics(run_dir, "train")
     if not train_records:
         raise SystemExit(f"{run_dir / 'metrics.jsonl'}: no training steps logged")
     return {"loss": statistics.mean(r["loss"] for r in train_records[-20:]),

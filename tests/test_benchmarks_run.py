@@ -113,3 +113,14 @@ def test_cpu_attention_benchmark_runs_every_variant():
     row = next(line for line in out.stdout.splitlines() if line.startswith("float32"))
     ratios = [float(cell.rstrip("x")) for cell in row.split()[3:]]
     assert len(ratios) == 3 and all(r > 0 for r in ratios), row
+
+
+def test_length_extrapolation_summary_reads_a_log_cut_by_a_kill(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import length_extrapolation
+
+    rows = [{"kind": "train", "step": s, "loss": 1.0 / s, "tokens_seen": 10 * s} for s in (1, 2)]
+    log = "".join(json.dumps(r) + "\n" for r in rows) + '{"kind": "train", "step": 3, "lo'
+    (tmp_path / "metrics.jsonl").write_text(log)  # a run killed while logging step 3
+    assert length_extrapolation.run_summary(tmp_path) == {"loss": 0.75, "steps": 2,
+                                                          "tokens": 20}

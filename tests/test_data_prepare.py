@@ -75,6 +75,39 @@ def test_partial_output_is_never_taken_as_complete(tmp_path):
     assert read_complete_manifest(out) is None  # size mismatch
 
 
+def test_a_prepare_killed_before_its_manifest_is_refused_not_read_as_raw_text(tmp_path,
+                                                                               monkeypatch):
+    from tape_train.data import corpus
+    from tape_train.data.config import DataError
+
+    texts = real_text_documents(40)
+    write_jsonl(tmp_path / "in" / "a.jsonl", texts)
+    out = tmp_path / "out"
+
+    def killed(path, *args, **kwargs):  # the shards are in place, the manifest never written
+        raise KeyboardInterrupt
+    monkeypatch.setattr(corpus, "write_atomic", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _prepare_input(tmp_path, texts, out)
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.iterdir())[0] == "eval-00000-of-00001.jsonl.zst"
+    assert not (out / "manifest.json").exists()
+    tok = train_small_tokenizer(tmp_path / "tok", vocab_size=500, max_bytes=200_000)
+    cfg = DataConfig(sources=[str(out)], prefetch=0)
+    with pytest.raises(DataError, match=r"holds shards of `tape-data prepare` \("
+                                        r"eval-00000-of-00001.jsonl.zst, ...\) but no "
+                                        r"manifest.json: the prepare was interrupted"):
+        build_train_loader(cfg, tok, 32, 2)
+    # The re-run the message asks for completes it, and the directory is read as prepared.
+    assert _prepare_input(tmp_path, texts, out) == 0
+    assert next(build_train_loader(cfg, tok, 32, 2))["input_ids"].shape == (2, 32)
+    # Negative control: other files in a directory without a manifest are raw text.
+    (out / "manifest.json").unlink()
+    for shard in out.glob("*.zst"):
+        shard.rename(shard.with_name("part-" + shard.name))
+    assert next(build_train_loader(cfg, tok, 32, 2))["input_ids"].shape == (2, 32)
+
+
 def test_prepare_bad_input_is_an_error(tmp_path, capsys):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.jsonl").write_text('{"text": "ok"}\n{"text": \n')

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,3 +73,35 @@ def test_a_cuda_only_backend_of_the_training_run_does_not_follow_the_weights(tmp
     kept = dataclasses.replace(model.cfg, attn_backend="eager")
     assert from_pretrained(save_pretrained(model.state_dict(), kept,
                                            tmp_path / "eager")).cfg.attn_backend == "eager"
+
+
+def test_a_kill_while_replacing_an_export_never_leaves_a_half_deleted_one(tmp_path,
+                                                                          monkeypatch):
+    import shutil
+
+    from tape_train.model import pretrained
+
+    model = small_model("tape", dtype=torch.float32)
+    tokenizer = tmp_path / "tok.model"
+    tokenizer.write_bytes(b"sentencepiece model")
+    out = tmp_path / "export"
+    save_pretrained(model.state_dict(), model.cfg, out, tokenizer=tokenizer,
+                    provenance={"step": 1})
+    complete = sorted(p.name for p in out.iterdir())
+    assert pretrained.TOKENIZER in complete
+    real_rmtree, victim = shutil.rmtree, pretrained.TOKENIZER
+
+    def killed_midway(path, *args, **kwargs):  # deletes the tokenizer, then the process dies
+        if (Path(path) / pretrained.WEIGHTS).is_file() and (Path(path) / victim).is_file():
+            (Path(path) / victim).unlink()
+            raise KeyboardInterrupt
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(pretrained.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        save_pretrained(model.state_dict(), model.cfg, out, tokenizer=tokenizer,
+                        provenance={"step": 2})
+    # The directory that loads is complete: the new export with every file.
+    assert sorted(p.name for p in out.iterdir()) == complete
+    assert json.loads((out / pretrained.PROVENANCE).read_text())["step"] == 2
+    from_pretrained(out)

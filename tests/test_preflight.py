@@ -229,3 +229,36 @@ def test_dry_run_does_not_import_deepspeed(corpus):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "rank grid: world=4 dp=4" in proc.stdout and "preflight: ok" in proc.stdout
+
+
+def test_disk_check_counts_the_checkpoints_a_resume_already_has(corpus, tmp_path, monkeypatch):
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    from tape_train.config import load_run_config
+    from tape_train.train import preflight
+
+    run_dir = tmp_path / "run"
+    cfg = load_run_config(corpus / "run.yaml", [f"train.run_dir={run_dir}", "checkpoint.keep=2"])
+    one = preflight.checkpoint_bytes(cfg)
+    usage = namedtuple("usage", "total used free")
+    # Room for 1.5 checkpoints: a new run (needs keep + 1 = 3) is refused ...
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage(0, 0, int(1.5 * one)))
+    report = preflight.Report()
+    preflight._check_run_dir(cfg, report)
+    [problem] = report.problems
+    assert "checkpoint.keep=2 (+1 being written)" in problem and "need " in problem
+    # ... a resume whose 2 checkpoints are already on disk needs room for 1 more: it starts.
+    for step in (10, 20):
+        tag = run_dir / "checkpoints" / f"step_{step:08d}"
+        tag.mkdir(parents=True)
+        (tag / "COMPLETE.json").write_text(json.dumps({"step": step, "files": {}}))
+    report = preflight.Report()
+    preflight._check_run_dir(cfg, report)
+    assert not report.problems, report.problems
+    assert any("2 of them already there, need" in line for line in report.lines), report.lines
+    # Negative control: an incomplete tag holds no place.
+    (tag / "COMPLETE.json").unlink()
+    report = preflight.Report()
+    preflight._check_run_dir(cfg, report)
+    assert report.problems and "1 of them already there" in report.problems[0]

@@ -56,6 +56,22 @@ def test_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path, caplog):
         RunLock(tmp_path).acquire()
 
 
+@pytest.mark.parametrize("pid", [os.getppid(), os.getpid()], ids=["other-live", "own-pid"])
+def test_lock_whose_pid_now_belongs_to_another_process_is_taken_over(tmp_path, caplog, pid):
+    from tape_train.train.run_lock import process_start
+
+    # The holder died and its pid was reused: by an unrelated live process, or by this one
+    # (a restarted container under the same host name gets the same small pid).
+    _write_lock(tmp_path, pid=pid, pid_start="an-earlier-boot:12345")
+    with caplog.at_level("WARNING", logger="tape_train.train"):
+        RunLock(tmp_path).acquire().release()
+    assert "now belongs to another process" in caplog.text
+    # Negative control: the process that really holds it (same start) keeps its lock.
+    _write_lock(tmp_path, pid=pid, pid_start=process_start(pid))
+    with pytest.raises(RunLockError, match="in use by another run"):
+        RunLock(tmp_path).acquire()
+
+
 def test_lock_of_a_dead_pid_on_another_host_is_not_taken(tmp_path):
     _write_lock(tmp_path, host="some-other-node", pid=_dead_pid())
     with pytest.raises(RunLockError, match="host some-other-node"):

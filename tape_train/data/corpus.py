@@ -28,7 +28,7 @@ import numpy as np
 
 from tape_train.data.config import DataError
 from tape_train.data.formats import (MANIFEST_FORMAT, MANIFEST_NAME,  # noqa: F401 - re-exported
-                                      read_complete_manifest)
+                                      prepared_shard_name, read_complete_manifest)
 from tape_train.data.sources import is_held_out
 from tape_train.data.tokens import TokenShardWriter
 from tape_train.files import fsync_tree, write_atomic
@@ -42,7 +42,7 @@ class _ShardSet:
         import zstandard
 
         self.split = split
-        self.names = [f"{split}-{i:05d}-of-{n:05d}.jsonl.zst" for i in range(n)]
+        self.names = [prepared_shard_name(split, i, n) for i in range(n)]
         self.files = [open(directory / name, "wb") for name in self.names]
         self.writers = [zstandard.ZstdCompressor(level=3).stream_writer(f) for f in self.files]
         self.documents = [0] * n

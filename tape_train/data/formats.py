@@ -19,6 +19,7 @@ import glob
 import gzip
 import json
 import logging
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +34,13 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst")
 COMPRESSION_SUFFIXES = (".gz", ".zst")
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "tape-data/1"
+# Names of the shards ``tape-data prepare`` writes (train-00003-of-00016.jsonl.zst); a
+# directory holding them but no manifest is a prepare that did not finish.
+PREPARED_SHARD = re.compile(r"(train|eval)-\d{5}-of-\d{5}\.jsonl\.zst")
+
+
+def prepared_shard_name(split: str, index: int, count: int) -> str:
+    return f"{split}-{index:05d}-of-{count:05d}.jsonl.zst"
 
 
 class SkipLog:
@@ -110,6 +118,14 @@ def resolve_local_shards(source: SourceConfig, split: str = "train") -> list[Sha
                 continue
             files = sorted(f for f in p.rglob("*") if f.is_file() and classify(f)
                            and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            unfinished = [f.name for f in files if PREPARED_SHARD.fullmatch(f.name)]
+            if unfinished:
+                raise DataError(
+                    f"{key}: directory {pattern!r} holds shards of `tape-data prepare` "
+                    f"({unfinished[0]}, ...) but no {MANIFEST_NAME}: the prepare was "
+                    f"interrupted (or the manifest deleted), so shards may be missing and its "
+                    f"eval split would be read as training data; re-run the `tape-data "
+                    f"prepare` that writes it")
             if not files:
                 raise DataError(f"{key}: directory {pattern!r} holds no supported files "
                                 f"(.jsonl/.ndjson[.gz|.zst], .parquet, .txt/.md/.rst[.gz|.zst])")

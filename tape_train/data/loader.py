@@ -185,8 +185,8 @@ class TrainLoader:
                             f"use data.sharding=global to resume on another number of ranks")
         if problems and not allow_mismatch:
             raise DataError("cannot resume the data loader: " + "; ".join(problems)
-                            + ". Pass allow_mismatch=True to resume from the saved position "
-                              "anyway")
+                            + ". Pass allow_mismatch=True (tape-train: --allow-config-change) "
+                              "to resume from the saved position anyway")
         for problem in problems:
             log.warning("data: resuming despite mismatch (allow_mismatch=True): %s", problem)
         try:

@@ -178,7 +178,8 @@ class TokenLoader:
                             "tape-train --allow-config-change, as data.sources changes)")
             if not allow_mismatch:
                 raise DataError(f"cannot resume the data loader: {problem}. Pass "
-                                f"allow_mismatch=True to resume from the saved position anyway")
+                                f"allow_mismatch=True (tape-train: --allow-config-change) to "
+                                f"resume from the saved position anyway")
             log.warning("data: resuming despite mismatch (allow_mismatch=True): %s", problem)
         try:
             samples = int(state["position"]["samples"])

@@ -7,8 +7,8 @@ An export directory holds:
     export.json         provenance: source checkpoint, step, tokens seen, dtype
 
 Hugging Face directories (every encoding) are written by ``tape_train.inference.hf_export``.
-Directories are written to a temporary sibling and renamed, so a partial export never looks
-complete; they get the permissions of ordinary files and directories (the umask), not
+Directories are written to a temporary sibling and renamed (an old one is renamed aside
+first and deleted last), so a partial or half-deleted export never looks complete; they get the permissions of ordinary files and directories (the umask), not
 ``mkdtemp``'s private 0700.
 """
 
@@ -74,22 +74,31 @@ def check_export_target(out_dir: str | os.PathLike) -> None:
 
 def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp)`` on a fresh sibling directory, then rename it to ``out_dir``
-    (which ``check_export_target`` must allow: an earlier export is replaced)."""
+    (which ``check_export_target`` must allow: an earlier export is replaced).
+
+    An existing ``out_dir`` is renamed aside first and deleted only after the new one is in
+    place: deleting it in place would let a kill leave a half-deleted directory that still
+    loads (weights and config, no tokenizer)."""
     out_dir = Path(out_dir)
     check_export_target(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    suffix = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = out_dir.parent / f".{out_dir.name}.partial-{suffix}"
+    old = out_dir.parent / f".{out_dir.name}.replaced-{suffix}"
     tmp.mkdir()  # mode 0777 & ~umask, like any directory the user creates
     try:
         write(tmp)
         fsync_tree(tmp)
         if out_dir.exists():
-            shutil.rmtree(out_dir)
+            os.replace(out_dir, old)
         os.replace(tmp, out_dir)
         fsync_dir(out_dir.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not out_dir.exists():
+            os.replace(old, out_dir)  # the new one never took its place: keep the old one
         raise
+    shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 

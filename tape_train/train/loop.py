@@ -30,7 +30,8 @@ from tape_train.train import relayout
 from tape_train.train.relayout import protected_differences
 from tape_train.train.engine import build_engine, count_target_tokens, forward_backward
 from tape_train.host_memory import keep_freed_memory
-from tape_train.train.metrics import MetricsWriter, format_summary, memory_metrics, setup_logging
+from tape_train.train.metrics import (MetricsWriter, format_summary, memory_metrics, read_metrics,
+                                      setup_logging)
 from tape_train.train.optim import LRSchedule
 from tape_train.train.peak import checked_mfu, device_peak_tflops
 from tape_train.precision import PrecisionChoice, resolve_dtype
@@ -265,8 +266,11 @@ class Trainer:
         self.state = TrainState(**meta["train_state"])
         ckpt.restore_rng_state(rank_state["rng"])
         if rank_state.get("loader") is not None:
-            self.loader.load_state_dict(rank_state["loader"],
-                                        allow_mismatch=self.allow_config_change)
+            try:
+                self.loader.load_state_dict(rank_state["loader"],
+                                            allow_mismatch=self.allow_config_change)
+            except DataError as exc:  # e.g. the corpus changed since the checkpoint
+                raise DataError(f"resuming from {tag_dir}: {exc}") from None
         self._last_saved_step = self.state.step
         log.info("resumed from %s at step %d (%d tokens seen)", tag_dir, self.state.step,
                  self.state.tokens_seen)
@@ -430,8 +434,14 @@ class Trainer:
         cfg = self.cfg
         max_steps = cfg.train.max_steps
         if self.state.step >= max_steps:
-            log.info("run already complete: step %d of train.max_steps=%d (raise "
-                     "train.max_steps to continue it)", self.state.step, max_steps)
+            if self._finished():
+                log.info("run already complete: step %d of train.max_steps=%d (raise "
+                         "train.max_steps to continue it)", self.state.step, max_steps)
+                return EXIT_OK
+            # Killed after its last checkpoint, during the final evaluation: finish that.
+            log.warning("step %d is checkpointed but the run stopped before its final "
+                        "evaluation was recorded; running it now", self.state.step)
+            self._finish()
             return EXIT_OK
         bar = self._progress_bar()
         exit_code = EXIT_OK
@@ -467,13 +477,28 @@ class Trainer:
                     self.save()
             if self._last_saved_step != self.state.step:
                 self.save()
-            if cfg.eval.enabled:
-                self.evaluate()
-            self.writer.write("event", self.state.step, {"event": "done"})
+            self._finish()
             return exit_code
         finally:
             if bar is not None:
                 bar.close()
+
+    def _finish(self) -> None:
+        """The final evaluation and the ``done`` event, after the last checkpoint."""
+        if self.cfg.eval.enabled:
+            self.evaluate()
+        self.writer.write("event", self.state.step, {"event": "done"})
+        self.writer.flush()
+
+    def _finished(self) -> bool:
+        """Whether ``metrics.jsonl`` records this step's ``done`` event (rank 0 reads it; every
+        rank gets the verdict). A run killed during its final evaluation has its last
+        checkpoint but no such event, and must not be taken for complete."""
+        missing = 0
+        if self.rank == 0:
+            missing = int(not any(e.get("event") == "done" and e.get("step") == self.state.step
+                                  for e in read_metrics(self.run_dir, "event")))
+        return not tdist.all_reduce_max_int(missing)
 
     def _progress_bar(self):
         if self.rank != 0:

@@ -369,18 +369,24 @@ def _check_run_dir(cfg, report: Report) -> None:
         report.problem(f"train.run_dir={run_dir}: not writable ({existing}: "
                        f"{exc.strerror or exc})")
         return
+    from tape_train.checkpoint_layout import checkpoint_root, list_tags, why_incomplete
+    from tape_train.files import human_bytes
+
     keep = cfg.checkpoint.keep
     one = checkpoint_bytes(cfg)
-    need = one * (keep + 1)  # the next checkpoint is written before the oldest is deleted
+    # The next checkpoint is written before the oldest is deleted; complete checkpoints already
+    # in the run dir (a resume) hold up to `keep` of those places.
+    on_disk = min(keep, sum(why_incomplete(t) is None for t in list_tags(checkpoint_root(run_dir))))
+    need = one * (keep + 1 - on_disk)
     free = shutil.disk_usage(existing).free
-    line = (f"run dir {run_dir}: writable; {free / GIB:.1f} GiB free, {keep}+1 checkpoints "
-            f"of ~{one / GIB:.2f} GiB need {need / GIB:.2f} GiB")
+    what = (f"{human_bytes(free)} free, checkpoint.keep={keep} (+1 being written) checkpoints "
+            f"of ~{human_bytes(one)}"
+            + (f", {on_disk} of them already there," if on_disk else "")
+            + f" need {human_bytes(need)}{' more' if on_disk else ''}")
     if free < need:
-        report.problem(f"train.run_dir={run_dir}: {free / GIB:.2f} GiB free, checkpoint.keep="
-                       f"{keep} (+1 being written) checkpoints of ~{one / GIB:.2f} GiB need "
-                       f"{need / GIB:.2f} GiB")
+        report.problem(f"train.run_dir={run_dir}: {what}")
     else:
-        report.info(line)
+        report.info(f"run dir {run_dir}: writable; {what}")
 
 
 def _check_resume(cfg, grid, resume_from, allow_config_change: bool, report: Report) -> None:

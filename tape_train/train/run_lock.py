@@ -8,7 +8,10 @@ a refused run stops before touching anything.
 
 A lock is *stale*, and taken over with a log line, when its holder
 
-* ran on this host and its pid no longer exists (a killed run, a crashed node that came back);
+* ran on this host and its pid no longer exists (a killed run, a crashed node that came back),
+  or now belongs to another process: the lock records the holder's start (boot id and start
+  time from ``/proc``), so a pid reused by an unrelated process (a container restarted under
+  the same host name gets the same small pid) is not taken for the holder;
 * is an earlier incarnation of this same Slurm job (same ``SLURM_JOB_ID``, another
   ``SLURM_RESTART_COUNT``): a requeued job restarts while its predecessor's lock remains.
 
@@ -42,6 +45,7 @@ def _identity() -> dict:
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT", "0"),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "pid_start": process_start(os.getpid()),
             "token": f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"}
 
 
@@ -68,6 +72,17 @@ def _pid_alive(pid: int) -> bool:
         return True  # no /proc (macOS): the kill probe is all there is
 
 
+def process_start(pid: int) -> str | None:
+    """``<boot id>:<start time in clock ticks>`` of process ``pid``: unique to one process on
+    this host across pid reuse and reboots; ``None`` without ``/proc`` or without the process."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        ticks = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+    return f"{boot}:{ticks}"
+
+
 def stale_reason(holder: dict, me: dict) -> str | None:
     """Why ``holder``'s lock may be taken over by ``me``; ``None``: it may not."""
     job = holder.get("slurm_job_id")
@@ -83,6 +98,10 @@ def stale_reason(holder: dict, me: dict) -> str | None:
             return None
         if pid != me.get("pid") and not _pid_alive(pid):
             return f"its process {pid} on this host no longer exists"
+        recorded, now = holder.get("pid_start"), process_start(pid)
+        if recorded and now and recorded != now:
+            return (f"its process {pid} on this host no longer exists (pid {pid} now belongs "
+                    f"to another process, started after the lock was taken)")
     return None
 
 

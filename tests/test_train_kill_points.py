@@ -1,0 +1,114 @@
+"""SIGKILL at chosen points of a real ``tape-train`` run (a subprocess, one process, ZeRO-1,
+fp32, synthetic data), then the same command again: the re-run must finish the run exactly as
+an uninterrupted one, or refuse; nothing partial may be taken for complete.
+
+The kill is injected by wrapping a function of the real code path in the child process
+(``_KILLER``): the process sends itself SIGKILL at that point, so no ``finally`` runs. Also
+here: the training corpus changing between two runs of the same command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_train_faults import OVERRIDES as FAULTS_OVERRIDES  # tiny model, 4 steps
+
+REPO = Path(__file__).resolve().parents[1]
+# The fault tests' tiny 4-step run (checkpoint every 2 steps), on one process with ZeRO-1 and
+# a scheduled evaluation every 2 steps (so one after the last checkpoint).
+OVERRIDES = [*FAULTS_OVERRIDES, "parallel.zero_stage=1", "logging.tensorboard=false",
+             "eval.interval=2", "eval.lengths=[32]", "eval.batch_size=2"]
+
+# Runs the trainer's CLI; with KILL_AT=<Trainer method>:<step>, SIGKILLs itself when that
+# method is entered at that step.
+_KILLER = """
+import os, signal, sys
+from tape_train.train import loop
+spec = os.environ.get("KILL_AT")
+if spec:
+    name, step = spec.split(":")
+    original = getattr(loop.Trainer, name)
+    def killer(self, *args, **kwargs):
+        if self.state.step == int(step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, *args, **kwargs)
+    setattr(loop.Trainer, name, killer)
+from tape_train.train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _train(run_dir: Path, kill_at: str | None = None,
+           extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.pop("KILL_AT", None)
+    if kill_at:
+        env["KILL_AT"] = kill_at
+    config = run_dir.parent / "run.yaml"
+    config.write_text("model: tiny\n")
+    return subprocess.run([sys.executable, "-c", _KILLER, "--config", str(config), *OVERRIDES,
+                           f"train.run_dir={run_dir}", *extra], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _records(run_dir: Path) -> dict:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"losses": {r["step"]: r["loss"] for r in rows if r["kind"] == "train"},
+            "evals": [(r["step"], r["results"][0]["perplexity"]) for r in rows
+                      if r["kind"] == "eval"],
+            "done": [r["step"] for r in rows if r.get("event") == "done"]}
+
+
+@pytest.mark.slow
+def test_kill_during_the_final_evaluation_is_finished_by_the_rerun(tmp_path):
+    reference = _train(tmp_path / "ref")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = _records(tmp_path / "ref")
+    assert [s for s, _ in expected["evals"]] == [2, 4] and expected["done"] == [4]
+
+    run_dir = tmp_path / "killed"
+    killed = _train(run_dir, kill_at="evaluate:4")  # after the step-4 checkpoint
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "step_00000004" / "COMPLETE.json").is_file()
+    assert [s for s, _ in _records(run_dir)["evals"]] == [2]  # the final one never ran
+
+    rerun = _train(run_dir)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "stopped before its final evaluation" in rerun.stderr
+    assert _records(run_dir) == expected  # same losses, the final evaluation, done
+
+    # Negative control: a finished run is not evaluated again.
+    again = _train(run_dir)
+    assert again.returncode == 0 and "run already complete" in again.stderr, again.stderr[-2000:]
+    assert _records(run_dir) == expected
+
+
+def test_a_corpus_changed_between_runs_is_refused_on_resume_in_one_line(tmp_path):
+    from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+
+    corpus = write_jsonl(tmp_path / "data" / "train.jsonl", real_text_documents(120))
+    train_small_tokenizer(tmp_path / "data", vocab_size=512, max_bytes=200_000)
+    data = [f"data.sources=[{corpus}]", f"data.tokenizer={tmp_path / 'data' / 'small-bpe.model'}",
+            "model.vocab_size=512", "train.synthetic_data=false", "eval.interval=0",
+            "data.eval_fraction=0.1"]
+    run_dir = tmp_path / "run"
+    first = _train(run_dir, extra=[*data, "train.max_steps=2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    original = corpus.read_bytes()
+    corpus.write_bytes(original + b'{"text": "a document added after the checkpoint"}\n')
+    changed = _train(run_dir, extra=data)
+    assert changed.returncode == 1
+    [line] = [ln for ln in changed.stderr.splitlines() if " ERROR " in ln]
+    assert f"resuming from {run_dir / 'checkpoints' / 'step_00000002'}: cannot resume the data " \
+           f"loader: data fingerprint differs in sources" in line
+    assert "--allow-config-change" in line and "Traceback" not in changed.stderr
+    # Negative control: the corpus as it was resumes.
+    corpus.write_bytes(original)
+    resumed = _train(run_dir, extra=data)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
