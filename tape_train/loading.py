@@ -5,6 +5,7 @@ leaves a ``save_pretrained`` directory. Everything that *consumes* either goes t
 
     model, tokenizer, meta = load_model(path)        # run dir, tag dir or export dir
     tag_dir = resolve_checkpoint(path)               # the complete checkpoint a path means
+    tag_dir = find_latest_complete(run_dir)          # the newest complete tag, or None
 
 Discovery trusts only ``COMPLETE.json`` markers (see the layout in
 ``tape_train.train.checkpoint``): incomplete tags are skipped with a warning, and a path that
@@ -25,8 +26,9 @@ from typing import Any
 
 import torch
 
-from tape_train.checkpoint_layout import (MARKER, UNIVERSAL, CheckpointError, read_marker,
-                                          resolve_checkpoint, why_incomplete)
+from tape_train.checkpoint_layout import (  # noqa: F401 - find_latest_complete: public API
+    MARKER, UNIVERSAL, CheckpointError, find_latest_complete, read_marker, resolve_checkpoint,
+    why_incomplete)
 from tape_train.files import write_atomic
 
 log = logging.getLogger("tape_train.checkpoint")
