@@ -3,7 +3,7 @@
     tape-data prepare --demo --out data/demo            # Debian demo corpus (needs apt)
     tape-data prepare --input docs/ more/*.jsonl --out data/mine
     tape-data prepare --input docs/ --out data/mine-tok --tokenize --tokenizer tok.model
-    tape-data prepare --hub HuggingFaceFW/fineweb-edu --hub-config sample-10BT --out data/fw \
+    tape-data prepare --hub HuggingFaceFW/fineweb-edu --hub-config sample-10BT --out data/fw \\
         --num-shards 256 --tokenize --tokenizer tok.model   # stream a Hub dataset once
     tape-data info data/demo                            # summary of a prepared directory
 
@@ -62,12 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "(auto; a redirected log gets one line per file), on or off")
     prep.add_argument("--out", required=True, help="output directory")
     prep.add_argument("--text-field", default="text",
-                      help="JSONL/Parquet/Hub field with the text")
+                      help="JSONL/Parquet/Hub field with the text (default: text)")
     prep.add_argument("--num-shards", type=int, default=16,
                       help="training shards (a multiple of your data-parallel sizes; default 16)")
     prep.add_argument("--eval-fraction", type=float, default=0.01,
                       help="fraction of documents held out for evaluation (default 0.01)")
-    prep.add_argument("--seed", type=int, default=0, help="seed of the shard shuffle")
+    prep.add_argument("--seed", type=int, default=0, help="seed of the shard shuffle (default: 0)")
     prep.add_argument("--cache-dir", type=Path, default=None,
                       help="where downloaded .deb files are kept "
                            "(default $XDG_CACHE_HOME/tape-train/debian)")
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="sentencepiece .model used by --tokenize")
     prep.add_argument("--force", action="store_true", help="rebuild even if complete")
     info = sub.add_parser("info", help="summarise a prepared directory")
-    info.add_argument("dir", type=Path)
+    info.add_argument("dir", type=Path, help="a directory written by tape-data prepare")
     return parser
 
 
@@ -239,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
             return _prepare(args)
         manifest = read_complete_manifest(args.dir)
         if manifest is None:
-            print(f"tape-data: {args.dir} is not a complete prepared directory "
-                  f"(no valid manifest.json)", file=sys.stderr)
+            print(f"tape-data: error: {args.dir} is not a complete prepared directory "
+                  f"(no valid manifest.json; `tape-data prepare --out {args.dir}` writes one)",
+                  file=sys.stderr)
             return 1
         _print_summary(args.dir, manifest)
         print(json.dumps({k: manifest[k] for k in ("config", "held_out", "dropped", "hub")

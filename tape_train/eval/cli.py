@@ -171,6 +171,8 @@ def run(args) -> int:
     settings = EvalConfig(lengths=args.lengths, protocols=args.protocols,
                           sliding_stride=args.stride, max_tokens=max_tokens,
                           batch_size=args.batch_size)
+    # Which checkpoints (a missing or incomplete one fails here, before any start-up work).
+    tag_dirs = [resolve_checkpoint(p) for p in args.checkpoint]
     rank, world, device, reduce = _init_distributed(args.device)
     if device.type == "cpu":
         from tape_train.host_memory import keep_freed_memory
@@ -187,7 +189,6 @@ def run(args) -> int:
             if precision.warning:
                 log.warning("%s", precision.warning)
     dtype = getattr(torch, DTYPES[dtype_name])
-    tag_dirs = [resolve_checkpoint(p) for p in args.checkpoint]
 
     runs, docs, data_desc = [], None, None
     for i, tag_dir in enumerate(tag_dirs):

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, state, meta = load_model_from_checkpoint(args.checkpoint)
     except (CheckpointError, FileNotFoundError) as exc:
-        print(f"tape-export: {exc}", file=sys.stderr)
+        print(f"tape-export: error: {exc}", file=sys.stderr)
         return 2
     tokenizer = args.tokenizer or (meta.get("config") or {}).get("data", {}).get("tokenizer")
     if tokenizer and not Path(tokenizer).is_file():
@@ -64,12 +64,12 @@ def main(argv: list[str] | None = None) -> int:
                                   provenance=provenance,
                                   extra=lambda d: write_tokenizer_files(d, tokenizer, cfg))
     except ValueError as exc:
-        print(f"tape-export: {exc}", file=sys.stderr)
+        print(f"tape-export: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # disk full, permissions: name the path (the old export is kept)
         from tape_train.files import describe_os_error
 
-        print(f"tape-export: {describe_os_error(exc, args.out)}", file=sys.stderr)
+        print(f"tape-export: error: {describe_os_error(exc, args.out)}", file=sys.stderr)
         return 2
     n_params = sum(v.numel() for v in state.values())
     log.info("exported %s (step %s, %.2fM parameters, %s) to %s", cfg.pe, meta.get("step"),
