@@ -198,7 +198,23 @@ def _prepare(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     _print_summary(out, manifest)
+    _warn_thin_splits(out, manifest, args)
     return 0
+
+
+def _warn_thin_splits(out: Path, manifest: dict, args) -> None:
+    """A small corpus written as it was asked, with what that means for training."""
+    splits = manifest["splits"]
+    train, held_out = splits["train"]["documents"], splits["eval"]["documents"]
+    if held_out == 0 and args.eval_fraction > 0:
+        print(f"tape-data: warning: {out}: no document was held out ({train} documents x "
+              f"--eval-fraction {args.eval_fraction}): training's evaluation needs held-out "
+              f"documents (eval.interval > 0): re-run with a larger --eval-fraction, or give the "
+              f"run data.eval_sources", file=sys.stderr)
+    if 0 < train < splits["train"]["shards"]:
+        print(f"tape-data: warning: {out}: {train} training documents in "
+              f"{splits['train']['shards']} shards, so some shards are empty; --num-shards "
+              f"{train} or fewer avoids that", file=sys.stderr)
 
 
 def _logging_around(bar):
