@@ -1,8 +1,10 @@
-"""Error-message helpers shared by every config module: did-you-mean suggestions and named
-YAML configs (``configs/<kind>/<name>.yaml`` or a path)."""
+"""Error-message helpers shared by every config module and command: did-you-mean suggestions,
+named YAML configs (``configs/<kind>/<name>.yaml`` or a path), and what to type when a command
+misses a required argument."""
 
 from __future__ import annotations
 
+import argparse
 import difflib
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,6 +28,21 @@ def unknown_keys(unknown: Iterable, known: Iterable, prefix: str = "") -> str:
     """``"'<prefix>x' (did you mean '<prefix>y'?), '<prefix>z'"`` for the unknown keys."""
     known = sorted(str(k) for k in known)
     return ", ".join(f"'{prefix}{key}'{did_you_mean(key, known, prefix)}" for key in unknown)
+
+
+def example_on_missing(parser: argparse.ArgumentParser, example: str
+                       ) -> argparse.ArgumentParser:
+    """Make ``parser``'s "the following arguments are required" error end with a command that
+    works (``example``) and a pointer to ``--help``: the first error a new user meets."""
+    plain = parser.error
+
+    def error(message: str):
+        if message.startswith("the following arguments are required"):
+            message += f"\n  e.g. {example}\n  ({parser.prog} --help lists every option)"
+        plain(message)
+
+    parser.error = error
+    return parser
 
 
 def read_named_yaml(name_or_path: str, directory: Path, kind: str,

@@ -59,3 +59,41 @@ def test_tape_eval_refuses_a_missing_checkpoint_before_start_up(tmp_path, monkey
     monkeypatch.setattr("tape_train.loading.resolve_checkpoint", lambda p: Path(p))
     with pytest.raises(AssertionError, match="start-up ran"):
         cli.main(["--checkpoint", str(missing), "--no-progress"])
+
+
+@pytest.mark.parametrize("module, argv, example", [
+    ("tape_train.train.cli", [], "e.g. tape-train --config demo"),
+    ("tape_train.eval.cli", [], "e.g. tape-eval --checkpoint runs/demo"),
+    ("tape_train.inference.export", [], "e.g. tape-export runs/demo --out exports/demo"),
+    ("tape_train.inference.generate", ["exports/demo"], "e.g. tape-generate exports/demo --prompt"),
+    ("tape_train.cluster.submit", [], "e.g. tape-submit --config configs/train/demo.yaml"),
+    ("tape_train.data.cli", [], "e.g. tape-data prepare --demo --out data/demo"),
+    ("tape_train.data.cli", ["info"], "e.g. tape-data info data/demo"),
+    ("tape_train.data.tokenizer_cli", ["train", "--input", "x"], "e.g. tape-tokenizer train"),
+])
+def test_a_missing_argument_shows_a_command_that_works(module, argv, example, capsys):
+    import importlib
+
+    main = importlib.import_module(module).main
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: the following arguments are required" in err
+    assert f"\n  {example}" in err and "--help lists every option" in err
+    # the example itself parses (where the parser can be built without running the command)
+    mod = importlib.import_module(module)
+    line = err.split("e.g. ", 1)[1].split("\n")[0].split("   (")[0]
+    if hasattr(mod, "build_parser"):
+        import shlex
+
+        mod.build_parser().parse_args(shlex.split(line)[1:])
+
+
+def test_other_usage_errors_keep_argparse_s_message(capsys):
+    from tape_train.train.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--config", "demo", "--world-size", "two"])
+    err = capsys.readouterr().err
+    assert "argument --world-size: invalid int value: 'two'" in err and "e.g." not in err

@@ -35,6 +35,7 @@ from tape_train.cluster.render import (
 )
 from tape_train.cluster.run_args import TrainArgsError, resolve_run_dir
 from tape_train.files import write_atomic
+from tape_train.hints import example_on_missing
 
 EVAL_SEPARATOR = "# ---- eval.sbatch, submitted with --dependency=afterok:<training job id> ----"
 
@@ -106,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--gpu-name", default=None,
                    help="GPU model of the nodes (e.g. H100) for the memory and time plan when "
                         "this machine has no such GPU")
-    return p
+    return example_on_missing(p, "tape-submit --config configs/train/demo.yaml --nodes 2 "
+                                 "--time 01:00:00 --dry-run")
 
 
 def _job_name(config: str, explicit: str | None) -> str:

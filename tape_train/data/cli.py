@@ -26,6 +26,7 @@ from tape_train.data.config import DataError, SourceConfig
 from tape_train.data.corpus import read_complete_manifest, write_corpus
 from tape_train.data.formats import (SkipLog, hub_shards, open_hub_dataset, read_documents,
                                      resolve_local_shards)
+from tape_train.hints import example_on_missing
 from tape_train.progress import MODES, progress_bar
 
 log = logging.getLogger("tape_train.data")
@@ -81,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--force", action="store_true", help="rebuild even if complete")
     info = sub.add_parser("info", help="summarise a prepared directory")
     info.add_argument("dir", type=Path, help="a directory written by tape-data prepare")
+    example_on_missing(parser, "tape-data prepare --demo --out data/demo")
+    example_on_missing(prep, "tape-data prepare --input my_corpus/ --out data/mine")
+    example_on_missing(info, "tape-data info data/demo")
     return parser
 
 

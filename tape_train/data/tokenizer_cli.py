@@ -26,6 +26,7 @@ from tape_train.data.config import DataError, SourceConfig
 from tape_train.data.formats import SkipLog
 from tape_train.data.sources import SourceCursor
 from tape_train.files import write_atomic
+from tape_train.hints import example_on_missing
 from tape_train.data.tokenizer import (MODEL_TYPES, TokenizerTrainSpec, load_tokenizer,
                                        train_tokenizer)
 from tape_train.resources import named_file
@@ -71,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="vocabulary size and special ids of a .model file")
     info.add_argument("model", help="a sentencepiece .model file")
     info.add_argument("--text", help="also show how this text is tokenised")
+    example_on_missing(parser, "tape-tokenizer train --input data/demo --spec demo "
+                               "--out data/demo/tokenizer")
+    example_on_missing(train, "tape-tokenizer train --input data/demo --spec demo "
+                              "--out data/demo/tokenizer")
+    example_on_missing(info, "tape-tokenizer info data/demo/tokenizer.model")
     return parser
 
 

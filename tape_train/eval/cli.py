@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from tape_train.hints import example_on_missing
 from tape_train.progress import MODES, show_progress
 
 log = logging.getLogger("tape_train.eval")
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "on or off (default: %(default)s)")
     p.add_argument("--no-progress", dest="progress", action="store_const", const="off",
                    help="same as --progress off")
-    return p
+    return example_on_missing(p, "tape-eval --checkpoint runs/demo --lengths 128 256 512 1024")
 
 
 def _parse_max_tokens(text: str) -> int | None:

@@ -12,6 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
+from tape_train.hints import example_on_missing
+
 log = logging.getLogger("tape_train.export")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 
@@ -30,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="write a Hugging Face directory: LlamaForCausalLM for pe=rope, "
                              "remote code (trust_remote_code=True) for every other encoding")
     parser.add_argument("--tokenizer", help="tokenizer .model to bundle (default: the run's)")
+    example_on_missing(parser, "tape-export runs/demo --out exports/demo")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tape_train.hints import example_on_missing
+
 
 class StreamPrinter:
     """Prints the decoded continuation as it grows (sentencepiece joins pieces with spaces
@@ -44,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                         help="compute dtype on the CPU (default: auto, bf16 only where bf16 "
                              "matrix products are fast here)")
+    example_on_missing(parser, 'tape-generate exports/demo --prompt "The Python interpreter"')
     args = parser.parse_args(argv)
 
     import torch
