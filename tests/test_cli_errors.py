@@ -97,3 +97,32 @@ def test_other_usage_errors_keep_argparse_s_message(capsys):
         build_parser().parse_args(["--config", "demo", "--world-size", "two"])
     err = capsys.readouterr().err
     assert "argument --world-size: invalid int value: 'two'" in err and "e.g." not in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--top-p", "0"], "top_p must be in (0, 1] (1 or None: no limit), got 0.0"),
+    (["--temperature", "-1"], "temperature must be >= 0 (0 = greedy), got -1.0"),
+    (["--top-k", "-2"], "top_k must be >= 1 (0 or None: no limit), got -2"),
+    (["--tokenizer", "nope.model"], "tokenizer nope.model: no such file"),
+])
+def test_tape_generate_refuses_bad_options_before_loading(flags, message, tmp_path, capsys):
+    from tape_train.inference.generate import main
+
+    # the model path does not exist either: the options are checked first, in one line
+    assert main([str(tmp_path / "nowhere"), "--prompt", "x", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tape-generate: error: {message}") and err.count("\n") == 1
+
+
+def test_sampling_settings_that_cannot_sample_are_refused():
+    import torch
+
+    from tape_train.model.generate import check_sampling, sample_next
+
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    # what top_p=0 did before: every token dropped, multinomial over NaNs
+    with pytest.raises(RuntimeError):
+        sample_next(logits, 1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        check_sampling(4, 1.0, None, 0.0)
+    check_sampling(4, 0.0, 0, 1.0)  # greedy, no limits: fine

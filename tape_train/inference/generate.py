@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.8,
                         help="sampling temperature, 0 = greedy (default: %(default)s)")
     parser.add_argument("--top-k", type=int, default=None,
-                        help="sample from the k most likely tokens (default: no limit)")
+                        help="sample from the k most likely tokens, 0 = no limit (default: "
+                             "no limit)")
     parser.add_argument("--top-p", type=float, default=0.95,
                         help="nucleus sampling: the smallest set of tokens with this total "
                              "probability (default: %(default)s)")
@@ -51,10 +52,17 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from tape_train.data import load_tokenizer
+    from tape_train.data import DataError, load_tokenizer
     from tape_train.inference.loading import load_for_inference
+    from tape_train.model.generate import check_sampling
     from tape_train.precision import resolve_dtype
 
+    try:  # the options first: nothing is loaded for a run that cannot sample
+        check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    except ValueError as exc:  # a bad --tokenizer (DataError) included
+        print(f"tape-generate: error: {exc}", file=sys.stderr)
+        return 2
     precision = resolve_dtype(args.dtype, "cpu")
     if precision.warning:
         print(f"tape-generate: {precision.warning}", file=sys.stderr)
@@ -63,12 +71,16 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"tape-generate: error: {exc}", file=sys.stderr)
         return 2
-    tok_path = args.tokenizer or tok_path
-    if tok_path is None:
-        print("tape-generate: error: no tokenizer bundled with the model; pass --tokenizer",
-              file=sys.stderr)
-        return 2
-    tokenizer = load_tokenizer(tok_path)
+    if tokenizer is None:
+        if tok_path is None:
+            print("tape-generate: error: no tokenizer bundled with the model; pass --tokenizer",
+                  file=sys.stderr)
+            return 2
+        try:
+            tokenizer = load_tokenizer(tok_path)
+        except DataError as exc:
+            print(f"tape-generate: error: {exc}", file=sys.stderr)
+            return 2
     ids = torch.tensor([[tokenizer.bos_id, *tokenizer.encode(args.prompt)]])
     sys.stdout.write(args.prompt)
     model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

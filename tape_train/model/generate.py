@@ -9,6 +9,20 @@ import torch
 from tape_train.model.cache import KVCache
 
 
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None,
+                   top_p: float | None) -> None:
+    """ValueError naming the setting when sampling could not run (top_p 0 would leave no
+    token, a negative temperature would invert the distribution)."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be >= 1 (0 or None: no limit), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 or None: no limit), got {top_p}")
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
                 top_p: float | None = None, generator: torch.Generator | None = None
                 ) -> torch.Tensor:
@@ -40,6 +54,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature
     ``on_token`` receives each step's (b,) new ids (for streaming to a console). Generation
     stops early when every row has produced ``eos_id``.
     """
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
     was_training = model.training
     model.eval()
     cache = KVCache(model.cfg.num_layers)
