@@ -136,9 +136,13 @@ def load_model_from_checkpoint(path: str | Path, map_dtype: torch.dtype | None =
         # zero_to_fp32 cannot merge tensor-parallel shards: go through the universal form.
         state = read_universal_weights(_universal_for_reading(tag_dir))
     elif meta.get("zero_stage", 3) >= 1:  # ZeRO-1/2/3: fp32 master weights in the shards
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from deepspeed.utils import zero_to_fp32
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        from tape_train.progress import library_bars
+
+        with library_bars(zero_to_fp32):  # no carriage returns in a redirected log
+            state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent),
+                                                                          tag=tag_dir.name)
     elif saved_layout(meta)["tp"] > 1:
         raise CheckpointError(f"{tag_dir}: a ZeRO-0 checkpoint with tensor parallelism holds "
                               f"only weight shards per file and cannot be consolidated; train "
