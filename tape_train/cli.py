@@ -1,7 +1,7 @@
 """Console entry points. Each one imports its subsystem lazily so `--help` stays fast.
 
 Every command answers ``--version`` here, before its subsystem is imported; neither that nor
-``--help`` imports torch (tests/test_cli_startup.py holds them to it).
+``--help`` imports torch (tests/test_train_startup.py holds them to it).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""Error-message helpers shared by every config module: did-you-mean suggestions and named
-YAML configs (``configs/<kind>/<name>.yaml`` or a path)."""
+"""Error-message helpers shared by every config module and command: did-you-mean suggestions,
+named YAML configs (``configs/<kind>/<name>.yaml`` or a path), and what to type when a command
+misses a required argument."""
 
 from __future__ import annotations
 
+import argparse
 import difflib
 from collections.abc import Iterable
 from pathlib import Path
@@ -61,6 +63,21 @@ def read_yaml(path: Path, error: type[Exception]) -> tuple[str, object]:
         return text, yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise error(f"{path}: not valid YAML: {exc}") from None
+
+
+def example_on_missing(parser: argparse.ArgumentParser, example: str
+                       ) -> argparse.ArgumentParser:
+    """Make ``parser``'s "the following arguments are required" error end with a command that
+    works (``example``) and a pointer to ``--help``: the first error a new user meets."""
+    plain = parser.error
+
+    def error(message: str):
+        if message.startswith("the following arguments are required"):
+            message += f"\n  e.g. {example}\n  ({parser.prog} --help lists every option)"
+        plain(message)
+
+    parser.error = error
+    return parser
 
 
 def read_named_yaml(name_or_path: str, directory: Path, kind: str,

@@ -5,6 +5,7 @@ leaves a ``save_pretrained`` directory. Everything that *consumes* either goes t
 
     model, tokenizer, meta = load_model(path)        # run dir, tag dir or export dir
     tag_dir = resolve_checkpoint(path)               # the complete checkpoint a path means
+    tag_dir = find_latest_complete(run_dir)          # the newest complete tag, or None
 
 Discovery trusts only ``COMPLETE.json`` markers (see the layout in
 ``tape_train.train.checkpoint``): incomplete tags are skipped with a warning, and a path that
@@ -25,8 +26,9 @@ from typing import Any
 
 import torch
 
-from tape_train.checkpoint_layout import (MARKER, UNIVERSAL, CheckpointError, read_marker,
-                                          resolve_checkpoint, why_incomplete)
+from tape_train.checkpoint_layout import (  # noqa: F401 - find_latest_complete: public API
+    MARKER, UNIVERSAL, CheckpointError, find_latest_complete, read_marker, resolve_checkpoint,
+    why_incomplete)
 from tape_train.files import write_atomic
 
 log = logging.getLogger("tape_train.checkpoint")
@@ -135,9 +137,13 @@ def load_model_from_checkpoint(path: str | Path, map_dtype: torch.dtype | None =
         # zero_to_fp32 cannot merge tensor-parallel shards: go through the universal form.
         state = read_universal_weights(_universal_for_reading(tag_dir))
     elif meta.get("zero_stage", 3) >= 1:  # ZeRO-1/2/3: fp32 master weights in the shards
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from deepspeed.utils import zero_to_fp32
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        from tape_train.progress import library_bars
+
+        with library_bars(zero_to_fp32):  # no carriage returns in a redirected log
+            state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent),
+                                                                          tag=tag_dir.name)
     elif saved_layout(meta)["tp"] > 1:
         raise CheckpointError(f"{tag_dir}: a ZeRO-0 checkpoint with tensor parallelism holds "
                               f"only weight shards per file and cannot be consolidated; train "

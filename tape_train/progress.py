@@ -7,6 +7,8 @@ lines, so a redirected log never holds carriage returns.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
 from typing import IO
 
@@ -37,3 +39,18 @@ def progress_bar(total: int | None, *, desc: str | None = None, unit: str = "it"
 
     return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True,
                 leave=leave, file=stream)
+
+
+@contextlib.contextmanager
+def library_bars(module, mode: bool | str = "auto", stream: IO | None = None):
+    """Within the block, the bars a library draws with its module-level ``tqdm`` (DeepSpeed's
+    ``zero_to_fp32`` "Loading checkpoint shards") follow this convention too."""
+    if show_progress(mode, stream):
+        yield
+        return
+    original = module.tqdm
+    module.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        module.tqdm = original

@@ -26,19 +26,6 @@ def test_config_file_with_a_repeated_section_or_binary_bytes_is_refused(tmp_path
     assert load_run_config(_base_yaml(tmp_path)).train.seq_len == 16
 
 
-def test_tape_model_info_errors_are_one_line(tmp_path, capsys):
-    from tape_train.model.cli import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(["info", "no-such-size"])
-    assert exc.value.code == 1
-    assert "tape-model info: error: model config 'no-such-size' not found" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exc:
-        main(["info", "tiny", "--seq-len", "0"])
-    assert exc.value.code == 2 and "--seq-len must be positive" in capsys.readouterr().err
-    assert main(["info", "tiny", "--pe", "tape", "--seq-len", "64"]) == 0
-
-
 @pytest.mark.parametrize("override, message", [
     ("model.attn_backend=triton", "model.attn_backend=triton needs a CUDA device"),
     ("model.attn_backend=flash", "model.attn_backend=flash does not support pe=tape"),

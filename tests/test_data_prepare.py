@@ -65,6 +65,26 @@ def test_prepare_local_inputs(tmp_path, capsys):
     assert read_complete_manifest(out) is not None
 
 
+def test_a_small_corpus_is_written_with_a_warning_on_what_it_lacks(tmp_path, capsys):
+    texts = real_text_documents(8)
+    for i, t in enumerate(texts):
+        (tmp_path / "in" / f"t{i}.txt").parent.mkdir(exist_ok=True)
+        (tmp_path / "in" / f"t{i}.txt").write_text(t)
+    assert not any(is_held_out(t, 0.01) for t in texts)  # the default fraction holds none out
+    out = tmp_path / "out"
+    assert data_cli.main(["prepare", "--input", str(tmp_path / "in"), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert (f"tape-data: warning: {out}: no document was held out (8 documents x "
+            f"--eval-fraction 0.01)") in err
+    assert f"tape-data: warning: {out}: 8 training documents in 16 shards" in err
+    assert read_complete_manifest(out) is not None  # written all the same
+    # negative control: enough shards' worth and a held-out split, no warning
+    assert data_cli.main(["prepare", "--input", str(tmp_path / "in"), "--out", str(out),
+                          "--num-shards", "2", "--eval-fraction", "0.5"]) == 0
+    assert 0 < sum(is_held_out(t, 0.5) for t in texts) <= 6
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_partial_output_is_never_taken_as_complete(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

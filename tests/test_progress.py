@@ -7,7 +7,7 @@ import io
 import pytest
 
 from tape_train.eval.cli import main as eval_main
-from tape_train.progress import progress_bar, show_progress
+from tape_train.progress import library_bars, progress_bar, show_progress
 from test_eval_reports_cli import make_checkpoint
 
 
@@ -39,3 +39,21 @@ def test_tape_eval_writes_no_carriage_returns_into_a_redirected_log(tmp_path, ca
     assert rc == 0
     captured = capsys.readouterr()
     assert ("\r" in captured.err + captured.out) is bars
+
+
+def test_deepspeed_s_own_bar_follows_the_convention():
+    """`tape-eval`/`tape-export` of a ZeRO checkpoint: zero_to_fp32's "Loading checkpoint
+    shards" bar is drawn on a terminal only."""
+    from deepspeed.utils import zero_to_fp32
+
+    def drawn(stream):
+        out = io.StringIO()
+        with library_bars(zero_to_fp32, stream=stream):
+            for _ in zero_to_fp32.tqdm(range(3), desc="Loading checkpoint shards", file=out):
+                pass
+        return out.getvalue()
+
+    assert drawn(io.StringIO()) == ""                          # a redirected log: no bar
+    assert "Loading checkpoint shards" in drawn(_Terminal())   # a terminal: the bar
+    assert "\r" in drawn(_Terminal())
+    assert zero_to_fp32.tqdm.__module__.startswith("tqdm")     # restored after the block

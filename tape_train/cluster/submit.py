@@ -35,6 +35,7 @@ from tape_train.cluster.render import (
 )
 from tape_train.cluster.run_args import TrainArgsError, resolve_run_dir
 from tape_train.files import write_atomic
+from tape_train.hints import example_on_missing
 
 EVAL_SEPARATOR = "# ---- eval.sbatch, submitted with --dependency=afterok:<training job id> ----"
 
@@ -44,36 +45,43 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tape-submit",
         description="Render launch/slurm/train.sbatch for a run config and submit it.",
         epilog="Overrides (dotted key=value) after the options are passed to tape-train.")
-    p.add_argument("--config", required=True, help="run config YAML (configs/train/*.yaml)")
+    p.add_argument("--config", required=True,
+                   help="run config YAML, or the name of a shipped one (demo, 125m: "
+                        "configs/train/<name>.yaml), passed to tape-train unchanged")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted config overrides, e.g. train.max_steps=1000")
     g = p.add_argument_group("allocation")
-    g.add_argument("--nodes", type=int, default=1)
+    g.add_argument("--nodes", type=int, default=1, help="nodes, one torchrun each (default: 1)")
     g.add_argument("--gpus-per-node", type=int, default=0,
                    help="GPUs per node; 0 (default) runs on CPU nodes with gloo")
     g.add_argument("--procs-per-node", type=int, default=1,
-                   help="CPU nodes only: trainer processes per node")
+                   help="CPU nodes only: trainer processes per node (default: %(default)s)")
     g.add_argument("--cpus-per-task", type=int, default=8,
-                   help="CPUs per node for that node's trainer processes")
-    g.add_argument("--time", default="04:00:00", help="time limit, e.g. 90, 04:00:00, 2-00:00:00")
-    g.add_argument("--partition")
-    g.add_argument("--account")
-    g.add_argument("--qos")
+                   help="CPUs per node for that node's trainer processes (default: %(default)s)")
+    g.add_argument("--time", default="04:00:00",
+                   help="time limit, e.g. 90, 04:00:00, 2-00:00:00 (default: %(default)s)")
+    g.add_argument("--partition", help="#SBATCH --partition (default: the cluster's)")
+    g.add_argument("--account", help="#SBATCH --account (default: the cluster's)")
+    g.add_argument("--qos", help="#SBATCH --qos (default: the cluster's)")
     g.add_argument("--job-name", help="default: tape-<config file stem>")
     g.add_argument("--sbatch-arg", action="append", default=[], metavar="=--OPTION=VALUE",
                    help="extra sbatch option, one #SBATCH line each (repeatable); write it "
                         "attached: --sbatch-arg=--constraint=a100")
     r = p.add_argument_group("run behaviour")
     r.add_argument("--signal-grace", type=int, default=300,
-                   help="seconds before the time limit at which the job checkpoints (USR1)")
-    r.add_argument("--log-dir", default="logs/slurm", help="per-job logs and rendered scripts")
+                   help="seconds before the time limit at which the job checkpoints (USR1; "
+                        "default: %(default)s)")
+    r.add_argument("--log-dir", default="logs/slurm",
+                   help="per-job logs and rendered scripts (default: %(default)s)")
     r.add_argument("--socket-ifname", default="",
                    help="network interface for gloo/NCCL (e.g. ib0); lo for one-machine tests")
     r.add_argument("--python", default=sys.executable,
                    help="interpreter on the nodes (default: the one running tape-submit)")
     r.add_argument("--min-free-gb", type=float, default=10.0,
-                   help="preflight: free disk required in the run directory (GB)")
-    r.add_argument("--max-requeues", type=int, default=100)
+                   help="preflight: free disk required in the run directory (GB; default: "
+                        "%(default)g)")
+    r.add_argument("--max-requeues", type=int, default=100,
+                   help="stop requeueing after this many restarts (default: %(default)s)")
     r.add_argument("--max-stalled-requeues", type=int, default=3,
                    help="stop requeueing after this many restarts in a row that added no "
                         "checkpoint (0: no limit; default: %(default)s)")
@@ -87,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--eval-lengths", type=int, nargs="+", default=None,
                    help="context lengths for tape-eval (default: tape-eval's own)")
     e.add_argument("--eval-out", default=None, help="default: <run_dir>/eval")
-    e.add_argument("--eval-time", default="01:00:00")
+    e.add_argument("--eval-time", default="01:00:00",
+                   help="time limit of the evaluation job (default: %(default)s)")
     e.add_argument("--eval-arg", action="append", default=[], metavar="=--OPTION=VALUE",
                    help="extra tape-eval argument (repeatable), attached: "
                         "--eval-arg=--max-tokens=8192")
@@ -98,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--gpu-name", default=None,
                    help="GPU model of the nodes (e.g. H100) for the memory and time plan when "
                         "this machine has no such GPU")
-    return p
+    return example_on_missing(p, "tape-submit --config configs/train/demo.yaml --nodes 2 "
+                                 "--time 01:00:00 --dry-run")
 
 
 def _job_name(config: str, explicit: str | None) -> str:

@@ -3,7 +3,7 @@
     tape-data prepare --demo --out data/demo            # Debian demo corpus (needs apt)
     tape-data prepare --input docs/ more/*.jsonl --out data/mine
     tape-data prepare --input docs/ --out data/mine-tok --tokenize --tokenizer tok.model
-    tape-data prepare --hub HuggingFaceFW/fineweb-edu --hub-config sample-10BT --out data/fw \
+    tape-data prepare --hub HuggingFaceFW/fineweb-edu --hub-config sample-10BT --out data/fw \\
         --num-shards 256 --tokenize --tokenizer tok.model   # stream a Hub dataset once
     tape-data info data/demo                            # summary of a prepared directory
 
@@ -26,6 +26,7 @@ from tape_train.data.config import DataError, SourceConfig
 from tape_train.data.corpus import read_complete_manifest, write_corpus
 from tape_train.data.formats import (SkipLog, hub_shards, open_hub_dataset, read_documents,
                                      resolve_local_shards)
+from tape_train.hints import example_on_missing
 from tape_train.progress import MODES, progress_bar
 
 log = logging.getLogger("tape_train.data")
@@ -62,12 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "(auto; a redirected log gets one line per file), on or off")
     prep.add_argument("--out", required=True, help="output directory")
     prep.add_argument("--text-field", default="text",
-                      help="JSONL/Parquet/Hub field with the text")
+                      help="JSONL/Parquet/Hub field with the text (default: text)")
     prep.add_argument("--num-shards", type=int, default=16,
                       help="training shards (a multiple of your data-parallel sizes; default 16)")
     prep.add_argument("--eval-fraction", type=float, default=0.01,
                       help="fraction of documents held out for evaluation (default 0.01)")
-    prep.add_argument("--seed", type=int, default=0, help="seed of the shard shuffle")
+    prep.add_argument("--seed", type=int, default=0, help="seed of the shard shuffle (default: 0)")
     prep.add_argument("--cache-dir", type=Path, default=None,
                       help="where downloaded .deb files are kept "
                            "(default $XDG_CACHE_HOME/tape-train/debian)")
@@ -80,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="sentencepiece .model used by --tokenize")
     prep.add_argument("--force", action="store_true", help="rebuild even if complete")
     info = sub.add_parser("info", help="summarise a prepared directory")
-    info.add_argument("dir", type=Path)
+    info.add_argument("dir", type=Path, help="a directory written by tape-data prepare")
+    example_on_missing(parser, "tape-data prepare --demo --out data/demo")
+    example_on_missing(prep, "tape-data prepare --input my_corpus/ --out data/mine")
+    example_on_missing(info, "tape-data info data/demo")
     return parser
 
 
@@ -196,7 +200,23 @@ def _prepare(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     _print_summary(out, manifest)
+    _warn_thin_splits(out, manifest, args)
     return 0
+
+
+def _warn_thin_splits(out: Path, manifest: dict, args) -> None:
+    """A small corpus written as it was asked, with what that means for training."""
+    splits = manifest["splits"]
+    train, held_out = splits["train"]["documents"], splits["eval"]["documents"]
+    if held_out == 0 and args.eval_fraction > 0:
+        print(f"tape-data: warning: {out}: no document was held out ({train} documents x "
+              f"--eval-fraction {args.eval_fraction}): training's evaluation needs held-out "
+              f"documents (eval.interval > 0): re-run with a larger --eval-fraction, or give the "
+              f"run data.eval_sources", file=sys.stderr)
+    if 0 < train < splits["train"]["shards"]:
+        print(f"tape-data: warning: {out}: {train} training documents in "
+              f"{splits['train']['shards']} shards, so some shards are empty; --num-shards "
+              f"{train} or fewer avoids that", file=sys.stderr)
 
 
 def _logging_around(bar):
@@ -237,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
             return _prepare(args)
         manifest = read_complete_manifest(args.dir)
         if manifest is None:
-            print(f"tape-data: {args.dir} is not a complete prepared directory "
-                  f"(no valid manifest.json)", file=sys.stderr)
+            print(f"tape-data: error: {args.dir} is not a complete prepared directory "
+                  f"(no valid manifest.json; `tape-data prepare --out {args.dir}` writes one)",
+                  file=sys.stderr)
             return 1
         _print_summary(args.dir, manifest)
         print(json.dumps({k: manifest[k] for k in ("config", "held_out", "dropped", "hub")

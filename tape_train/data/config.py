@@ -124,8 +124,12 @@ class SourceConfig:
         return cls(**data, key=key)
 
 
+# Where `tape-data prepare --demo` (and `make demo`) put the demo corpus: the default source.
+DEMO_DIR = "data/demo"
+
+
 def _default_sources() -> list[SourceConfig]:
-    return [SourceConfig(path="data/demo", key="data.sources[0]")]
+    return [SourceConfig(path=DEMO_DIR, key="data.sources[0]")]
 
 
 @dataclass
@@ -165,7 +169,7 @@ class DataConfig:
     """
 
     sources: list = field(default_factory=_default_sources)
-    tokenizer: str = "data/demo/tokenizer.model"
+    tokenizer: str = f"{DEMO_DIR}/tokenizer.model"
     eval_sources: list = field(default_factory=list)
     eval_fraction: float = 0.0
     eval_max_documents: int | None = None

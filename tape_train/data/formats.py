@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tape_train.data.config import DataError, SourceConfig
+from tape_train.data.config import DEMO_DIR, DataError, SourceConfig
 
 log = logging.getLogger("tape_train.data")
 
@@ -136,13 +136,25 @@ def resolve_local_shards(source: SourceConfig, split: str = "train") -> list[Sha
                                 f".jsonl/.ndjson[.gz|.zst], .parquet, .txt/.md/.rst[.gz|.zst])")
             found.append(p)
         else:
-            raise DataError(f"{key}: no such file or directory {pattern!r}")
+            raise DataError(f"{key}: no such file or directory {pattern!r}{_missing_hint(p)}")
     shards = []
     for f in found:
         kind, compression = classify(f)
         shards.append(Shard(kind, str(f), compression, f.stat().st_size,
                             frames=frames.get(f, ())))
     return shards
+
+
+def _missing_hint(path: Path) -> str:
+    """What to do about a source path that does not exist (the first error of a new checkout)."""
+    if path.is_absolute():
+        return ""
+    hint = f" (relative to the working directory {Path.cwd()})"
+    if path == Path(DEMO_DIR):
+        hint += (f"; the demo corpus is built by `tape-data prepare --demo --out {DEMO_DIR}` "
+                 f"and its tokenizer by `tape-tokenizer train --input {DEMO_DIR} --spec demo "
+                 f"--out {DEMO_DIR}/tokenizer` (`make demo` in a checkout does both)")
+    return hint
 
 
 def manifest_shard_paths(directory: Path, split: str,

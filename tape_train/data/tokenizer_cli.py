@@ -26,6 +26,7 @@ from tape_train.data.config import DataError, SourceConfig
 from tape_train.data.formats import SkipLog
 from tape_train.data.sources import SourceCursor
 from tape_train.files import write_atomic
+from tape_train.hints import example_on_missing
 from tape_train.data.tokenizer import (MODEL_TYPES, TokenizerTrainSpec, load_tokenizer,
                                        train_tokenizer)
 from tape_train.resources import named_file
@@ -34,6 +35,7 @@ log = logging.getLogger("tape_train.data")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    spec = TokenizerTrainSpec()  # the defaults a flag and the --spec file leave unset
     parser = argparse.ArgumentParser(prog="tape-tokenizer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,22 +45,38 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", required=True, help="output prefix (writes PREFIX.model)")
     train.add_argument("--spec", type=_spec_path,
                        help="YAML file of options, or a shipped spec's name (demo: "
-                            "tokenizer/demo.yaml); "
-                                                 "flags given on the command line win")
-    train.add_argument("--vocab-size", type=int)
-    train.add_argument("--model-type", choices=MODEL_TYPES)
+                            "tokenizer/demo.yaml); flags given on the command line win")
+    train.add_argument("--vocab-size", type=int,
+                       help="pieces, special and byte pieces included (default: "
+                            f"{spec.vocab_size})")
+    train.add_argument("--model-type", choices=MODEL_TYPES, help=f"(default: {spec.model_type})")
     train.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=None,
-                       help="encode unknown characters as UTF-8 bytes (default on)")
-    train.add_argument("--character-coverage", type=float)
-    train.add_argument("--max-bytes", type=int, help="stop reading after this many bytes")
-    train.add_argument("--max-lines", type=int, help="stop after this many sentences")
-    train.add_argument("--text-field", default="text")
-    train.add_argument("--seed", type=int, help="seed of the input order and of training")
-    train.add_argument("--num-threads", type=int)
-    train.add_argument("--skip-bad-records", action="store_true")
+                       help="encode unknown characters as UTF-8 bytes (default: "
+                            f"{'on' if spec.byte_fallback else 'off'})")
+    train.add_argument("--character-coverage", type=float,
+                       help="fraction of characters the alphabet covers (default: "
+                            f"{spec.character_coverage})")
+    train.add_argument("--max-bytes", type=int,
+                       help=f"stop reading after this many bytes (default: {spec.max_bytes})")
+    train.add_argument("--max-lines", type=int,
+                       help="stop after this many sentences (default: "
+                            f"{spec.max_lines or 'no limit'})")
+    train.add_argument("--text-field", default="text",
+                       help="JSONL/Parquet field with the text (default: text)")
+    train.add_argument("--seed", type=int,
+                       help=f"seed of the input order and of training (default: {spec.seed})")
+    train.add_argument("--num-threads", type=int,
+                       help=f"training threads, 0 = all cores (default: {spec.num_threads})")
+    train.add_argument("--skip-bad-records", action="store_true",
+                       help="skip (and count) malformed input records instead of failing")
     info = sub.add_parser("info", help="vocabulary size and special ids of a .model file")
-    info.add_argument("model")
+    info.add_argument("model", help="a sentencepiece .model file")
     info.add_argument("--text", help="also show how this text is tokenised")
+    example_on_missing(parser, "tape-tokenizer train --input data/demo --spec demo "
+                               "--out data/demo/tokenizer")
+    example_on_missing(train, "tape-tokenizer train --input data/demo --spec demo "
+                              "--out data/demo/tokenizer")
+    example_on_missing(info, "tape-tokenizer info data/demo/tokenizer.model")
     return parser
 
 

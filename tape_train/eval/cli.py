@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from tape_train.hints import example_on_missing
 from tape_train.progress import MODES, show_progress
 
 log = logging.getLogger("tape_train.eval")
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "on or off (default: %(default)s)")
     p.add_argument("--no-progress", dest="progress", action="store_const", const="off",
                    help="same as --progress off")
-    return p
+    return example_on_missing(p, "tape-eval --checkpoint runs/demo --lengths 128 256 512 1024")
 
 
 def _parse_max_tokens(text: str) -> int | None:
@@ -177,6 +178,8 @@ def run(args) -> int:
     settings = EvalConfig(lengths=args.lengths, protocols=args.protocols,
                           sliding_stride=args.stride, max_tokens=max_tokens,
                           batch_size=args.batch_size)
+    # Which checkpoints (a missing or incomplete one fails here, before any start-up work).
+    tag_dirs = [resolve_checkpoint(p) for p in args.checkpoint]
     rank, world, device, reduce = _init_distributed(args.device)
     if device.type == "cpu":
         from tape_train.host_memory import keep_freed_memory
@@ -193,7 +196,6 @@ def run(args) -> int:
             if precision.warning:
                 log.warning("%s", precision.warning)
     dtype = getattr(torch, DTYPES[dtype_name])
-    tag_dirs = [resolve_checkpoint(p) for p in args.checkpoint]
 
     runs, docs, data_desc = [], None, None
     for i, tag_dir in enumerate(tag_dirs):

@@ -12,6 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
+from tape_train.hints import example_on_missing
+
 log = logging.getLogger("tape_train.export")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 
@@ -30,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="write a Hugging Face directory: LlamaForCausalLM for pe=rope, "
                              "remote code (trust_remote_code=True) for every other encoding")
     parser.add_argument("--tokenizer", help="tokenizer .model to bundle (default: the run's)")
+    example_on_missing(parser, "tape-export runs/demo --out exports/demo")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -46,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             load_tokenizer(args.tokenizer)
         cfg, state, meta = load_model_from_checkpoint(args.checkpoint)
     except (CheckpointError, FileNotFoundError, FileExistsError, TokenizerError) as exc:
-        print(f"tape-export: {'--tokenizer: ' if isinstance(exc, TokenizerError) else ''}{exc}",
+        print(f"tape-export: error: {'--tokenizer: ' if isinstance(exc, TokenizerError) else ''}"
+              f"{exc}",
               file=sys.stderr)
         return 2
     tokenizer = args.tokenizer or (meta.get("config") or {}).get("data", {}).get("tokenizer")
@@ -59,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             load_model_tokenizer(tokenizer, cfg.vocab_size)
         except ValueError as exc:
-            print(f"tape-export: --tokenizer: {exc}" if args.tokenizer else
-                  f"tape-export: {exc} (bundle another with --tokenizer)", file=sys.stderr)
+            print(f"tape-export: error: --tokenizer: {exc}" if args.tokenizer else
+                  f"tape-export: error: {exc} (bundle another with --tokenizer)", file=sys.stderr)
             return 2
     provenance = {"source": str(Path(args.checkpoint).resolve()), "step": meta.get("step"),
                   "tokens_seen": meta.get("tokens_seen"), "code_version": meta.get("code_version")}
@@ -78,12 +82,12 @@ def main(argv: list[str] | None = None) -> int:
                                   provenance=provenance,
                                   extra=lambda d: write_tokenizer_files(d, tokenizer, cfg))
     except ValueError as exc:
-        print(f"tape-export: {exc}", file=sys.stderr)
+        print(f"tape-export: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # disk full, permissions: name the path (the old export is kept)
         from tape_train.files import describe_os_error
 
-        print(f"tape-export: {describe_os_error(exc, args.out)}", file=sys.stderr)
+        print(f"tape-export: error: {describe_os_error(exc, args.out)}", file=sys.stderr)
         return 2
     n_params = sum(v.numel() for v in state.values())
     log.info("exported %s (step %s, %.2fM parameters, %s) to %s", cfg.pe, meta.get("step"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tape_train.hints import example_on_missing
+
 
 class StreamPrinter:
     """Prints the decoded continuation as it grows (sentencepiece joins pieces with spaces
@@ -28,16 +30,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tape-generate",
                                      description="Generate text with the KV cache.")
     parser.add_argument("model", help="export directory, run dir or checkpoint tag dir")
-    parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max-new-tokens", type=int, default=100)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=100,
+                        help="tokens to generate at most (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="sampling temperature, 0 = greedy (default: %(default)s)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="sample from the k most likely tokens, 0 = no limit (default: "
+                             "no limit)")
+    parser.add_argument("--top-p", type=float, default=0.95,
+                        help="nucleus sampling: the smallest set of tokens with this total "
+                             "probability (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the sampling (default: %(default)s)")
     parser.add_argument("--tokenizer", help="sentencepiece .model (default: the model's own)")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                         help="compute dtype on the CPU (default: auto, bf16 only where bf16 "
                              "matrix products are fast here)")
+    example_on_missing(parser, 'tape-generate exports/demo --prompt "The Python interpreter"')
     args = parser.parse_args(argv)
 
     import torch
@@ -45,30 +55,30 @@ def main(argv: list[str] | None = None) -> int:
     from tape_train.data import TokenizerError, load_model_tokenizer
     from tape_train.inference.loading import load_for_inference
     from tape_train.model.generate import check_sampling
+    from tape_train.precision import resolve_dtype
 
-    try:
+    try:  # the options first: nothing is loaded for a run that cannot sample
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                        name=lambda key: "--" + key.replace("_", "-"))
     except ValueError as exc:
         parser.error(str(exc))
-    from tape_train.precision import resolve_dtype
-
     precision = resolve_dtype(args.dtype, "cpu")
     if precision.warning:
         print(f"tape-generate: {precision.warning}", file=sys.stderr)
     try:
         model, tok_path, _ = load_for_inference(args.model, dtype=precision.torch_dtype)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
-        print(f"tape-generate: {exc}", file=sys.stderr)
+        print(f"tape-generate: error: {exc}", file=sys.stderr)
         return 2
     tok_path = args.tokenizer or tok_path
     if tok_path is None:
-        print("tape-generate: no tokenizer bundled with the model; pass --tokenizer", file=sys.stderr)
+        print("tape-generate: error: no tokenizer bundled with the model; pass --tokenizer",
+              file=sys.stderr)
         return 2
     try:
         tokenizer = load_model_tokenizer(tok_path, model.cfg.vocab_size)
     except TokenizerError as exc:
-        print(f"tape-generate: {exc}", file=sys.stderr)
+        print(f"tape-generate: error: {exc}", file=sys.stderr)
         return 2
     ids = torch.tensor([[tokenizer.bos_id, *tokenizer.encode(args.prompt)]])
     sys.stdout.write(args.prompt)

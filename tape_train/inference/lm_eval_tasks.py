@@ -94,9 +94,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="data config: a shipped name (demo) or a YAML path; its held-out "
                         "documents are the ones tape-eval scores")
     p.add_argument("--out", required=True, help="directory to pass to lm_eval --include_path")
-    p.add_argument("--max-documents", type=int, default=None)
-    p.add_argument("--context-chars", type=int, default=400)
-    p.add_argument("--continuation-chars", type=int, default=200)
+    p.add_argument("--max-documents", type=int, default=None,
+                   help="held-out documents to use at most (default: all)")
+    p.add_argument("--context-chars", type=int, default=400,
+                   help="multiple choice: characters of a document given as context "
+                        "(default: %(default)s)")
+    p.add_argument("--continuation-chars", type=int, default=200,
+                   help="multiple choice: characters of each continuation (default: %(default)s)")
     args = p.parse_args(argv)
     from tape_train.data.config import DataError
 

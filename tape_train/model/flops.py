@@ -17,6 +17,7 @@ Counted analytically (the DeepSpeed profiler is wrong under ZeRO-3). Conventions
 from __future__ import annotations
 
 import argparse
+import sys
 
 from tape_train.model.config import POSITIONAL_ENCODINGS, ModelConfig, load_model_config
 from tape_train.model.pe import encoding_spec
@@ -96,25 +97,32 @@ def describe(cfg: ModelConfig, seq_len: int) -> str:
             f"{flops / 1e9:8.3f} GFLOP")
 
 
+def _length(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of tokens, got {value!r}")
+    return int(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tape-model info",
                                      description="Parameter counts and training FLOPs per token.")
     parser.add_argument("sizes", nargs="*", default=["tiny", "125m", "350m", "1b", "7b"],
-                        help="named sizes (configs/model/*.yaml) or YAML paths")
-    parser.add_argument("--pe", nargs="*", default=["tape", "rope"], choices=POSITIONAL_ENCODINGS)
-    parser.add_argument("--seq-len", type=int, nargs="*", default=[1024])
+                        help="named sizes (configs/model/*.yaml) or YAML paths (default: "
+                             "tiny 125m 350m 1b 7b)")
+    parser.add_argument("--pe", nargs="*", default=["tape", "rope"], choices=POSITIONAL_ENCODINGS,
+                        help="positional encodings to compare (default: tape rope)")
+    parser.add_argument("--seq-len", type=_length, nargs="*", default=[1024],
+                        help="sequence lengths of the FLOP count (default: 1024)")
     args = parser.parse_args(argv)
-    bad = [n for n in args.seq_len if n < 1]
-    if bad:
-        parser.error(f"--seq-len must be positive integers, got {bad[0]}")
     for size in args.sizes:
         for seq_len in args.seq_len:
             flops = {}
             for pe in args.pe:
                 try:
                     cfg = load_model_config(size, pe=pe)
-                except (ValueError, FileNotFoundError) as exc:
-                    parser.exit(1, f"tape-model info: error: {exc}\n")
+                except (OSError, ValueError) as exc:  # a missing or invalid size: one line
+                    print(f"tape-model: error: {exc}", file=sys.stderr)
+                    return 2
                 flops[pe] = training_flops_per_token(cfg, seq_len)
                 print(describe(cfg, seq_len))
             if "tape" in flops and "rope" in flops:

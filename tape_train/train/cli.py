@@ -15,6 +15,7 @@ import argparse
 import sys
 
 from tape_train.config import ConfigError, load_run_config
+from tape_train.hints import example_on_missing
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="GPU model to plan for when this machine has none (e.g. H100)")
     dry.add_argument("--assume-mfu", type=float, default=None,
                      help="MFU assumed for the step-time estimate (default 0.4)")
-    return parser
+    return example_on_missing(parser, "tape-train --config demo   (the demo recipe; `make demo` "
+                                      "builds its data)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,128 @@
+"""The first mistakes of a new user get one line that says what is wrong and what to do, and
+fail before any heavy start-up: an unknown model size, a missing corpus, a missing checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tape_train.data.config import DataError, SourceConfig
+from tape_train.data.formats import resolve_local_shards
+
+
+def test_tape_model_info_names_an_unknown_size_in_one_line(capsys):
+    from tape_train.model.cli import main
+
+    assert main(["info", "tiny", "--pe", "rope"]) == 0  # positive control
+    assert "tiny pe=rope" in capsys.readouterr().out
+    assert main(["info", "huge"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tape-model: error: model config 'huge' not found")
+    assert "named model configs: 125m" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exc:
+        main(["info", "tiny", "--seq-len", "0"])
+    assert exc.value.code == 2
+    assert "--seq-len: expected a positive number of tokens, got '0'" in capsys.readouterr().err
+
+
+def test_a_missing_demo_corpus_says_how_to_build_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as exc:
+        resolve_local_shards(SourceConfig(path="data/demo", key="data.sources[0]"))
+    msg = str(exc.value)
+    assert msg.startswith("data.sources[0].path: no such file or directory 'data/demo' "
+                          f"(relative to the working directory {tmp_path})")
+    assert "`tape-data prepare --demo --out data/demo`" in msg
+    # another relative path: where it was looked for, no demo recipe
+    with pytest.raises(DataError) as exc:
+        resolve_local_shards(SourceConfig(path="corpus", key="data.sources[1]"))
+    assert str(exc.value).endswith(f"'corpus' (relative to the working directory {tmp_path})")
+    # an absolute path says it all
+    with pytest.raises(DataError) as exc:
+        resolve_local_shards(SourceConfig(path=str(tmp_path / "x"), key="data.sources[0]"))
+    assert str(exc.value) == f"data.sources[0].path: no such file or directory '{tmp_path / 'x'}'"
+
+
+def test_tape_eval_refuses_a_missing_checkpoint_before_start_up(tmp_path, monkeypatch, capsys):
+    from tape_train.eval import cli
+
+    def start_up(*_):
+        raise AssertionError("start-up ran before the checkpoint was checked")
+
+    monkeypatch.setattr(cli, "_init_distributed", start_up)
+    missing = tmp_path / "runs" / "demo"
+    assert cli.main(["--checkpoint", str(missing), "--no-progress"]) == 1
+    assert capsys.readouterr().err == (f"tape-eval: error: checkpoint path {missing} "
+                                       f"does not exist\n")
+    # positive control: a checkpoint that resolves gets past the check to the start-up
+    monkeypatch.setattr("tape_train.loading.resolve_checkpoint", lambda p: Path(p))
+    with pytest.raises(AssertionError, match="start-up ran"):
+        cli.main(["--checkpoint", str(missing), "--no-progress"])
+
+
+@pytest.mark.parametrize("module, argv, example", [
+    ("tape_train.train.cli", [], "e.g. tape-train --config demo"),
+    ("tape_train.eval.cli", [], "e.g. tape-eval --checkpoint runs/demo"),
+    ("tape_train.inference.export", [], "e.g. tape-export runs/demo --out exports/demo"),
+    ("tape_train.inference.generate", ["exports/demo"], "e.g. tape-generate exports/demo --prompt"),
+    ("tape_train.cluster.submit", [], "e.g. tape-submit --config configs/train/demo.yaml"),
+    ("tape_train.data.cli", [], "e.g. tape-data prepare --demo --out data/demo"),
+    ("tape_train.data.cli", ["info"], "e.g. tape-data info data/demo"),
+    ("tape_train.data.tokenizer_cli", ["train", "--input", "x"], "e.g. tape-tokenizer train"),
+])
+def test_a_missing_argument_shows_a_command_that_works(module, argv, example, capsys):
+    import importlib
+
+    main = importlib.import_module(module).main
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: the following arguments are required" in err
+    assert f"\n  {example}" in err and "--help lists every option" in err
+    # the example itself parses (where the parser can be built without running the command)
+    mod = importlib.import_module(module)
+    line = err.split("e.g. ", 1)[1].split("\n")[0].split("   (")[0]
+    if hasattr(mod, "build_parser"):
+        import shlex
+
+        mod.build_parser().parse_args(shlex.split(line)[1:])
+
+
+def test_other_usage_errors_keep_argparse_s_message(capsys):
+    from tape_train.train.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--config", "demo", "--world-size", "two"])
+    err = capsys.readouterr().err
+    assert "argument --world-size: invalid int value: 'two'" in err and "e.g." not in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--top-p", "0"], "top_p must be in (0, 1] (1 or None: no limit), got 0.0"),
+    (["--temperature", "-1"], "temperature must be >= 0 (0 = greedy), got -1.0"),
+    (["--top-k", "-2"], "top_k must be >= 1 (0 or None: no limit), got -2"),
+    (["--tokenizer", "nope.model"], "tokenizer nope.model: no such file"),
+])
+def test_tape_generate_refuses_bad_options_before_loading(flags, message, tmp_path, capsys):
+    from tape_train.inference.generate import main
+
+    # the model path does not exist either: the options are checked first, in one line
+    assert main([str(tmp_path / "nowhere"), "--prompt", "x", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tape-generate: error: {message}") and err.count("\n") == 1
+
+
+def test_sampling_settings_that_cannot_sample_are_refused():
+    import torch
+
+    from tape_train.model.generate import check_sampling, sample_next
+
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    # what top_p=0 did before: every token dropped, multinomial over NaNs
+    with pytest.raises(RuntimeError):
+        sample_next(logits, 1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        check_sampling(4, 1.0, None, 0.0)
+    check_sampling(4, 0.0, 0, 1.0)  # greedy, no limits: fine
