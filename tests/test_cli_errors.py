@@ -100,9 +100,9 @@ def test_other_usage_errors_keep_argparse_s_message(capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--top-p", "0"], "top_p must be in (0, 1] (1 or None: no limit), got 0.0"),
-    (["--temperature", "-1"], "temperature must be >= 0 (0 = greedy), got -1.0"),
-    (["--top-k", "-2"], "top_k must be >= 1 (0 or None: no limit), got -2"),
+    (["--top-p", "0"], "--top-p must be in (0, 1] (1 = off), got 0.0"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+    (["--top-k", "-2"], "--top-k must be >= 0 (0 = off), got -2"),
     (["--tokenizer", "nope.model"], "tokenizer nope.model: no such file"),
 ])
 def test_tape_generate_refuses_bad_options_before_loading(flags, message, tmp_path, capsys):

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from tape_train.data import TokenizerError, load_model_tokenizer
+    from tape_train.data import TokenizerError, load_model_tokenizer, load_tokenizer
     from tape_train.inference.loading import load_for_inference
     from tape_train.model.generate import check_sampling
     from tape_train.precision import resolve_dtype
@@ -60,8 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the options first: nothing is loaded for a run that cannot sample
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                        name=lambda key: "--" + key.replace("_", "-"))
-    except ValueError as exc:
-        parser.error(str(exc))
+        if args.tokenizer:
+            load_tokenizer(args.tokenizer)
+    except ValueError as exc:  # a bad --tokenizer (TokenizerError) included
+        print(f"tape-generate: error: {exc}", file=sys.stderr)
+        return 2
     precision = resolve_dtype(args.dtype, "cpu")
     if precision.warning:
         print(f"tape-generate: {precision.warning}", file=sys.stderr)
