@@ -323,11 +323,8 @@ class RunConfig:
             section_cls = classes[name]
             _check_unknown(raw, [f.name for f in dataclasses.fields(section_cls)], name + ".",
                            source, lines)
-            try:
-                if hasattr(section_cls, "from_dict"):
-                    built[name] = section_cls.from_dict(dict(raw), source=f"{source} [{name}]")
-                else:
-                    built[name] = section_cls(**raw)
+            try:  # keys checked above; the message gets one location, the key's line
+                built[name] = section_cls(**raw)
             except ConfigError as exc:
                 raise ConfigError(f"{_where_of_message(source, lines, exc)}: {exc}") from None
             except (ValueError, TypeError) as exc:

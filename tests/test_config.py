@@ -102,6 +102,25 @@ def test_bad_value_in_file_names_the_line(tmp_path):
         load_run_config(path)
 
 
+@pytest.mark.parametrize("text, line, message", [
+    (BASE + "data:\n  sources: [x]\n  tokenizer: 5\n", 10, "data.tokenizer must be a path"),
+    (BASE.replace("interval: 10", "interval: -3"), 7, "eval.interval must be an integer >= 0"),
+], ids=["data", "eval"])
+def test_bad_data_or_eval_value_names_the_file_once(tmp_path, text, line, message):
+    """The data and eval sections validate themselves like the others: one location, the
+    key's line, then the message (not the file a second time)."""
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_run_config(path)
+    assert str(err.value).startswith(f"{path}:{line}: {message}")
+    assert str(err.value).count(str(path)) == 1
+    key = message.split()[0]
+    with pytest.raises(ConfigError) as err:      # from an override: the override, not the file
+        load_run_config(_write(tmp_path, BASE), [f"{key}=-4"])
+    assert str(err.value).startswith(f"override '{key}=-4': {key} ")
+    assert str(tmp_path) not in str(err.value)
+
+
 def test_malformed_override_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="not of the form"):
         parse_override("train.lr")
