@@ -150,3 +150,39 @@ def fsync_tree(root: str | os.PathLike) -> None:
             finally:
                 os.close(fd)
         fsync_dir(dirpath)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs on this host; a zombie (killed, not yet reaped) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): the kill probe is all there is
+
+
+def remove_abandoned_scratch(parent: str | os.PathLike, prefix: str) -> list[Path]:
+    """Delete the scratch directories ``<parent>/<prefix><pid>[-...]`` whose process is gone
+    (a killed ``tape-data prepare`` or ``tape-export`` leaves one): their owner was on this
+    host, as scratch names carry a local pid, and no live process writes into them. Returns
+    what was removed."""
+    import re
+
+    pattern = re.compile(re.escape(prefix) + r"(\d+)(?:-|$)")
+    removed = []
+    try:
+        entries = list(Path(parent).iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = pattern.match(entry.name)
+        if match and entry.is_dir() and not entry.is_symlink() and not pid_alive(int(match[1])):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed

@@ -377,3 +377,30 @@ def test_demo_packages_offline_skips_what_it_cannot_get(tmp_path, monkeypatch, c
     monkeypatch.setattr(demo_corpus, "_run", _FakeApt({}, archive, update_ok=False))
     with pytest.raises(DataError, match="none of the demo packages"):
         demo_corpus.fetch_demo_packages(tmp_path / "empty")
+
+
+def test_scratch_of_a_killed_prepare_is_removed_by_the_next_one(tmp_path):
+    """A SIGKILLed prepare leaves .tmp-prepare-<pid>; the next prepare into the same directory
+    removes it. A live process's scratch is kept (negative control)."""
+    import subprocess as sp
+    import sys
+
+    from tape_train.data.corpus import SCRATCH_PREFIX, write_corpus
+
+    dead = sp.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    abandoned = tmp_path / "out" / f"{SCRATCH_PREFIX}{dead.pid}"
+    (abandoned / "sub").mkdir(parents=True)
+    (abandoned / "sub" / "train-00000.jsonl.zst").write_bytes(b"x" * 1000)
+    alive = sp.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        busy = tmp_path / "out" / f"{SCRATCH_PREFIX}{alive.pid}"
+        busy.mkdir()
+        docs = ({"text": f"document {i} " * 20, "source": "s", "id": str(i)} for i in range(40))
+        write_corpus(docs, tmp_path / "out", num_shards=2, eval_fraction=0.1, seed=0,
+                     config={}, extra={})
+        assert not abandoned.exists()
+        assert busy.is_dir()
+    finally:
+        alive.kill()
+        alive.wait()

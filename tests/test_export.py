@@ -105,3 +105,26 @@ def test_a_kill_while_replacing_an_export_never_leaves_a_half_deleted_one(tmp_pa
     assert sorted(p.name for p in out.iterdir()) == complete
     assert json.loads((out / pretrained.PROVENANCE).read_text())["step"] == 2
     from_pretrained(out)
+
+
+def test_scratch_of_a_killed_export_is_removed_by_the_next_one(tmp_path):
+    """A SIGKILLed export leaves .DIR.partial-<pid>-<hex> beside DIR; the next export to DIR
+    removes it, but not the scratch of a live process (negative control)."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    abandoned = tmp_path / f".export.partial-{dead.pid}-0123abcd"
+    abandoned.mkdir()
+    (abandoned / "model.safetensors").write_bytes(b"half")
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        busy = tmp_path / f".export.partial-{alive.pid}-89abcdef"
+        busy.mkdir()
+        model = small_model("rope", dtype=torch.float32)
+        save_pretrained(model.state_dict(), model.cfg, tmp_path / "export")
+        assert not abandoned.exists() and busy.is_dir()
+    finally:
+        alive.kill()
+        alive.wait()

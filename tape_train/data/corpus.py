@@ -31,9 +31,11 @@ from tape_train.data.formats import (MANIFEST_FORMAT, MANIFEST_NAME,  # noqa: F4
                                       prepared_shard_name, read_complete_manifest)
 from tape_train.data.sources import is_held_out
 from tape_train.data.tokens import TokenShardWriter
-from tape_train.files import fsync_tree, write_atomic
+from tape_train.files import fsync_tree, remove_abandoned_scratch, write_atomic
 
 log = logging.getLogger("tape_train.data")
+# Where a prepare writes before its shards move into place (inside the output directory).
+SCRATCH_PREFIX = ".tmp-prepare-"
 
 class _ShardSet:
     """Round-robin writer over ``n`` zstd-compressed JSONL shards of one split."""
@@ -100,7 +102,9 @@ def write_corpus(documents: Iterable[dict], out_dir: str | os.PathLike, *, num_s
         raise DataError(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".tmp-prepare-{os.getpid()}"
+    for left in remove_abandoned_scratch(out, SCRATCH_PREFIX):
+        log.info("prepare: removed %s, left by an interrupted prepare", left)
+    tmp = out / f"{SCRATCH_PREFIX}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     train = _ShardSet(tmp, "train", num_shards, frame_bytes)

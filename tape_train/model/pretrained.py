@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tape_train.files import fsync_dir, fsync_tree
+from tape_train.files import fsync_dir, fsync_tree, remove_abandoned_scratch
 from tape_train.model.config import ModelConfig
 from tape_train.model.transformer import TransformerLM
 
@@ -82,6 +82,9 @@ def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
     out_dir = Path(out_dir)
     check_export_target(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_scratch(out_dir.parent, f".{out_dir.name}.partial-")  # killed exports
+    if out_dir.exists():  # else the one kept aside may be the only copy: leave it
+        remove_abandoned_scratch(out_dir.parent, f".{out_dir.name}.replaced-")
     suffix = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp = out_dir.parent / f".{out_dir.name}.partial-{suffix}"
     old = out_dir.parent / f".{out_dir.name}.replaced-{suffix}"

@@ -29,7 +29,7 @@ import socket
 import time
 from pathlib import Path
 
-from tape_train.files import fsync_dir
+from tape_train.files import fsync_dir, pid_alive
 
 log = logging.getLogger("tape_train.train")
 
@@ -57,21 +57,6 @@ def describe_holder(holder: dict) -> str:
     return f"{where}, started {holder.get('started')}"
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether ``pid`` runs on this host; a zombie (killed, not yet reaped) does not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, owned by someone else
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True  # no /proc (macOS): the kill probe is all there is
-
-
 def process_start(pid: int) -> str | None:
     """``<boot id>:<start time in clock ticks>`` of process ``pid``: unique to one process on
     this host across pid reuse and reboots; ``None`` without ``/proc`` or without the process."""
@@ -96,7 +81,7 @@ def stale_reason(holder: dict, me: dict) -> str | None:
             pid = int(holder.get("pid"))
         except (TypeError, ValueError):
             return None
-        if pid != me.get("pid") and not _pid_alive(pid):
+        if pid != me.get("pid") and not pid_alive(pid):
             return f"its process {pid} on this host no longer exists"
         recorded, now = holder.get("pid_start"), process_start(pid)
         if recorded and now and recorded != now:
