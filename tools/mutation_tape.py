@@ -2,7 +2,8 @@
 
 Each mutant (tools/mutants_tape.yaml) is one textual edit of one file (model/pe/tape.py, the
 decoder block's E update in model/transformer.py, the modulation and attention around it,
-kernels/reference.py). For each,
+kernels/reference.py, and the second implementation in the Hugging Face remote code,
+inference/hf_remote/modeling_tape.py). For each,
 the repository's ``tape_train/`` and ``tests/`` are copied to a scratch directory, the edit is
 applied there (never to the working tree), and the TAPE tests run against the copy with ``-x``.
 A mutant is *killed* when a test fails, *survives* when all pass. Survivors must be shown
@@ -30,7 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # Fast, discriminating tests first (-x stops at the first failure).
 TESTS = ["tests/test_model_tape_reference.py", "tests/test_model_tape.py",
-         "tests/test_model_encodings.py", "tests/test_model_backends.py"]
+         "tests/test_model_encodings.py", "tests/test_model_backends.py",
+         "tests/test_model_cleanroom.py", "tests/test_hf_export.py"]
 
 
 @dataclass(frozen=True)
