@@ -186,3 +186,22 @@ def remove_abandoned_scratch(parent: str | os.PathLike, prefix: str) -> list[Pat
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed
+
+
+def raise_open_file_limit(needed: int) -> int:
+    """Raise this process's soft limit of open files towards ``needed`` (up to the hard limit,
+    as ``ulimit -n`` may); returns the soft limit now in force (``needed`` where there is no
+    such limit to read)."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return needed
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return needed if soft == resource.RLIM_INFINITY else soft
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return soft
+    return target

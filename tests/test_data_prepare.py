@@ -404,3 +404,35 @@ def test_scratch_of_a_killed_prepare_is_removed_by_the_next_one(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_more_shards_than_open_files_allowed_is_refused_up_front(tmp_path):
+    """--num-shards beyond `ulimit -n` (hard limit included) fails before anything is written,
+    naming the flag and the limit; within the hard limit the soft limit is raised."""
+    import resource
+    import subprocess as sp
+    import sys
+
+    script = f"""
+import resource, sys
+from tape_train.data.config import DataError
+from tape_train.data.corpus import write_corpus
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 512))
+docs = lambda: ({{"text": f"doc {{i}} " * 30, "source": "s", "id": str(i)}} for i in range(50))
+write_corpus(docs(), {str(tmp_path / 'b')!r}, num_shards=300, eval_fraction=0.1)
+print("soft limit now", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+try:
+    write_corpus(docs(), {str(tmp_path / 'a')!r}, num_shards=1000, eval_fraction=0.1)
+except DataError as exc:
+    print("refused:", exc)
+"""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 512:
+        pytest.skip(f"hard open-file limit {hard} < 512 here")
+    out = sp.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "refused: --num-shards 1000 keeps 1001 files open at once, but this process may " \
+           "open only 512 (ulimit -n); use at most 447 shards" in out.stdout
+    assert not (tmp_path / "a").exists()  # refused before anything was written
+    assert "soft limit now 365" in out.stdout  # 300 shards: raised as far as needed
+    assert (tmp_path / "b" / "manifest.json").is_file()

@@ -31,7 +31,8 @@ from tape_train.data.formats import (MANIFEST_FORMAT, MANIFEST_NAME,  # noqa: F4
                                       prepared_shard_name, read_complete_manifest)
 from tape_train.data.sources import is_held_out
 from tape_train.data.tokens import TokenShardWriter
-from tape_train.files import fsync_tree, remove_abandoned_scratch, write_atomic
+from tape_train.files import (fsync_tree, raise_open_file_limit, remove_abandoned_scratch,
+                              write_atomic)
 
 log = logging.getLogger("tape_train.data")
 # Where a prepare writes before its shards move into place (inside the output directory).
@@ -100,6 +101,14 @@ def write_corpus(documents: Iterable[dict], out_dir: str | os.PathLike, *, num_s
         raise DataError(f"--num-shards must be positive, got {num_shards}")
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
+    # Every shard (and its token shard) stays open for the whole pass; 64 for everything else.
+    needed = (num_shards + 1) * (2 if tokenizer is not None else 1) + 64
+    limit = raise_open_file_limit(needed)
+    if limit < needed:
+        raise DataError(f"--num-shards {num_shards} keeps {needed - 64} files open at once, but "
+                        f"this process may open only {limit} (ulimit -n); use at most "
+                        f"{max(1, (limit - 64) // (2 if tokenizer is not None else 1) - 1)} "
+                        f"shards or raise the limit")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for left in remove_abandoned_scratch(out, SCRATCH_PREFIX):
