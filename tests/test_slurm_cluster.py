@@ -10,6 +10,10 @@ module. Tests here use the real batch scripts as tape-submit renders them:
   ranks differ, one all-reduce spans both nodes; a USR1 to the batch shell reaches both ranks,
   which stop together and exit 75 like the trainer; with --max-requeues 0 the script does not
   requeue and the job fails with 75;
+- faults, with the same probe: a rank killed with SIGKILL ends the job within seconds, FAILED,
+  not requeued, with the node that failed first named in the log; a run directory locked by
+  another job fails in the start-up checks before torchrun; `sbatch train.sbatch` used as it
+  is with a misspelt option reports tape-train's own error;
 - the real trainer (tape-train, under torchrun, on a small real-text corpus): a 2-node job
   trains the shrunk `tiny` model with world size 2 and finishes; a second, identical job gets
   `scancel --signal=USR1 --batch` mid-run, checkpoints, requeues itself, resumes and finishes
