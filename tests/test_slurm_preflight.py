@@ -95,6 +95,9 @@ def test_run_dir_locked_by_another_run_fails_on_the_first_node_only(tmp_path, mo
     rc, out, err = run_preflight(args)
     assert (f"FAILED run dir writable: run directory {run} is in use by another run (host "
             f"gpu-node-9, pid 4711, Slurm job 991 (restart 0)") in err
+    # A job SIGKILLed on another host leaves its lock: the message says how to tell and what
+    # to do, since no host can check another host's pid.
+    assert "if Slurm job 991 has ended (`squeue -j 991`) it was killed before releasing" in err
     # The previous incarnation of this same job left it: the trainer takes it over, so passes.
     monkeypatch.setenv("SLURM_JOB_ID", "991")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")

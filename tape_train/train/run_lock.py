@@ -112,9 +112,12 @@ def _refusal(path: Path, holder: dict | None, me: dict) -> str | None:
         return (f"run directory {path.parent} has an unreadable lock {path}; if no run uses "
                 f"the directory, delete it")
     if holder and stale_reason(holder, me) is None:
+        ended = (f"; if Slurm job {holder['slurm_job_id']} has ended (`squeue -j "
+                 f"{holder['slurm_job_id']}`) it was killed before releasing the lock: delete "
+                 f"the lock" if holder.get("slurm_job_id") else "")
         return (f"run directory {path.parent} is in use by another run "
                 f"({describe_holder(holder)}; lock {path}). Use another train.run_dir, or wait "
-                f"for that run to end")
+                f"for that run to end{ended}")
     return None
 
 
