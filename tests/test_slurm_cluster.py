@@ -10,6 +10,10 @@ module. Tests here use the real batch scripts as tape-submit renders them:
   ranks differ, one all-reduce spans both nodes; a USR1 to the batch shell reaches both ranks,
   which stop together and exit 75 like the trainer; with --max-requeues 0 the script does not
   requeue and the job fails with 75;
+- faults, with the same probe: a rank killed with SIGKILL ends the job within seconds, FAILED,
+  not requeued, with the node that failed first named in the log; a run directory locked by
+  another job fails in the start-up checks before torchrun; `sbatch train.sbatch` used as it
+  is with a misspelt option reports tape-train's own error;
 - the real trainer (tape-train, under torchrun, on a small real-text corpus): a 2-node job
   trains the shrunk `tiny` model with world size 2 and finishes; a second, identical job gets
   `scancel --signal=USR1 --batch` mid-run, checkpoints, requeues itself, resumes and finishes
@@ -24,7 +28,9 @@ import contextlib
 import io
 import json
 import math
+import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -34,7 +40,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_cluster import SlurmCluster, SlurmUnavailable  # noqa: E402
 
+import tape_train  # noqa: E402
 from tape_train.cluster import submit  # noqa: E402
+from tape_train.train.run_lock import LOCK_NAME  # noqa: E402
+
+REPO_ROOT = Path(tape_train.__file__).resolve().parents[1]
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -128,7 +138,8 @@ if restart == 0:
         if flag.item() > 0:
             break
         if steps == 0:
-            open(os.path.join(out, f"waiting-{rank}"), "w").close()
+            with open(os.path.join(out, f"waiting-{rank}"), "w") as f:
+                f.write(str(os.getpid()))
         steps += 1
         time.sleep(0.2)
 record["steps_before_stop"] = steps
@@ -139,27 +150,30 @@ sys.exit(75 if restart == 0 else 0)
 '''
 
 
-def test_two_node_probe_rendezvous_and_signal_forwarding(cluster, tmp_path, monkeypatch):
+def submit_probe(cluster, tmp_path: Path, monkeypatch, extra: list[str] = ()
+                 ) -> tuple[int, Path, Path]:
+    """tape-submit a 2-node job running PROBE_SOURCE in place of the trainer; returns (job id,
+    the probe's output directory, the job's log). The nodes import this checkout's
+    tape_train (PYTHONPATH), whatever the interpreter has installed."""
     (tmp_path / "slurm_probe.py").write_text(PROBE_SOURCE)
     out = tmp_path / "probe"
     out.mkdir()
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(REPO_ROOT)]))
     monkeypatch.setenv("PROBE_OUT", str(out))
     monkeypatch.setenv("SLURM_CONF", str(cluster.conf_path))
     config = write_run_config(tmp_path / "run.yaml", tmp_path / "run")
-    # --max-requeues 0: the stop must not requeue (the requeue itself is exercised with the
-    # real trainer below), so this job ends after one run, FAILED with the trainer's 75.
     rc, stdout, err = tape_submit(
         ["--config", str(config), "--nodes", "2", "--cpus-per-task", "1", "--time", "00:10:00",
          "--signal-grace", "120", "--socket-ifname", "lo", "--min-free-gb", "0.01",
-         "--train-module", "slurm_probe", "--job-name", "probe", "--log-dir", "logs",
-         "--max-requeues", "0"])
+         "--train-module", "slurm_probe", "--job-name", "probe", "--log-dir", "logs", *extra])
     assert rc == 0, err
     job_id = int(stdout.split()[0])
-    log = tmp_path / "logs" / f"probe-{job_id}.out"
+    return job_id, out, tmp_path / "logs" / f"probe-{job_id}.out"
 
-    # Wait until both ranks are inside their loop, then "preempt" the batch shell only.
+
+def wait_for_probe_loop(cluster, job_id: int, out: Path, log: Path) -> list[int]:
+    """Waits until both probe ranks are inside their loop; returns their pids (rank order)."""
     deadline = time.monotonic() + 120
     while not all((out / f"waiting-{r}").exists() for r in (0, 1)):
         info = cluster.job_info(job_id)
@@ -167,6 +181,16 @@ def test_two_node_probe_rendezvous_and_signal_forwarding(cluster, tmp_path, monk
             f"{info}\n{log.read_text() if log.exists() else 'no log'}")
         assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
         time.sleep(0.3)
+    time.sleep(0.2)   # the pid is written right after the file is created
+    return [int((out / f"waiting-{r}").read_text()) for r in (0, 1)]
+
+
+def test_two_node_probe_rendezvous_and_signal_forwarding(cluster, tmp_path, monkeypatch):
+    # --max-requeues 0: the stop must not requeue (the requeue itself is exercised with the
+    # real trainer below), so this job ends after one run, FAILED with the trainer's 75.
+    job_id, out, log = submit_probe(cluster, tmp_path, monkeypatch, ["--max-requeues", "0"])
+    # Wait until both ranks are inside their loop, then "preempt" the batch shell only.
+    wait_for_probe_loop(cluster, job_id, out, log)
     cluster.run(["scancel", "--signal=USR1", "--batch", str(job_id)])
     info = cluster.wait_for_job(job_id, timeout=120)
     text = log.read_text()
@@ -190,6 +214,62 @@ def test_two_node_probe_rendezvous_and_signal_forwarding(cluster, tmp_path, monk
     assert len(re.findall(r"\[preflight ttnode\d\] all 5 start-up checks passed", text)) == 2
     assert "caught SIGUSR1" in text and "SLURM_RESTART_COUNT=0" in text
     assert "NOT requeueing: restart count 0 reached TAPE_MAX_REQUEUES=0" in text
+
+
+def test_a_killed_rank_stops_the_job_promptly_naming_its_node(cluster, tmp_path, monkeypatch):
+    # Node rank 1's worker dies of SIGKILL (OOM killer, a crash): its torchrun fails, the
+    # other rank's collective fails when the connection closes, and the job ends FAILED,
+    # not requeued, long before srun --wait (grace + 60 = 180 s) would cut it short.
+    job_id, out, log = submit_probe(cluster, tmp_path, monkeypatch)
+    pids = wait_for_probe_loop(cluster, job_id, out, log)
+    killed_at = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    info = cluster.wait_for_job(job_id, timeout=120)
+    elapsed = time.monotonic() - killed_at
+    text = log.read_text()
+    assert info.state == "FAILED" and info.exit_code == "1:0", f"{info.raw}\n{text}"
+    assert info.restart_count == 0 and elapsed < 60, (elapsed, text)
+    assert "SIGKILL" in text   # torchrun's Root Cause block: rank 1, exitcode -9 (SIGKILL)
+    node = dict(re.findall(r"node (ttnode\d) \(node rank (\d)\): torchrun exited", text))
+    assert sorted(node.values()) == ["0", "1"], text
+    first = re.search(r"node (ttnode\d) \(node rank (\d)\): torchrun exited with [1-9]", text)
+    assert first and first.group(2) == "1", text   # the node that failed first comes first
+    assert "ERROR: training failed (exit 1); not requeueing" in text
+    assert "requeueing job" not in text
+
+
+def test_run_dir_locked_by_another_job_fails_in_preflight(cluster, tmp_path, monkeypatch):
+    # Another job (on another host) holds the run directory: the first node's start-up check
+    # names it, before torchrun starts, and the job is not requeued; the lock stays as it was.
+    lock = tmp_path / "run" / LOCK_NAME
+    lock.parent.mkdir()
+    holder = ('{"host": "gpu-node-9", "pid": 4711, "slurm_job_id": "991", '
+              '"slurm_restart_count": "0", "started": "2026-01-01T00:00:00Z"}\n')
+    lock.write_text(holder)
+    job_id, out, log = submit_probe(cluster, tmp_path, monkeypatch)
+    info = cluster.wait_for_job(job_id, timeout=120)
+    text = log.read_text()
+    assert info.state == "FAILED" and info.restart_count == 0, f"{info.raw}\n{text}"
+    assert re.search(r"\[preflight ttnode\d\] FAILED run dir writable: run directory "
+                     + re.escape(str(lock.parent)) + r" is in use by another run \(host "
+                     r"gpu-node-9, pid 4711, Slurm job 991", text), text
+    assert "ERROR: start-up checks failed" in text
+    assert not list(out.iterdir()), "the probe (the trainer) must not have started"
+    assert lock.read_text() == holder
+
+
+def test_plain_sbatch_with_bad_training_arguments_says_what_is_wrong(cluster, tmp_path):
+    # launch/slurm/train.sbatch submitted as it is (no tape-submit), with a misspelt option.
+    (tmp_path / "logs" / "slurm").mkdir(parents=True)
+    script = REPO_ROOT / "launch" / "slurm" / "train.sbatch"
+    job_id = cluster.sbatch(["--nodes=1", "--cpus-per-task=1", "--time=5", str(script),
+                             "--confg", "run.yaml"], cwd=tmp_path,
+                            env={"PYTHONPATH": str(REPO_ROOT), "TAPE_PYTHON": sys.executable})
+    info = cluster.wait_for_job(job_id, timeout=120)
+    text = (tmp_path / "logs" / "slurm" / f"tape-train-{job_id}.out").read_text()
+    assert info.state == "FAILED" and info.restart_count == 0, f"{info.raw}\n{text}"
+    assert ("tape-train would reject the arguments ['--confg', 'run.yaml']: the following "
+            "arguments are required: --config") in text, text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -55,6 +55,57 @@ def test_bad_training_arguments_fail_naming_the_node(tmp_path, monkeypatch):
     assert "missing.yaml" in err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--confg", "run.yaml"], "the following arguments are required: --config"),
+    (["--config", "run.yaml", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_rejected_training_arguments_say_what_tape_train_says(tmp_path, monkeypatch, args,
+                                                                message):
+    # argparse's error line, not the usage or a hint printed after it.
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run_preflight(["--", *args])
+    assert rc == 1
+    assert f"tape-train would reject the arguments {args}: {message}" in err
+
+
+def test_overrides_may_follow_options_as_for_tape_train(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("model: tiny\ntrain:\n  synthetic_data: true\n")
+    rc, out, err = run_preflight(["--min-free-gb", "0", "--", "--config", "run.yaml",
+                                  "train.max_steps=3", "--allow-config-change",
+                                  "train.run_dir=runs/after-option"])
+    assert rc == 0, err
+    assert f"run dir writable: {tmp_path / 'runs' / 'after-option'}" in out
+
+
+def test_run_dir_locked_by_another_run_fails_on_the_first_node_only(tmp_path, monkeypatch):
+    from tape_train.train.run_lock import LOCK_NAME
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_NAME).write_text('{"host": "gpu-node-9", "pid": 4711, "slurm_job_id": "991", '
+                                 '"slurm_restart_count": "0", "started": "2026-01-01T00:00:00Z"}')
+    monkeypatch.setenv("SLURM_JOB_ID", "992")
+    args = ["--run-dir", str(run), "--min-free-gb", "0"]
+    for node_id, expect_rc in (("0", 1), ("1", 0)):   # rank 0 (which takes the lock) is on 0
+        monkeypatch.setenv("SLURM_NODEID", node_id)
+        rc, out, err = run_preflight(args)
+        assert rc == expect_rc, (node_id, out, err)
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    rc, out, err = run_preflight(args)
+    assert (f"FAILED run dir writable: run directory {run} is in use by another run (host "
+            f"gpu-node-9, pid 4711, Slurm job 991 (restart 0)") in err
+    # A job SIGKILLed on another host leaves its lock: the message says how to tell and what
+    # to do, since no host can check another host's pid.
+    assert "if Slurm job 991 has ended (`squeue -j 991`) it was killed before releasing" in err
+    # The previous incarnation of this same job left it: the trainer takes it over, so passes.
+    monkeypatch.setenv("SLURM_JOB_ID", "991")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    rc, out, err = run_preflight(args)
+    assert rc == 0, err
+    assert "(no other run holds its lock)" in out
+
+
 def test_not_enough_free_disk_fails_naming_node_and_amount(tmp_path):
     rc, out, err = run_preflight(["--run-dir", str(tmp_path), "--min-free-gb", "1e12"])
     assert rc == 1

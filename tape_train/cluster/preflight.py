@@ -4,7 +4,8 @@
         [--min-free-gb G] [--run-dir DIR] [--train-module M] [-- --config <yaml> key=value ...]
 
 Checks: the Python version, that the training packages import, that the node sees the GPUs
-requested (or says it is a CPU node), that the run directory is writable and has free space,
+requested (or says it is a CPU node), that the run directory is writable (and, on the node of
+rank 0, not locked by another run: ``RUN.lock``) and has free space,
 and, given the training arguments, the trainer's own input checks as this node sees them
 (``tape_train.train.preflight``: tokenizer, data files, held-out lengths, the job's layout).
 The run directory is `--run-dir`, or `train.run_dir` of the training arguments after `--`.
@@ -82,8 +83,12 @@ def check_devices(gpus_per_node: int) -> CheckResult:
                        f"requested (CUDA_VISIBLE_DEVICES={cvd})")
 
 
-def check_run_dir_writable(run_dir: Path, node: str) -> CheckResult:
-    """Create the run directory if needed and write, read back and remove a probe file."""
+def check_run_dir_writable(run_dir: Path, node: str, check_lock: bool = False) -> CheckResult:
+    """Create the run directory if needed and write, read back and remove a probe file.
+
+    With ``check_lock`` (on the node of the trainer's rank 0, which takes the lock), also that
+    no other run holds ``RUN.lock`` there: the trainer would refuse to start, after torchrun,
+    the imports and the rendezvous."""
     probe = run_dir / f".preflight-{node}-{os.getpid()}"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -93,6 +98,13 @@ def check_run_dir_writable(run_dir: Path, node: str) -> CheckResult:
         probe.unlink()
     except OSError as exc:
         return CheckResult("run dir writable", False, f"{run_dir}: {exc}")
+    if check_lock:
+        from tape_train.train.run_lock import lock_refusal
+
+        refusal = lock_refusal(run_dir)
+        if refusal is not None:
+            return CheckResult("run dir writable", False, refusal)
+        return CheckResult("run dir writable", True, f"{run_dir} (no other run holds its lock)")
     return CheckResult("run dir writable", True, str(run_dir))
 
 
@@ -140,7 +152,9 @@ def run_checks(run_dir: Path, gpus_per_node: int, min_free_gb: float,
         check_python(),
         check_imports(),
         check_devices(gpus_per_node),
-        check_run_dir_writable(run_dir, node),
+        # Rank 0, on node rank 0, takes the run lock (Slurm numbers the job's nodes from 0).
+        check_run_dir_writable(run_dir, node,
+                               check_lock=os.environ.get("SLURM_NODEID", "0") == "0"),
         check_free_disk(run_dir, min_free_gb),
     ]
     if train_args:

@@ -28,11 +28,14 @@ def parse_train_args(args: list[str]) -> argparse.Namespace:
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            return build_parser().parse_args(args)
+            # As tape-train parses them: overrides may follow options.
+            return build_parser().parse_intermixed_args(args)
     except SystemExit:
-        message = stderr.getvalue().strip().splitlines()
+        # argparse prints the usage, then "<prog>: error: <what>", then perhaps hint lines.
+        errors = [line.split(": error: ", 1)[1] for line in stderr.getvalue().splitlines()
+                  if ": error: " in line]
         raise TrainArgsError(f"tape-train would reject the arguments {args}: "
-                             f"{message[-1] if message else 'invalid arguments'}") from None
+                             f"{errors[0] if errors else 'invalid arguments'}") from None
 
 
 def resolve_run_dir(args: list[str], base_dir: Path | None = None) -> Path:

@@ -90,6 +90,29 @@ def stale_reason(holder: dict, me: dict) -> str | None:
     return None
 
 
+def _refusal(path: Path, holder: dict | None, me: dict) -> str | None:
+    """Why ``me`` may not take the lock at ``path`` held by ``holder`` (``{}``: released);
+    ``None`` when it may (no holder, or a stale one)."""
+    if holder is None:
+        return (f"run directory {path.parent} has an unreadable lock {path}; if no run uses "
+                f"the directory, delete it")
+    if holder and stale_reason(holder, me) is None:
+        ended = (f"; if Slurm job {holder['slurm_job_id']} has ended (`squeue -j "
+                 f"{holder['slurm_job_id']}`) it was killed before releasing the lock: delete "
+                 f"the lock" if holder.get("slurm_job_id") else "")
+        return (f"run directory {path.parent} is in use by another run "
+                f"({describe_holder(holder)}; lock {path}). Use another train.run_dir, or wait "
+                f"for that run to end{ended}")
+    return None
+
+
+def lock_refusal(run_dir: str | os.PathLike) -> str | None:
+    """What ``RunLock(run_dir).acquire()`` would refuse with now, without taking the lock
+    (``None``: it would succeed). For start-up checks that run before the trainer."""
+    lock = RunLock(run_dir)
+    return _refusal(lock.path, lock._read(), lock.me)
+
+
 class RunLock:
     """The lock of one run directory, held by this process until ``release()``."""
 
@@ -110,14 +133,12 @@ class RunLock:
                 self.held = True
                 return self
             holder = self._read()
-            if holder is None:
-                raise RunLockError(f"run directory {self.path.parent} has an unreadable lock "
-                                   f"{self.path}; if no run uses the directory, delete it")
+            refusal = _refusal(self.path, holder, self.me)
+            if refusal is not None:
+                raise RunLockError(refusal)
+            if not holder:
+                continue  # released meanwhile: create again
             reason = stale_reason(holder, self.me)
-            if reason is None:
-                raise RunLockError(f"run directory {self.path.parent} is in use by another run "
-                                   f"({describe_holder(holder)}; lock {self.path}). Use another "
-                                   f"train.run_dir, or wait for that run to end")
             if self._take_over(holder):
                 log.warning("took over the lock of run directory %s from %s: %s",
                             self.path.parent, describe_holder(holder), reason)
