@@ -131,6 +131,8 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
 def _check_attention_backend(cfg, device_type: str, report: Report) -> None:
     """An explicit ``model.attn_backend`` that cannot run for this encoding or on the target
     device (the model would raise at its first forward, after DeepSpeed start-up)."""
+    from tape_train.model.config import CUDA_ONLY_BACKENDS
+
     backend, spec = cfg.model.attn_backend, cfg.model.encoding
     key = f"model.attn_backend={backend}"
     if backend == "flash" and not spec.flash_ok:
@@ -139,7 +141,7 @@ def _check_attention_backend(cfg, device_type: str, report: Report) -> None:
     elif backend == "blocked" and spec.dense_bias:
         report.problem(f"{key} has no dense logit bias; pe={cfg.model.pe} needs sdpa, eager "
                        f"or auto")
-    elif backend in ("flash", "triton") and device_type != "cuda" \
+    elif backend in CUDA_ONLY_BACKENDS and device_type != "cuda" \
             and not (backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
         report.problem(f"{key} needs a CUDA device, and this run trains on {device_type} "
                        f"(train.device={cfg.train.device}); use auto")
