@@ -2,17 +2,44 @@
 
 ``mode`` is ``"auto"`` (a bar when the stream is a terminal), ``True``/``"on"`` (always) or
 ``False``/``"off"`` (never). Without a bar, commands report progress as ordinary greppable log
-lines, so a redirected log never holds carriage returns.
+lines, so a redirected log never holds carriage returns. ``setup_cli_logging`` makes those lines
+one per record, whatever library logged them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import sys
 from typing import IO
 
 MODES = ("auto", "on", "off")
+CLI_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _not_printed_by_its_library(record: logging.LogRecord) -> bool:
+    """False for a record whose own logger chain has a handler below the root: libraries such
+    as huggingface_hub and datasets attach a stderr handler to their loggers (at import, i.e.
+    possibly after ours was set up) and also propagate, so the root would print it twice."""
+    logger = logging.getLogger(record.name)
+    while logger is not None and logger is not logging.root:
+        if logger.handlers:
+            return False
+        logger = logger.parent if logger.propagate else None
+    return True
+
+
+def setup_cli_logging(level: int = logging.INFO) -> None:
+    """A command's log on stderr: one ``time LEVEL logger: message`` line per record, and no
+    second copy of what a library prints through its own handler. Keeps an existing root
+    setup (a command called from another one, or from tests) apart from adding the filter."""
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=level, stream=sys.stderr, format=CLI_LOG_FORMAT)
+    for handler in root.handlers:
+        if _not_printed_by_its_library not in handler.filters:
+            handler.addFilter(_not_printed_by_its_library)
 
 
 def show_progress(mode: bool | str = "auto", stream: IO | None = None) -> bool:

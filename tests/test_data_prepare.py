@@ -283,8 +283,10 @@ def test_prepare_hub_errors_are_one_line_and_leave_nothing_complete(tmp_path, pa
 
     out = str(tmp_path / "o")
     missing = str(tmp_path / "no-such-dataset")  # a local path: no network in tests
-    assert error("--hub", missing, "--out", out).startswith(
+    line = error("--hub", missing, "--out", out)
+    assert line.startswith(
         f"tape-data: error: --hub: cannot open dataset '{missing}' (config=None, split='train')")
+    assert "HF_HUB_OFFLINE" not in line  # a missing dataset is not a network problem
     assert error("--hub", "parquet", "--data-files", files, "--text-field", "body",
                  "--out", out) == ("tape-data: error: --text-field: dataset 'parquet' has no "
                                    "field 'body' (its fields: text, url)")
@@ -436,3 +438,20 @@ except DataError as exc:
     assert not (tmp_path / "a").exists()  # refused before anything was written
     assert "soft limit now 365" in out.stdout  # 300 shards: raised as far as needed
     assert (tmp_path / "b" / "manifest.json").is_file()
+
+
+def test_prepare_hub_without_network_says_what_to_do(tmp_path, monkeypatch, capsys):
+    """No route to the Hub (a compute node without internet): the one error line says how to
+    go on — prepare where the Hub is reachable, or HF_HUB_OFFLINE=1 with a filled cache."""
+    import datasets
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'org/corpus' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset_builder", unreachable)
+    assert data_cli.main(["prepare", "--hub", "org/corpus", "--out", str(tmp_path / "o"),
+                          "--progress", "off"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("tape-data: error: --hub: cannot open dataset 'org/corpus'")
+    assert "No connection to the Hub" in err and "HF_HUB_OFFLINE=1" in err
+    assert not (tmp_path / "o" / "manifest.json").exists()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 
 import pytest
 
@@ -57,3 +59,24 @@ def test_deepspeed_s_own_bar_follows_the_convention():
     assert "Loading checkpoint shards" in drawn(_Terminal())   # a terminal: the bar
     assert "\r" in drawn(_Terminal())
     assert zero_to_fp32.tqdm.__module__.startswith("tqdm")     # restored after the block
+
+
+def test_cli_logging_prints_a_library_line_once():
+    """huggingface_hub and datasets attach their own stderr handler and also propagate: under
+    the commands' logging each of their lines came out twice. A library logger that only
+    propagates (the negative control) is still printed, in the commands' format."""
+    code = (
+        "import logging, sys\n"
+        "from tape_train.progress import setup_cli_logging\n"
+        "setup_cli_logging()\n"
+        "lib = logging.getLogger('somelib')\n"  # what huggingface_hub does at import
+        "lib.addHandler(logging.StreamHandler(sys.stderr))\n"
+        "logging.getLogger('somelib.http').warning('retrying in 1s')\n"
+        "logging.getLogger('otherlib').warning('plain library line')\n"
+        "logging.getLogger('tape_train.data').info('our line')\n")
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stderr.splitlines()
+    assert sum("retrying in 1s" in line for line in err) == 1, err
+    assert [line for line in err if "plain library line" in line][0].endswith(
+        "WARNING otherlib: plain library line")
+    assert any(line.endswith("INFO tape_train.data: our line") for line in err)

@@ -27,7 +27,7 @@ from tape_train.data.corpus import read_complete_manifest, write_corpus
 from tape_train.data.formats import (SkipLog, hub_shards, open_hub_dataset, read_documents,
                                      resolve_local_shards)
 from tape_train.hints import example_on_missing
-from tape_train.progress import MODES, progress_bar
+from tape_train.progress import MODES, progress_bar, setup_cli_logging
 
 log = logging.getLogger("tape_train.data")
 
@@ -250,8 +250,7 @@ def _print_summary(out: Path, manifest: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_cli_logging()
     try:
         if args.command == "prepare":
             return _prepare(args)

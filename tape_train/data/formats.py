@@ -415,9 +415,14 @@ def open_hub_dataset(source: SourceConfig):
                                                 data_files=source.data_files)
         ds = builder.as_streaming_dataset(split=source.split)
     except Exception as exc:  # network, missing dataset, bad config or split: user-facing
+        offline = isinstance(exc, ConnectionError) or "Couldn't reach" in str(exc)
         raise DataError(f"{source.field_key('hub')}: cannot open dataset {source.hub!r} "
                         f"(config={source.config!r}, split={source.split!r}): "
-                        f"{type(exc).__name__}: {str(exc)[:300]}") from None
+                        f"{type(exc).__name__}: {str(exc)[:300]}"
+                        + (". No connection to the Hub: prepare the corpus where the Hub is "
+                           "reachable (`tape-data prepare --hub`, docs/data.md) and train from "
+                           "the prepared directory, or set HF_HUB_OFFLINE=1 to read what the "
+                           "Hugging Face cache already holds" if offline else "")) from None
     fields = list(ds.features) if ds.features is not None else None
     if fields is not None and source.text_field not in fields:
         raise DataError(f"{source.field_key('text_field')}: dataset {source.hub!r} has no field "

@@ -27,6 +27,7 @@ from tape_train.data.formats import SkipLog
 from tape_train.data.sources import SourceCursor
 from tape_train.files import write_atomic
 from tape_train.hints import example_on_missing
+from tape_train.progress import setup_cli_logging
 from tape_train.data.tokenizer import (MODEL_TYPES, TokenizerTrainSpec, load_tokenizer,
                                        train_tokenizer)
 from tape_train.resources import named_file
@@ -156,8 +157,7 @@ def _info(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_cli_logging()
     try:
         return _train(args) if args.command == "train" else _info(args)
     except DataError as exc:

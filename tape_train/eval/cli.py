@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from tape_train.hints import example_on_missing
-from tape_train.progress import MODES, show_progress
+from tape_train.progress import MODES, setup_cli_logging, show_progress
 
 log = logging.getLogger("tape_train.eval")
 
@@ -252,11 +252,7 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not logging.getLogger().handlers:
-        rank = os.environ.get("RANK", "0")
-        logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                            stream=sys.stderr)
+    setup_cli_logging(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
     try:
         return run(args)
     except (ValueError, FileNotFoundError, RuntimeError) as err:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from tape_train.hints import example_on_missing
+from tape_train.progress import setup_cli_logging
 
 log = logging.getLogger("tape_train.export")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", help="tokenizer .model to bundle (default: the run's)")
     example_on_missing(parser, "tape-export runs/demo --out exports/demo")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_cli_logging()
 
     import torch
 
