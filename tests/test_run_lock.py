@@ -102,7 +102,7 @@ def test_unreadable_lock_is_refused(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # A holder on another host, in another Slurm job: Slurm is asked whether that job has ended
 # (stand-in squeue scripts, first on PATH; what the real one prints is measured on the test
-# cluster and recorded in shared/notes/slurm.md).
+# cluster and recorded in docs/slurm.md, "Measured on the test cluster").
 # ---------------------------------------------------------------------------------------------
 def _write_killed_job_lock(run_dir, **extra):
     """The lock a job killed outright on node-a (SIGKILL, OOM killer, node failure) left."""
@@ -220,28 +220,27 @@ def test_when_slurm_cannot_tell_the_lock_is_refused_saying_what_happened(
 def test_slurm_is_not_asked_when_its_answer_could_not_be_trusted(tmp_path, monkeypatch,
                                                                  resubmitted):
     resubmitted.squeue_prints("4242 CANCELLED")   # would say "ended" if asked
-    # A live holder on this host is never taken over, whatever Slurm says about its job.
-    _write_killed_job_lock(tmp_path, host=socket.gethostname(), pid=os.getppid())
-    with pytest.raises(RunLockError, match=r"in use by another run .*for that run to end$"):
-        RunLock(tmp_path).acquire()
-    # Another host outside Slurm: nothing to ask, refused.
-    _write_killed_job_lock(tmp_path, slurm_job_id=None)
-    with pytest.raises(RunLockError, match="it ran outside Slurm on host node-a, whose "
-                                           "processes cannot be checked from here"):
-        RunLock(tmp_path).acquire()
-    # This very incarnation of our own job (rank 0 elsewhere): it runs.
-    _write_killed_job_lock(tmp_path, slurm_job_id="5000")
-    with pytest.raises(RunLockError, match="for that run to end$"):
-        RunLock(tmp_path).acquire()
-    # Another cluster sharing the file system: our controller does not know its ids.
-    _write_killed_job_lock(tmp_path, slurm_cluster="othercluster")
-    with pytest.raises(RunLockError, match="its job ran on Slurm cluster othercluster and "
-                                           "this is cluster tapetest"):
-        RunLock(tmp_path).acquire()
-    # A job id that is not one (a hand-edited lock) is never passed to squeue.
-    _write_killed_job_lock(tmp_path, slurm_job_id="--help")
-    with pytest.raises(RunLockError, match="job id '--help' is not one squeue can be asked"):
-        RunLock(tmp_path).acquire()
+    cases = [
+        # A live holder on this host is never taken over, whatever Slurm says about its job.
+        ({"host": socket.gethostname(), "pid": os.getppid()},
+         r"in use by another run .*for that run to end$"),
+        # Another host outside Slurm: nothing to ask.
+        ({"slurm_job_id": None}, "it ran outside Slurm on host node-a, whose processes cannot "
+                                 "be checked from here"),
+        # This very incarnation of our own job (rank 0 elsewhere): it runs.
+        ({"slurm_job_id": "5000"}, "for that run to end$"),
+        # Another cluster sharing the file system: our controller does not know its ids.
+        ({"slurm_cluster": "othercluster"}, "its job ran on Slurm cluster othercluster and "
+                                            "this is cluster tapetest"),
+        # An older lock, without its cluster.
+        ({"slurm_cluster": None}, "the lock does not say which Slurm cluster job 4242 ran on"),
+        # A job id that is not one (a hand-edited lock) is never passed to squeue.
+        ({"slurm_job_id": "--help"}, "job id '--help' is not one squeue can be asked"),
+    ]
+    for fields, refusal in cases:
+        _write_killed_job_lock(tmp_path, **fields)
+        with pytest.raises(RunLockError, match=refusal):
+            RunLock(tmp_path).acquire()
     assert resubmitted.calls == []
     # Positive control: the same lock as written by the killed job is taken over.
     _write_killed_job_lock(tmp_path)

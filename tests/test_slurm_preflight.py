@@ -85,9 +85,11 @@ def test_run_dir_locked_by_another_run_fails_on_the_first_node_only(tmp_path, mo
     run = tmp_path / "run"
     run.mkdir()
     (run / LOCK_NAME).write_text('{"host": "gpu-node-9", "pid": 4711, "slurm_job_id": "991", '
-                                 '"slurm_restart_count": "0", "started": "2026-01-01T00:00:00Z"}')
+                                 '"slurm_restart_count": "0", "slurm_cluster": "hpc", '
+                                 '"started": "2026-01-01T00:00:00Z"}')
     fake_slurm.squeue_prints("991 RUNNING")
     monkeypatch.setenv("SLURM_JOB_ID", "992")
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "hpc")
     args = ["--run-dir", str(run), "--min-free-gb", "0"]
     for node_id, expect_rc in (("0", 1), ("1", 0)):   # rank 0 (which takes the lock) is on 0
         monkeypatch.setenv("SLURM_NODEID", node_id)

@@ -2,9 +2,10 @@
 
 The lock file is created by hard-linking a private, fully written file to the lock name (the
 link is atomic and fails if the name exists, on local filesystems and on NFS, Lustre, GPFS;
-a reader never sees a lock without content). It holds JSON naming its holder: host, pid, Slurm job id and restart count,
-start time. Only rank 0 takes it; the trainer makes the verdict collective, so every rank of
-a refused run stops before touching anything.
+a reader never sees a lock without content). It holds JSON naming its holder: host, pid and
+its start, Slurm job id, restart count and cluster name, start time. Only rank 0 takes it;
+the trainer makes the verdict collective, so every rank of a refused run stops before
+touching anything.
 
 A lock is *stale*, and taken over with a log line, when its holder
 
@@ -24,9 +25,9 @@ Anything else refuses the start with one line naming the holder: a live process 
 process on another host outside Slurm (nothing can tell whether it runs), or another job that
 Slurm does not positively report as ended (pending, running, completing, requeued, suspended;
 or squeue missing, failing, silent or slower than ``SLURM_QUERY_TIMEOUT_S``; or the holder's
-job ran on another cluster, whose ids ours does not know) -- the refusal then says what Slurm
-answered. A lock that cannot be parsed is refused too (it may be being written): delete it by
-hand once sure nothing runs there.
+job ran on another cluster, whose ids ours does not know, or its lock does not name its
+cluster) -- the refusal then says what Slurm answered. A lock that cannot be parsed is
+refused too (it may be being written): delete it by hand once sure nothing runs there.
 """
 
 from __future__ import annotations
@@ -198,13 +199,16 @@ def stale_reason(holder: dict, me: dict) -> tuple[str | None, str | None]:
     if not _JOB_ID.fullmatch(str(job)):
         return None, (f"its Slurm job id {job!r} is not one squeue can be asked about: "
                       f"if no run uses the directory, delete the lock")
+    # Job ids are per cluster: only the holder's own cluster can say that job N has ended.
     theirs = holder.get("slurm_cluster")
-    if theirs:
-        ours = slurm_cluster_name()
-        if ours != theirs:
-            here = f"this is cluster {ours}" if ours else "this host's cluster is unknown"
-            return None, (f"its job ran on Slurm cluster {theirs} and {here}, whose job ids "
-                          f"are not the same: {by_hand}")
+    if not theirs:
+        return None, (f"the lock does not say which Slurm cluster job {job} ran on (written by "
+                      f"an older tape-train), so Slurm is not asked: {by_hand}")
+    ours = slurm_cluster_name()
+    if ours != theirs:
+        here = f"this is cluster {ours}" if ours else "this host's cluster is unknown"
+        return None, (f"its job ran on Slurm cluster {theirs} and {here}, whose job ids are "
+                      f"not the same: {by_hand}")
     ended, said = slurm_job_ended(job)
     if ended:
         return f"its Slurm job {job} has ended: {said}", None
