@@ -11,3 +11,40 @@ from tape_train.data.testing import train_small_tokenizer
 def tok(tmp_path_factory):
     """A small sentencepiece tokenizer trained on real text (deterministic; read-only)."""
     return train_small_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+class FakeSlurm:
+    """Stand-in Slurm client commands, first on PATH: each is a small shell script whose body
+    a test chooses (print a state, fail, hang) and which appends its arguments to ``calls``."""
+
+    def __init__(self, bin_dir):
+        self.bin_dir = bin_dir
+        self.calls_file = bin_dir / "calls"
+
+    def command(self, name: str, body: str) -> None:
+        path = self.bin_dir / name
+        path.write_text(f'#!/bin/sh\necho "{name} $*" >> "{self.calls_file}"\n{body}\n')
+        path.chmod(0o755)
+
+    def squeue_prints(self, stdout: str) -> None:
+        self.command("squeue", f"printf '{stdout}\\n'")
+
+    @property
+    def calls(self) -> list[str]:
+        return self.calls_file.read_text().splitlines() if self.calls_file.exists() else []
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch):
+    """Stand-in ``squeue``/``scontrol`` (none until a test writes one) first on PATH; outside
+    any Slurm job, with squeue's own environment filters cleared."""
+    import os
+
+    bin_dir = tmp_path / "fake-slurm-bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    for name in list(os.environ):
+        if name.startswith("SQUEUE_") or name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT",
+                                                  "SLURM_CLUSTER_NAME", "SLURM_CLUSTERS"):
+            monkeypatch.delenv(name)
+    return FakeSlurm(bin_dir)

@@ -19,7 +19,10 @@ module. Tests here use the real batch scripts as tape-submit renders them:
   `scancel --signal=USR1 --batch` mid-run, checkpoints, requeues itself, resumes and finishes
   with per-step losses equal to the uninterrupted run's; an evaluation job submitted with
   `tape-submit --eval-after` (afterok on the interrupted job, so it waits across the requeue)
-  writes eval.json, eval.md and the plot. The two training jobs run side by side (4 nodes).
+  writes eval.json, eval.md and the plot. The two training jobs run side by side (4 nodes);
+- a 1-node training job whose trainer is SIGKILLed after its first checkpoint leaves RUN.lock;
+  while it ran, real squeue kept its lock refused (RUNNING); the resubmission (a new job id)
+  learns from squeue that the holder's job FAILED, takes the lock over and resumes.
 """
 
 from __future__ import annotations
@@ -340,20 +343,28 @@ logging:
     return path
 
 
-def submit_training(tmp_path: Path, name: str, corpus, monkeypatch,
-                    extra: list[str] = ()) -> tuple[list[int], Path, Path]:
-    """tape-submit a 2-node CPU training job; returns (job ids, run dir, log dir)."""
+def submit_training(tmp_path: Path, name: str, corpus, monkeypatch, extra: list[str] = (),
+                    nodes: int = 2) -> tuple[list[int], Path, Path]:
+    """tape-submit a CPU training job (2 nodes unless told); returns (job ids, run dir, log
+    dir). `resubmit_training` submits the same command again."""
     workdir = tmp_path / name
     workdir.mkdir()
     monkeypatch.chdir(workdir)
     run_dir = workdir / "run"
-    config = write_training_config(workdir / "run.yaml", run_dir, corpus)
+    write_training_config(workdir / "run.yaml", run_dir, corpus)
+    return resubmit_training(workdir, name, extra, nodes), run_dir, workdir / "logs"
+
+
+def resubmit_training(workdir: Path, name: str, extra: list[str] = (), nodes: int = 2
+                      ) -> list[int]:
+    """Submits `workdir`'s run.yaml from `workdir` (the current directory) again."""
+    assert Path.cwd() == workdir
     rc, stdout, err = tape_submit(
-        ["--config", str(config), "--nodes", "2", "--cpus-per-task", "1", "--time", "00:15:00",
-         "--signal-grace", "120", "--socket-ifname", "lo", "--min-free-gb", "0.01",
-         "--job-name", name, "--log-dir", "logs", *extra])
+        ["--config", str(workdir / "run.yaml"), "--nodes", str(nodes), "--cpus-per-task", "1",
+         "--time", "00:15:00", "--signal-grace", "120", "--socket-ifname", "lo",
+         "--min-free-gb", "0.01", "--job-name", name, "--log-dir", "logs", *extra])
     assert rc == 0, err
-    return [int(x) for x in stdout.split()], run_dir, workdir / "logs"
+    return [int(x) for x in stdout.split()]
 
 
 def log_text(log_dir: Path, name: str, job_id: int) -> str:
@@ -487,3 +498,57 @@ def test_eval_job_chained_after_the_requeued_training(cluster, training_jobs):
     table = (out_dir / "eval.md").read_text()
     assert all(f"| nonoverlap | {length} |" in table for length in EVAL_LENGTHS), table
     assert (out_dir / "ppl_vs_length.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_job_killed_outright_leaves_its_lock_and_the_resubmission_resumes(cluster, corpus,
+                                                                           tmp_path,
+                                                                           monkeypatch):
+    # The trainer of a 1-node job is killed by SIGKILL (OOM killer, kill -9, node failure)
+    # after its first checkpoint: the job FAILS and RUN.lock stays. A resubmission (a new job
+    # id) asks Slurm about the holder's job, takes the lock over and resumes.
+    from tape_train.train.checkpoint import find_latest_intact
+    from tape_train.train.run_lock import lock_refusal
+
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf_path))
+    (first,), run_dir, log_dir = submit_training(tmp_path, "killed", corpus, monkeypatch, nodes=1)
+    lock = run_dir / LOCK_NAME
+    deadline = time.monotonic() + 180
+    while find_latest_intact(run_dir, warn=False) is None:
+        info = cluster.job_info(first)
+        assert info is not None and info.state in ("PENDING", "CONFIGURING", "RUNNING"), (
+            f"{info}\n{log_text(log_dir, 'killed', first)}")
+        assert time.monotonic() < deadline, log_text(log_dir, "killed", first)
+        time.sleep(0.1)
+    holder = json.loads(lock.read_text())
+    assert holder["slurm_job_id"] == str(first) and holder["slurm_cluster"] == "tapetest"
+    # The emulated nodes share this machine's host name, where the dead pid alone would tell;
+    # on a real cluster the resubmission's rank 0 runs on another host, which cannot check a
+    # pid: the lock is made to say so (everything else as the killed job wrote it).
+    holder["host"] = "gpu-node-9"
+    # Negative control, while the job runs: Slurm says so, and its lock is not taken (asked
+    # from this process, outside any job: the cluster name comes from scontrol).
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / LOCK_NAME).write_text(json.dumps(holder))
+    refusal = lock_refusal(copy)
+    assert refusal and refusal.endswith(f"Slurm says job {first} is RUNNING"), refusal
+    os.kill(holder["pid"], signal.SIGKILL)
+    info = cluster.wait_for_job(first, timeout=120)
+    assert info.state == "FAILED", f"{info.raw}\n{log_text(log_dir, 'killed', first)}"
+    killed_at = find_latest_intact(run_dir, warn=False)   # the last checkpoint before the kill
+    assert lock.exists(), "a SIGKILLed trainer cannot release its lock"
+    lock.write_text(json.dumps(holder))
+
+    (second,) = resubmit_training(run_dir.parent, "killed", nodes=1)
+    info = cluster.wait_for_job(second, timeout=240)
+    log = log_text(log_dir, "killed", second)
+    assert info.state == "COMPLETED", f"{info.raw}\n{log}"
+    assert (f"took over the lock of run directory {run_dir} from host gpu-node-9, pid "
+            f"{holder['pid']}, Slurm job {first} (restart 0), started {holder['started']}: its "
+            f"Slurm job {first} has ended: Slurm says job {first} is FAILED") in log, log
+    evs = events(run_dir)
+    resume = [e for e in evs if e["event"] == "resume"]
+    assert resume and killed_at.name in str(resume[-1]["checkpoint"]), (evs, log)
+    assert evs[-1]["event"] == "done" and not lock.exists()
+    steps = [r["step"] for r in read_metrics(run_dir, "train")]
+    assert steps[-1] == MAX_STEPS, steps

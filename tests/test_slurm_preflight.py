@@ -78,14 +78,18 @@ def test_overrides_may_follow_options_as_for_tape_train(tmp_path, monkeypatch):
     assert f"run dir writable: {tmp_path / 'runs' / 'after-option'}" in out
 
 
-def test_run_dir_locked_by_another_run_fails_on_the_first_node_only(tmp_path, monkeypatch):
+def test_run_dir_locked_by_another_run_fails_on_the_first_node_only(tmp_path, monkeypatch,
+                                                                   fake_slurm):
     from tape_train.train.run_lock import LOCK_NAME
 
     run = tmp_path / "run"
     run.mkdir()
     (run / LOCK_NAME).write_text('{"host": "gpu-node-9", "pid": 4711, "slurm_job_id": "991", '
-                                 '"slurm_restart_count": "0", "started": "2026-01-01T00:00:00Z"}')
+                                 '"slurm_restart_count": "0", "slurm_cluster": "hpc", '
+                                 '"started": "2026-01-01T00:00:00Z"}')
+    fake_slurm.squeue_prints("991 RUNNING")
     monkeypatch.setenv("SLURM_JOB_ID", "992")
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "hpc")
     args = ["--run-dir", str(run), "--min-free-gb", "0"]
     for node_id, expect_rc in (("0", 1), ("1", 0)):   # rank 0 (which takes the lock) is on 0
         monkeypatch.setenv("SLURM_NODEID", node_id)
@@ -95,10 +99,17 @@ def test_run_dir_locked_by_another_run_fails_on_the_first_node_only(tmp_path, mo
     rc, out, err = run_preflight(args)
     assert (f"FAILED run dir writable: run directory {run} is in use by another run (host "
             f"gpu-node-9, pid 4711, Slurm job 991 (restart 0)") in err
-    # A job SIGKILLed on another host leaves its lock: the message says how to tell and what
-    # to do, since no host can check another host's pid.
-    assert "if Slurm job 991 has ended (`squeue -j 991`) it was killed before releasing" in err
-    # The previous incarnation of this same job left it: the trainer takes it over, so passes.
+    # No host can check another host's pid: Slurm is asked about the holder's job.
+    assert "wait for that run to end; Slurm says job 991 is RUNNING" in err
+    # A job SIGKILLed on another host leaves its lock; once Slurm says that job has ended, the
+    # trainer takes the lock over, so the check passes.
+    fake_slurm.squeue_prints("991 CANCELLED")
+    rc, out, err = run_preflight(args)
+    assert rc == 0, err
+    assert "(no other run holds its lock)" in out
+    # The previous incarnation of this same job left it: the trainer takes it over, so passes
+    # (without asking Slurm).
+    fake_slurm.squeue_prints("991 RUNNING")
     monkeypatch.setenv("SLURM_JOB_ID", "991")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     rc, out, err = run_preflight(args)

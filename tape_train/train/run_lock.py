@@ -2,9 +2,10 @@
 
 The lock file is created by hard-linking a private, fully written file to the lock name (the
 link is atomic and fails if the name exists, on local filesystems and on NFS, Lustre, GPFS;
-a reader never sees a lock without content). It holds JSON naming its holder: host, pid, Slurm job id and restart count,
-start time. Only rank 0 takes it; the trainer makes the verdict collective, so every rank of
-a refused run stops before touching anything.
+a reader never sees a lock without content). It holds JSON naming its holder: host, pid and
+its start, Slurm job id, restart count and cluster name, start time. Only rank 0 takes it;
+the trainer makes the verdict collective, so every rank of a refused run stops before
+touching anything.
 
 A lock is *stale*, and taken over with a log line, when its holder
 
@@ -13,11 +14,20 @@ A lock is *stale*, and taken over with a log line, when its holder
   time from ``/proc``), so a pid reused by an unrelated process (a container restarted under
   the same host name gets the same small pid) is not taken for the holder;
 * is an earlier incarnation of this same Slurm job (same ``SLURM_JOB_ID``, another
-  ``SLURM_RESTART_COUNT``): a requeued job restarts while its predecessor's lock remains.
+  ``SLURM_RESTART_COUNT``): a requeued job restarts while its predecessor's lock remains;
+* ran on another host in another Slurm job of this cluster, and Slurm says that job has ended:
+  ``squeue --jobs=<id> --states=all`` reports a final state (COMPLETED, FAILED, CANCELLED,
+  TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, ...) or no longer knows the id (``Invalid job id
+  specified``: purged ``MinJobAge`` after it ended). This is the job killed without releasing
+  its lock (SIGKILL, OOM killer, node failure) and resubmitted onto other nodes.
 
-Anything else (a live process here, any process on another host, another job) refuses the
-start with one line naming the holder. A lock that cannot be parsed is refused too (it may be
-being written): delete it by hand once sure nothing runs there.
+Anything else refuses the start with one line naming the holder: a live process here, a
+process on another host outside Slurm (nothing can tell whether it runs), or another job that
+Slurm does not positively report as ended (pending, running, completing, requeued, suspended;
+or squeue missing, failing, silent or slower than ``SLURM_QUERY_TIMEOUT_S``; or the holder's
+job ran on another cluster, whose ids ours does not know, or its lock does not name its
+cluster) -- the refusal then says what Slurm answered. A lock that cannot be parsed is
+refused too (it may be being written): delete it by hand once sure nothing runs there.
 """
 
 from __future__ import annotations
@@ -25,7 +35,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import shutil
+import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -34,6 +48,18 @@ from tape_train.files import fsync_dir, pid_alive
 log = logging.getLogger("tape_train.train")
 
 LOCK_NAME = "RUN.lock"
+# How long squeue (and scontrol, for the cluster name outside a job) may take to answer. A
+# controller that is down makes squeue retry for MessageTimeout (often 10 s) and longer; an
+# unanswered question keeps the refusal, so this only bounds how long a start can take.
+SLURM_QUERY_TIMEOUT_S = 5.0
+# Job states (squeue's %T) after which a job's processes are gone and it does not run again by
+# itself. squeue shows COMPLETING while any process is still being killed, and REQUEUED,
+# REQUEUE_HOLD, SPECIAL_EXIT, PENDING for a job that will run again: those keep the lock.
+ENDED_JOB_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                              "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED", "REVOKED"})
+# A job id as SLURM_JOB_ID holds it (array tasks and heterogeneous job components have their
+# own plain numeric id there); anything else in a lock is never passed to squeue.
+_JOB_ID = re.compile(r"[0-9]{1,12}")
 
 
 class RunLockError(RuntimeError):
@@ -44,6 +70,7 @@ def _identity() -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(),
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT", "0"),
+            "slurm_cluster": os.environ.get("SLURM_CLUSTER_NAME") or None,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "pid_start": process_start(os.getpid()),
             "token": f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"}
@@ -68,49 +95,149 @@ def process_start(pid: int) -> str | None:
     return f"{boot}:{ticks}"
 
 
-def stale_reason(holder: dict, me: dict) -> str | None:
-    """Why ``holder``'s lock may be taken over by ``me``; ``None``: it may not."""
+def _run_bounded(argv: list[str]) -> tuple[int, str, str] | str:
+    """Run a Slurm client command for at most SLURM_QUERY_TIMEOUT_S: ``(exit status, stdout,
+    stderr)``, or a sentence saying why there is no answer. Its environment drops squeue's own
+    filters and cluster choice (``SQUEUE_*``, ``SLURM_CLUSTERS``), which would hide the job;
+    the whole process group is killed on timeout (a site's squeue may be a wrapper script)."""
+    exe = shutil.which(argv[0])
+    if exe is None:
+        return f"`{argv[0]}` is not installed here (not on PATH)"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SQUEUE_") and k != "SLURM_CLUSTERS"}
+    try:
+        proc = subprocess.Popen([exe, *argv[1:]], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                                env=env, start_new_session=True)
+    except OSError as exc:
+        return f"`{argv[0]}` could not be run: {exc.strerror or exc}"
+    try:
+        out, err = proc.communicate(timeout=SLURM_QUERY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        proc.communicate()
+        return f"`{argv[0]}` did not answer within {SLURM_QUERY_TIMEOUT_S:g} s"
+    return proc.returncode, out, err
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:200] if lines else "nothing"
+
+
+def slurm_cluster_name() -> str | None:
+    """The name of the Slurm cluster this process's squeue asks: ``SLURM_CLUSTER_NAME`` inside a
+    job, else ``ClusterName`` from ``scontrol show config``; ``None`` when neither tells."""
+    if os.environ.get("SLURM_CLUSTER_NAME"):
+        return os.environ["SLURM_CLUSTER_NAME"]
+    answer = _run_bounded(["scontrol", "show", "config"])
+    if isinstance(answer, str) or answer[0] != 0:
+        return None
+    found = re.search(r"^ClusterName\s*=\s*(\S+)\s*$", answer[1], re.MULTILINE)
+    return found.group(1) if found else None
+
+
+def slurm_job_ended(job_id: str) -> tuple[bool | None, str]:
+    """Ask Slurm whether job ``job_id`` has ended: ``(True, what Slurm said)`` only when squeue
+    positively says so (a final state, or the id is no longer known); ``(False, its state)``
+    when it says the job has not; ``(None, what went wrong)`` when it cannot tell."""
+    asked = f"`squeue --jobs={job_id} --states=all`"
+    answer = _run_bounded(["squeue", "--noheader", f"--jobs={job_id}", "--states=all",
+                           "--format=%A %T"])
+    if isinstance(answer, str):
+        return None, answer
+    rc, out, err = answer
+    if rc != 0:
+        # One unknown id: exit 1, "slurm_load_jobs error: Invalid job id specified" (measured,
+        # Slurm 22.05); a controller that is down or a bad configuration fail otherwise.
+        if "Invalid job id specified" in err:
+            return True, f"Slurm no longer knows job {job_id} ({asked}: {_last_line(err)})"
+        return None, f"{asked} failed with exit status {rc}: {_last_line(err)}"
+    # One line per job: "<job id> <state>". An array's id lists its other tasks too, a
+    # heterogeneous job's its other components: only the row of this very id counts.
+    states = [fields[1] for fields in (ln.split() for ln in out.splitlines())
+              if len(fields) == 2 and fields[0] == job_id]
+    if len(states) != 1:
+        return None, f"{asked} gave no state for it (printed {_last_line(out)!r})"
+    state = states[0]
+    return state in ENDED_JOB_STATES, f"Slurm says job {job_id} is {state}"
+
+
+def stale_reason(holder: dict, me: dict) -> tuple[str | None, str | None]:
+    """``(why holder's lock may be taken over by me, None)``, or ``(None, what keeps it)``:
+    the note the refusal adds (``None``: nothing to add to naming the holder)."""
     job = holder.get("slurm_job_id")
+    job = None if job in (None, "") else str(job)
     if job and job == me.get("slurm_job_id") \
             and str(holder.get("slurm_restart_count")) != str(me.get("slurm_restart_count")):
         return (f"left by the previous incarnation of Slurm job {job} (restart "
                 f"{holder.get('slurm_restart_count')}; this is restart "
-                f"{me.get('slurm_restart_count')})")
+                f"{me.get('slurm_restart_count')})"), None
     if holder.get("host") == me.get("host"):
         try:
             pid = int(holder.get("pid"))
         except (TypeError, ValueError):
-            return None
+            return None, None
         if pid != me.get("pid") and not pid_alive(pid):
-            return f"its process {pid} on this host no longer exists"
+            return f"its process {pid} on this host no longer exists", None
         recorded, now = holder.get("pid_start"), process_start(pid)
         if recorded and now and recorded != now:
             return (f"its process {pid} on this host no longer exists (pid {pid} now belongs "
-                    f"to another process, started after the lock was taken)")
-    return None
+                    f"to another process, started after the lock was taken)"), None
+        return None, None
+    if job and job == me.get("slurm_job_id"):
+        return None, None  # this incarnation of our own job, on another node: it runs
+    if not job:
+        return None, (f"it ran outside Slurm on host {holder.get('host')}, whose processes "
+                      f"cannot be checked from here: if nothing runs there any more, delete "
+                      f"the lock")
+    by_hand = (f"if job {job} has ended (`squeue --states=all --jobs={job}`) it was killed "
+               f"before releasing the lock: delete the lock")
+    if not _JOB_ID.fullmatch(str(job)):
+        return None, (f"its Slurm job id {job!r} is not one squeue can be asked about: "
+                      f"if no run uses the directory, delete the lock")
+    # Job ids are per cluster: only the holder's own cluster can say that job N has ended.
+    theirs = holder.get("slurm_cluster")
+    if not theirs:
+        return None, (f"the lock does not say which Slurm cluster job {job} ran on (written by "
+                      f"an older tape-train), so Slurm is not asked: {by_hand}")
+    ours = slurm_cluster_name()
+    if ours != theirs:
+        here = f"this is cluster {ours}" if ours else "this host's cluster is unknown"
+        return None, (f"its job ran on Slurm cluster {theirs} and {here}, whose job ids are "
+                      f"not the same: {by_hand}")
+    ended, said = slurm_job_ended(job)
+    if ended:
+        return f"its Slurm job {job} has ended: {said}", None
+    if ended is False:
+        return None, said
+    return None, f"Slurm could not tell whether job {job} has ended: {said}; {by_hand}"
 
 
-def _refusal(path: Path, holder: dict | None, me: dict) -> str | None:
-    """Why ``me`` may not take the lock at ``path`` held by ``holder`` (``{}``: released);
-    ``None`` when it may (no holder, or a stale one)."""
+def _refusal(path: Path, holder: dict | None, me: dict) -> tuple[str | None, str | None]:
+    """``(why me may not take the lock at path held by holder, None)``, or ``(None, why the
+    holder's lock is stale)`` when it may (``(None, None)``: no holder; ``{}``: released)."""
     if holder is None:
         return (f"run directory {path.parent} has an unreadable lock {path}; if no run uses "
-                f"the directory, delete it")
-    if holder and stale_reason(holder, me) is None:
-        ended = (f"; if Slurm job {holder['slurm_job_id']} has ended (`squeue -j "
-                 f"{holder['slurm_job_id']}`) it was killed before releasing the lock: delete "
-                 f"the lock" if holder.get("slurm_job_id") else "")
-        return (f"run directory {path.parent} is in use by another run "
-                f"({describe_holder(holder)}; lock {path}). Use another train.run_dir, or wait "
-                f"for that run to end{ended}")
-    return None
+                f"the directory, delete it"), None
+    if not holder:
+        return None, None
+    reason, note = stale_reason(holder, me)
+    if reason is not None:
+        return None, reason
+    return (f"run directory {path.parent} is in use by another run "
+            f"({describe_holder(holder)}; lock {path}). Use another train.run_dir, or wait "
+            f"for that run to end" + (f"; {note}" if note else "")), None
 
 
 def lock_refusal(run_dir: str | os.PathLike) -> str | None:
     """What ``RunLock(run_dir).acquire()`` would refuse with now, without taking the lock
     (``None``: it would succeed). For start-up checks that run before the trainer."""
     lock = RunLock(run_dir)
-    return _refusal(lock.path, lock._read(), lock.me)
+    return _refusal(lock.path, lock._read(), lock.me)[0]
 
 
 class RunLock:
@@ -133,12 +260,11 @@ class RunLock:
                 self.held = True
                 return self
             holder = self._read()
-            refusal = _refusal(self.path, holder, self.me)
+            refusal, reason = _refusal(self.path, holder, self.me)
             if refusal is not None:
                 raise RunLockError(refusal)
             if not holder:
                 continue  # released meanwhile: create again
-            reason = stale_reason(holder, self.me)
             if self._take_over(holder):
                 log.warning("took over the lock of run directory %s from %s: %s",
                             self.path.parent, describe_holder(holder), reason)
