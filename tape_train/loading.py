@@ -30,6 +30,7 @@ from tape_train.checkpoint_layout import (  # noqa: F401 - find_latest_complete:
     MARKER, UNIVERSAL, CheckpointError, find_latest_complete, read_marker, resolve_checkpoint,
     why_incomplete)
 from tape_train.files import write_atomic
+from tape_train.machine_cache import usable_cpus
 
 log = logging.getLogger("tape_train.checkpoint")
 
@@ -75,7 +76,7 @@ def ensure_universal(tag_dir: Path, out_dir: Path | None = None) -> Path:
     start = time.perf_counter()
     log.info("converting %s to DeepSpeed's universal format (once; cached in %s)", tag_dir,
              target)
-    workers = str(max(1, min(4, os.cpu_count() or 1)))
+    workers = str(min(4, usable_cpus()))
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
            str(tag_dir), "--output_folder", str(tmp), "--num_extract_workers", workers,
            "--num_merge_workers", "1", "--inject_missing_state"]

@@ -5,6 +5,7 @@ version, the ISA limits set in the environment (``ATEN_CPU_CAPABILITY``,
 ``ONEDNN_MAX_CPU_ISA``) and the caller's own key (dtype, threads). The cache is one JSON file,
 ``$TAPE_TRAIN_CACHE_DIR`` or ``$XDG_CACHE_HOME/tape-train`` (default ``~/.cache/tape-train``)
 ``/measurements.json``; an unreadable or unwritable cache only means measuring again.
+``usable_cpus`` says how many CPUs this process may run on.
 """
 
 from __future__ import annotations
@@ -19,6 +20,16 @@ from pathlib import Path
 CACHE_ENV = "TAPE_TRAIN_CACHE_DIR"
 # /proc/cpuinfo flags that decide how fast bf16 and fp32 GEMMs can be.
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (what Slurm's ``--cpus-per-task``, a
+    cgroup cpuset or ``taskset`` leave it), not the machine's count, which oversubscribes a
+    job that shares its node."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def cache_dir() -> Path:

@@ -96,6 +96,30 @@ def test_prepare_tokenize_bad_arguments_are_one_line_errors(prepared, tmp_path, 
     assert not (tmp_path / "o" / "manifest.json").exists()
 
 
+def test_prepare_tokenize_output_does_not_depend_on_workers(prepared, tok, tmp_path,
+                                                           monkeypatch, capsys):
+    """Tokenising in batches on several threads writes the very bytes one thread writes (and
+    the shard the fixture wrote with the default, all usable CPUs); batches of ~1 KB of text
+    make each shuffle window many batches."""
+    from tape_train.data import corpus
+
+    monkeypatch.setattr(corpus, "TOKENIZE_BATCH_BYTES", 1024)
+    args = ["prepare", "--input", str(prepared["root"] / "in"), "--num-shards", "3",
+            "--eval-fraction", "0.05", "--tokenize", "--tokenizer", tok.path]
+    hashes = {}
+    for workers in (1, 3):
+        out = tmp_path / f"w{workers}"
+        assert data_cli.main(args + ["--out", str(out), "--workers", str(workers)]) == 0
+        manifest = read_complete_manifest(out)
+        hashes[workers] = [s["sha256"] for s in manifest["shards"] + manifest["tokens"]["shards"]]
+    fixture = read_complete_manifest(prepared["out"])
+    assert hashes[1] == hashes[3] == [s["sha256"] for s in fixture["shards"]
+                                      + fixture["tokens"]["shards"]]
+    capsys.readouterr()
+    assert data_cli.main(args + ["--out", str(tmp_path / "w0"), "--workers", "0"]) == 1
+    assert capsys.readouterr().err.strip() == "tape-data: error: --workers must be positive, got 0"
+
+
 def test_one_epoch_visits_every_block_once(prepared, tok):
     loader = build_train_loader(cfg_for(prepared, tok), tok, SEQ, 4, seed=3)
     n = loader.sources[0].num_blocks

@@ -27,6 +27,7 @@ from tape_train.data.corpus import read_complete_manifest, write_corpus
 from tape_train.data.formats import (SkipLog, hub_shards, open_hub_dataset, read_documents,
                                      resolve_local_shards)
 from tape_train.hints import example_on_missing
+from tape_train.machine_cache import usable_cpus
 from tape_train.progress import MODES, progress_bar, setup_cli_logging
 
 log = logging.getLogger("tape_train.data")
@@ -79,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "data.format=tokens; needs --tokenizer")
     prep.add_argument("--tokenizer", default=None, metavar="MODEL",
                       help="sentencepiece .model used by --tokenize")
+    prep.add_argument("--workers", type=int, default=None, metavar="N",
+                      help="threads that tokenise (--tokenize; the output does not depend on "
+                           "it; default: the CPUs this process may use)")
     prep.add_argument("--force", action="store_true", help="rebuild even if complete")
     info = sub.add_parser("info", help="summarise a prepared directory")
     info.add_argument("dir", type=Path, help="a directory written by tape-data prepare")
@@ -161,6 +165,9 @@ def _prepare(args: argparse.Namespace) -> int:
         config = {"inputs": list(args.input), "text_field": args.text_field}
     config.update(num_shards=args.num_shards, eval_fraction=args.eval_fraction, seed=args.seed)
     tokenizer = None
+    workers = usable_cpus() if args.workers is None else args.workers
+    if workers <= 0:
+        raise DataError(f"--workers must be positive, got {args.workers}")
     if args.tokenize or args.tokenizer:
         if not (args.tokenize and args.tokenizer):
             raise DataError("--tokenize and --tokenizer MODEL go together")
@@ -195,7 +202,8 @@ def _prepare(args: argparse.Namespace) -> int:
         with _logging_around(bar):
             manifest = write_corpus(documents, out, num_shards=args.num_shards,
                                     eval_fraction=args.eval_fraction, seed=args.seed,
-                                    config=config, extra=extra, tokenizer=tokenizer)
+                                    config=config, extra=extra, tokenizer=tokenizer,
+                                    workers=workers)
     finally:
         if bar is not None:
             bar.close()

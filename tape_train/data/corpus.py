@@ -37,6 +37,9 @@ from tape_train.files import (fsync_tree, raise_open_file_limit, remove_abandone
 log = logging.getLogger("tape_train.data")
 # Where a prepare writes before its shards move into place (inside the output directory).
 SCRATCH_PREFIX = ".tmp-prepare-"
+# Text tokenised per batch (--tokenize): large enough to keep every thread busy, small enough
+# that the batch's token lists (~40 bytes per token as Python ints) stay well under 1 GB.
+TOKENIZE_BATCH_BYTES = 8 << 20
 
 class _ShardSet:
     """Round-robin writer over ``n`` zstd-compressed JSONL shards of one split."""
@@ -87,11 +90,12 @@ class _ShardSet:
 def write_corpus(documents: Iterable[dict], out_dir: str | os.PathLike, *, num_shards: int = 16,
                  eval_fraction: float = 0.01, seed: int = 0, shuffle_bytes: int = 256 << 20,
                  config: dict | None = None, extra: dict | None = None,
-                 tokenizer=None, frame_bytes: int = 1 << 20) -> dict:
+                 tokenizer=None, frame_bytes: int = 1 << 20, workers: int = 1) -> dict:
     """Write ``documents`` (dicts with ``text``, ``source``, ``id``) as a prepared corpus.
 
     With ``tokenizer``, every training shard also gets its token shard (``tokens.py``) in the
-    same pass, listed in the manifest's ``tokens`` section.
+    same pass, listed in the manifest's ``tokens`` section; documents are tokenised in batches
+    on ``workers`` threads (the output does not depend on ``workers``).
 
     Output goes to a temporary directory inside ``out_dir`` first; shards are moved into place
     and the manifest is written last with an atomic rename, so an interrupted run never leaves
@@ -101,6 +105,8 @@ def write_corpus(documents: Iterable[dict], out_dir: str | os.PathLike, *, num_s
         raise DataError(f"--num-shards must be positive, got {num_shards}")
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
+    if workers <= 0:
+        raise DataError(f"--workers must be positive, got {workers}")
     # Every shard (and its token shard) stays open for the whole pass; 64 for everything else.
     needed = (num_shards + 1) * (2 if tokenizer is not None else 1) + 64
     limit = raise_open_file_limit(needed)
@@ -129,11 +135,21 @@ def write_corpus(documents: Iterable[dict], out_dir: str | os.PathLike, *, num_s
 
     def flush() -> None:
         nonlocal buffer, buffer_bytes
-        for k in rng.permutation(len(buffer)):
-            record, n_bytes = buffer[k]
-            if token_shards is not None:
-                token_shards.write(train.next, record["text"])
-            train.write(record, n_bytes)
+        order = [buffer[k] for k in rng.permutation(len(buffer))]
+        start = 0
+        while start < len(order):  # batches of ~TOKENIZE_BATCH_BYTES of text
+            end, size = start, 0
+            while end < len(order) and (end == start or size < TOKENIZE_BATCH_BYTES):
+                size += order[end][1]
+                end += 1
+            batch = order[start:end]
+            ids = (tokenizer.encode_batch([record["text"] for record, _ in batch], workers)
+                   if token_shards is not None else None)
+            for j, (record, n_bytes) in enumerate(batch):
+                if ids is not None:
+                    token_shards.write(train.next, ids[j])
+                train.write(record, n_bytes)
+            start = end
         buffer, buffer_bytes = [], 0
 
     try:

@@ -25,6 +25,7 @@ import sentencepiece as spm
 
 from tape_train.data.config import DataError
 from tape_train.files import write_atomic
+from tape_train.machine_cache import usable_cpus
 
 log = logging.getLogger("tape_train.data")
 
@@ -62,8 +63,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text, out_type=int)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self._sp.encode(texts, out_type=int)
+    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
+        """``[encode(t) for t in texts]``, on ``num_threads`` of sentencepiece's threads (the
+        result does not depend on the thread count)."""
+        return self._sp.encode(texts, out_type=int, num_threads=num_threads)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode(list(ids))
@@ -207,7 +210,7 @@ def train_tokenizer(documents: Iterable[str], out_prefix: str | os.PathLike,
             split_digits=True,
             max_sentence_length=MAX_SENTENCE_BYTES * 2,
             shuffle_input_sentence=False,  # our sampling is already deterministic
-            num_threads=spec.num_threads or (os.cpu_count() or 1),
+            num_threads=spec.num_threads or usable_cpus(),
             minloglevel=1,
         )
     except RuntimeError as exc:

@@ -50,8 +50,9 @@ class TokenShardWriter:
         self.tokens = [0] * len(self.names)
         self.documents = [0] * len(self.names)
 
-    def write(self, shard: int, text: str) -> None:
-        ids = self.tokenizer.encode(text)
+    def write(self, shard: int, ids: list[int]) -> None:
+        """Append one document: ``ids`` is its text's ``tokenizer.encode`` (BOS/EOS are added
+        here, possibly to that very list)."""
         if self.add_bos:
             ids = [self.tokenizer.bos_id] + ids
         if self.add_eos:
