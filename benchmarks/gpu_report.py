@@ -145,12 +145,13 @@ def run_section(name: str, args, plan: dict, report: Report, device, deadline: f
             # so that a short budget cuts kernel cases, not whole kinds of check.
             try:
                 mp = plan["model"]
-                sink.append({"check": "model_backend", **correctness.model_backend_check(
-                    device, mp["model"], mp["seq"], mp["batch"])})
+                sink.append({"check": "model_backend", **correctness.guarded(
+                    correctness.model_backend_check, device, mp["model"], mp["seq"],
+                    mp["batch"])})
                 flush()
                 budget.check("KV-cache check")
-                sink.append({"check": "kv_cache", **correctness.kv_cache_check(
-                    device, mp["model"], mp["prompt"], mp["new"])})
+                sink.append({"check": "kv_cache", **correctness.guarded(
+                    correctness.kv_cache_check, device, mp["model"], mp["prompt"], mp["new"])})
                 flush()
             finally:  # skipped, not failed, when time is out; always closes the trainers
                 correctness.trainer_checks(trainers, tp["steps"], budget, sink, flush)

@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,49 @@ def test_lease_command_fits_the_device_tool():
     assert "--no-index --no-deps" in cmd and ".lease/whl/*.whl" in cmd
     assert "benchmarks/gpu_report.py --out-dir $OUT" in cmd
     assert ".lease/" in (REPO / ".gitignore").read_text().split()
+
+
+def test_a_crashing_check_fails_alone_and_the_next_ones_run(capsys):
+    """On a device a kernel may fail to compile or launch: that check is recorded as crashed
+    (ok False, the error in one line, the traceback in the log) and the following checks still
+    run; the Markdown names it. Running out of time still stops the section."""
+    import torch
+
+    from gpu import correctness
+    from gpu.common import Budget, OutOfTime
+
+    calls = []
+
+    def case(device, dtype, d, n, det, b, m):
+        calls.append((d, n, det))
+        if d == 64:
+            raise RuntimeError("out of resource: shared memory, Required: 232448")
+        return {"dtype": "float32", "D": d, "N": n, "batch": b, "heads": m,
+                "dq": "deterministic" if det else "atomic", "errors": {"o": 1e-7},
+                "tolerance": {"o": 1e-5}, "ok": True}
+
+    shapes = {"dtypes": ["float32"], "head_dims": [32, 64], "lengths": [128], "batch": 1,
+              "heads": 2}
+    sink = []
+    original = correctness.kernel_case, correctness.kernel_control
+    correctness.kernel_case = case
+    correctness.kernel_control = lambda *a: {"what": "control", "error": 1.0, "ok": True}
+    try:
+        correctness.kernel_checks(torch.device("cpu"), shapes,
+                                  Budget(seconds=60, deadline=time.monotonic() + 60), sink,
+                                  lambda: None)
+    finally:
+        correctness.kernel_case, correctness.kernel_control = original
+    assert calls == [(32, 128, False), (32, 128, True), (64, 128, False), (64, 128, True)]
+    crashed = [r for r in sink if "crash" in r]
+    assert len(crashed) == 2 and all(r["ok"] is False and r["D"] == 64 for r in crashed)
+    assert crashed[0]["crash"] == "RuntimeError: out of resource: shared memory, Required: 232448"
+    assert "Traceback" in capsys.readouterr().err
+    data = _report([], [])
+    data["sections"]["correctness"] = {"status": "done", "results": sink}
+    data["targets"] = evaluate_targets(data)
+    md = markdown(data)
+    assert "| float32 | 64 | 128 | atomic | crashed: RuntimeError: out of resource" in md
+    assert "| float32 | 32 | 128 | atomic | 1.0e-07 | yes |" in md
+    with pytest.raises(OutOfTime):  # the budget, unlike a crash, ends the section
+        correctness.guarded(lambda: Budget(seconds=0, deadline=time.monotonic()).check("x"))

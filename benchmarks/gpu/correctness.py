@@ -14,11 +14,13 @@ relative: ‖x − ref‖ / ‖ref‖ (``common.rel_err``). Tolerances:
 from __future__ import annotations
 
 import itertools
+import sys
+import traceback
 from pathlib import Path
 
 import torch
 
-from gpu.common import Budget, rel_err
+from gpu.common import Budget, OutOfTime, rel_err
 
 FP32_TOL = 1e-4
 LOW_FACTOR, LOW_FLOOR = 3.0, 2e-3
@@ -111,16 +113,34 @@ def kernel_control(device, d: int, n: int) -> dict:
             "ok": err > 100 * FP32_TOL}
 
 
+def guarded(fn, *args, **known) -> dict:
+    """``fn(*args)``, or — when it raises — ``known`` with ``ok: False`` and ``crash``: the
+    exception in one line (its traceback goes to the log). One check that crashes on a device
+    (a kernel that does not compile, a launch error) then fails alone, and the checks after it
+    still run: a lease is too short to run the report twice."""
+    try:
+        return fn(*args)
+    except OutOfTime:
+        raise
+    except Exception as exc:  # noqa: BLE001 - recorded as this check's failure
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        return {**known, "ok": False, "crash": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+
 def kernel_checks(device, shapes: dict, budget: Budget, sink: list, flush) -> None:
     """All (dtype, D, N, dq mode) cases of ``shapes``; appends each result as it comes."""
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 checks use IEEE dots
-    sink.append({"control": kernel_control(device, shapes["head_dims"][0], shapes["lengths"][0])})
+    sink.append({"control": guarded(kernel_control, device, shapes["head_dims"][0],
+                                    shapes["lengths"][0])})
     flush()
     for dtype_name, d, n, det in itertools.product(shapes["dtypes"], shapes["head_dims"],
                                                    shapes["lengths"], (False, True)):
         budget.check(f"kernel case {dtype_name} D={d} N={n}")
-        sink.append(kernel_case(device, getattr(torch, dtype_name), d, n, det,
-                                shapes["batch"], shapes["heads"]))
+        sink.append(guarded(kernel_case, device, getattr(torch, dtype_name), d, n, det,
+                            shapes["batch"], shapes["heads"],
+                            dtype=dtype_name, D=d, N=n,
+                            dq="deterministic" if det else "atomic"))
         flush()
 
 

@@ -15,7 +15,12 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-PY="${PYTHON:-python3}"
+# The project's venv (`make install`) by default: DeepSpeed's setup.py imports torch, and the
+# project's wheel needs a setuptools that reads pyproject.toml's SPDX license (>= 77).
+if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
+elif [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"
+else PY=python3
+fi
 OUT_DIR="${LEASE_DIR:-$ROOT/.lease}"
 WHL="$OUT_DIR/whl"
 LIMIT_MIB=64  # the device tool's limit for the whole carried working tree

@@ -97,12 +97,15 @@ def markdown(data: dict) -> str:
 
 def _correctness(results: list) -> list[str]:
     lines = []
-    kernel = [r for r in results if "errors" in r]
+    kernel = [r for r in results if "errors" in r or ("crash" in r and "D" in r)]
     for r in results:
         if "control" in r:
             c = r["control"]
-            lines.append(f"- negative control ({c['what']}): error {_f(c['error'])} -> "
+            lines.append(f"- negative control: CRASHED: {c['crash']}" if "crash" in c else
+                         f"- negative control ({c['what']}): error {_f(c['error'])} -> "
                          f"{'ok' if c['ok'] else 'FAILED'}")
+        elif r.get("check") in ("model_backend", "kv_cache") and "crash" in r:
+            lines.append(f"- {r['check']}: CRASHED: {r['crash']}")
         elif r.get("check") in ("model_backend", "kv_cache"):
             detail = {k: v for k, v in r.items() if k not in ("check", "ok")}
             lines.append(f"- {r['check']}: {'ok' if r['ok'] else 'FAILED'} {detail}")
@@ -115,14 +118,15 @@ def _correctness(results: list) -> list[str]:
                          + (f"; skipped for time: {r['skipped_for_time']}"
                             if r["skipped_for_time"] else ""))
     if kernel:
-        keys = list(kernel[0]["errors"])
+        keys = next((list(r["errors"]) for r in kernel if "errors" in r), ["result"])
         lines += ["", "Fused kernel vs fp64 reference (relative error; tolerance in the JSON):", "",
                   "| dtype | D | N | dq | " + " | ".join(keys) + " | ok |",
                   "|---" * (len(keys) + 5) + "|"]
         for r in kernel:
+            cells = ([_f(r["errors"][k], ".1e") for k in keys] if "errors" in r else
+                     [f"crashed: {r['crash']}"] + [""] * (len(keys) - 1))
             lines.append(f"| {r['dtype']} | {r['D']} | {r['N']} | {r['dq']} | "
-                         + " | ".join(_f(r["errors"][k], ".1e") for k in keys)
-                         + f" | {'yes' if r['ok'] else 'NO'} |")
+                         + " | ".join(cells) + f" | {'yes' if r['ok'] else 'NO'} |")
     return lines
 
 
