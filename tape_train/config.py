@@ -80,6 +80,13 @@ class TrainConfig:
             ``data`` section: no corpus or tokenizer needed (benchmarks, smoke tests).
         synthetic_mask_fraction: with ``synthetic_data``, mask a random prefix of up to this
             fraction of every row's labels (uneven target-token counts).
+        collective_timeout_s: seconds a rank waits in one collective for the other ranks
+            during a training step before the run fails (one line naming this key); a step
+            that makes no progress for half of it on one rank, outside a collective, ends the
+            run with that rank's stacks in its log (``tape_train.train.watchdog``).
+        startup_timeout_s: the same for the phases that may legitimately take longer: start-up
+            (DeepSpeed, a resume's checkpoint load), the first step of each process
+            (compilation, autotuning), every evaluation and checkpoint save.
     """
 
     run_dir: str = "runs/default"
@@ -100,6 +107,8 @@ class TrainConfig:
     keep_freed_memory: bool = True
     synthetic_data: bool = False
     synthetic_mask_fraction: float = 0.0
+    collective_timeout_s: float = 600.0
+    startup_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         check_field_types(self, "train")
@@ -119,6 +128,13 @@ class TrainConfig:
         _require(0.0 <= self.synthetic_mask_fraction < 1.0,
                  f"train.synthetic_mask_fraction must be in [0, 1), got "
                  f"{self.synthetic_mask_fraction}")
+        for key in ("collective_timeout_s", "startup_timeout_s"):
+            _require(getattr(self, key) > 0, f"train.{key} must be > 0 seconds, got "
+                     f"{getattr(self, key)}")
+        _require(self.collective_timeout_s <= self.startup_timeout_s,
+                 f"train.collective_timeout_s={self.collective_timeout_s:g} must be <= "
+                 f"train.startup_timeout_s={self.startup_timeout_s:g} (start-up, first steps, "
+                 f"evaluations and saves get at least a step's allowance): raise both")
 
     @property
     def resolved_warmup_steps(self) -> int:

@@ -23,6 +23,9 @@ module. Tests here use the real batch scripts as tape-submit renders them:
 - a 1-node training job whose trainer is SIGKILLed after its first checkpoint leaves RUN.lock;
   while it ran, real squeue kept its lock refused (RUNNING); the resubmission (a new job id)
   learns from squeue that the holder's job FAILED, takes the lock over and resumes.
+- a hang: node rank 1's trainer is SIGSTOPped mid-run: rank 0's collective times out after
+  train.collective_timeout_s and says so in one line; the job ends FAILED, not requeued, once
+  srun's --wait (grace + 60 s) has ended the stopped node.
 """
 
 from __future__ import annotations
@@ -552,3 +555,53 @@ def test_a_job_killed_outright_leaves_its_lock_and_the_resubmission_resumes(clus
     assert evs[-1]["event"] == "done" and not lock.exists()
     steps = [r["step"] for r in read_metrics(run_dir, "train")]
     assert steps[-1] == MAX_STEPS, steps
+
+
+def _trainer_pids(run_dir: Path) -> list[int]:
+    """The trainer processes (not srun, the node's bash or torchrun) of the job whose config is
+    ``<run_dir>/../run.yaml`` (``submit_training``)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        module = argv[argv.index(b"-m") + 1] if b"-m" in argv[:-1] else None  # the first -m
+        if (Path(argv[0].decode()).name.startswith("python") and module == b"tape_train.train.cli"
+                and str(run_dir.parent / "run.yaml").encode() in argv):
+            found.append(int(proc.name))
+    return sorted(found)
+
+
+def test_a_stopped_trainer_ends_the_job_after_the_collective_timeout(cluster, corpus, tmp_path,
+                                                                     monkeypatch):
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf_path))
+    (job_id,), run_dir, log_dir = submit_training(
+        tmp_path, "hang", corpus, monkeypatch,
+        extra=["--signal-grace", "60", "train.collective_timeout_s=20",
+               "train.startup_timeout_s=60"])
+    deadline = time.monotonic() + 180
+    while max([r["step"] for r in read_metrics(run_dir, "train")], default=0) < 3:
+        info = cluster.job_info(job_id)
+        assert info is not None and info.state in ("PENDING", "CONFIGURING", "RUNNING"), (
+            f"{info}\n{log_text(log_dir, 'hang', job_id)}")
+        assert time.monotonic() < deadline, log_text(log_dir, "hang", job_id)
+        time.sleep(0.2)
+    holder = json.loads((run_dir / LOCK_NAME).read_text())["pid"]  # rank 0
+    pids = _trainer_pids(run_dir)
+    assert len(pids) == 2 and holder in pids, (holder, pids)
+    [victim] = [pid for pid in pids if pid != holder]
+    os.kill(victim, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    info = cluster.wait_for_job(job_id, timeout=240)
+    elapsed = time.monotonic() - stopped_at
+    text = log_text(log_dir, "hang", job_id)
+    assert info.state == "FAILED" and info.restart_count == 0, f"{info.raw}\n{text}"
+    assert re.search(r"\[rank0\] ERROR tape_train\.train: rank 0: a collective timed out in step "
+                     r"\d+ \(train\.collective_timeout_s=20 s\)", text), text
+    assert "is stuck:" not in text          # the stopped rank could not report
+    # The collective timeout (20 s), then srun --wait (60 + 60 s) for the stopped node.
+    assert 20 < elapsed < 20 + 120 + 60, (elapsed, text)
+    print(f"stopped rank: job ended {elapsed:.0f} s after the SIGSTOP")

@@ -15,6 +15,7 @@ DeepSpeed does build goes to a per-virtualenv cache (``TORCH_EXTENSIONS_DIR``, d
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import socket
@@ -56,8 +57,12 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(requested_device: str = "auto") -> DistInfo:
-    """Initialise (or reuse) the default process group; gloo on CPU, NCCL on CUDA."""
+def init_distributed(requested_device: str = "auto", timeout_s: float | None = None) -> DistInfo:
+    """Initialise (or reuse) the default process group; gloo on CPU, NCCL on CUDA.
+
+    ``timeout_s``: how long a collective may wait for the other ranks (``None``: DeepSpeed's
+    default, 10 min or ``$DEEPSPEED_TIMEOUT`` minutes); also applied to a group that exists
+    already."""
     if "RANK" not in os.environ:  # plain single process: give DeepSpeed a 1-rank group
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -69,9 +74,12 @@ def init_distributed(requested_device: str = "auto") -> DistInfo:
     import deepspeed
 
     # Also when a group exists already (tests): DeepSpeed then only wraps it for its own comm.
+    extra = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     with _no_shm_comm_build(device.type == "cpu"):
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
-                                   verbose=False)
+                                   verbose=False, **extra)
+    if timeout_s is not None:
+        set_collective_timeout(timeout_s)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
@@ -117,6 +125,20 @@ def _no_shm_comm_build(skip: bool):
         yield
     finally:
         ds_torch.build_shm_op = original
+
+
+def set_collective_timeout(timeout_s: float) -> None:
+    """How long any collective of this rank may wait for the others, in every process group
+    this rank belongs to: the world and every sub-group (the dp/sp/tp groups and DeepSpeed's,
+    which torch creates with its own default, 30 min for gloo and 10 min for NCCL, whatever
+    the world group has). Local: each rank sets its own."""
+    if not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for group in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(timeout, group)
 
 
 def collective_device() -> torch.device:

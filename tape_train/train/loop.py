@@ -38,6 +38,7 @@ from tape_train.precision import PrecisionChoice, resolve_dtype
 from tape_train.train.preflight import PreflightError
 from tape_train.train.run_lock import RunLock, RunLockError
 from tape_train.train.signals import StopRequest
+from tape_train.train.watchdog import STARTUP_KEY, STEP_KEY, Watchdog, describe_collective_error
 
 log = logging.getLogger("tape_train.train")
 
@@ -103,6 +104,8 @@ class Trainer:
         self._eval_docs = None
         self._last_saved_step = -1
         self.lock: RunLock | None = None
+        self.watchdog: Watchdog | None = None
+        self._timeout_in_force: float | None = None
 
     # ------------------------------------------------------------------------------------------
     # Set-up
@@ -111,6 +114,8 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         self.stop.install()  # early: a stop signal during set-up ends it at the next phase
+        self.watchdog = Watchdog(int(os.environ.get("RANK", "0")), before_exit=self._release_lock)
+        self._phase("start-up (preflight checks and process-group start)", long=True)
         self._preflight()
         from tape_train.parallel import RankGrid
 
@@ -120,7 +125,7 @@ class Trainer:
         self.grid = RankGrid.from_sizes(world, dp=cfg.parallel.dp, sp=cfg.parallel.sp,
                                         tp=cfg.parallel.tp,
                                         rank=int(os.environ.get("RANK", "0")))
-        self.dist = tdist.init_distributed(cfg.train.device)
+        self.dist = tdist.init_distributed(cfg.train.device, cfg.train.startup_timeout_s)
         self.rank = self.dist.rank
         setup_logging(self.rank, cfg.logging.all_ranks)
         self._stop_point("process-group start")
@@ -208,6 +213,29 @@ class Trainer:
         code = self.stop.agreed(tdist.all_reduce_max_int)
         if code:
             raise StoppedDuringSetup(code, phase, self.stop.signal_name)
+        self._phase(f"start-up (after the {phase})", long=True)
+
+    def _phase(self, name: str, *, long: bool) -> None:
+        """Start a phase of the run on this rank (``tape_train.train.watchdog``): the collective
+        timeout in force, and the watchdog's budget (half of it). ``long``: start-up, the first
+        step of the process, an evaluation or a save (``train.startup_timeout_s``); else a
+        training step (``train.collective_timeout_s``). Collective when it shortens the
+        timeout: a barrier, still under the longer one, first waits for every rank to end the
+        longer phase (a slow rank might otherwise still be in it when the others time out)."""
+        if self.watchdog is None:  # not set up (tests call methods directly)
+            return
+        train = self.cfg.train
+        timeout, key = ((train.startup_timeout_s, STARTUP_KEY) if long
+                        else (train.collective_timeout_s, STEP_KEY))
+        if self._timeout_in_force is not None and timeout < self._timeout_in_force:
+            tdist.barrier()
+        tdist.set_collective_timeout(timeout)
+        self._timeout_in_force = timeout
+        self.watchdog.arm(name, timeout, key)
+
+    def _release_lock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
     def _build_loader(self):
         if self.loader_factory is not None:
@@ -445,8 +473,12 @@ class Trainer:
             return EXIT_OK
         bar = self._progress_bar()
         exit_code = EXIT_OK
+        first = True  # of this process: compilation, autotuning, cold caches
         try:
             while self.state.step < max_steps:
+                self._phase(f"step {self.state.step + 1}" + (" (the first of this process)"
+                                                             if first else ""), long=first)
+                first = False
                 metrics = self.train_step()
                 step = self.state.step
                 if bar is not None:
@@ -532,6 +564,7 @@ class Trainer:
         """
         from tape_train.eval.perplexity import evaluate_schedule, scalar_metrics
 
+        self._phase(f"the evaluation at step {self.state.step}", long=True)
         if self._eval_docs is None:
             self._eval_docs = list(self._eval_document_source())
         rng = ckpt.capture_rng_state()
@@ -586,6 +619,7 @@ class Trainer:
                                                                   self.cfg.eval.max_tokens)]
 
     def save(self) -> Path:
+        self._phase(f"the checkpoint save at step {self.state.step}", long=True)
         meta = {
             "train_state": vars(self.state).copy(),
             "step": self.state.step,
@@ -611,6 +645,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
         self.stop.close()
         if self.writer is not None:
             self.writer.close()
@@ -640,6 +676,12 @@ class Trainer:
                         "nothing to save; exit %d", stop.signal_name or "a signal on another "
                         "rank", stop.phase, stop.code)
             code = stop.code
+        except RuntimeError as exc:  # a collective timed out, or a peer went away: one line
+            line = describe_collective_error(exc, self.watchdog, getattr(self, "rank", 0))
+            if line is None:
+                raise
+            log.error("%s", line)
+            code = EXIT_ERROR
         finally:
             self.close()
             _write_exit_file(code if code is not None else EXIT_ERROR)

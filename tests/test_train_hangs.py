@@ -1,0 +1,225 @@
+"""A rank that hangs ends the run within a bounded time, and the logs say where
+(``tape_train.train.watchdog``).
+
+Fast: the watchdog alone in a subprocess (a phase that overruns ends the process with the
+stacks; one re-armed in time does not), and the one-line description of a failed collective.
+
+Slow: the real trainer under torchrun, 2 gloo ranks, ZeRO-3, synthetic data, 6 steps with a
+checkpoint every 2, ``train.collective_timeout_s=10`` (a step may take 5 s on a rank) and
+``train.startup_timeout_s=30`` (a save may take 15 s). A hook in the worker (``_HOOK``) makes
+one rank sleep, or SIGSTOP itself, at a chosen step's data read or checkpoint save:
+
+- slow but progressing (3 s data reads, an 8 s save on one rank): not ended, and its losses
+  are the reference;
+- rank 0 stuck in the step-4 save: it ends itself with its stacks, naming the save and the key;
+  the other rank says in one line that a peer exited; the step-4 checkpoint is not complete,
+  the run-directory lock is released;
+- the re-run resumes from step 2; rank 1 SIGSTOPs in step 4: rank 0's collective times out,
+  one line naming ``train.collective_timeout_s``, no traceback;
+- the next re-run finishes with the reference losses, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_train_faults import OVERRIDES as FAULTS_OVERRIDES  # the tiny 2-rank model
+
+REPO = Path(__file__).resolve().parents[1]
+OVERRIDES = [*FAULTS_OVERRIDES, "train.max_steps=6", "checkpoint.keep=2",
+             "logging.tensorboard=false", "train.collective_timeout_s=10",
+             "train.startup_timeout_s=30"]
+
+# HANG_AT="<data|save>:<steps>:<rank>:<seconds|stop>[;...]": on that rank, sleep (or SIGSTOP)
+# when reading the data of one of those steps, or when saving the checkpoint of one.
+_HOOK = """
+import os, signal, sys, time
+from tape_train.train import checkpoint, loop
+
+def hang(step, steps, rank, how):
+    if step in steps and os.environ["RANK"] == rank:
+        if how == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            time.sleep(float(how))
+
+for spec in filter(None, os.environ.get("HANG_AT", "").split(";")):
+    where, steps, rank, how = spec.split(":")
+    steps = {int(s) for s in steps.split(",")}
+    if where == "data":
+        def read(self, *a, _original=loop.Trainer._next_micro_batches, _spec=(steps, rank, how)):
+            hang(self.state.step + 1, *_spec)
+            return _original(self, *a)
+        loop.Trainer._next_micro_batches = read
+    else:
+        def save(engine, run_dir, step, _original=checkpoint.save_checkpoint,
+                 _spec=(steps, rank, how), **kwargs):
+            hang(step, *_spec)
+            return _original(engine, run_dir, step, **kwargs)
+        checkpoint.save_checkpoint = save
+
+from tape_train.train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+# ----------------------------------------------------------------------------------------------
+# Fast: the watchdog alone, and the one-line description of a failed collective
+# ----------------------------------------------------------------------------------------------
+
+_ALONE = """
+import sys, time
+from tape_train.train.watchdog import Watchdog
+watchdog = Watchdog(3)
+for i in range(int(sys.argv[1])):
+    watchdog.arm(f"step {i + 1}", 2.0, "train.collective_timeout_s")   # 1 s per phase
+    time.sleep(float(sys.argv[2]))
+watchdog.close()
+print("finished")
+"""
+
+
+def _alone(tmp_path: Path, phases: int, seconds: float) -> subprocess.CompletedProcess:
+    script = tmp_path / "alone.py"
+    script.write_text(_ALONE)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, str(script), str(phases), str(seconds)], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_an_overrun_phase_ends_the_process_with_its_stacks_in_time(tmp_path):
+    start = time.monotonic()
+    stuck = _alone(tmp_path, 1, 30)
+    assert stuck.returncode == 1 and "finished" not in stuck.stdout
+    assert time.monotonic() - start < 20
+    assert "rank 3 is stuck: step 1 made no progress for 1 s" in stuck.stderr, stuck.stderr
+    assert "not in a collective" in stuck.stderr and "raise train.collective_timeout_s" in stuck.stderr
+    assert "[rank3] thread MainThread (most recent call last):" in stuck.stderr
+    assert "time.sleep(float(sys.argv[2]))" in stuck.stderr  # where it was stuck
+    assert "tape-train-watchdog" not in stuck.stderr          # not the watchdog's own stack
+
+
+def test_phases_that_end_in_time_are_not_ended(tmp_path):
+    ok = _alone(tmp_path, 6, 0.5)  # 3 s in all, each phase within its 1 s
+    assert ok.returncode == 0 and "finished" in ok.stdout, ok.stderr
+    assert "stuck" not in ok.stderr
+
+
+def test_a_failed_collective_is_one_line_naming_the_phase_and_key():
+    from tape_train.train.watchdog import describe_collective_error
+
+    class Phase:  # what the watchdog knows about the phase in progress
+        phase = ("step 7", 10.0, "train.collective_timeout_s")
+
+    timeout = RuntimeError("[/src/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                           "10000ms for recv operation to complete")
+    line = describe_collective_error(timeout, Phase(), 1)
+    assert line.startswith("rank 1: a collective timed out in step 7 "
+                           "(train.collective_timeout_s=10 s): another rank is stuck")
+    assert line.endswith("raise train.collective_timeout_s (Timed out waiting 10000ms for recv "
+                         "operation to complete)") and "\n" not in line
+    closed = RuntimeError("[/src/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                          "[127.0.0.1]:30112. This is typically caused by a remote worker "
+                          "crashing. Check the logs of the remote worker")
+    assert describe_collective_error(closed, Phase(), 0) == (
+        "rank 0: a collective failed in step 7: another rank exited (crashed, was killed, or "
+        "was ended by its watchdog: its log says which) (Connection closed by peer "
+        "[127.0.0.1]:30112)")
+    # Negative control: any other RuntimeError is not a communication error (traceback kept).
+    assert describe_collective_error(RuntimeError("shape mismatch"), Phase(), 0) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# Slow: the real trainer under torchrun
+# ----------------------------------------------------------------------------------------------
+
+
+def _train(tmp_path: Path, run_dir: Path, hang_at: str = "") -> tuple[subprocess.CompletedProcess,
+                                                                      float]:
+    hook = tmp_path / "hang_hook.py"
+    hook.write_text(_HOOK)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               HANG_AT=hang_at)
+    start = time.monotonic()
+    # --shutdown-timeout: torchrun's wait before it SIGKILLs a worker that ignores SIGTERM
+    # (a stopped one), 30 s by default.
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node", "2", "--shutdown-timeout", "3", str(hook),
+                             "--config", "demo", *OVERRIDES, f"train.run_dir={run_dir}"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return result, time.monotonic() - start
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    from tape_train.train.metrics import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir, "train")}
+
+
+def _complete(run_dir: Path, step: int) -> bool:
+    from tape_train.train.checkpoint import tag_for_step, why_incomplete
+
+    tag = run_dir / "checkpoints" / tag_for_step(step)
+    return tag.is_dir() and why_incomplete(tag) is None
+
+
+@pytest.fixture(scope="module")
+def slow_reference(tmp_path_factory) -> dict[int, float]:
+    """A run whose rank 1 is slow (3 s data reads in steps 2 and 3, more than half a step's
+    allowance in the step-4 save) but never stuck: it must finish."""
+    tmp = tmp_path_factory.mktemp("slow")
+    result, _ = _train(tmp, tmp / "run", "data:2,3:1:3;save:4:1:8")
+    assert result.returncode == 0, result.stderr[-5000:]
+    for line in ("is stuck", "timed out", "has waited", "collective failed"):
+        assert line not in result.stderr, result.stderr[-5000:]
+    losses = _losses(tmp / "run")
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_slow_but_progressing_ranks_are_not_ended(slow_reference):
+    assert len(slow_reference) == 6
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_stuck_and_stopped_ranks_end_the_run_and_the_rerun_continues_exactly(
+        tmp_path, slow_reference):
+    run_dir = tmp_path / "run"
+
+    # Rank 0 stuck in the step-4 save: ended by its watchdog after 15 s (half of 30).
+    stuck, seconds = _train(tmp_path, run_dir, "save:4:0:3600")
+    err = stuck.stderr
+    assert stuck.returncode != 0 and seconds < 120, (seconds, err[-5000:])
+    assert ("[rank0] ERROR tape_train.train: rank 0 is stuck: the checkpoint save at step 4 "
+            "made no progress for 15 s, at tape_train/train/loop.py:") in err, err[-5000:]
+    assert "If it was only slow, raise train.startup_timeout_s" in err
+    stacks = err[err.index("[rank0] thread MainThread (most recent call last):"):]
+    assert "in save\n" in stacks and "time.sleep(float(how))" in stacks
+    assert "[rank1] thread" not in err  # the waiting rank reports in one line, no stacks
+    assert _complete(run_dir, 2) and not _complete(run_dir, 4)  # nothing looks complete
+    assert not (run_dir / "RUN.lock").exists()  # released before the watchdog's exit
+
+    # Re-run: resumes from step 2; rank 1 stops (SIGSTOP) reading step 4's data: rank 0's
+    # collective times out after 10 s, in one line; torchrun then kills the stopped rank.
+    stopped, seconds = _train(tmp_path, run_dir, "data:4:1:stop")
+    err = stopped.stderr
+    assert stopped.returncode != 0 and seconds < 120, (seconds, err[-5000:])
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000002'}" in err
+    assert ("[rank0] ERROR tape_train.train: rank 0: a collective timed out in step 4 "
+            "(train.collective_timeout_s=10 s): another rank is stuck") in err, err[-5000:]
+    assert f'File "{REPO / "tape_train"}' not in err  # no trainer traceback
+    assert "is stuck:" not in err  # a stopped process runs no watchdog
+
+    # Re-run: finishes with the uninterrupted run's losses, bit for bit.
+    final, _ = _train(tmp_path, run_dir)
+    assert final.returncode == 0, final.stderr[-5000:]
+    assert _losses(run_dir) == slow_reference
