@@ -87,6 +87,11 @@ class TrainConfig:
         startup_timeout_s: the same for the phases that may legitimately take longer: start-up
             (DeepSpeed, a resume's checkpoint load), the first step of each process
             (compilation, autotuning), every evaluation and checkpoint save.
+        deterministic: bit-reproducible GPU training: ``torch.use_deterministic_algorithms``
+            (an op without a deterministic CUDA implementation warns once, naming it),
+            ``CUBLAS_WORKSPACE_CONFIG``, cuDNN without autotuning, the fused TAPE kernel's
+            atomic-free dq (backward 13U instead of 9U) and flash-attn's deterministic
+            backward. CPU training is bit-reproducible either way.
     """
 
     run_dir: str = "runs/default"
@@ -109,6 +114,7 @@ class TrainConfig:
     synthetic_mask_fraction: float = 0.0
     collective_timeout_s: float = 600.0
     startup_timeout_s: float = 1800.0
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         check_field_types(self, "train")

@@ -14,6 +14,9 @@ An explicit ``bf16`` is honoured everywhere but warns, with the measured slowdow
 slow. ``choose_dtype`` is the pure decision (tests fake the facts); ``resolve_dtype`` gathers
 the facts of a device and calls it. The trainer, evaluation, export/generation and the
 benchmarks all resolve through here.
+
+``deterministic_algorithms(True)`` switches on what makes a GPU run bit-reproducible
+(``train.deterministic``); it returns the function that restores the previous settings.
 """
 
 from __future__ import annotations
@@ -156,3 +159,37 @@ def resolve_dtype(requested: str, device_type: str = "cpu") -> PrecisionChoice:
     speedup = cpu_bf16_speedup()
     return choose_dtype(requested, device_type="cpu", native_bf16=native, bf16_speedup=speedup,
                         native_detail=detail)
+
+
+CUBLAS_WORKSPACE = ":4096:8"  # what cuBLAS needs for reproducible results (CUDA >= 10.2)
+
+
+def deterministic_algorithms(enabled: bool):
+    """Bit-reproducible kernels for the rest of the process when ``enabled``: PyTorch's
+    deterministic implementations (``warn_only``: an op that has none warns once, naming
+    itself, instead of failing a long run), cuBLAS's fixed workspace (set before the first
+    cuBLAS call; a value the user exported is kept), cuDNN without autotuning. The fused TAPE
+    kernel and the ``flash`` backend read ``torch.are_deterministic_algorithms_enabled()``.
+    Returns a function that restores the previous settings (tests run trainers in-process)."""
+    import os
+
+    import torch
+
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+              os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+
+    def restore() -> None:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2:4]
+        if before[4] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = before[4]
+
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    return restore

@@ -59,8 +59,11 @@ def test_cpu_smoke_report_is_complete_and_finite(tmp_path):
     assert checks["model_backend"]["ok"] and checks["kv_cache"]["ok"]
     trainer = checks["trainer"]
     assert trainer["ok"] and not trainer["failures"]
-    assert set(trainer["losses"]) == {"zero1_fp32", "zero1_bf16", "zero3_fp32", "zero3_bf16"}
-    assert len(trainer["comparisons"]) == 4
+    assert set(trainer["losses"]) == {"zero1_fp32", "zero1_bf16", "zero3_fp32", "zero3_bf16",
+                                      "zero3_bf16_deterministic",
+                                      "zero3_bf16_deterministic_again"}
+    assert len(trainer["comparisons"]) == 5
+    assert trainer["comparisons"]["bf16 deterministic: run vs the same run again"] == 0.0
     speed = data["sections"]["kernel_speed"]["results"][0]["methods"]
     for name in ("tape_fused", "tape_unfused", "rope_flash"):
         assert speed[name]["fwd_bwd_ms"] > 0, name

@@ -138,3 +138,61 @@ def test_cpu_peak_measurement_is_time_bounded_and_cached():
     if machine_cache.busy_cpu() is None:
         assert again == first and how_again.startswith("cached")
     assert "float32" in how and "threads" in how
+
+
+def test_deterministic_algorithms_switch_on_and_restore(monkeypatch):
+    """train.deterministic's switch: torch's deterministic mode (warn-only), cuBLAS's fixed
+    workspace unless the user exported one, cuDNN without autotuning; the returned function
+    puts back exactly what was there (tests and notebooks run trainers in-process)."""
+    import torch
+
+    from tape_train.precision import CUBLAS_WORKSPACE, deterministic_algorithms
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert not torch.are_deterministic_algorithms_enabled()
+    restore = deterministic_algorithms(True)
+    try:
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    finally:
+        restore()
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ and not torch.backends.cudnn.deterministic
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the user's own choice is kept
+    restore = deterministic_algorithms(True)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    restore()
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    deterministic_algorithms(False)()  # off: nothing changes
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_flash_backend_asks_for_the_deterministic_backward(monkeypatch):
+    """flash-attn's backward adds dq with atomics unless told `deterministic=True`: the
+    backend passes torch's deterministic mode on (a stand-in flash_attn module records it)."""
+    import types
+
+    import torch
+
+    from tape_train.model.attention import flash_attention
+    from tape_train.precision import deterministic_algorithms
+
+    seen = []
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, alibi_slopes=None,
+                        deterministic=False):
+        seen.append(deterministic)
+        return q
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(
+        flash_attn_func=flash_attn_func))
+    q = torch.zeros(1, 2, 4, 8)
+    flash_attention(q, q, q)
+    restore = deterministic_algorithms(True)
+    try:
+        flash_attention(q, q, q)
+    finally:
+        restore()
+    assert seen == [False, True]

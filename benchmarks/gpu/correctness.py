@@ -198,20 +198,27 @@ def kv_cache_check(device, model_kw: dict, prompt: int, new: int) -> dict:
 
 
 def start_trainers(recipe: Path, work: Path, common_overrides: list[str]) -> dict:
-    """Spawn the four trainer processes (ZeRO-1/3 × fp32/bf16); they set up in the background
-    while the kernel checks run. Finish with ``trainer_checks``."""
+    """Spawn the trainer processes — ZeRO-1/3 × fp32/bf16, and ZeRO-3 bf16 twice with
+    ``train.deterministic`` — which set up in the background while the kernel checks run.
+    Finish with ``trainer_checks``."""
     from trainer_process import Child
 
     from gpu.end_to_end import TrainerProbe
 
     work.mkdir(parents=True, exist_ok=True)
     runs = {}
-    for zero, dtype in itertools.product((1, 3), ("fp32", "bf16")):
-        name = f"zero{zero}_{dtype}"
+    variants = [(f"zero{zero}_{dtype}", zero, dtype, [])
+                for zero, dtype in itertools.product((1, 3), ("fp32", "bf16"))]
+    variants += [(name, 3, "bf16", ["train.deterministic=true"]) for name in DETERMINISTIC_RUNS]
+    for name, zero, dtype, extra in variants:
         overrides = [*common_overrides, f"parallel.zero_stage={zero}", f"train.dtype={dtype}",
-                     f"train.run_dir={work / name}"]
+                     f"train.run_dir={work / name}", *extra]
         runs[name] = Child(name, work / f"{name}.log", TrainerProbe, recipe, overrides)
     return runs
+
+
+DETERMINISTIC_RUNS = ("zero3_bf16_deterministic", "zero3_bf16_deterministic_again")
+DETERMINISTIC_KEY = "bf16 deterministic: run vs the same run again"
 
 
 def trainer_checks(runs: dict, steps: int, budget: Budget, sink: list, flush) -> None:
@@ -246,13 +253,16 @@ def trainer_checks(runs: dict, steps: int, budget: Budget, sink: list, flush) ->
         if a and b:
             res["comparisons"][f"{dtype}: zero3 vs zero1"] = max(
                 abs(x - y) / abs(y) for x, y in zip(a, b))
+    a, b = (losses.get(name) for name in DETERMINISTIC_RUNS)
+    if a and b:  # train.deterministic: the same run twice gives the same losses, bit for bit
+        res["comparisons"][DETERMINISTIC_KEY] = max(abs(x - y) / abs(y) for x, y in zip(a, b))
     finite = all(all(map(_finite, v)) for v in losses.values())
-    limits = {k: (TRAIN_BF16_TOL if "bf16 vs" in k else
+    limits = {k: (0.0 if k == DETERMINISTIC_KEY else TRAIN_BF16_TOL if "bf16 vs" in k else
                   TRAIN_BF16_TOL if k.startswith("bf16") else TRAIN_ZERO_TOL)
               for k in res["comparisons"]}
     res["ok"] = (not failures and finite
                  and all(v <= limits[k] for k, v in res["comparisons"].items()))
-    if res["ok"] and len(res["comparisons"]) < 4:
+    if res["ok"] and len(res["comparisons"]) < 5:
         res["ok"] = None  # not judged: runs skipped for time
     sink.append(res)
     flush()

@@ -111,7 +111,8 @@ def _correctness(results: list) -> list[str]:
             lines.append(f"- {r['check']}: {'ok' if r['ok'] else 'FAILED'} {detail}")
         elif r.get("check") == "trainer":
             verdict = {True: "ok", False: "FAILED", None: "NOT JUDGED"}[r["ok"]]
-            lines.append(f"- trainer (ZeRO-1/3, bf16 vs fp32, {r['steps']} steps): "
+            lines.append(f"- trainer (ZeRO-1/3, bf16 vs fp32, deterministic twice, "
+                         f"{r['steps']} steps): "
                          f"{verdict}; max relative loss differences "
                          + ", ".join(f"{k} {_f(v)}" for k, v in r["comparisons"].items())
                          + (f"; failed: {list(r['failures'])}" if r["failures"] else "")

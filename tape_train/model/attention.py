@@ -142,12 +142,14 @@ def sdpa_attention(q, k, v, bias=None, scale=None) -> torch.Tensor:
 
 
 def flash_attention(q, k, v, scale=None, alibi_slopes=None) -> torch.Tensor:
-    """flash-attn 2 (imported lazily); tensors head-major in, head-major out."""
+    """flash-attn 2 (imported lazily); tensors head-major in, head-major out. Its backward is
+    atomic-free (deterministic) when torch's deterministic algorithms are on."""
     from flash_attn import flash_attn_func
 
     out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                           softmax_scale=scale, causal=True,
-                          alibi_slopes=None if alibi_slopes is None else alibi_slopes.float())
+                          alibi_slopes=None if alibi_slopes is None else alibi_slopes.float(),
+                          deterministic=torch.are_deterministic_algorithms_enabled())
     return out.transpose(1, 2)
 
 

@@ -34,7 +34,7 @@ from tape_train.train.metrics import (MetricsWriter, format_summary, memory_metr
                                       setup_logging)
 from tape_train.train.optim import LRSchedule
 from tape_train.train.peak import checked_mfu, device_peak_tflops
-from tape_train.precision import PrecisionChoice, resolve_dtype
+from tape_train.precision import PrecisionChoice, deterministic_algorithms, resolve_dtype
 from tape_train.train.preflight import PreflightError
 from tape_train.train.run_lock import RunLock, RunLockError
 from tape_train.train.signals import StopRequest
@@ -105,6 +105,7 @@ class Trainer:
         self._last_saved_step = -1
         self.lock: RunLock | None = None
         self.watchdog: Watchdog | None = None
+        self._restore_algorithms = None
         self._timeout_in_force: float | None = None
 
     # ------------------------------------------------------------------------------------------
@@ -115,6 +116,8 @@ class Trainer:
         cfg = self.cfg
         self.stop.install()  # early: a stop signal during set-up ends it at the next phase
         self.watchdog = Watchdog(int(os.environ.get("RANK", "0")), before_exit=self._release_lock)
+        # Before any CUDA work: cuBLAS reads its workspace setting when it starts.
+        self._restore_algorithms = deterministic_algorithms(cfg.train.deterministic)
         self._phase("start-up (preflight checks and process-group start)", long=True)
         self._preflight()
         from tape_train.parallel import RankGrid
@@ -136,6 +139,10 @@ class Trainer:
         self.dp_size, self.dp_rank = self.grid.dp_size, self.grid.dp_rank
         restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
         log.info("%s", self._preflight_summary)
+        if cfg.train.deterministic:
+            log.info("deterministic algorithms on (train.deterministic): CUBLAS_WORKSPACE_CONFIG=%s, "
+                     "cuDNN without autotuning, atomic-free attention backward",
+                     os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
         log.info("tape-train: world size %d (%s), device %s, run dir %s, "
                  "SLURM_RESTART_COUNT=%s", self.dist.world_size, self.grid.describe(),
                  self.dist.device, self.run_dir, restarts)
@@ -647,6 +654,9 @@ class Trainer:
     def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.close()
+        if self._restore_algorithms is not None:
+            self._restore_algorithms()
+            self._restore_algorithms = None
         self.stop.close()
         if self.writer is not None:
             self.writer.close()
