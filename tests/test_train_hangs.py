@@ -135,6 +135,23 @@ def test_a_failed_collective_is_one_line_naming_the_phase_and_key():
     assert describe_collective_error(RuntimeError("shape mismatch"), Phase(), 0) is None
 
 
+def test_a_failed_collective_is_described_with_the_phase_it_ended():
+    """A call that fails ends its phase (the watchdog is disarmed on the way out) before the
+    trainer describes the error: the line still names that phase and its timeout."""
+    from tape_train.train.watchdog import Watchdog, describe_collective_error
+
+    watchdog = Watchdog(1)
+    try:
+        watchdog.arm("step 7", 10.0, "train.collective_timeout_s")
+        watchdog.disarm()
+        timeout = RuntimeError("[/src/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                               "waiting 10000ms for recv operation to complete")
+        assert describe_collective_error(timeout, watchdog, 1).startswith(
+            "rank 1: a collective timed out in step 7 (train.collective_timeout_s=10 s)")
+    finally:
+        watchdog.close()
+
+
 # A trainer driven call by call, as the benchmarks and several tests do (setup, then train_step
 # and save on their own, with the caller's own work in between): its phases end with the calls.
 _CALL_BY_CALL = """

@@ -546,6 +546,8 @@ class Trainer:
             return exit_code
         finally:
             self._in_train = False
+            if self.watchdog is not None:  # its last phase (the final evaluation) is over
+                self.watchdog.disarm()
             if bar is not None:
                 bar.close()
 
