@@ -19,12 +19,15 @@ CLI_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _not_printed_by_its_library(record: logging.LogRecord) -> bool:
-    """False for a record whose own logger chain has a handler below the root: libraries such
-    as huggingface_hub and datasets attach a stderr handler to their loggers (at import, i.e.
-    possibly after ours was set up) and also propagate, so the root would print it twice."""
+    """False for a record that a handler below the root prints: libraries such as
+    huggingface_hub and datasets attach a stderr handler to their loggers (at import, i.e.
+    possibly after ours was set up) and also propagate, so the root would print it twice. A
+    ``NullHandler`` (urllib3's and requests', e.g. for connection retries) or a handler whose
+    level is above the record's prints nothing: such a record is still the root's to print."""
     logger = logging.getLogger(record.name)
     while logger is not None and logger is not logging.root:
-        if logger.handlers:
+        if any(not isinstance(handler, logging.NullHandler) and record.levelno >= handler.level
+               for handler in logger.handlers):
             return False
         logger = logger.parent if logger.propagate else None
     return True

@@ -73,10 +73,21 @@ def test_cli_logging_prints_a_library_line_once():
         "lib.addHandler(logging.StreamHandler(sys.stderr))\n"
         "logging.getLogger('somelib.http').warning('retrying in 1s')\n"
         "logging.getLogger('otherlib').warning('plain library line')\n"
-        "logging.getLogger('tape_train.data').info('our line')\n")
+        "logging.getLogger('tape_train.data').info('our line')\n"
+        # urllib3 and requests: a NullHandler only, which prints nothing (their retries)
+        "logging.getLogger('nulllib').addHandler(logging.NullHandler())\n"
+        "logging.getLogger('nulllib.pool').warning('Retrying after connection broken')\n"
+        # a library handler that only prints errors does not print this warning
+        "quiet = logging.StreamHandler(sys.stderr); quiet.setLevel(logging.ERROR)\n"
+        "logging.getLogger('quietlib').addHandler(quiet)\n"
+        "logging.getLogger('quietlib').warning('quiet library warning')\n")
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stderr.splitlines()
     assert sum("retrying in 1s" in line for line in err) == 1, err
     assert [line for line in err if "plain library line" in line][0].endswith(
         "WARNING otherlib: plain library line")
     assert any(line.endswith("INFO tape_train.data: our line") for line in err)
+    assert [line for line in err if "Retrying" in line] == [
+        line for line in err if line.endswith("WARNING nulllib.pool: Retrying after connection "
+                                              "broken")] != []
+    assert sum("quiet library warning" in line for line in err) == 1, err

@@ -135,6 +135,57 @@ def test_a_failed_collective_is_one_line_naming_the_phase_and_key():
     assert describe_collective_error(RuntimeError("shape mismatch"), Phase(), 0) is None
 
 
+def test_a_failed_collective_is_described_with_the_phase_it_ended():
+    """A call that fails ends its phase (the watchdog is disarmed on the way out) before the
+    trainer describes the error: the line still names that phase and its timeout."""
+    from tape_train.train.watchdog import Watchdog, describe_collective_error
+
+    watchdog = Watchdog(1)
+    try:
+        watchdog.arm("step 7", 10.0, "train.collective_timeout_s")
+        watchdog.disarm()
+        timeout = RuntimeError("[/src/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                               "waiting 10000ms for recv operation to complete")
+        assert describe_collective_error(timeout, watchdog, 1).startswith(
+            "rank 1: a collective timed out in step 7 (train.collective_timeout_s=10 s)")
+    finally:
+        watchdog.close()
+
+
+# A trainer driven call by call, as the benchmarks and several tests do (setup, then train_step
+# and save on their own, with the caller's own work in between): its phases end with the calls.
+_CALL_BY_CALL = """
+import sys, time
+from test_train_faults import OVERRIDES
+from tape_train.config import load_run_config
+from tape_train.train.loop import Trainer
+trainer = Trainer(load_run_config(None, [*OVERRIDES, "train.max_steps=1000",
+    "logging.tensorboard=false", "train.collective_timeout_s=6", "train.startup_timeout_s=10",
+    "train.run_dir=" + sys.argv[1]]))
+trainer.setup()
+start = time.monotonic()
+while time.monotonic() - start < 6:  # more than a start-up phase's 5 s, each step within its 3 s
+    trainer.train_step()
+time.sleep(4)                         # the caller's work: more than a step's 3 s
+trainer.save()
+time.sleep(6)                         # more than a save's 5 s
+trainer.close()
+print("finished")
+"""
+
+
+@pytest.mark.slow
+def test_a_trainer_driven_call_by_call_is_not_ended_between_calls(tmp_path):
+    script = tmp_path / "call_by_call.py"
+    script.write_text(_CALL_BY_CALL)
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}", OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore")
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "finished" in result.stdout, result.stderr[-3000:]
+    assert "stuck" not in result.stderr and "has waited" not in result.stderr
+
+
 # ----------------------------------------------------------------------------------------------
 # Slow: the real trainer under torchrun
 # ----------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ all decisions that must agree (stop, skip a non-finite update) go through one al
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -107,15 +108,23 @@ class Trainer:
         self.watchdog: Watchdog | None = None
         self._restore_algorithms = None
         self._timeout_in_force: float | None = None
+        self._stepped = False      # a step ran in this process (the first compiles, autotunes)
+        self._in_train = False     # inside train(): a phase lasts until the next one starts
 
     # ------------------------------------------------------------------------------------------
     # Set-up
     # ------------------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        cfg = self.cfg
         self.stop.install()  # early: a stop signal during set-up ends it at the next phase
         self.watchdog = Watchdog(int(os.environ.get("RANK", "0")), before_exit=self._release_lock)
+        try:
+            self._setup()
+        finally:  # start-up is over (or failed): whatever the caller does next is not in it
+            self.watchdog.disarm()
+
+    def _setup(self) -> None:
+        cfg = self.cfg
         # Before any CUDA work: cuBLAS reads its workspace setting when it starts.
         self._restore_algorithms = deterministic_algorithms(cfg.train.deterministic)
         self._phase("start-up (preflight checks and process-group start)", long=True)
@@ -239,6 +248,19 @@ class Trainer:
         tdist.set_collective_timeout(timeout)
         self._timeout_in_force = timeout
         self.watchdog.arm(name, timeout, key)
+
+    @contextlib.contextmanager
+    def _watched(self, name: str, *, long: bool):
+        """A step, an evaluation or a save as a phase. Inside ``train()`` the phase lasts until
+        the next one starts (it also covers the loop's metrics writes and stop check); called
+        on its own (benchmarks, tests) it ends with the call, so the caller's time between
+        calls is not charged to it."""
+        self._phase(name, long=long)
+        try:
+            yield
+        finally:
+            if not self._in_train and self.watchdog is not None:
+                self.watchdog.disarm()
 
     def _release_lock(self) -> None:
         if self.lock is not None:
@@ -402,6 +424,13 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step on every rank; returns its metrics (same on all ranks)."""
+        first = not self._stepped  # of this process: compilation, autotuning, cold caches
+        self._stepped = True
+        with self._watched(f"step {self.state.step + 1}"
+                           + (" (the first of this process)" if first else ""), long=first):
+            return self._train_step()
+
+    def _train_step(self) -> dict:
         cfg = self.cfg
         step_start = time.perf_counter()
         micro_batches, data_wait = self._next_micro_batches()
@@ -480,12 +509,9 @@ class Trainer:
             return EXIT_OK
         bar = self._progress_bar()
         exit_code = EXIT_OK
-        first = True  # of this process: compilation, autotuning, cold caches
+        self._in_train = True
         try:
             while self.state.step < max_steps:
-                self._phase(f"step {self.state.step + 1}" + (" (the first of this process)"
-                                                             if first else ""), long=first)
-                first = False
                 metrics = self.train_step()
                 step = self.state.step
                 if bar is not None:
@@ -519,6 +545,9 @@ class Trainer:
             self._finish()
             return exit_code
         finally:
+            self._in_train = False
+            if self.watchdog is not None:  # its last phase (the final evaluation) is over
+                self.watchdog.disarm()
             if bar is not None:
                 bar.close()
 
@@ -569,9 +598,12 @@ class Trainer:
         results. RNG states are saved and restored around it so evaluation never changes the
         training trajectory.
         """
+        with self._watched(f"the evaluation at step {self.state.step}", long=True):
+            return self._evaluate()
+
+    def _evaluate(self) -> list[dict]:
         from tape_train.eval.perplexity import evaluate_schedule, scalar_metrics
 
-        self._phase(f"the evaluation at step {self.state.step}", long=True)
         if self._eval_docs is None:
             self._eval_docs = list(self._eval_document_source())
         rng = ckpt.capture_rng_state()
@@ -626,7 +658,10 @@ class Trainer:
                                                                   self.cfg.eval.max_tokens)]
 
     def save(self) -> Path:
-        self._phase(f"the checkpoint save at step {self.state.step}", long=True)
+        with self._watched(f"the checkpoint save at step {self.state.step}", long=True):
+            return self._save()
+
+    def _save(self) -> Path:
         meta = {
             "train_state": vars(self.state).copy(),
             "step": self.state.step,

@@ -100,6 +100,7 @@ class Watchdog:
         self._target = threading.get_ident()  # the trainer's thread
         self._comm_dirs = _comm_dirs()
         self._phase: _Phase | None = None
+        self._last: _Phase | None = None  # the phase in progress, or the last one disarmed
         self._closed = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._watch, name="tape-train-watchdog",
@@ -109,7 +110,7 @@ class Watchdog:
     def arm(self, name: str, timeout_s: float, key: str) -> None:
         """Start phase ``name``: it may take ``timeout_s / 2`` on this rank."""
         with self._cond:
-            self._phase = _Phase(name, timeout_s, key, time.monotonic())
+            self._phase = self._last = _Phase(name, timeout_s, key, time.monotonic())
             self._cond.notify()
         # Backstop for a hang that holds the GIL (the thread above cannot run then): a C
         # thread dumps the stacks and exits once even the waiting allowance is over.
@@ -132,8 +133,10 @@ class Watchdog:
 
     @property
     def phase(self) -> tuple[str, float, str] | None:
-        """(name, collective timeout, its key) of the current phase."""
-        phase = self._phase
+        """(name, collective timeout, its key) of the phase in progress, else of the last one:
+        a call that failed has ended its phase before its error is described, and the timeout
+        in force is still that phase's."""
+        phase = self._last
         return (phase.name, phase.timeout_s, phase.key) if phase else None
 
     # ------------------------------------------------------------------------------------------
