@@ -230,6 +230,22 @@ def test_data_parallel_split_sums_to_single_rank_with_equal_forward_counts():
         assert all(0 < s[i]["tokens"] < whole["tokens"] for s in shards)   # really split
 
 
+def test_heartbeat_is_called_once_per_batch_of_every_length_and_protocol():
+    """The trainer's watchdog sees an evaluation move batch by batch (evaluate_schedule's
+    heartbeat), so a long evaluation is not taken for a stuck rank."""
+    from tape_train.eval.config import EvalConfig
+    from tape_train.eval.perplexity import evaluate_schedule
+
+    docs = unique_documents()
+    model, beats = RecordingModel(), []
+    evaluate_schedule(model, docs, EvalConfig(lengths=[4, 6], protocols=["nonoverlap",
+                                                                          "sliding"],
+                                              batch_size=2),
+                      train_seq_len=4, heartbeat=lambda: beats.append(model.calls))
+    assert len(beats) == model.calls > 4        # one beat per forward of a batch
+    assert beats == sorted(beats) and beats[-1] == model.calls
+
+
 def test_bad_input_is_named():
     model = RecordingModel()
     with pytest.raises(ValueError, match="document 1: n_bytes"):

@@ -111,6 +111,37 @@ def test_phases_that_end_in_time_are_not_ended(tmp_path):
     assert "stuck" not in ok.stderr
 
 
+_MOVING = """
+import sys, time
+from tape_train.train.watchdog import Watchdog
+watchdog = Watchdog(0)
+watchdog.arm("the evaluation at step 2", 4.0, "train.startup_timeout_s")  # 2 s of no progress
+for i in range(8):                                 # 4.8 s in all: more than the 2 s allowance
+    time.sleep(0.6)
+    if sys.argv[1] == "beat":
+        watchdog.progress()                        # e.g. one evaluation batch done
+watchdog.close()
+print("finished")
+"""
+
+
+@pytest.mark.parametrize("beat", [True, False])
+def test_a_long_phase_that_reports_progress_is_not_ended(tmp_path, beat):
+    """An evaluation longer than its allowance but moving (the trainer passes the watchdog's
+    `progress` as evaluate_schedule's per-batch heartbeat) is not ended; the same phase without
+    the heartbeat is (the negative control)."""
+    script = tmp_path / "moving.py"
+    script.write_text(_MOVING)
+    result = subprocess.run([sys.executable, str(script), "beat" if beat else "silent"],
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
+                            text=True, timeout=60)
+    if beat:
+        assert result.returncode == 0 and "finished" in result.stdout, result.stderr
+    else:
+        assert result.returncode == 1 and "finished" not in result.stdout
+        assert "the evaluation at step 2 made no progress for 2 s" in result.stderr
+
+
 def test_a_failed_collective_is_one_line_naming_the_phase_and_key():
     from tape_train.train.watchdog import describe_collective_error
 

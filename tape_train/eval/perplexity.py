@@ -246,7 +246,8 @@ def evaluate_perplexity(model: torch.nn.Module, documents: Iterable, *, lengths:
                         max_tokens: int | None = None, batch_size: int = 1,
                         device: torch.device | str | None = None, progress: bool = False,
                         reduce: Reduce | None = None, dp_rank: int = 0,
-                        dp_size: int = 1, allow_unmeasured: bool = False) -> list[dict]:
+                        dp_size: int = 1, allow_unmeasured: bool = False,
+                        heartbeat: Callable[[], None] | None = None) -> list[dict]:
     """Token-weighted perplexity of ``model`` at each context length, for one protocol.
 
     Args:
@@ -273,6 +274,8 @@ def evaluate_perplexity(model: torch.nn.Module, documents: Iterable, *, lengths:
             (ZeRO-3 gathers parameters collectively inside every forward).
         allow_unmeasured: never raise for unmeasured lengths (warn; NaN values; the raw
             ``nll_sum``/``tokens`` sums stay), e.g. to score documents one by one.
+        heartbeat: called after every batch, a sign of progress (the trainer's watchdog,
+            ``tape_train.train.watchdog``, then measures a stall, not the whole evaluation).
 
     Returns:
         One dict per length, in the order given, with keys ``length``, ``protocol``,
@@ -313,7 +316,8 @@ def evaluate_perplexity(model: torch.nn.Module, documents: Iterable, *, lengths:
         with torch.no_grad():
             for length in lengths:
                 sums, info = _evaluate_length(model, docs, length, protocol, stride, max_tokens,
-                                              batch_size, device, progress, dp_rank, dp_size)
+                                              batch_size, device, progress, dp_rank, dp_size,
+                                              heartbeat)
                 stats.append(sums)
                 rows.append(info)
     finally:
@@ -370,7 +374,7 @@ def summarize(nll_sum: float, tokens: int, n_bytes: float) -> dict:
 
 
 def _evaluate_length(model, docs, length, protocol, stride, max_tokens, batch_size, device,
-                     progress, dp_rank, dp_size) -> tuple[list[float], dict]:
+                     progress, dp_rank, dp_size, heartbeat=None) -> tuple[list[float], dict]:
     """Sums (nll, tokens, bytes) of this rank's batches at one length, and global counts."""
     total = sum(t.numel() - 1 for t, _ in docs)
     if max_tokens is not None:
@@ -419,6 +423,8 @@ def _evaluate_length(model, docs, length, protocol, stride, max_tokens, batch_si
             scored_bytes += sum(w.num_bytes for w in batch)
         if bar is not None:
             bar.update(sum(w.num_scored for w in batch))
+        if heartbeat is not None:
+            heartbeat()
     # Keep the forward count identical on every rank (collectives inside ZeRO-3's forward).
     for _ in range(math.ceil(num_batches / dp_size) - own_batches):
         _forward(model, first_batch, device)
@@ -446,7 +452,8 @@ def _forward(model, batch: list[_Window], device: torch.device) -> tuple[float, 
 def evaluate_schedule(model: torch.nn.Module, documents: Iterable, config: EvalConfig, *,
                       train_seq_len: int, device: torch.device | str | None = None,
                       progress: bool = False, reduce: Reduce | None = None, dp_rank: int = 0,
-                      dp_size: int = 1) -> list[dict]:
+                      dp_size: int = 1, heartbeat: Callable[[], None] | None = None
+                      ) -> list[dict]:
     """Every (length, protocol) of an ``EvalConfig``: what the trainer runs each interval.
 
     Lengths come from ``config.resolve_lengths(train_seq_len)``; the documents are read once
@@ -459,7 +466,8 @@ def evaluate_schedule(model: torch.nn.Module, documents: Iterable, config: EvalC
         results += evaluate_perplexity(
             model, docs, lengths=lengths, protocol=protocol, stride=config.sliding_stride,
             max_tokens=config.max_tokens, batch_size=config.batch_size, device=device,
-            progress=progress, reduce=reduce, dp_rank=dp_rank, dp_size=dp_size)
+            progress=progress, reduce=reduce, dp_rank=dp_rank, dp_size=dp_size,
+            heartbeat=heartbeat)
     return results
 
 

@@ -619,7 +619,8 @@ class Trainer:
         results = evaluate_schedule(model, self._eval_docs, self.cfg.eval,
                                     train_seq_len=self.cfg.train.seq_len,
                                     reduce=lambda t: tdist.all_reduce_sum(t) / replicas,
-                                    dp_rank=self.dp_rank, dp_size=self.dp_size)
+                                    dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                    heartbeat=self.watchdog.progress if self.watchdog else None)
         ckpt.restore_rng_state(rng)
         scalars = scalar_metrics(results)
         self.writer.write("eval", self.state.step, {**scalars, "results": results,

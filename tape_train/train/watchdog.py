@@ -119,6 +119,22 @@ class Watchdog:
         except (AttributeError, ValueError, OSError):  # stderr without a file descriptor
             pass
 
+    def progress(self) -> None:
+        """The current phase made progress (a long loop's iteration, e.g. an evaluation
+        batch): its allowance starts again, so a long but moving phase is never taken for a
+        stuck one. Cheap enough to call per iteration (re-arms at most once a second)."""
+        now = time.monotonic()
+        with self._cond:
+            phase = self._phase
+            if phase is None or now - phase.started < 1.0:
+                return
+            phase.started, phase.warned = now, False
+            self._cond.notify()
+        try:
+            faulthandler.dump_traceback_later(phase.timeout_s + 2 * BACKSTOP_S, exit=True)
+        except (AttributeError, ValueError, OSError):
+            pass
+
     def disarm(self) -> None:
         with self._cond:
             self._phase = None
