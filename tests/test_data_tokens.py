@@ -120,6 +120,15 @@ def test_prepare_tokenize_output_does_not_depend_on_workers(prepared, tok, tmp_p
     assert capsys.readouterr().err.strip() == "tape-data: error: --workers must be positive, got 0"
 
 
+def test_prepare_workers_without_tokenize_says_it_does_nothing(prepared, tmp_path, caplog):
+    base = ["prepare", "--input", str(prepared["root"] / "in"), "--num-shards", "3"]
+    assert data_cli.main(base + ["--out", str(tmp_path / "a"), "--workers", "2"]) == 0
+    assert "--workers sets the threads that tokenise with --tokenize" in caplog.text
+    caplog.clear()
+    assert data_cli.main(base + ["--out", str(tmp_path / "b")]) == 0
+    assert "--workers" not in caplog.text  # the default says nothing
+
+
 def test_one_epoch_visits_every_block_once(prepared, tok):
     loader = build_train_loader(cfg_for(prepared, tok), tok, SEQ, 4, seed=3)
     n = loader.sources[0].num_blocks

@@ -168,6 +168,9 @@ def _prepare(args: argparse.Namespace) -> int:
     workers = usable_cpus() if args.workers is None else args.workers
     if workers <= 0:
         raise DataError(f"--workers must be positive, got {args.workers}")
+    if args.workers is not None and not args.tokenize:
+        log.warning("prepare: --workers sets the threads that tokenise with --tokenize; without "
+                    "it nothing is tokenised and the pass runs on one thread")
     if args.tokenize or args.tokenizer:
         if not (args.tokenize and args.tokenizer):
             raise DataError("--tokenize and --tokenizer MODEL go together")
