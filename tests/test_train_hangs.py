@@ -162,8 +162,21 @@ def test_a_failed_collective_is_one_line_naming_the_phase_and_key():
         "rank 0: a collective failed in step 7: another rank exited (crashed, was killed, or "
         "was ended by its watchdog: its log says which) (Connection closed by peer "
         "[127.0.0.1]:30112)")
+    # gloo's timed-out wait on ZeRO-3's coalesced all-gather names neither gloo nor c10d (seen
+    # on the Slurm test cluster): still one timeout line.
+    pair = RuntimeError("Application timeout caused pair closure")
+    assert describe_collective_error(pair, Phase(), 0).startswith(
+        "rank 0: a collective timed out in step 7 (train.collective_timeout_s=10 s)")
     # Negative control: any other RuntimeError is not a communication error (traceback kept).
     assert describe_collective_error(RuntimeError("shape mismatch"), Phase(), 0) is None
+    # ... unless communication code raised it.
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        exec(compile("raise RuntimeError('store went away')", c10d.__file__, "exec"))
+    except RuntimeError as exc:
+        assert describe_collective_error(exc, Phase(), 0) == (
+            "rank 0: a collective failed in step 7: store went away")
 
 
 def test_a_failed_collective_is_described_with_the_phase_it_ended():

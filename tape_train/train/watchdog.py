@@ -255,6 +255,17 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
               "Connection refused")
 
 
+def _raised_in_communication(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside communication code (torch.distributed, DeepSpeed's
+    comm or ZeRO's gathers): gloo's messages do not always name gloo (a timed-out wait on a
+    coalesced all-gather raises "Application timeout caused pair closure")."""
+    dirs = _comm_dirs()
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next  # the innermost frame: where it was raised
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(dirs) if dirs else False
+
+
 def describe_collective_error(exc: BaseException, watchdog: Watchdog | None,
                               rank: int) -> str | None:
     """One line for a collective that failed (timed out, or a peer went away), naming the
@@ -265,7 +276,8 @@ def describe_collective_error(exc: BaseException, watchdog: Watchdog | None,
 
     text = str(exc).strip()
     if not (isinstance(exc, dist.DistError)
-            or re.search(r"\bgloo\b|\bNCCL\b|c10d|ProcessGroup", text)):
+            or re.search(r"\bgloo\b|\bNCCL\b|c10d|ProcessGroup|pair closure", text)
+            or _raised_in_communication(exc)):
         return None
     # gloo's first line: "[<its source file>:<line>] <what>. <advice>": keep <what>.
     first = (re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]).split(". ")[0] if text
