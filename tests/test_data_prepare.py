@@ -110,7 +110,8 @@ def test_a_prepare_killed_before_its_manifest_is_refused_not_read_as_raw_text(tm
     with pytest.raises(KeyboardInterrupt):
         _prepare_input(tmp_path, texts, out)
     monkeypatch.undo()
-    assert sorted(p.name for p in out.iterdir())[0] == "eval-00000-of-00001.jsonl.zst"
+    shards = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    assert shards[0] == "eval-00000-of-00001.jsonl.zst"
     assert not (out / "manifest.json").exists()
     tok = train_small_tokenizer(tmp_path / "tok", vocab_size=500, max_bytes=200_000)
     cfg = DataConfig(sources=[str(out)], prefetch=0)

@@ -7,13 +7,15 @@
         --num-shards 256 --tokenize --tokenizer tok.model   # stream a Hub dataset once
     tape-data info data/demo                            # summary of a prepared directory
 
-Re-running ``prepare`` with the same options on a complete directory does nothing.
+Re-running ``prepare`` with the same options on a complete directory does nothing; on an
+interrupted one it resumes from its last checkpoint (``--fresh`` starts over).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -23,9 +25,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tape_train.data.config import DataError, SourceConfig
-from tape_train.data.corpus import read_complete_manifest, write_corpus
+from tape_train.data.corpus import (SHUFFLE_BYTES, DocumentSource, read_complete_manifest,
+                                    write_corpus)
 from tape_train.data.formats import (SkipLog, hub_shards, open_hub_dataset, read_documents,
                                      resolve_local_shards)
+from tape_train.data.prepare_scratch import remove_finished_scratch
 from tape_train.hints import example_on_missing
 from tape_train.machine_cache import usable_cpus
 from tape_train.progress import MODES, progress_bar, setup_cli_logging
@@ -84,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="threads that tokenise (--tokenize; the output does not depend on "
                            "it; default: the CPUs this process may use)")
     prep.add_argument("--force", action="store_true", help="rebuild even if complete")
+    prep.add_argument("--fresh", action="store_true",
+                      help="start over instead of resuming an interrupted prepare of the same "
+                           "options and inputs")
+    # Text per shuffle buffer; a checkpoint follows each (tests use tiny ones). It shapes the
+    # output, so a value other than the default is recorded in the manifest's config.
+    prep.add_argument("--shuffle-bytes", type=int, default=SHUFFLE_BYTES,
+                      help=argparse.SUPPRESS)
     info = sub.add_parser("info", help="summarise a prepared directory")
     info.add_argument("dir", type=Path, help="a directory written by tape-data prepare")
     example_on_missing(parser, "tape-data prepare --demo --out data/demo")
@@ -92,19 +103,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _local_documents(inputs: list[str], text_field: str, skip_bad: bool) -> Iterator[dict]:
+def _local_documents(inputs: list[str], text_field: str,
+                     skip_bad: bool) -> tuple[DocumentSource, dict]:
+    """The documents of local files as a source positioned by [file, record], and what
+    identifies the files (path, size, mtime: a change means an interrupted prepare of them
+    cannot resume)."""
     source = SourceConfig(path=inputs, text_field=text_field, key="--input")
-    skips = SkipLog()
     shards = resolve_local_shards(source)
-    log.info("prepare: reading %d file(s)", len(shards))
-    for i, shard in enumerate(shards):
-        name = Path(shard.path).name
-        for record, text in read_documents(shard, 0, text_field, skip_bad, skips):
-            yield {"text": text, "source": name, "id": f"{name}:{record}"}
-        if (i + 1) % 100 == 0:
-            log.info("prepare: read %d/%d files", i + 1, len(shards))
-    if skips.counts:
-        log.warning("prepare: skipped records: %s", dict(skips.counts))
+    identity = {"files": [[shard.path, shard.size, os.stat(shard.path).st_mtime_ns]
+                          for shard in shards]}
+
+    def documents(position: list | None) -> Iterator[tuple[dict, list]]:
+        first, start = position or (0, 0)
+        skips = SkipLog()
+        log.info("prepare: reading %d file(s)%s", len(shards),
+                 f", from record {start} of {shards[first].path}" if position else "")
+        for i in range(first, len(shards)):
+            name = Path(shards[i].path).name
+            for record, text in read_documents(shards[i], start if i == first else 0,
+                                               text_field, skip_bad, skips):
+                yield {"text": text, "source": name, "id": f"{name}:{record}"}, [i, record + 1]
+            if (i + 1) % 100 == 0:
+                log.info("prepare: read %d/%d files", i + 1, len(shards))
+        if skips.counts:
+            log.warning("prepare: skipped records: %s", dict(skips.counts))
+    return documents, identity
 
 
 def _hub_source(args: argparse.Namespace) -> SourceConfig | None:
@@ -119,27 +142,40 @@ def _hub_source(args: argparse.Namespace) -> SourceConfig | None:
                         data_files=args.data_files, text_field=args.text_field, key="--hub")
 
 
-def _hub_documents(source: SourceConfig, dataset, skip_bad: bool, bar) -> Iterator[dict]:
-    """Every record of the dataset, file by file (its own shards, in order), with a progress
-    line per file (or the bar's update on a terminal)."""
+def _hub_documents(source: SourceConfig, dataset, skip_bad: bool, bar) -> DocumentSource:
+    """Every record of the dataset, file by file (its own shards, in order), positioned by
+    [file, record], with a progress line per file (or the bar's update on a terminal).
+    Resuming skips the files before the position unread and streams the file holding it up
+    to there (a stream cannot seek)."""
     dataset, shards = hub_shards(source, row_groups=False, dataset=dataset)
+    return lambda position: _hub_records(source, dataset, shards, skip_bad, bar, position)
+
+
+def _hub_records(source: SourceConfig, dataset, shards, skip_bad: bool, bar,
+                 position: list | None) -> Iterator[tuple[dict, list]]:
+    first, start = position or (0, 0)
     skips = SkipLog()
     started = time.monotonic()
     documents = text_bytes = 0
-    log.info("prepare: streaming %s: %d file(s)", source.hub, len(shards))
-    for i, shard in enumerate(shards):
+    log.info("prepare: streaming %s: %d file(s)%s", source.hub, len(shards),
+             f", from record {start} of file {first + 1}" if position else "")
+    if bar is not None and first:
+        bar.update(first)
+    for i in range(first, len(shards)):
+        shard = shards[i]
         try:
-            for record, text in read_documents(shard, 0, source.text_field, skip_bad, skips,
-                                               dataset):
+            for record, text in read_documents(shard, start if i == first else 0,
+                                               source.text_field, skip_bad, skips, dataset):
                 documents += 1
                 text_bytes += len(text.encode("utf-8"))
-                yield {"text": text, "source": source.name, "id": f"{i}:{record}"}
+                yield ({"text": text, "source": source.name, "id": f"{i}:{record}"},
+                       [i, record + 1])
         except DataError:
             raise
         except Exception as exc:  # noqa: BLE001 - network or reader errors of datasets
             raise DataError(f"{source.field_key('hub')}: reading {shard.path} failed "
-                            f"({type(exc).__name__}: {str(exc)[:300]}); nothing was kept: "
-                            f"re-run to stream it again") from None
+                            f"({type(exc).__name__}: {str(exc)[:300]}); re-running the same "
+                            f"command resumes from the last checkpoint, if any") from None
         seconds = time.monotonic() - started
         line = (f"{documents} records, {text_bytes / 1e6:.1f} MB of text, "
                 f"{text_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s")
@@ -164,6 +200,8 @@ def _prepare(args: argparse.Namespace) -> int:
     else:
         config = {"inputs": list(args.input), "text_field": args.text_field}
     config.update(num_shards=args.num_shards, eval_fraction=args.eval_fraction, seed=args.seed)
+    if args.shuffle_bytes != SHUFFLE_BYTES:
+        config.update(shuffle_bytes=args.shuffle_bytes)
     tokenizer = None
     workers = usable_cpus() if args.workers is None else args.workers
     if workers <= 0:
@@ -180,6 +218,7 @@ def _prepare(args: argparse.Namespace) -> int:
         config.update(tokenizer_sha256=tokenizer.sha256)
     existing = read_complete_manifest(out)
     if existing is not None and existing.get("config") == config and not args.force:
+        remove_finished_scratch(out)
         splits = existing["splits"]
         print(f"tape-data: {out} is already complete ({splits['train']['documents']} train / "
               f"{splits['eval']['documents']} eval documents); use --force to rebuild")
@@ -189,8 +228,10 @@ def _prepare(args: argparse.Namespace) -> int:
         from tape_train.data import demo_corpus
 
         debs = demo_corpus.fetch_demo_packages(args.cache_dir or _default_cache_dir())
-        documents = demo_corpus.iter_demo_documents(debs)
+        documents = functools.partial(demo_corpus.iter_demo_documents, debs)
         extra = {"packages": {name: version for name, (_, version) in debs.items()}}
+        inputs = {"packages": {name: [version, deb.stat().st_size]
+                               for name, (deb, version) in debs.items()}}
     elif hub is not None:
         dataset, facts = open_hub_dataset(hub)
         extra = {"hub": {"name": hub.hub, "config": hub.config, "split": hub.split,
@@ -198,15 +239,17 @@ def _prepare(args: argparse.Namespace) -> int:
         bar = progress_bar(facts["files"], desc=f"prepare {hub.hub}", unit="file",
                            mode=args.progress)
         documents = _hub_documents(hub, dataset, args.skip_bad_records, bar)
+        inputs = {name: facts[name] for name in ("revision", "fingerprint", "files")}
     else:
-        documents = _local_documents(args.input, args.text_field, args.skip_bad_records)
+        documents, inputs = _local_documents(args.input, args.text_field, args.skip_bad_records)
         extra = {}
     try:
         with _logging_around(bar):
             manifest = write_corpus(documents, out, num_shards=args.num_shards,
                                     eval_fraction=args.eval_fraction, seed=args.seed,
-                                    config=config, extra=extra, tokenizer=tokenizer,
-                                    workers=workers)
+                                    shuffle_bytes=args.shuffle_bytes, config=config,
+                                    extra=extra, tokenizer=tokenizer, workers=workers,
+                                    inputs=inputs, fresh=args.fresh)
     finally:
         if bar is not None:
             bar.close()

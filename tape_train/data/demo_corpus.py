@@ -223,10 +223,15 @@ def extractor_for(package: str):
     }[package]
 
 
-def iter_demo_documents(debs: dict[str, tuple[Path, str]]) -> Iterator[dict]:
+def iter_demo_documents(debs: dict[str, tuple[Path, str]],
+                        position: list | None = None) -> Iterator[tuple[dict, list]]:
     """Unpack each ``.deb`` into a temporary directory and yield its documents as
-    ``{"text", "source", "id"}`` dicts."""
-    for package, (deb, _version) in debs.items():
+    ``({"text", "source", "id"}, [package index, documents of it so far])``; from ``position``
+    on (one it yielded before), skipping the packages before it unpacked."""
+    first, skip = position or (0, 0)
+    for index, (package, (deb, _version)) in enumerate(debs.items()):
+        if index < first:
+            continue
         with tempfile.TemporaryDirectory(prefix="tape-demo-") as tmp:
             out = _run(["dpkg-deb", "-x", str(deb), tmp])
             if out.returncode != 0:
@@ -236,7 +241,8 @@ def iter_demo_documents(debs: dict[str, tuple[Path, str]]) -> Iterator[dict]:
             n = 0
             for doc_id, text in extractor_for(package)(Path(tmp)):
                 n += 1
-                yield {"text": text, "source": package, "id": doc_id}
+                if index > first or n > skip:
+                    yield {"text": text, "source": package, "id": doc_id}, [index, n]
             log.info("prepare: %s: %d documents", package, n)
             if n == 0:
                 log.warning("prepare: %s yielded no documents (layout changed?)", package)

@@ -37,18 +37,24 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 class TokenShardWriter:
     """Appends wrapped documents to ``n`` token shard files (one per text shard), tracking
-    counts and a running sha256 per shard. ``names[i]`` pairs with text shard ``i``."""
+    counts and a running sha256 per shard. ``names[i]`` pairs with text shard ``i``.
+
+    ``state`` (a ``checkpoint()``) continues files already cut back to that checkpoint: their
+    running sha256 is rebuilt by reading what they hold (a hash object cannot be saved)."""
 
     def __init__(self, directory: Path, text_names: list[str], tokenizer,
-                 add_bos: bool = True, add_eos: bool = True):
+                 add_bos: bool = True, add_eos: bool = True, state: dict | None = None):
         self.tokenizer = tokenizer
         self.dtype = token_dtype(tokenizer.vocab_size)
         self.add_bos, self.add_eos = add_bos, add_eos
         self.names = [name.split(".", 1)[0] + TOKENS_SUFFIX for name in text_names]
-        self.files = [open(directory / name, "wb") for name in self.names]
+        self.files = [open(directory / name, "r+b" if state else "wb") for name in self.names]
         self.hashes = [hashlib.sha256() for _ in self.names]
-        self.tokens = [0] * len(self.names)
-        self.documents = [0] * len(self.names)
+        self.tokens = list(state["tokens"]) if state else [0] * len(self.names)
+        self.documents = list(state["documents"]) if state else [0] * len(self.names)
+        for f, running in zip(self.files, self.hashes if state else []):
+            while chunk := f.read(8 << 20):  # leaves the file at its end, where writing goes on
+                running.update(chunk)
 
     def write(self, shard: int, ids: list[int]) -> None:
         """Append one document: ``ids`` is its text's ``tokenizer.encode`` (BOS/EOS are added
@@ -62,6 +68,14 @@ class TokenShardWriter:
         self.hashes[shard].update(data)
         self.tokens[shard] += len(ids)
         self.documents[shard] += 1
+
+    def checkpoint(self) -> dict:
+        """What continues the token shards from here (their sizes follow from ``tokens``)."""
+        return {"tokens": list(self.tokens), "documents": list(self.documents)}
+
+    def abandon(self) -> None:
+        for f in self.files:
+            f.close()
 
     def close(self) -> dict:
         """Close the files; returns the manifest's ``tokens`` section."""

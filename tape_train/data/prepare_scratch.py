@@ -1,0 +1,242 @@
+"""Where ``tape-data prepare`` writes before its output is complete, and how it resumes.
+
+A prepare writes into ``<out>/.tmp-prepare-resume-<key>/``, ``key`` a digest of every option
+that shapes the output (the manifest's ``config``, shard count, held-out fraction, seed,
+shuffle buffer, zstd frame size, tokenizer). At deterministic points of the pass (after each
+flush of the shuffle buffer, whether or not the run is later interrupted) it takes a
+*checkpoint*: every data file is flushed and fsynced, then ``state.json`` is written atomically,
+naming each file's size and everything else the rest of the pass depends on. A kill at any
+moment leaves files at least as long as the last state says; a re-run with the same key and the
+same inputs truncates them back and goes on from there, so its output is byte-identical to an
+uninterrupted run. Other keys' scratch (other options) is removed, as is this key's when the
+inputs changed or ``--fresh`` asks.
+
+``seen.bin`` holds the dedup digests (16 bytes each) in the order they were added; a checkpoint
+appends only the new ones.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+from pathlib import Path
+from typing import IO
+
+from tape_train.data.config import DataError
+from tape_train.data.state import digest
+from tape_train.files import pid_alive, remove_abandoned_scratch, write_atomic
+
+log = logging.getLogger("tape_train.data")
+
+# Scratch of prepares before resume existed (``.tmp-prepare-<pid>``): removed once the pid is gone.
+SCRATCH_PREFIX = ".tmp-prepare-"
+RESUME_PREFIX = ".tmp-prepare-resume-"
+STATE_NAME = "state.json"
+OWNER_NAME = "owner.json"
+SEEN_NAME = "seen.bin"
+DIGEST_BYTES = 16
+# Bumped whenever what a state means changes: an older state is then started over, not misread.
+RESUME_FORMAT = 1
+# Test hook: the process SIGKILLs itself at the named point ("checkpoint-K" after the state of
+# checkpoint K is written, "data-K" after its data but before its state, "moved" after the
+# first finished shard is moved into place, "manifest" after the manifest is written). Tests
+# use it to interrupt at exact points.
+KILL_ENV = "TAPE_DATA_TEST_KILL_AT"
+
+
+def kill_point(name: str) -> None:
+    if os.environ.get(KILL_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def resume_key(**options) -> str:
+    """The digest naming the scratch directory of a prepare with these ``options``."""
+    return digest({"resume_format": RESUME_FORMAT, **options})
+
+
+def describe_input_change(old, new) -> str:
+    """What differs between two input identities (``{"files": [[path, size, mtime_ns], ...]}``
+    for local files, Hub facts for a Hub dataset), in a few words."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        if isinstance(old.get("files"), list) and isinstance(new.get("files"), list):
+            before = {f[0]: f[1:] for f in old["files"]}
+            after = {f[0]: f[1:] for f in new["files"]}
+            for path, stat in after.items():
+                if path not in before:
+                    return f"{path} is new"
+                if stat != before[path]:
+                    return (f"{path} changed (size {before[path][0]} -> {stat[0]} bytes)"
+                            if stat[0] != before[path][0] else f"{path} was modified")
+            for path in before:
+                if path not in after:
+                    return f"{path} is gone"
+        for name in sorted(set(old) | set(new)):
+            if old.get(name) != new.get(name):
+                return f"{name} {old.get(name)!r} -> {new.get(name)!r}"
+    return "the inputs differ"
+
+
+class DigestLog:
+    """The dedup set of a prepare and its append-only file (``seen.bin``)."""
+
+    def __init__(self, path: Path, keep: int | None = None):
+        if keep is None:
+            self.file = open(path, "wb")
+            self.seen: set[bytes] = set()
+        else:  # the file was truncated to ``keep`` digests by PrepareScratch.open
+            self.file = open(path, "r+b")
+            data = self.file.read()
+            self.seen = {data[i:i + DIGEST_BYTES] for i in range(0, len(data), DIGEST_BYTES)}
+            if len(self.seen) != keep:
+                raise DataError(f"{path}: holds {len(self.seen)} distinct digests, its state "
+                                f"says {keep}; re-run with --fresh")
+        self.new: list[bytes] = []
+
+    def __len__(self) -> int:
+        return len(self.seen)
+
+    def add(self, key: bytes) -> bool:
+        """False if ``key`` was seen before; else remember it."""
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        self.new.append(key)
+        return True
+
+    def checkpoint(self) -> int:
+        """Append the digests added since the last checkpoint; returns how many there are."""
+        self.file.write(b"".join(self.new))
+        self.new.clear()
+        return len(self.seen)
+
+
+class PrepareScratch:
+    """The scratch directory of one prepare, and its last checkpoint (``state``: None to start
+    from the first document)."""
+
+    def __init__(self, out: Path, key: str):
+        self.out = out
+        self.key = key
+        self.dir = out / f"{RESUME_PREFIX}{key}"
+        self.state: dict | None = None
+
+    @classmethod
+    def open(cls, out: Path, key: str, inputs, fresh: bool = False) -> PrepareScratch:
+        """Sweep away what other prepares left in ``out``, then resume this key's scratch if
+        its inputs are ``inputs`` (and not ``fresh``), else start it empty."""
+        for left in remove_abandoned_scratch(out, SCRATCH_PREFIX):
+            log.info("prepare: removed %s, left by an interrupted prepare", left)
+        self = cls(out, key)
+        for other in sorted(out.glob(f"{RESUME_PREFIX}*")):
+            if other.name == self.dir.name or not other.is_dir() or other.is_symlink():
+                continue
+            if _live_owner(other) is None:
+                shutil.rmtree(other, ignore_errors=True)
+                log.info("prepare: removed %s, left by an interrupted prepare with other options "
+                         "(it resumes only with the same options)", other)
+        owner = _live_owner(self.dir)
+        if owner is not None:
+            raise DataError(f"prepare: {out} is being written by another tape-data prepare with "
+                            f"the same options (pid {owner}, scratch {self.dir}); wait for it "
+                            f"to finish or stop it")
+        state = self._read_state() if self.dir.is_dir() else None
+        reason = None
+        if self.dir.is_dir():
+            if fresh:
+                reason = "--fresh"
+            elif state is None:
+                reason = "it was stopped before its first checkpoint"
+            elif state.get("inputs") != inputs:
+                reason = (f"its input changed since: "
+                          f"{describe_input_change(state.get('inputs'), inputs)}")
+            else:
+                reason = self._truncate(state)
+        if reason is not None:
+            log.info("prepare: starting over, not resuming the interrupted prepare in %s: %s",
+                     self.dir, reason)
+            state = None
+        if state is None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir.mkdir()
+        self.state = state
+        write_atomic(self.dir / OWNER_NAME, json.dumps({"host": socket.gethostname(),
+                                                         "pid": os.getpid()}) + "\n")
+        return self
+
+    def _read_state(self) -> dict | None:
+        try:
+            state = json.loads((self.dir / STATE_NAME).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(state, dict) or state.get("format") != RESUME_FORMAT \
+                or state.get("key") != self.key:
+            return None
+        return state
+
+    def _truncate(self, state: dict) -> str | None:
+        """Cut every data file back to the size its checkpoint recorded (a kill after the
+        checkpoint leaves more); the reason not to resume if one is shorter or missing."""
+        sizes = state.get("files", {})
+        for name, size in sizes.items():
+            path = self.dir / name
+            if not path.is_file() or path.stat().st_size < size:
+                return f"{name} is missing or shorter than its checkpoint recorded"
+        for name, size in sizes.items():
+            os.truncate(self.dir / name, size)
+        return None
+
+    def save(self, checkpoint: int, inputs, progress: dict, files: list[IO]) -> None:
+        """Checkpoint ``checkpoint``: ``files`` flushed and fsynced, then the state naming
+        their sizes written atomically, so no state ever describes data not yet on disk."""
+        sizes = {}
+        for f in files:
+            f.flush()
+            os.fsync(f.fileno())
+            sizes[Path(f.name).name] = f.tell()
+        kill_point(f"data-{checkpoint}")
+        self.state = {"format": RESUME_FORMAT, "key": self.key, "inputs": inputs,
+                      "checkpoint": checkpoint, "files": sizes, "progress": progress}
+        write_atomic(self.dir / STATE_NAME, json.dumps(self.state) + "\n")
+        kill_point(f"checkpoint-{checkpoint}")
+
+    def save_final(self, inputs, manifest: dict) -> None:
+        """The pass is complete and its files fsynced: what is left is moving them into place
+        and writing ``manifest``."""
+        self.state = {"format": RESUME_FORMAT, "key": self.key, "inputs": inputs,
+                      "checkpoint": (self.state or {}).get("checkpoint", 0), "files": {},
+                      "manifest": manifest}
+        write_atomic(self.dir / STATE_NAME, json.dumps(self.state, ensure_ascii=False) + "\n")
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def remove_finished_scratch(out: Path) -> None:
+    """Remove what a prepare killed between writing its manifest and removing its scratch left
+    (a complete directory needs none of it)."""
+    for directory in sorted(Path(out).glob(f"{RESUME_PREFIX}*")):
+        try:
+            finished = "manifest" in json.loads((directory / STATE_NAME).read_text())
+        except (OSError, ValueError, TypeError):
+            continue
+        if finished and _live_owner(directory) is None:
+            shutil.rmtree(directory, ignore_errors=True)
+            log.info("prepare: removed %s, left by a prepare that completed", directory)
+
+
+def _live_owner(directory: Path) -> int | None:
+    """The pid of a live process on this host that owns ``directory`` (None: none, or the
+    owner is this process, or it ran on another host: a prepare moved to another node after
+    its job was preempted resumes there)."""
+    try:
+        owner = json.loads((directory / OWNER_NAME).read_text())
+        host, pid = owner["host"], int(owner["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if host != socket.gethostname() or pid == os.getpid() or not pid_alive(pid):
+        return None
+    return pid

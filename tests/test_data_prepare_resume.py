@@ -1,0 +1,236 @@
+"""An interrupted `tape-data prepare` resumes from its last checkpoint; its output is then
+byte-identical to an uninterrupted run's. The real CLI runs in a subprocess and is SIGKILLed at
+exact points (the KILL_ENV hook of prepare_scratch.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tape_train.data.prepare_scratch import KILL_ENV, RESUME_PREFIX
+from tape_train.data.testing import real_text_documents, write_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+# ~0.6 MB of training text in buffers of 40 kB: about 15 checkpoints.
+OPTIONS = ["--num-shards", "3", "--eval-fraction", "0.1", "--shuffle-bytes", "40000"]
+
+
+def _corpus(directory: Path) -> Path:
+    texts = real_text_documents(300)
+    write_jsonl(directory / "a.jsonl", texts[:150] + texts[:10])  # 10 duplicates
+    write_jsonl(directory / "b.jsonl", texts[150:])
+    return directory
+
+
+def _prepare(out: Path, *args: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop(KILL_ENV, None)
+    if kill_at:
+        env[KILL_ENV] = kill_at
+    return subprocess.run([sys.executable, "-m", "tape_train.data.cli", "prepare", *args,
+                           "--out", str(out)], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    """Every file of a prepared directory, by name (hidden scratch included)."""
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _killed(run: subprocess.CompletedProcess) -> None:
+    assert run.returncode == -signal.SIGKILL, (run.returncode, run.stderr[-2000:])
+
+
+def _finished(run: subprocess.CompletedProcess) -> str:
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stderr
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return _corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """An uninterrupted run's files."""
+    out = tmp_path_factory.mktemp("ref") / "out"
+    _finished(_prepare(out, "--input", str(corpus), *OPTIONS))
+    return _files(out)
+
+
+@pytest.mark.parametrize("kill_at", ["checkpoint-1", "data-4", "checkpoint-9", "moved"])
+def test_a_killed_prepare_resumes_to_the_same_bytes(tmp_path, corpus, reference, kill_at):
+    """SIGKILL after a checkpoint's state, between its data and its state (the data runs past
+    the state and is cut back), or while shards move into place: the same command goes on
+    from there and writes exactly what an uninterrupted run writes, leaving no scratch."""
+    out = tmp_path / "out"
+    args = ["--input", str(corpus), *OPTIONS]
+    _killed(_prepare(out, *args, kill_at=kill_at))
+    assert not (out / "manifest.json").exists()
+    log = _finished(_prepare(out, *args))
+    if kill_at == "moved":
+        assert "its shards are complete" in log
+    else:
+        checkpoint = int(kill_at.split("-")[1]) - (kill_at.startswith("data"))
+        assert "resuming prepare from " in log and f"checkpoint {checkpoint}\n" in log, log
+        assert "starting over" not in log
+    assert _files(out) == reference
+
+
+def test_a_prepare_killed_twice_and_on_two_workers_with_tokens_resumes(tmp_path, corpus, tok):
+    """--tokenize --workers 2, killed at checkpoint 2 and again (resumed) at 6, then finished
+    on one worker: text and token shards and the manifest equal an uninterrupted run's."""
+    args = ["--input", str(corpus), *OPTIONS, "--tokenize", "--tokenizer", tok.path]
+    _finished(_prepare(tmp_path / "ref", *args, "--workers", "2"))
+    out = tmp_path / "out"
+    _killed(_prepare(out, *args, "--workers", "2", kill_at="checkpoint-2"))
+    _killed(_prepare(out, *args, "--workers", "2", kill_at="data-6"))
+    log = _finished(_prepare(out, *args, "--workers", "1"))
+    assert "checkpoint 5\n" in log
+    reference = _files(tmp_path / "ref")
+    assert any(name.endswith(".tokens") for name in reference)
+    assert _files(out) == reference
+
+
+def test_changed_input_or_options_start_over(tmp_path, corpus):
+    """Negative controls: an input file modified since the interruption, or other options,
+    or --fresh: the run starts over (saying why) and writes what a fresh run writes."""
+    data = tmp_path / "in"
+    data.mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        (data / name).write_bytes((corpus / name).read_bytes())
+    out = tmp_path / "out"
+    args = ["--input", str(data), *OPTIONS]
+    _killed(_prepare(out, *args, kill_at="checkpoint-3"))
+    lines = (data / "b.jsonl").read_text().splitlines(keepends=True)
+    (data / "b.jsonl").write_text("".join(lines[:-20]))  # 20 documents fewer
+    log = _finished(_prepare(out, *args))
+    assert "starting over" in log and f"{data / 'b.jsonl'} changed (size" in log
+    assert "resuming prepare" not in log
+    _finished(_prepare(tmp_path / "fresh", *args))
+    assert _files(out) == _files(tmp_path / "fresh")
+
+    other = ["--input", str(data), *OPTIONS[:-1], "30000"]  # another shuffle buffer
+    _killed(_prepare(tmp_path / "o", *args, kill_at="checkpoint-2"))
+    left = list((tmp_path / "o").glob(f"{RESUME_PREFIX}*"))
+    assert len(left) == 1
+    log = _finished(_prepare(tmp_path / "o", *other))
+    assert f"removed {left[0]}, left by an interrupted prepare with other options" in log
+    assert "resuming prepare" not in log
+    _finished(_prepare(tmp_path / "o-fresh", *other))
+    assert _files(tmp_path / "o") == _files(tmp_path / "o-fresh")
+
+    _killed(_prepare(tmp_path / "f", *args, kill_at="checkpoint-2"))
+    log = _finished(_prepare(tmp_path / "f", *args, "--fresh"))
+    assert "starting over" in log and ": --fresh" in log and "resuming prepare" not in log
+    assert _files(tmp_path / "f") == _files(tmp_path / "fresh")
+
+
+def test_a_prepare_stopped_by_an_error_resumes_past_it(tmp_path, corpus):
+    """A bad record after a few checkpoints stops the run with its one-line error and keeps
+    the checkpoint; re-run with --skip-bad-records it resumes instead of starting over."""
+    data = tmp_path / "in"
+    data.mkdir()
+    (data / "a.jsonl").write_bytes((corpus / "a.jsonl").read_bytes())
+    (data / "b.jsonl").write_bytes((corpus / "b.jsonl").read_bytes() + b"{not json\n")
+    run = _prepare(tmp_path / "out", "--input", str(data), *OPTIONS)
+    assert run.returncode == 1
+    assert "b.jsonl:151: malformed JSON" in run.stderr
+    assert "the same command resumes from checkpoint" in run.stderr
+    log = _finished(_prepare(tmp_path / "out", "--input", str(data), *OPTIONS,
+                             "--skip-bad-records"))
+    assert "resuming prepare from" in log
+    reference = _prepare(tmp_path / "ref", "--input", str(data), *OPTIONS, "--skip-bad-records")
+    _finished(reference)
+    assert _files(tmp_path / "out") == _files(tmp_path / "ref")
+
+
+def test_a_running_prepare_is_not_joined_by_a_second(tmp_path, corpus):
+    """The scratch of a live prepare with the same options is refused, not shared."""
+    import json
+
+    from tape_train.data.prepare_scratch import OWNER_NAME
+
+    out = tmp_path / "out"
+    _killed(_prepare(out, "--input", str(corpus), *OPTIONS, kill_at="checkpoint-1"))
+    scratch, = out.glob(f"{RESUME_PREFIX}*")
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        owner = json.loads((scratch / OWNER_NAME).read_text())
+        (scratch / OWNER_NAME).write_text(json.dumps({**owner, "pid": alive.pid}))
+        run = _prepare(out, "--input", str(corpus), *OPTIONS)
+        assert run.returncode == 1
+        assert ("is being written by another tape-data prepare with the same options (pid "
+                f"{alive.pid}") in run.stderr
+    finally:
+        alive.kill()
+        alive.wait()
+    assert "resuming prepare" in _finished(_prepare(out, "--input", str(corpus), *OPTIONS))
+
+
+def test_a_killed_hub_prepare_resumes_skipping_whole_files(tmp_path):
+    """--hub (a `datasets` parquet builder over local files stands in for the Hub): resumed
+    from a later file, the files before it are not streamed again; same bytes as unbroken."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = real_text_documents(240)
+    (tmp_path / "pq").mkdir()
+    for s in range(4):
+        part = texts[s * 60:(s + 1) * 60]
+        pq.write_table(pa.table({"text": part}), tmp_path / "pq" / f"part-{s}.parquet",
+                       row_group_size=25)
+    args = ["--hub", "parquet", "--data-files", str(tmp_path / "pq" / "*.parquet"),
+            "--progress", "off", *OPTIONS]
+    _finished(_prepare(tmp_path / "ref", *args))
+    _killed(_prepare(tmp_path / "out", *args, kill_at="checkpoint-9"))
+    log = _finished(_prepare(tmp_path / "out", *args))
+    assert "resuming prepare from" in log
+    resumed_at = next(line for line in log.splitlines() if "streaming parquet" in line)
+    assert re.search(r"from record \d+ of file [234]$", resumed_at), resumed_at
+    assert "file 1/4 of parquet done" not in log  # skipped, not streamed
+    assert _files(tmp_path / "out") == _files(tmp_path / "ref")
+
+
+def test_scratch_left_after_the_manifest_is_removed_by_the_next_run(tmp_path, corpus,
+                                                                     reference):
+    """Killed between writing the manifest and removing its scratch: the directory is complete,
+    and the next run (which finds it so) removes the leftover."""
+    out = tmp_path / "out"
+    _killed(_prepare(out, "--input", str(corpus), *OPTIONS, kill_at="manifest"))
+    assert list(out.glob(f"{RESUME_PREFIX}*"))
+    run = _prepare(out, "--input", str(corpus), *OPTIONS)
+    assert "already complete" in run.stdout and "left by a prepare that completed" in run.stderr
+    assert _files(out) == reference
+
+
+def test_demo_documents_resume_at_a_package_and_document(tmp_path, monkeypatch):
+    """The demo source's position is [package, documents of it]: resuming yields exactly the
+    rest, and packages before the position are not unpacked."""
+    from tape_train.data import demo_corpus
+
+    unpacked = []
+
+    def run(cmd, cwd=None):
+        unpacked.append(Path(cmd[2]).name)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(demo_corpus, "_run", run)
+    monkeypatch.setattr(demo_corpus, "extractor_for", lambda package: lambda root: (
+        (f"{package}-{i}", f"text {package} {i}") for i in range(3)))
+    debs = {name: (tmp_path / f"{name}.deb", "1.0") for name in ("p", "q", "r")}
+    everything = list(demo_corpus.iter_demo_documents(debs))
+    assert [pos for _, pos in everything][:4] == [[0, 1], [0, 2], [0, 3], [1, 1]]
+    for k in (0, 2, 3, 7):
+        unpacked.clear()
+        rest = list(demo_corpus.iter_demo_documents(debs, everything[k][1]))
+        assert rest == everything[k + 1:]
+        assert unpacked == ["p.deb", "q.deb", "r.deb"][everything[k][1][0]:]
