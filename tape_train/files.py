@@ -167,6 +167,17 @@ def pid_alive(pid: int) -> bool:
         return True  # no /proc (macOS): the kill probe is all there is
 
 
+def process_start(pid: int) -> str | None:
+    """``<boot id>:<start time in clock ticks>`` of process ``pid``: unique to one process on
+    this host across pid reuse and reboots; ``None`` without ``/proc`` or without the process."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        ticks = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+    return f"{boot}:{ticks}"
+
+
 def remove_abandoned_scratch(parent: str | os.PathLike, prefix: str) -> list[Path]:
     """Delete the scratch directories ``<parent>/<prefix><pid>[-...]`` whose process is gone
     (a killed ``tape-data prepare`` or ``tape-export`` leaves one): their owner was on this

@@ -154,26 +154,33 @@ def test_a_prepare_stopped_by_an_error_resumes_past_it(tmp_path, corpus):
 
 
 def test_a_running_prepare_is_not_joined_by_a_second(tmp_path, corpus):
-    """The scratch of a live prepare with the same options is refused, not shared."""
+    """The scratch of a live prepare with the same options is refused, not shared; an owner
+    whose pid now names another process (pid reuse, e.g. after a reboot) does not block."""
     import json
 
     from tape_train.data.prepare_scratch import OWNER_NAME
+    from tape_train.files import process_start
 
     out = tmp_path / "out"
     _killed(_prepare(out, "--input", str(corpus), *OPTIONS, kill_at="checkpoint-1"))
     scratch, = out.glob(f"{RESUME_PREFIX}*")
+    owner = json.loads((scratch / OWNER_NAME).read_text())
+    assert owner["pid_start"]
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        owner = json.loads((scratch / OWNER_NAME).read_text())
-        (scratch / OWNER_NAME).write_text(json.dumps({**owner, "pid": alive.pid}))
+        (scratch / OWNER_NAME).write_text(json.dumps(
+            {**owner, "pid": alive.pid, "pid_start": process_start(alive.pid)}))
         run = _prepare(out, "--input", str(corpus), *OPTIONS)
         assert run.returncode == 1
         assert ("is being written by another tape-data prepare with the same options (pid "
                 f"{alive.pid}") in run.stderr
+        # The same live pid, recorded with another process's start: the owner is gone.
+        (scratch / OWNER_NAME).write_text(json.dumps(
+            {**owner, "pid": alive.pid, "pid_start": "another-boot:1"}))
+        assert "resuming prepare" in _finished(_prepare(out, "--input", str(corpus), *OPTIONS))
     finally:
         alive.kill()
         alive.wait()
-    assert "resuming prepare" in _finished(_prepare(out, "--input", str(corpus), *OPTIONS))
 
 
 def test_a_killed_hub_prepare_resumes_skipping_whole_files(tmp_path):
@@ -234,3 +241,30 @@ def test_demo_documents_resume_at_a_package_and_document(tmp_path, monkeypatch):
         rest = list(demo_corpus.iter_demo_documents(debs, everything[k][1]))
         assert rest == everything[k + 1:]
         assert unpacked == ["p.deb", "q.deb", "r.deb"][everything[k][1][0]:]
+
+
+def test_ctrl_c_ends_with_one_line_and_the_same_command_resumes(tmp_path, corpus, reference,
+                                                                  monkeypatch, capsys, caplog):
+    """Ctrl-C after the first checkpoint: exit 130, one line (no traceback), the log names the
+    checkpoint a re-run resumes from, and the re-run's output is the uninterrupted one's."""
+    import logging
+
+    from tape_train.data import cli, prepare_scratch
+
+    def interrupt(name: str) -> None:
+        if name == "checkpoint-1":
+            raise KeyboardInterrupt
+
+    argv = ["prepare", "--input", str(corpus), *OPTIONS, "--out", str(tmp_path / "out")]
+    monkeypatch.setattr(prepare_scratch, "kill_point", interrupt)
+    with caplog.at_level(logging.INFO, logger="tape_train.data"):
+        assert cli.main(argv) == 130
+    err = capsys.readouterr().err
+    assert "tape-data: interrupted" in err and "Traceback" not in err
+    assert "the same command resumes from checkpoint 1" in caplog.text
+    monkeypatch.undo()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tape_train.data"):
+        assert cli.main(argv) == 0
+    assert "resuming prepare from" in caplog.text
+    assert _files(tmp_path / "out") == reference

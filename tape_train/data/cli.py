@@ -321,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as exc:
         print(f"tape-data: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the log above says whether a re-run resumes
+        print("tape-data: interrupted", file=sys.stderr)
+        return 130
     except OSError as exc:  # e.g. --out names an existing file, a full disk, no permission
         from tape_train.files import describe_os_error
 

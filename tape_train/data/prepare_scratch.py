@@ -28,7 +28,7 @@ from typing import IO
 
 from tape_train.data.config import DataError
 from tape_train.data.state import digest
-from tape_train.files import pid_alive, remove_abandoned_scratch, write_atomic
+from tape_train.files import pid_alive, process_start, remove_abandoned_scratch, write_atomic
 
 log = logging.getLogger("tape_train.data")
 
@@ -163,8 +163,9 @@ class PrepareScratch:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir.mkdir()
         self.state = state
-        write_atomic(self.dir / OWNER_NAME, json.dumps({"host": socket.gethostname(),
-                                                         "pid": os.getpid()}) + "\n")
+        write_atomic(self.dir / OWNER_NAME, json.dumps(
+            {"host": socket.gethostname(), "pid": os.getpid(),
+             "pid_start": process_start(os.getpid())}) + "\n")
         return self
 
     def _read_state(self) -> dict | None:
@@ -230,8 +231,8 @@ def remove_finished_scratch(out: Path) -> None:
 
 def _live_owner(directory: Path) -> int | None:
     """The pid of a live process on this host that owns ``directory`` (None: none, or the
-    owner is this process, or it ran on another host: a prepare moved to another node after
-    its job was preempted resumes there)."""
+    owner is this process, or its pid now names another process, or it ran on another host:
+    a prepare moved to another node after its job was preempted resumes there)."""
     try:
         owner = json.loads((directory / OWNER_NAME).read_text())
         host, pid = owner["host"], int(owner["pid"])
@@ -239,4 +240,7 @@ def _live_owner(directory: Path) -> int | None:
         return None
     if host != socket.gethostname() or pid == os.getpid() or not pid_alive(pid):
         return None
+    recorded = owner.get("pid_start")
+    if recorded is not None and process_start(pid) not in (None, recorded):
+        return None  # the pid was reused (the owner died, perhaps before a reboot)
     return pid

@@ -43,7 +43,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tape_train.files import fsync_dir, pid_alive
+from tape_train.files import fsync_dir, pid_alive, process_start  # noqa: F401 - re-exported
 
 log = logging.getLogger("tape_train.train")
 
@@ -82,17 +82,6 @@ def describe_holder(holder: dict) -> str:
     if job:
         where += f", Slurm job {job} (restart {holder.get('slurm_restart_count')})"
     return f"{where}, started {holder.get('started')}"
-
-
-def process_start(pid: int) -> str | None:
-    """``<boot id>:<start time in clock ticks>`` of process ``pid``: unique to one process on
-    this host across pid reuse and reboots; ``None`` without ``/proc`` or without the process."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        ticks = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-    return f"{boot}:{ticks}"
 
 
 def _run_bounded(argv: list[str]) -> tuple[int, str, str] | str:
