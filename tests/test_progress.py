@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 
@@ -158,3 +159,26 @@ def test_a_conversion_reports_progress_in_lines_and_its_last_output_when_it_fail
     assert periodic and any(" files (" in line and "KiB) written; 1. Extracting ZeRO "
                             "fragments, " in line for line in periodic), lines
     assert True in ticks and len(ticks) >= 5
+
+
+@pytest.mark.parametrize("hf", [False, True])
+def test_tape_export_says_what_it_reads_and_writes_before_each_long_stage(tmp_path, caplog, hf):
+    """The checksum pass over the whole checkpoint and the write of the export take minutes at
+    tens of GiB and printed nothing: each starts with one line saying what and how much."""
+    import logging
+
+    from tape_train.inference.export import main as export_main
+
+    make_checkpoint(tmp_path / "run", "rope", seed=1)
+    caplog.set_level(logging.INFO)
+    assert export_main([str(tmp_path / "run"), "--out", str(tmp_path / "out"),
+                        *(["--hf"] if hf else [])]) == 0
+    lines = [r.getMessage() for r in caplog.records]
+    tag = tmp_path / "run" / "checkpoints" / "step_00000005"
+    assert any(re.fullmatch(rf"checking {re.escape(str(tag))} against its checksums "
+                            rf"\(\d+ files, [\d.]+ (B|KiB|MiB)\)", line) for line in lines), lines
+    writing = [i for i, line in enumerate(lines)
+               if line.startswith(f"writing {tmp_path / 'out'} (")]
+    exported = [i for i, line in enumerate(lines) if line.startswith("exported rope")]
+    assert writing and exported and writing[0] < exported[0], lines
+    assert ("Hugging Face" if hf else "save_pretrained") in lines[writing[0]]
