@@ -15,7 +15,7 @@ from pathlib import Path
 
 import xxhash
 
-from tape_train.files import describe_os_error
+from tape_train.files import describe_os_error, human_bytes
 
 log = logging.getLogger("tape_train.train")
 
@@ -105,6 +105,13 @@ def checksum_bytes(data: bytes) -> str:
     return xxhash.xxh3_64(data).hexdigest()
 
 
+def describe_size(tag_dir: Path) -> str:
+    """``"12 files, 3.4 GiB"``: what reading a complete tag means (from its marker), for the
+    line a long read starts with."""
+    files = read_marker(tag_dir).get("files") or {}
+    return f"{len(files)} files, {human_bytes(sum(files.values()))}"
+
+
 def verify_files(tag_dir: Path, names: list[str] | None = None) -> str | None:
     """``None`` if every listed file (default: all of the marker) matches its recorded
     checksum, else one line naming the first file that does not. Markers written before
@@ -178,6 +185,7 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
         if found is None:
             raise CheckpointError(f"no complete checkpoint under {checkpoint_root(path)}")
     if verify:
+        log.info("checking %s against its checksums (%s)", found, describe_size(found))
         reason = verify_files(found)
         if reason is not None:
             older = [t for t in list_tags(found.parent) if step_of_tag(t.name) is not None

@@ -19,8 +19,8 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +49,46 @@ def saved_layout(marker: dict) -> dict[str, int]:
     return {"dp": int(marker.get("dp_size", world // (sp * tp))), "sp": sp, "tp": tp}
 
 
-def ensure_universal(tag_dir: Path, out_dir: Path | None = None) -> Path:
+# The converter ends with the process that started it (a rank ended by its watchdog leaves by
+# os._exit): it checks its parent every second, then runs the module named next.
+_WITH_PARENT = """import os, runpy, sys, threading, time
+parent = os.getppid()
+def watch():
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(1)
+threading.Thread(target=watch, daemon=True).start()
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+def converter_command(tag_dir: Path, out_dir: Path) -> list[str]:
+    """DeepSpeed's universal conversion of ``tag_dir`` into ``out_dir``, as a child process
+    (unbuffered, so its stage lines arrive as it prints them; it ends if its parent does)."""
+    import sys
+
+    workers = str(min(4, usable_cpus()))
+    return [sys.executable, "-u", "-c", _WITH_PARENT, "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder", str(tag_dir), "--output_folder", str(out_dir),
+            "--num_extract_workers", workers, "--num_merge_workers", "1",
+            "--inject_missing_state"]
+
+
+def ensure_universal(tag_dir: Path, out_dir: Path | None = None, *,
+                     tick: Callable[[bool], None] | None = None, tick_s: float = 5.0) -> Path:
     """DeepSpeed's universal form of a complete ZeRO checkpoint, converted once.
 
     Converts ``tag_dir`` with ``deepspeed.checkpoint.ds_to_universal`` into a temporary sibling
     and renames it to ``<tag_dir>/universal`` (or ``out_dir``) only when the conversion
     finished, so an interrupted conversion is never mistaken for a complete one and is simply
     redone. Runs on one process (no process group); returns the universal directory.
+
+    It may take minutes on a large model: its progress is logged (DeepSpeed's stage lines, and
+    at least every ``progress.LOG_EVERY_S`` the time so far and what it wrote), and ``tick``
+    (see ``tape_train.progress.run_with_progress``) hears every ``tick_s`` whether it moved.
     """
-    import sys
+    from tape_train.progress import run_with_progress
 
     tag_dir = Path(tag_dir)
     target = Path(out_dir) if out_dir is not None else tag_dir / UNIVERSAL
@@ -76,17 +107,19 @@ def ensure_universal(tag_dir: Path, out_dir: Path | None = None) -> Path:
     start = time.perf_counter()
     log.info("converting %s to DeepSpeed's universal format (once; cached in %s)", tag_dir,
              target)
-    workers = str(min(4, usable_cpus()))
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-           str(tag_dir), "--output_folder", str(tmp), "--num_extract_workers", workers,
-           "--num_merge_workers", "1", "--inject_missing_state"]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
+    try:
+        code, tail = run_with_progress(
+            converter_command(tag_dir, tmp), what=f"universal conversion of {tag_dir.name}",
+            output_dir=tmp, logger=log, tick=tick, tick_s=tick_s, stage_prefix="***")
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
+        raise
+    if code != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = "\n".join(tail)
         raise CheckpointError(f"converting {tag_dir} to the universal format failed (exit "
-                              f"{result.returncode}); the checkpoint itself is untouched. "
-                              f"Last output:\n{tail}")
+                              f"{code}); the checkpoint itself is untouched. "
+                              f"Last output:\n{last}")
     write_atomic(tmp / "CONVERTED.json", json.dumps(
         {"source": tag_dir.name, "seconds": round(time.perf_counter() - start, 2)}))
     os.replace(tmp, target)

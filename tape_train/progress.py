@@ -3,16 +3,27 @@
 ``mode`` is ``"auto"`` (a bar when the stream is a terminal), ``True``/``"on"`` (always) or
 ``False``/``"off"`` (never). Without a bar, commands report progress as ordinary greppable log
 lines, so a redirected log never holds carriage returns. ``setup_cli_logging`` makes those lines
-one per record, whatever library logged them.
+one per record, whatever library logged them. ``run_with_progress`` runs a child process that
+takes minutes (DeepSpeed's universal conversion) with the same kind of lines, and a heartbeat.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
+import os
+import re
+import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import IO
+
+from tape_train.files import human_bytes
 
 MODES = ("auto", "on", "off")
 CLI_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -84,3 +95,133 @@ def library_bars(module, mode: bool | str = "auto", stream: IO | None = None):
         yield
     finally:
         module.tqdm = original
+
+
+# ----------------------------------------------------------------------------------------------
+# A long child process (DeepSpeed's universal conversion): progress as log lines
+# ----------------------------------------------------------------------------------------------
+
+LOG_EVERY_S = 30.0  # a progress line at least this often while a child process runs
+TAIL_LINES = 15     # the child's last output lines kept for the error when it fails
+_BAR_COUNT = re.compile(r"\b(\d+)/(\d+)\b")
+
+
+class ChildOutput:
+    """Reads a child's merged stdout/stderr on a thread: whole lines only (a tqdm bar's ``\\r``
+    updates collapse to their last state), the last ``TAIL_LINES`` of them, a count of reads
+    (any output is progress), and the child's latest stage line and bar position."""
+
+    def __init__(self, stream, stage_prefix: str | None, on_stage: Callable[[str], None]) -> None:
+        self._stream = stream
+        self._stage_prefix = stage_prefix
+        self._on_stage = on_stage
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.reads = 0
+        self.stage: str | None = None
+        self.position: str | None = None  # "120/300" of the bar being drawn
+        self._thread = threading.Thread(target=self._read, name="child-output", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        pending = ""
+        while chunk := self._stream.read1(65536):
+            self.reads += 1
+            pending += chunk.decode("utf-8", "replace")
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                self._line(line)
+            pending = self._bar(pending)
+        if pending.strip():
+            self._line(pending)
+
+    def _bar(self, text: str) -> str:
+        """The last ``\\r``-separated state of a line being redrawn; notes its n/total."""
+        states = [state for state in text.split("\r") if state.strip()]
+        text = states[-1] if states else ""
+        counts = _BAR_COUNT.findall(text)
+        if counts:
+            self.position = "/".join(counts[-1])
+        return text
+
+    def _line(self, line: str) -> None:
+        line = self._bar(line).rstrip()
+        if not line:
+            return
+        self.tail.append(line)
+        if self._stage_prefix is not None and line.startswith(self._stage_prefix):
+            self.stage = line[len(self._stage_prefix):].strip().rstrip(". ")
+            self.position = None
+            self._on_stage(self.stage)
+
+    def join(self, timeout: float = 5.0) -> None:
+        self._thread.join(timeout)
+
+
+def _tree_size(root: Path) -> tuple[int, int]:
+    """(files, bytes) under ``root`` so far (files may vanish while it is walked)."""
+    files = size = 0
+    for parent, _, names in os.walk(root):
+        for name in names:
+            try:
+                size += os.stat(os.path.join(parent, name)).st_size
+                files += 1
+            except OSError:
+                pass
+    return files, size
+
+
+def run_with_progress(cmd: list[str], *, what: str, output_dir: Path, logger: logging.Logger,
+                      tick: Callable[[bool], None] | None = None, tick_s: float = 5.0,
+                      stage_prefix: str | None = None) -> tuple[int, list[str]]:
+    """Run ``cmd`` (a child that may take minutes) and report its progress as log lines.
+
+    A line per stage line the child prints (a line starting with
+    ``stage_prefix``), and one at least every ``LOG_EVERY_S``: the time so far, the files and
+    bytes it wrote under ``output_dir``, its stage and bar position, and how long it has not
+    moved if it stopped. Never a carriage return. ``tick(moved)`` is called every ``tick_s``
+    while it runs, ``moved`` saying whether it wrote or printed anything since the previous
+    call (a trainer tells its watchdog and the ranks waiting for it). If ``tick`` raises, or
+    the caller is interrupted, the child is killed.
+
+    Returns ``(exit status, its last output lines)``.
+    """
+    start = time.monotonic()
+    child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT)
+    try:
+        output = ChildOutput(child.stdout, stage_prefix,
+                             lambda stage: logger.info("%s: %s (%s so far)", what, stage,
+                                                       _elapsed(time.monotonic() - start)))
+        seen, moved_at, logged_at = (0, 0, 0), start, start
+        while True:
+            try:
+                child.wait(timeout=tick_s)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            files, size = _tree_size(output_dir)
+            moved = (files, size, output.reads) != seen
+            seen = (files, size, output.reads)
+            moved_at = now if moved else moved_at
+            if tick is not None:
+                tick(moved)
+            if now - logged_at >= LOG_EVERY_S:
+                logged_at = now
+                logger.info("%s: %s so far, %d files (%s) written%s%s%s", what,
+                            _elapsed(now - start), files, human_bytes(size),
+                            f"; {output.stage}" if output.stage else "",
+                            f", {output.position}" if output.position else "",
+                            "" if now - moved_at < tick_s * 2 else
+                            f"; no progress for {_elapsed(now - moved_at)}")
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    output.join()
+    return child.returncode, list(output.tail)
+
+
+def _elapsed(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"

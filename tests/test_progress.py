@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 
@@ -91,3 +92,93 @@ def test_cli_logging_prints_a_library_line_once():
         line for line in err if line.endswith("WARNING nulllib.pool: Retrying after connection "
                                               "broken")] != []
     assert sum("quiet library warning" in line for line in err) == 1, err
+
+
+# A stand-in for DeepSpeed's converter: its stage lines on stdout, a tqdm-style bar (carriage
+# returns) on stderr, files written into --output_folder, then the exit status in argv[1].
+_CONVERTER = r"""
+import os, sys, time
+out = sys.argv[sys.argv.index("--output_folder") + 1]
+os.makedirs(out)
+print("args = Namespace(...)")
+print("*** 1. Extracting ZeRO fragments")
+for i in range(4):
+    sys.stderr.write(f"\r {25 * i}%|##  | {i}/4 [00:0{i}<00:01]")
+    sys.stderr.flush()
+    with open(os.path.join(out, f"fragment{i}"), "wb") as fh:
+        fh.write(b"x" * 2048)
+    time.sleep(0.4)
+sys.stderr.write("\r100%|####| 4/4 [00:02<00:00]\n")
+print("*** 2. Merging slices .....")
+time.sleep(0.4)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("status", [0, 3])
+def test_a_conversion_reports_progress_in_lines_and_its_last_output_when_it_fails(
+        tmp_path, monkeypatch, caplog, status):
+    """`ensure_universal` (resume on another layout, tape-export, tape-eval): DeepSpeed's stage
+    lines and a line at least every LOG_EVERY_S with the time, files and bytes written and the
+    bar's position, never a carriage return; `tick` hears that it moved; a failure carries the
+    converter's last lines (the bar as its final state) and leaves no partial output."""
+    import json
+    import logging
+
+    from tape_train import loading, progress
+
+    tag = tmp_path / "checkpoints" / "step_00000004"
+    tag.mkdir(parents=True)
+    (tag / "COMPLETE.json").write_text(json.dumps({"files": {}, "zero_stage": 1}))
+    script = tmp_path / "converter.py"
+    script.write_text(_CONVERTER)
+    monkeypatch.setattr(loading, "converter_command", lambda tag_dir, out: [
+        sys.executable, str(script), str(status), "--output_folder", str(out)])
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.5)
+    ticks = []
+    caplog.set_level(logging.INFO, logger="tape_train.checkpoint")
+    if status == 0:
+        assert loading.ensure_universal(tag, tick=ticks.append, tick_s=0.2) == tag / "universal"
+        assert (tag / "universal" / "fragment3").is_file()
+    else:
+        with pytest.raises(loading.CheckpointError) as failed:
+            loading.ensure_universal(tag, tick=ticks.append, tick_s=0.2)
+        message = str(failed.value)
+        assert "failed (exit 3); the checkpoint itself is untouched" in message
+        assert message.endswith("Last output:\nargs = Namespace(...)\n*** 1. Extracting ZeRO "
+                                "fragments\n100%|####| 4/4 [00:02<00:00]\n*** 2. Merging "
+                                "slices .....")
+        assert not (tag / "universal").exists() and not list(tag.glob(".universal*"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert not any("\r" in line for line in lines)
+    assert "universal conversion of step_00000004: 1. Extracting ZeRO fragments (0 s so far)" \
+        in lines, lines
+    assert any(line.startswith("universal conversion of step_00000004: 2. Merging slices (")
+               for line in lines)
+    periodic = [line for line in lines if " so far, " in line]
+    assert periodic and any(" files (" in line and "KiB) written; 1. Extracting ZeRO "
+                            "fragments, " in line for line in periodic), lines
+    assert True in ticks and len(ticks) >= 5
+
+
+@pytest.mark.parametrize("hf", [False, True])
+def test_tape_export_says_what_it_reads_and_writes_before_each_long_stage(tmp_path, caplog, hf):
+    """The checksum pass over the whole checkpoint and the write of the export take minutes at
+    tens of GiB and printed nothing: each starts with one line saying what and how much."""
+    import logging
+
+    from tape_train.inference.export import main as export_main
+
+    make_checkpoint(tmp_path / "run", "rope", seed=1)
+    caplog.set_level(logging.INFO)
+    assert export_main([str(tmp_path / "run"), "--out", str(tmp_path / "out"),
+                        *(["--hf"] if hf else [])]) == 0
+    lines = [r.getMessage() for r in caplog.records]
+    tag = tmp_path / "run" / "checkpoints" / "step_00000005"
+    assert any(re.fullmatch(rf"checking {re.escape(str(tag))} against its checksums "
+                            rf"\(\d+ files, [\d.]+ (B|KiB|MiB)\)", line) for line in lines), lines
+    writing = [i for i, line in enumerate(lines)
+               if line.startswith(f"writing {tmp_path / 'out'} (")]
+    exported = [i for i, line in enumerate(lines) if line.startswith("exported rope")]
+    assert writing and exported and writing[0] < exported[0], lines
+    assert ("Hugging Face" if hf else "save_pretrained") in lines[writing[0]]

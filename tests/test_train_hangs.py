@@ -318,3 +318,101 @@ def test_stuck_and_stopped_ranks_end_the_run_and_the_rerun_continues_exactly(
     final, _ = _train(tmp_path, run_dir)
     assert final.returncode == 0, final.stderr[-5000:]
     assert _losses(run_dir) == slow_reference
+
+
+# ----------------------------------------------------------------------------------------------
+# Slow: a resume on another layout whose universal conversion takes longer than the timeout
+# ----------------------------------------------------------------------------------------------
+
+# Rank 0's converter runs behind CONVERTER_WRAPPER, and a progress line comes every 2 s.
+_CONVERT_HOOK = """
+import os, sys
+from tape_train import loading, progress
+
+progress.LOG_EVERY_S = 2.0
+real = loading.converter_command
+loading.converter_command = lambda tag_dir, out_dir: [
+    sys.executable, os.environ["CONVERTER_WRAPPER"], *real(tag_dir, out_dir)]
+from tape_train.train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+# CONVERT="moving:<s>": writes 1 KiB a second into the output (DeepSpeed's scratch folder,
+# which it removes) for <s> seconds, printing nothing, then runs the real converter.
+# CONVERT="stalled:<s>": the same without writing. Either ends when its parent is gone.
+_WRAPPER = """
+import os, sys, time
+out = sys.argv[sys.argv.index("--output_folder") + 1]
+os.makedirs(os.path.join(out, "tmp"), exist_ok=True)
+parent, (mode, seconds) = os.getppid(), os.environ["CONVERT"].split(":")
+end = time.monotonic() + float(seconds)
+with open(os.path.join(out, "tmp", "slow"), "ab") as fh:
+    while time.monotonic() < end and os.getppid() == parent:
+        if mode == "moving":
+            fh.write(b"x" * 1024)
+            fh.flush()
+        time.sleep(1.0)
+if os.getppid() != parent:
+    sys.exit(1)
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+_CONVERT_OVERRIDES = [*FAULTS_OVERRIDES, "logging.tensorboard=false",
+                      "train.collective_timeout_s=10"]
+
+
+def _convert_run(tmp_path: Path, run_dir: Path, nproc: int, overrides: list[str],
+                 convert: str = "moving:0") -> tuple[subprocess.CompletedProcess, float]:
+    hook, wrapper = tmp_path / "convert_hook.py", tmp_path / "converter_wrapper.py"
+    hook.write_text(_CONVERT_HOOK)
+    wrapper.write_text(_WRAPPER)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               CONVERTER_WRAPPER=str(wrapper), CONVERT=convert)
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node", str(nproc), "--shutdown-timeout", "3",
+                             str(hook), "--config", "demo", *_CONVERT_OVERRIDES, *overrides,
+                             f"train.run_dir={run_dir}"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return result, time.monotonic() - start
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_long_conversion_that_moves_is_not_taken_for_a_hang_and_a_stalled_one_is(tmp_path):
+    """A 1-rank checkpoint resumed on 2 ranks: rank 0 converts it to the universal form while
+    rank 1 waits. With train.startup_timeout_s=20 (10 s per phase without progress), a
+    conversion that stalls is ended by rank 0's watchdog, and rank 1 says in one line that its
+    peer exited; one that writes for 25 s (longer than the whole timeout) before converting
+    is not ended, logs its progress without carriage returns, and the run resumes."""
+    run_dir = tmp_path / "run"
+    saved, _ = _convert_run(tmp_path, run_dir, 1, ["train.grad_accum_steps=2",
+                                                   "train.max_steps=2"])
+    assert saved.returncode == 0, saved.stderr[-5000:]
+    tag = run_dir / "checkpoints" / "step_00000002"
+    resume = ["train.grad_accum_steps=1", "train.max_steps=3", "train.startup_timeout_s=20"]
+
+    stalled, seconds = _convert_run(tmp_path, run_dir, 2, resume, "stalled:600")
+    err = stalled.stderr
+    assert stalled.returncode != 0 and seconds < 120, (seconds, err[-5000:])
+    assert ("[rank0] ERROR tape_train.train: rank 0 is stuck: start-up (converting "
+            "step_00000002 to the universal format) made no progress for 10 s") in err, err[-5000:]
+    assert "If it was only slow, raise train.startup_timeout_s" in err
+    assert ("rank 1: a collective failed in start-up (converting step_00000002 to the universal "
+            "format): another rank exited") in err, err[-5000:]
+    assert not (tag / "universal").exists() and _complete(run_dir, 2)
+
+    moving, seconds = _convert_run(tmp_path, run_dir, 2, resume, "moving:25")
+    err = moving.stderr
+    assert moving.returncode == 0, err[-5000:]
+    assert seconds > 25
+    for line in ("is stuck", "timed out", "has waited", "collective failed"):
+        assert line not in err, err[-5000:]
+    assert "\r" not in err
+    lines = [line for line in err.splitlines()
+             if "universal conversion of step_00000002: " in line and " so far, " in line]
+    assert len(lines) >= 5, err[-5000:]  # one every 2 s while it writes
+    assert " files (" in lines[0] and "written" in lines[0]
+    assert any("Extracting ZeRO fragments" in line for line in err.splitlines())  # its stages
+    assert (tag / "universal").is_dir() and not list(tag.glob(".universal.tmp*"))
+    assert f"resumed from {tag}" in err and _losses(run_dir).keys() == {1, 2, 3}

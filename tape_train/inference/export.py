@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from tape_train.data import TokenizerError, load_model_tokenizer, load_tokenizer
+    from tape_train.files import human_bytes
     from tape_train.inference.hf_export import save_hf, write_tokenizer_files
     from tape_train.loading import CheckpointError, load_model_from_checkpoint
     from tape_train.model.pretrained import check_export_target, save_pretrained
@@ -74,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         trained = ((meta.get("config") or {}).get("train") or {}).get("dtype")
         dtype_name = trained if trained in ("bf16", "fp32") else "fp32"
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    n_params = sum(v.numel() for v in state.values())
+    log.info("writing %s (%s, %.2fM parameters in %s, %s)", args.out,
+             "Hugging Face" if args.hf else "save_pretrained", n_params / 1e6, dtype_name,
+             human_bytes(n_params * dtype.itemsize))
     try:
         if args.hf:
             out = save_hf(state, cfg, args.out, dtype=dtype, tokenizer=tokenizer,
@@ -90,7 +95,6 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"tape-export: error: {describe_os_error(exc, args.out)}", file=sys.stderr)
         return 2
-    n_params = sum(v.numel() for v in state.values())
     log.info("exported %s (step %s, %.2fM parameters, %s) to %s", cfg.pe, meta.get("step"),
              n_params / 1e6, dtype_name, out)
     return 0

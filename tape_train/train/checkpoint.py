@@ -46,7 +46,7 @@ import torch
 
 from tape_train.checkpoint_layout import (  # noqa: F401 - re-exported
     CHECKSUM, LATEST, MARKER, UNIVERSAL, CheckpointError, checkpoint_root,
-    checksum_bytes, file_checksum, find_latest_complete, find_newest, list_tags, rank_state_name,
+    checksum_bytes, describe_size, file_checksum, find_latest_complete, find_newest, list_tags, rank_state_name,
     read_marker, resolve_checkpoint, step_of_tag, tag_for_step, verify_files, why_incomplete)
 from tape_train.files import describe_os_error, free_bytes, human_bytes, is_disk_full, write_atomic
 from tape_train.loading import (ensure_universal,  # noqa: F401 - re-exported
@@ -82,6 +82,9 @@ def verify_checkpoint(tag_dir: Path) -> str | None:
     tag_dir = Path(tag_dir)
     reason = why_incomplete(tag_dir)
     if reason is None:
+        if _rank() == 0:
+            log.info("checking %s against its checksums (%s; each rank reads its share)",
+                     tag_dir, describe_size(tag_dir))
         sums = (read_marker(tag_dir).get("checksums") or {})
         reason = verify_files(tag_dir, _my_share(list(sums)))
     if not tdist.all_reduce_max_int(1 if reason is not None else 0):
@@ -366,6 +369,9 @@ def load_training_state(engine, tag_dir: Path, rank: int, *, universal: bool = F
             f"has {tdist.world_size()} but was not set up for a resume on another layout")
     load_dir, tag = (tag_dir, UNIVERSAL) if universal else (tag_dir.parent, tag_dir.name)
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+    if rank == 0:
+        log.info("loading %s (%s%s)", tag_dir, describe_size(tag_dir),
+                 "; through its universal form" if universal else "")
     try:
         load_path, client_state = engine.load_checkpoint(
             str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)

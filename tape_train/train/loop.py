@@ -339,14 +339,38 @@ class Trainer:
 
     def _convert_to_universal(self, tag_dir: Path) -> None:
         """Rank 0 converts the checkpoint (once, cached in the tag) while the others wait; a
-        failure is raised on every rank."""
+        failure is raised on every rank.
+
+        The conversion may take longer than ``train.startup_timeout_s`` (minutes on a large
+        model): the ranks do not wait for it in one collective but in a beat, a small
+        all-reduce every few seconds through which rank 0 says whether the conversion moved
+        (wrote or printed anything) since the last one. Each rank's watchdog is told of that
+        progress, so only a conversion that stops moving counts as a hang: rank 0's watchdog
+        ends it after half the timeout without progress, and the waiting ranks' beat then fails
+        in one line."""
+        still, moved, done, failed = 0, 1, 2, 3  # rank 0's beat; the others send 0
+        self._phase(f"start-up (converting {tag_dir.name} to the universal format)", long=True)
+        beat_s = min(5.0, self.cfg.train.startup_timeout_s / 8)
+
+        def beat(moving: bool) -> int:
+            state = tdist.all_reduce_max_int(moved if moving else still)
+            if state == moved and self.watchdog is not None:
+                self.watchdog.progress()
+            return state
+
         error = None
         if self.rank == 0:
             try:
-                ckpt.ensure_universal(tag_dir)
+                ckpt.ensure_universal(tag_dir, tick=beat, tick_s=beat_s)
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                if describe_collective_error(exc, self.watchdog, self.rank) is not None:
+                    raise  # a beat failed: the ranks are not in step any more
                 error = exc
-        if tdist.all_reduce_max_int(1 if error is not None else 0):
+            state = tdist.all_reduce_max_int(failed if error is not None else done)
+        else:
+            while (state := beat(False)) < done:
+                pass
+        if state == failed:
             if error is not None:
                 raise error if isinstance(error, ckpt.CheckpointError) else ckpt.CheckpointError(
                     f"converting {tag_dir} to the universal format failed: {error}") from error
