@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from test_train_faults import OVERRIDES as FAULTS_OVERRIDES  # the tiny 2-rank model
+from test_train_resume import _descendants
 
 REPO = Path(__file__).resolve().parents[1]
 OVERRIDES = [*FAULTS_OVERRIDES, "train.max_steps=6", "checkpoint.keep=2",
@@ -474,13 +475,6 @@ def test_a_long_conversion_that_moves_is_not_taken_for_a_hang_and_a_stalled_one_
     assert f"resumed from {tag}" in err and _losses(run_dir).keys() == {1, 2, 3}
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants."""
-    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
-                              text=True).stdout.split()
-    return [pid, *(p for child in map(int, children) for p in _tree(child))]
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_stop_during_the_conversion_ends_it_at_once_and_the_rerun_resumes_exactly(tmp_path):
@@ -516,7 +510,7 @@ def test_a_stop_during_the_conversion_ends_it_at_once_and_the_rerun_resumes_exac
         rank1 = next(int(p) for p in subprocess.run(
             ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
             if int(p) != rank0)
-        victims = _tree(proc.pid) if to_everyone else [rank1]
+        victims = [proc.pid, *_descendants(proc.pid)] if to_everyone else [rank1]
         assert not to_everyone or {rank0, rank1, converter, worker} <= set(victims)
         signalled = time.monotonic()
         for pid in victims:
