@@ -49,13 +49,22 @@ def saved_layout(marker: dict) -> dict[str, int]:
     return {"dp": int(marker.get("dp_size", world // (sp * tp))), "sp": sp, "tp": tp}
 
 
-# The converter ends with the process that started it (a rank ended by its watchdog leaves by
-# os._exit): it checks its parent every second, then runs the module named next.
-_WITH_PARENT = """import os, runpy, sys, threading, time
+# The converter ignores the stop signals (SIGINT, SIGTERM, SIGUSR1): Slurm delivers a
+# preemption or scancel to every process of the job step, not only to the trainer, and the
+# trainer decides (a stop kills the converter between two beats and exits 75, not "conversion
+# failed"). It ends with the process that started it (a rank ended by its watchdog leaves by
+# os._exit): it checks its parent every second and, when it is gone, kills its own process
+# group (its pool workers with it; run_with_progress makes it the group's leader). Then it
+# runs the module named next.
+_WITH_PARENT = """import os, runpy, signal, sys, threading, time
+for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+    signal.signal(sig, signal.SIG_IGN)
 parent = os.getppid()
 def watch():
     while os.getppid() == parent:
         time.sleep(1)
+    if os.getpgrp() == os.getpid():
+        os.killpg(0, signal.SIGKILL)
     os._exit(1)
 threading.Thread(target=watch, daemon=True).start()
 sys.argv = sys.argv[1:]

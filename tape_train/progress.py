@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -181,13 +182,15 @@ def run_with_progress(cmd: list[str], *, what: str, output_dir: Path, logger: lo
     moved if it stopped. Never a carriage return. ``tick(moved)`` is called every ``tick_s``
     while it runs, ``moved`` saying whether it wrote or printed anything since the previous
     call (a trainer tells its watchdog and the ranks waiting for it). If ``tick`` raises, or
-    the caller is interrupted, the child is killed.
+    the caller is interrupted, the child is killed with everything it started (it runs as
+    the leader of a new session, so its worker processes are in its process group, and a
+    terminal's Ctrl-C reaches only the caller, which decides).
 
     Returns ``(exit status, its last output lines)``.
     """
     start = time.monotonic()
     child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT)
+                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         output = ChildOutput(child.stdout, stage_prefix,
                              lambda stage: logger.info("%s: %s (%s so far)", what, stage,
@@ -215,8 +218,11 @@ def run_with_progress(cmd: list[str], *, what: str, output_dir: Path, logger: lo
                             "" if now - moved_at < tick_s * 2 else
                             f"; no progress for {_elapsed(now - moved_at)}")
     finally:
-        if child.poll() is None:
-            child.kill()
+        if child.poll() is None:  # not reaped yet: its process group is still its own
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except OSError:
+                child.kill()
             child.wait()
     output.join()
     return child.returncode, list(output.tail)

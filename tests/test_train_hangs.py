@@ -17,11 +17,18 @@ one rank sleep, or SIGSTOP itself, at a chosen step's data read or checkpoint sa
 - the re-run resumes from step 2; rank 1 SIGSTOPs in step 4: rank 0's collective times out,
   one line naming ``train.collective_timeout_s``, no traceback;
 - the next re-run finishes with the reference losses, bit for bit.
+
+Slow, a resume on another layout whose universal conversion is slowed down: one that keeps
+moving is not ended, one that stalls is (with its worker process), and a stop signal (to one
+rank, or to every process of the run as Slurm sends it) ends it within seconds with exit 75,
+after which the re-run resumes exactly.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from test_train_faults import OVERRIDES as FAULTS_OVERRIDES  # the tiny 2-rank model
+from test_train_resume import _descendants
 
 REPO = Path(__file__).resolve().parents[1]
 OVERRIDES = [*FAULTS_OVERRIDES, "train.max_steps=6", "checkpoint.keep=2",
@@ -324,57 +332,105 @@ def test_stuck_and_stopped_ranks_end_the_run_and_the_rerun_continues_exactly(
 # Slow: a resume on another layout whose universal conversion takes longer than the timeout
 # ----------------------------------------------------------------------------------------------
 
-# Rank 0's converter runs behind CONVERTER_WRAPPER, and a progress line comes every 2 s.
+# Rank 0's converter runs the module slow_converter (written next to the hook) before the real
+# one, behind the real wrapper (loading._WITH_PARENT: stop signals ignored, ends with its
+# parent), and a progress line comes every 2 s.
 _CONVERT_HOOK = """
-import os, sys
+import sys
 from tape_train import loading, progress
 
 progress.LOG_EVERY_S = 2.0
 real = loading.converter_command
-loading.converter_command = lambda tag_dir, out_dir: [
-    sys.executable, os.environ["CONVERTER_WRAPPER"], *real(tag_dir, out_dir)]
+def command(tag_dir, out_dir):
+    cmd = real(tag_dir, out_dir)
+    module = cmd.index("deepspeed.checkpoint.ds_to_universal")
+    return [*cmd[:module], "slow_converter", *cmd[module:]]
+loading.converter_command = command
 from tape_train.train.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
-# CONVERT="moving:<s>": writes 1 KiB a second into the output (DeepSpeed's scratch folder,
-# which it removes) for <s> seconds, printing nothing, then runs the real converter.
-# CONVERT="stalled:<s>": the same without writing. Either ends when its parent is gone.
-_WRAPPER = """
-import os, sys, time
+# CONVERT="moving:<s>": a worker process (like DeepSpeed's extraction pool) writes 1 KiB a
+# second into the output (DeepSpeed's scratch folder, which it removes) for <s> seconds,
+# printing nothing; then the real converter runs. CONVERT="stalled:<s>": the same without
+# writing. The worker never looks at its parent. "<converter pid> <worker pid>" goes to
+# $CONVERT_PIDS.
+_SLOW_CONVERTER = """
+import os, runpy, sys, time
 out = sys.argv[sys.argv.index("--output_folder") + 1]
 os.makedirs(os.path.join(out, "tmp"), exist_ok=True)
-parent, (mode, seconds) = os.getppid(), os.environ["CONVERT"].split(":")
+mode, seconds = os.environ["CONVERT"].split(":")
 end = time.monotonic() + float(seconds)
-with open(os.path.join(out, "tmp", "slow"), "ab") as fh:
-    while time.monotonic() < end and os.getppid() == parent:
-        if mode == "moving":
-            fh.write(b"x" * 1024)
-            fh.flush()
-        time.sleep(1.0)
-if os.getppid() != parent:
-    sys.exit(1)
-os.execv(sys.argv[1], sys.argv[1:])
+worker = os.fork()
+if worker == 0:
+    with open(os.path.join(out, "tmp", "slow"), "ab") as fh:
+        while time.monotonic() < end:
+            if mode == "moving":
+                fh.write(b"x" * 1024)
+                fh.flush()
+            time.sleep(1.0)
+    os._exit(0)
+with open(os.environ["CONVERT_PIDS"], "w") as fh:
+    fh.write(f"{os.getpid()} {worker}")
+os.waitpid(worker, 0)
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 """
 
 _CONVERT_OVERRIDES = [*FAULTS_OVERRIDES, "logging.tensorboard=false",
                       "train.collective_timeout_s=10"]
 
 
+def _convert_start(tmp_path: Path, run_dir: Path, nproc: int, overrides: list[str],
+                   convert: str = "moving:0", shutdown_s: int = 3) -> subprocess.Popen:
+    """torchrun with the hook, in a session of its own; the trainer's exit code goes to
+    ``tmp_path/exit_code`` (torchrun's own is 1 for any failure)."""
+    hook = tmp_path / "convert_hook.py"
+    hook.write_text(_CONVERT_HOOK)
+    (tmp_path / "slow_converter.py").write_text(_SLOW_CONVERTER)
+    for stale in ("exit_code", "convert_pids"):
+        (tmp_path / stale).unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(tmp_path)]),
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CONVERT=convert,
+               CONVERT_PIDS=str(tmp_path / "convert_pids"),
+               TAPE_TRAIN_EXIT_FILE=str(tmp_path / "exit_code"))
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc_per_node", str(nproc), "--shutdown-timeout",
+                             str(shutdown_s), str(hook), "--config", "demo",
+                             *_CONVERT_OVERRIDES, *overrides, f"train.run_dir={run_dir}"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
 def _convert_run(tmp_path: Path, run_dir: Path, nproc: int, overrides: list[str],
                  convert: str = "moving:0") -> tuple[subprocess.CompletedProcess, float]:
-    hook, wrapper = tmp_path / "convert_hook.py", tmp_path / "converter_wrapper.py"
-    hook.write_text(_CONVERT_HOOK)
-    wrapper.write_text(_WRAPPER)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               CONVERTER_WRAPPER=str(wrapper), CONVERT=convert)
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc_per_node", str(nproc), "--shutdown-timeout", "3",
-                             str(hook), "--config", "demo", *_CONVERT_OVERRIDES, *overrides,
-                             f"train.run_dir={run_dir}"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    return result, time.monotonic() - start
+    proc = _convert_start(tmp_path, run_dir, nproc, overrides, convert)
+    out, err = proc.communicate(timeout=300)
+    return (subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
+            time.monotonic() - start)
+
+
+def _converter_pids(tmp_path: Path) -> tuple[int, int] | None:
+    """(converter, its worker) once the slow converter has started, else None."""
+    text = (tmp_path / "convert_pids").read_text() if (tmp_path / "convert_pids").exists() else ""
+    return tuple(map(int, text.split())) if len(text.split()) == 2 else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped yet does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def _gone_soon(pid: int, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _alive(pid)
 
 
 @pytest.mark.slow
@@ -401,6 +457,7 @@ def test_a_long_conversion_that_moves_is_not_taken_for_a_hang_and_a_stalled_one_
     assert ("rank 1: a collective failed in start-up (converting step_00000002 to the universal "
             "format): another rank exited") in err, err[-5000:]
     assert not (tag / "universal").exists() and _complete(run_dir, 2)
+    assert all(_gone_soon(pid) for pid in _converter_pids(tmp_path))  # worker too
 
     moving, seconds = _convert_run(tmp_path, run_dir, 2, resume, "moving:25")
     err = moving.stderr
@@ -416,3 +473,63 @@ def test_a_long_conversion_that_moves_is_not_taken_for_a_hang_and_a_stalled_one_
     assert any("Extracting ZeRO fragments" in line for line in err.splitlines())  # its stages
     assert (tag / "universal").is_dir() and not list(tag.glob(".universal.tmp*"))
     assert f"resumed from {tag}" in err and _losses(run_dir).keys() == {1, 2, 3}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_stop_during_the_conversion_ends_it_at_once_and_the_rerun_resumes_exactly(tmp_path):
+    """A 1-rank checkpoint resumed on 2 ranks, its conversion slowed to 60 s (a worker
+    process writing): SIGUSR1 to the waiting rank 1 only, then SIGTERM to every process of
+    the run (torchrun, both ranks, the converter and its worker), as Slurm's preemption or
+    scancel delivers it, each end the run within a beat or two (train.startup_timeout_s=20:
+    a 2.5 s beat) with the trainer's exit code 75, no universal form or temporary output
+    left, the converter and its worker gone, the checkpoint intact. A plain re-run then
+    converts it and continues like an uninterrupted resume on 2 ranks, bit for bit.
+
+    Without the fix the SIGUSR1 run ends only after the whole conversion (and keeps its
+    universal form), and under SIGTERM the converter dies: exit 1, "conversion failed"."""
+    run_dir, reference = tmp_path / "run", tmp_path / "reference"
+    saved, _ = _convert_run(tmp_path, run_dir, 1, ["train.grad_accum_steps=2",
+                                                   "train.max_steps=2"])
+    assert saved.returncode == 0, saved.stderr[-5000:]
+    shutil.copytree(run_dir, reference)
+    tag = run_dir / "checkpoints" / "step_00000002"
+    resume = ["train.grad_accum_steps=1", "train.max_steps=4", "train.startup_timeout_s=20"]
+    uninterrupted, _ = _convert_run(tmp_path, reference, 2, resume)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-5000:]
+
+    for sig, to_everyone in ((signal.SIGUSR1, False), (signal.SIGTERM, True)):
+        proc = _convert_start(tmp_path, run_dir, 2, resume, "moving:60", shutdown_s=30)
+        deadline = time.monotonic() + 120
+        while (_converter_pids(tmp_path) is None
+               or not any(tag.glob(".universal.tmp*/tmp/slow"))):  # the conversion runs
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+            time.sleep(0.2)
+        converter, worker = _converter_pids(tmp_path)
+        rank0 = int(Path(f"/proc/{converter}/stat").read_text().split(") ")[1].split()[1])
+        rank1 = next(int(p) for p in subprocess.run(
+            ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+            if int(p) != rank0)
+        victims = [proc.pid, *_descendants(proc.pid)] if to_everyone else [rank1]
+        assert not to_everyone or {rank0, rank1, converter, worker} <= set(victims)
+        signalled = time.monotonic()
+        for pid in victims:
+            os.kill(pid, sig)
+        _, err = proc.communicate(timeout=240)
+        seconds = time.monotonic() - signalled
+        code = (tmp_path / "exit_code").read_text().strip()
+        assert code == "75" and seconds < 20, (sig, code, seconds, err[-5000:])
+        assert (f"[rank1] WARNING tape_train.train: stopping on {sig.name} during start-up (in "
+                f"the universal conversion of step_00000002, whose partial output was "
+                f"removed; the next run converts it again), before the first step: nothing "
+                f"to save; exit 75") in err, err[-5000:]
+        assert "conversion of step_00000002 failed" not in err
+        assert not (tag / "universal").exists() and not list(tag.glob(".universal.tmp*"))
+        assert _complete(run_dir, 2) and _losses(run_dir).keys() == {1, 2}
+        assert _gone_soon(converter) and _gone_soon(worker)
+
+    rerun, _ = _convert_run(tmp_path, run_dir, 2, resume)
+    assert rerun.returncode == 0, rerun.stderr[-5000:]
+    assert (tag / "universal").is_dir()
+    losses = _losses(run_dir)
+    assert losses.keys() == {1, 2, 3, 4} and losses == _losses(reference)

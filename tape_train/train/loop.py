@@ -60,11 +60,12 @@ class TrainState:
 
 
 class StoppedDuringSetup(Exception):
-    """A stop signal arrived before the first step; ``code`` is the exit code it asks for."""
+    """A stop signal arrived before the first step; ``code`` is the exit code it asks for,
+    ``where`` the point of start-up that honoured it ("after the process-group start")."""
 
-    def __init__(self, code: int, phase: str, signal_name: str | None) -> None:
-        super().__init__(f"stopped during start-up after the {phase}")
-        self.code, self.phase, self.signal_name = code, phase, signal_name
+    def __init__(self, code: int, where: str, signal_name: str | None) -> None:
+        super().__init__(f"stopped during start-up ({where})")
+        self.code, self.where, self.signal_name = code, where, signal_name
 
 
 def seed_everything(seed: int) -> None:
@@ -228,7 +229,7 @@ class Trainer:
         with the signal's code (75 requeues the job), leaving the run directory as it was."""
         code = self.stop.agreed(tdist.all_reduce_max_int)
         if code:
-            raise StoppedDuringSetup(code, phase, self.stop.signal_name)
+            raise StoppedDuringSetup(code, f"after the {phase}", self.stop.signal_name)
         self._phase(f"start-up (after the {phase})", long=True)
 
     def _phase(self, name: str, *, long: bool) -> None:
@@ -347,21 +348,38 @@ class Trainer:
         (wrote or printed anything) since the last one. Each rank's watchdog is told of that
         progress, so only a conversion that stops moving counts as a hang: rank 0's watchdog
         ends it after half the timeout without progress, and the waiting ranks' beat then fails
-        in one line."""
+        in one line.
+
+        Each beat is followed by the stop agreement (``StopRequest.agreed``), so a stop signal
+        ends the conversion within one beat on every rank: rank 0's converter (which ignores
+        the stop signals itself) is killed and its partial output removed, the checkpoint is
+        untouched, and every rank raises ``StoppedDuringSetup``. Collectives pair up: every
+        beat is an all-reduce then the agreement on every rank, and rank 0's final word
+        (done or failed) is one all-reduce that the others take in place of a beat's."""
         still, moved, done, failed = 0, 1, 2, 3  # rank 0's beat; the others send 0
         self._phase(f"start-up (converting {tag_dir.name} to the universal format)", long=True)
         beat_s = min(5.0, self.cfg.train.startup_timeout_s / 8)
 
         def beat(moving: bool) -> int:
             state = tdist.all_reduce_max_int(moved if moving else still)
+            if state >= done:  # rank 0 has finished (only the waiting ranks see this)
+                return state
             if state == moved and self.watchdog is not None:
                 self.watchdog.progress()
+            code = self.stop.agreed(tdist.all_reduce_max_int)
+            if code:
+                raise StoppedDuringSetup(
+                    code, f"in the universal conversion of {tag_dir.name}, whose partial "
+                    f"output was removed; the next run converts it again",
+                    self.stop.signal_name)
             return state
 
         error = None
         if self.rank == 0:
             try:
                 ckpt.ensure_universal(tag_dir, tick=beat, tick_s=beat_s)
+            except StoppedDuringSetup:
+                raise  # every rank raised it in the same beat: no final word to pair up
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 if describe_collective_error(exc, self.watchdog, self.rank) is not None:
                     raise  # a beat failed: the ranks are not in step any more
@@ -742,9 +760,9 @@ class Trainer:
                     print(f"tape-train: preflight: error: {line}", file=sys.stderr, flush=True)
             code = EXIT_ERROR
         except StoppedDuringSetup as stop:
-            log.warning("stopping on %s during start-up (after the %s), before the first step: "
+            log.warning("stopping on %s during start-up (%s), before the first step: "
                         "nothing to save; exit %d", stop.signal_name or "a signal on another "
-                        "rank", stop.phase, stop.code)
+                        "rank", stop.where, stop.code)
             code = stop.code
         except RuntimeError as exc:  # a collective timed out, or a peer went away: one line
             line = describe_collective_error(exc, self.watchdog, getattr(self, "rank", 0))
