@@ -182,3 +182,25 @@ def test_tape_export_says_what_it_reads_and_writes_before_each_long_stage(tmp_pa
     exported = [i for i, line in enumerate(lines) if line.startswith("exported rope")]
     assert writing and exported and writing[0] < exported[0], lines
     assert ("Hugging Face" if hf else "save_pretrained") in lines[writing[0]]
+
+
+def test_a_child_printing_megabytes_without_a_newline_costs_neither_memory_nor_time(tmp_path):
+    """16 MB of output with no line end (binary garbage, a huge repr) and then a last line:
+    read in linear time, and the error's last lines stay short (the run's log and the
+    CheckpointError would otherwise carry the whole 16 MB line, after minutes of re-splitting
+    the growing pending text at every read)."""
+    import logging
+    import time
+
+    from tape_train.progress import LINE_CHARS, run_with_progress
+
+    child = ("import sys\nfor _ in range(256): sys.stdout.buffer.write(b'x' * 65536)\n"
+             "print('\\nlast words')\nsys.exit(2)")
+    started = time.monotonic()
+    code, tail = run_with_progress([sys.executable, "-c", child], what="chatty child",
+                                   output_dir=tmp_path / "none", logger=logging.getLogger("t"),
+                                   tick_s=0.5)
+    assert code == 2 and tail[-1] == "last words"
+    assert all(len(line) <= LINE_CHARS + 2 for line in tail), [len(line) for line in tail]
+    assert tail[-2].startswith("xxx") and tail[-2].endswith(" …")
+    assert time.monotonic() - started < 20
