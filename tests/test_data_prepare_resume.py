@@ -183,6 +183,56 @@ def test_a_running_prepare_is_not_joined_by_a_second(tmp_path, corpus):
         alive.wait()
 
 
+# Runs tape-data with its claim of the scratch slowed down: it sleeps in the middle of it (after
+# the look for a live owner, before writing its own) and again just after it.
+_SLOW_CLAIM = """
+import sys, time
+from pathlib import Path
+from tape_train.data import cli, prepare_scratch
+truncate, digests = prepare_scratch.PrepareScratch._truncate, prepare_scratch.DigestLog.__init__
+def slow_truncate(self, state):
+    Path(sys.argv[1]).touch()
+    time.sleep(2)
+    return truncate(self, state)
+def slow_digests(self, *args):
+    time.sleep(3)
+    digests(self, *args)
+prepare_scratch.PrepareScratch._truncate = slow_truncate
+prepare_scratch.DigestLog.__init__ = slow_digests
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def test_two_prepares_started_at_once_do_not_both_resume(tmp_path, corpus, reference):
+    """Two resumes started together (a job submitted twice): the second waits for the first to
+    claim the scratch, then is refused; without that, both found no live owner while the first
+    was still cutting its files back, and both resumed into the same files."""
+    import time
+
+    out = tmp_path / "out"
+    args = ["prepare", "--input", str(corpus), *OPTIONS, "--out", str(out)]
+    _killed(_prepare(out, "--input", str(corpus), *OPTIONS, kill_at="checkpoint-2"))
+    claiming = tmp_path / "claiming"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop(KILL_ENV, None)
+    first = subprocess.Popen([sys.executable, "-c", _SLOW_CLAIM, str(claiming), *args], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not claiming.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = _prepare(out, "--input", str(corpus), *OPTIONS)
+        assert second.returncode == 1, second.stderr[-2000:]
+        assert f"is being written by another tape-data prepare with the same options (pid " \
+               f"{first.pid}" in second.stderr
+        assert first.wait(timeout=120) == 0, first.stderr.read()[-2000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert _files(out) == reference
+
+
 def test_a_killed_hub_prepare_resumes_skipping_whole_files(tmp_path):
     """--hub (a `datasets` parquet builder over local files stands in for the Hub): resumed
     from a later file, the files before it are not streamed again; same bytes as unbroken."""
