@@ -269,6 +269,22 @@ def test_scratch_left_after_the_manifest_is_removed_by_the_next_run(tmp_path, co
     assert _files(out) == reference
 
 
+def test_force_rebuilds_even_where_a_completed_prepare_left_its_scratch(tmp_path, corpus,
+                                                                          reference):
+    """Killed between the manifest and removing the scratch, then a shard damaged: --force
+    rebuilds it instead of taking the finished scratch's word and re-writing the old manifest
+    over the damaged shard."""
+    out = tmp_path / "out"
+    _killed(_prepare(out, "--input", str(corpus), *OPTIONS, kill_at="manifest"))
+    shard = out / "train-00001-of-00003.jsonl.zst"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    log = _finished(_prepare(out, "--input", str(corpus), *OPTIONS, "--force"))
+    assert "left by a prepare that completed" in log and "its shards are complete" not in log
+    assert _files(out) == reference
+
+
 def test_demo_documents_resume_at_a_package_and_document(tmp_path, monkeypatch):
     """The demo source's position is [package, documents of it]: resuming yields exactly the
     rest, and packages before the position are not unpacked."""
