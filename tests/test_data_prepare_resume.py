@@ -334,3 +334,39 @@ def test_ctrl_c_ends_with_one_line_and_the_same_command_resumes(tmp_path, corpus
         assert cli.main(argv) == 0
     assert "resuming prepare from" in caplog.text
     assert _files(tmp_path / "out") == reference
+
+
+@pytest.mark.parametrize("failing", [1, 3])
+def test_a_checkpoint_that_fails_to_save_is_not_named_as_the_one_to_resume(
+        tmp_path, corpus, reference, monkeypatch, capsys, caplog, failing):
+    """The disk fills while checkpoint k is written: the log names k-1 (the last whose state
+    was written) as where the same command resumes, or, for the first, keeps no scratch."""
+    import errno
+    import logging
+
+    from tape_train.data import cli, prepare_scratch
+
+    def disk_full(name: str) -> None:
+        if name == f"data-{failing}":
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / "out"
+    argv = ["prepare", "--input", str(corpus), *OPTIONS, "--out", str(out)]
+    monkeypatch.setattr(prepare_scratch, "kill_point", disk_full)
+    with caplog.at_level(logging.INFO, logger="tape_train.data"):
+        assert cli.main(argv) == 1
+    assert "no space left on device" in capsys.readouterr().err
+    if failing == 1:
+        assert "resumes from checkpoint" not in caplog.text
+        assert not list(out.glob(f"{RESUME_PREFIX}*"))
+    else:
+        assert f"the same command resumes from checkpoint {failing - 1} (" in caplog.text
+    monkeypatch.undo()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tape_train.data"):
+        assert cli.main(argv) == 0
+    assert ("starting over" not in caplog.text
+            and ("resuming prepare from" in caplog.text) == (failing > 1)), caplog.text
+    if failing > 1:
+        assert f"checkpoint {failing - 1}\n" in caplog.text + "\n"
+    assert _files(out) == reference

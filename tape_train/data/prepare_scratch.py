@@ -206,9 +206,10 @@ class PrepareScratch:
             os.fsync(f.fileno())
             sizes[Path(f.name).name] = f.tell()
         kill_point(f"data-{checkpoint}")
-        self.state = {"format": RESUME_FORMAT, "key": self.key, "inputs": inputs,
-                      "checkpoint": checkpoint, "files": sizes, "progress": progress}
-        write_atomic(self.dir / STATE_NAME, json.dumps(self.state) + "\n")
+        state = {"format": RESUME_FORMAT, "key": self.key, "inputs": inputs,
+                 "checkpoint": checkpoint, "files": sizes, "progress": progress}
+        write_atomic(self.dir / STATE_NAME, json.dumps(state) + "\n")
+        self.state = state  # only once written: a save that failed is not the one to resume
         kill_point(f"checkpoint-{checkpoint}")
 
     def save_final(self, inputs, manifest: dict) -> None:
