@@ -28,9 +28,17 @@ def _corpus(directory: Path) -> Path:
     return directory
 
 
-def _prepare(out: Path, *args: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def _env() -> dict[str, str]:
+    """The environment of a child tape-data: this checkout first on the path, and whatever the
+    path held (packages installed with --target, as on the GPU image) after it."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.pop(KILL_ENV, None)
+    return env
+
+
+def _prepare(out: Path, *args: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
+    env = _env()
     if kill_at:
         env[KILL_ENV] = kill_at
     return subprocess.run([sys.executable, "-m", "tape_train.data.cli", "prepare", *args,
@@ -213,9 +221,7 @@ def test_two_prepares_started_at_once_do_not_both_resume(tmp_path, corpus, refer
     args = ["prepare", "--input", str(corpus), *OPTIONS, "--out", str(out)]
     _killed(_prepare(out, "--input", str(corpus), *OPTIONS, kill_at="checkpoint-2"))
     claiming = tmp_path / "claiming"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop(KILL_ENV, None)
-    first = subprocess.Popen([sys.executable, "-c", _SLOW_CLAIM, str(claiming), *args], env=env,
+    first = subprocess.Popen([sys.executable, "-c", _SLOW_CLAIM, str(claiming), *args], env=_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
