@@ -32,6 +32,16 @@ import pytest
 from test_train_faults import OVERRIDES as FAULTS_OVERRIDES  # the tiny 2-rank model
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _env(*first: Path, **extra: str) -> dict[str, str]:
+    """A child's environment: this checkout (and ``first``) ahead of the PYTHONPATH it was given
+    (packages installed with --target, as on the GPU image). torchrun waits 3 s, not 30, before
+    it SIGKILLs a worker that ignores SIGTERM (a stopped one): the variable, unlike the
+    --shutdown-timeout flag, is also accepted by a torch older than the pinned one."""
+    path = [str(REPO), *map(str, first), os.environ.get("PYTHONPATH")]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)),
+                TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3", **extra)
 OVERRIDES = [*FAULTS_OVERRIDES, "train.max_steps=6", "checkpoint.keep=2",
              "logging.tensorboard=false", "train.collective_timeout_s=10",
              "train.startup_timeout_s=30"]
@@ -88,8 +98,7 @@ print("finished")
 def _alone(tmp_path: Path, phases: int, seconds: float) -> subprocess.CompletedProcess:
     script = tmp_path / "alone.py"
     script.write_text(_ALONE)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, str(script), str(phases), str(seconds)], env=env,
+    return subprocess.run([sys.executable, str(script), str(phases), str(seconds)], env=_env(),
                           capture_output=True, text=True, timeout=60)
 
 
@@ -133,7 +142,7 @@ def test_a_long_phase_that_reports_progress_is_not_ended(tmp_path, beat):
     script = tmp_path / "moving.py"
     script.write_text(_MOVING)
     result = subprocess.run([sys.executable, str(script), "beat" if beat else "silent"],
-                            env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
+                            env=_env(), capture_output=True,
                             text=True, timeout=60)
     if beat:
         assert result.returncode == 0 and "finished" in result.stdout, result.stderr
@@ -222,8 +231,7 @@ print("finished")
 def test_a_trainer_driven_call_by_call_is_not_ended_between_calls(tmp_path):
     script = tmp_path / "call_by_call.py"
     script.write_text(_CALL_BY_CALL)
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}", OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore")
+    env = _env(REPO / "tests", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     result = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "finished" in result.stdout, result.stderr[-3000:]
@@ -239,13 +247,10 @@ def _train(tmp_path: Path, run_dir: Path, hang_at: str = "") -> tuple[subprocess
                                                                       float]:
     hook = tmp_path / "hang_hook.py"
     hook.write_text(_HOOK)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               HANG_AT=hang_at)
+    env = _env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", HANG_AT=hang_at)
     start = time.monotonic()
-    # --shutdown-timeout: torchrun's wait before it SIGKILLs a worker that ignores SIGTERM
-    # (a stopped one), 30 s by default.
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc_per_node", "2", "--shutdown-timeout", "3", str(hook),
+                             "--nproc_per_node", "2", str(hook),
                              "--config", "demo", *OVERRIDES, f"train.run_dir={run_dir}"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     return result, time.monotonic() - start
@@ -366,13 +371,12 @@ def _convert_run(tmp_path: Path, run_dir: Path, nproc: int, overrides: list[str]
     hook, wrapper = tmp_path / "convert_hook.py", tmp_path / "converter_wrapper.py"
     hook.write_text(_CONVERT_HOOK)
     wrapper.write_text(_WRAPPER)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               CONVERTER_WRAPPER=str(wrapper), CONVERT=convert)
+    env = _env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CONVERTER_WRAPPER=str(wrapper),
+               CONVERT=convert)
     start = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc_per_node", str(nproc), "--shutdown-timeout", "3",
-                             str(hook), "--config", "demo", *_CONVERT_OVERRIDES, *overrides,
-                             f"train.run_dir={run_dir}"],
+                             "--nproc_per_node", str(nproc), str(hook), "--config", "demo",
+                             *_CONVERT_OVERRIDES, *overrides, f"train.run_dir={run_dir}"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     return result, time.monotonic() - start
 
