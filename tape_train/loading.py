@@ -33,6 +33,8 @@ from tape_train.files import write_atomic
 from tape_train.machine_cache import usable_cpus
 
 log = logging.getLogger("tape_train.checkpoint")
+# Each parameter's full fp32 value in DeepSpeed's universal form: ``zero/<name>/fp32.pt``.
+UNIVERSAL_PARAM = "fp32.pt"
 
 # ----------------------------------------------------------------------------------------------
 # Layout and DeepSpeed's universal form (resuming or exporting on another layout)
@@ -123,12 +125,14 @@ def ensure_universal(tag_dir: Path, out_dir: Path | None = None, *,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if code != 0:
+    # A converter that exits 0 having written no parameter (zero/<name>/fp32.pt) failed too:
+    # cached, its empty output would be taken for the conversion by every later run.
+    if code != 0 or not any(tmp.glob(f"zero/*/{UNIVERSAL_PARAM}")):
         shutil.rmtree(tmp, ignore_errors=True)
         last = "\n".join(tail)
-        raise CheckpointError(f"converting {tag_dir} to the universal format failed (exit "
-                              f"{code}); the checkpoint itself is untouched. "
-                              f"Last output:\n{last}")
+        how = f"exit {code}" if code != 0 else f"exit 0 without writing zero/*/{UNIVERSAL_PARAM}"
+        raise CheckpointError(f"converting {tag_dir} to the universal format failed ({how}); "
+                              f"the checkpoint itself is untouched. Last output:\n{last}")
     write_atomic(tmp / "CONVERTED.json", json.dumps(
         {"source": tag_dir.name, "seconds": round(time.perf_counter() - start, 2)}))
     os.replace(tmp, target)
@@ -140,11 +144,11 @@ def read_universal_weights(universal_dir: Path) -> dict[str, torch.Tensor]:
     """Full fp32 parameters of a universal checkpoint (every TP shard merged)."""
     zero = Path(universal_dir) / "zero"
     state = {}
-    for param_dir in sorted(p for p in zero.iterdir() if (p / "fp32.pt").is_file()):
-        state[param_dir.name] = torch.load(param_dir / "fp32.pt", map_location="cpu",
+    for param_dir in sorted(p for p in zero.iterdir() if (p / UNIVERSAL_PARAM).is_file()):
+        state[param_dir.name] = torch.load(param_dir / UNIVERSAL_PARAM, map_location="cpu",
                                            weights_only=False)["param"]
     if not state:
-        raise CheckpointError(f"{universal_dir}: no parameters under zero/*/fp32.pt")
+        raise CheckpointError(f"{universal_dir}: no parameters under zero/*/{UNIVERSAL_PARAM}")
     return state
 
 

@@ -104,6 +104,11 @@ def library_bars(module, mode: bool | str = "auto", stream: IO | None = None):
 
 LOG_EVERY_S = 30.0  # a progress line at least this often while a child process runs
 TAIL_LINES = 15     # the child's last output lines kept for the error when it fails
+# Output without a line end is kept only up to this many characters (its latest part), and a
+# line is kept for the error only up to LINE_CHARS: a child printing megabytes without a
+# newline (binary output, a huge repr) costs neither memory nor time per read.
+PENDING_CHARS = 1 << 16
+LINE_CHARS = 1000
 _BAR_COUNT = re.compile(r"\b(\d+)/(\d+)\b")
 
 
@@ -131,7 +136,7 @@ class ChildOutput:
             *lines, pending = pending.split("\n")
             for line in lines:
                 self._line(line)
-            pending = self._bar(pending)
+            pending = self._bar(pending)[-PENDING_CHARS:]
         if pending.strip():
             self._line(pending)
 
@@ -148,7 +153,7 @@ class ChildOutput:
         line = self._bar(line).rstrip()
         if not line:
             return
-        self.tail.append(line)
+        self.tail.append(line if len(line) <= LINE_CHARS else line[:LINE_CHARS] + " …")
         if self._stage_prefix is not None and line.startswith(self._stage_prefix):
             self.stage = line[len(self._stage_prefix):].strip().rstrip(". ")
             self.position = None

@@ -28,9 +28,17 @@ def _corpus(directory: Path) -> Path:
     return directory
 
 
-def _prepare(out: Path, *args: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+def _env() -> dict[str, str]:
+    """The environment of a child tape-data: this checkout first on the path, and whatever the
+    path held (packages installed with --target, as on the GPU image) after it."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.pop(KILL_ENV, None)
+    return env
+
+
+def _prepare(out: Path, *args: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
+    env = _env()
     if kill_at:
         env[KILL_ENV] = kill_at
     return subprocess.run([sys.executable, "-m", "tape_train.data.cli", "prepare", *args,
@@ -183,6 +191,54 @@ def test_a_running_prepare_is_not_joined_by_a_second(tmp_path, corpus):
         alive.wait()
 
 
+# Runs tape-data with its claim of the scratch slowed down: it sleeps in the middle of it (after
+# the look for a live owner, before writing its own) and again just after it.
+_SLOW_CLAIM = """
+import sys, time
+from pathlib import Path
+from tape_train.data import cli, prepare_scratch
+truncate, digests = prepare_scratch.PrepareScratch._truncate, prepare_scratch.DigestLog.__init__
+def slow_truncate(self, state):
+    Path(sys.argv[1]).touch()
+    time.sleep(2)
+    return truncate(self, state)
+def slow_digests(self, *args):
+    time.sleep(3)
+    digests(self, *args)
+prepare_scratch.PrepareScratch._truncate = slow_truncate
+prepare_scratch.DigestLog.__init__ = slow_digests
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+def test_two_prepares_started_at_once_do_not_both_resume(tmp_path, corpus, reference):
+    """Two resumes started together (a job submitted twice): the second waits for the first to
+    claim the scratch, then is refused; without that, both found no live owner while the first
+    was still cutting its files back, and both resumed into the same files."""
+    import time
+
+    out = tmp_path / "out"
+    args = ["prepare", "--input", str(corpus), *OPTIONS, "--out", str(out)]
+    _killed(_prepare(out, "--input", str(corpus), *OPTIONS, kill_at="checkpoint-2"))
+    claiming = tmp_path / "claiming"
+    first = subprocess.Popen([sys.executable, "-c", _SLOW_CLAIM, str(claiming), *args], env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not claiming.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = _prepare(out, "--input", str(corpus), *OPTIONS)
+        assert second.returncode == 1, second.stderr[-2000:]
+        assert f"is being written by another tape-data prepare with the same options (pid " \
+               f"{first.pid}" in second.stderr
+        assert first.wait(timeout=120) == 0, first.stderr.read()[-2000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert _files(out) == reference
+
+
 def test_a_killed_hub_prepare_resumes_skipping_whole_files(tmp_path):
     """--hub (a `datasets` parquet builder over local files stands in for the Hub): resumed
     from a later file, the files before it are not streamed again; same bytes as unbroken."""
@@ -216,6 +272,22 @@ def test_scratch_left_after_the_manifest_is_removed_by_the_next_run(tmp_path, co
     assert list(out.glob(f"{RESUME_PREFIX}*"))
     run = _prepare(out, "--input", str(corpus), *OPTIONS)
     assert "already complete" in run.stdout and "left by a prepare that completed" in run.stderr
+    assert _files(out) == reference
+
+
+def test_force_rebuilds_even_where_a_completed_prepare_left_its_scratch(tmp_path, corpus,
+                                                                          reference):
+    """Killed between the manifest and removing the scratch, then a shard damaged: --force
+    rebuilds it instead of taking the finished scratch's word and re-writing the old manifest
+    over the damaged shard."""
+    out = tmp_path / "out"
+    _killed(_prepare(out, "--input", str(corpus), *OPTIONS, kill_at="manifest"))
+    shard = out / "train-00001-of-00003.jsonl.zst"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    log = _finished(_prepare(out, "--input", str(corpus), *OPTIONS, "--force"))
+    assert "left by a prepare that completed" in log and "its shards are complete" not in log
     assert _files(out) == reference
 
 
@@ -268,3 +340,39 @@ def test_ctrl_c_ends_with_one_line_and_the_same_command_resumes(tmp_path, corpus
         assert cli.main(argv) == 0
     assert "resuming prepare from" in caplog.text
     assert _files(tmp_path / "out") == reference
+
+
+@pytest.mark.parametrize("failing", [1, 3])
+def test_a_checkpoint_that_fails_to_save_is_not_named_as_the_one_to_resume(
+        tmp_path, corpus, reference, monkeypatch, capsys, caplog, failing):
+    """The disk fills while checkpoint k is written: the log names k-1 (the last whose state
+    was written) as where the same command resumes, or, for the first, keeps no scratch."""
+    import errno
+    import logging
+
+    from tape_train.data import cli, prepare_scratch
+
+    def disk_full(name: str) -> None:
+        if name == f"data-{failing}":
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / "out"
+    argv = ["prepare", "--input", str(corpus), *OPTIONS, "--out", str(out)]
+    monkeypatch.setattr(prepare_scratch, "kill_point", disk_full)
+    with caplog.at_level(logging.INFO, logger="tape_train.data"):
+        assert cli.main(argv) == 1
+    assert "no space left on device" in capsys.readouterr().err
+    if failing == 1:
+        assert "resumes from checkpoint" not in caplog.text
+        assert not list(out.glob(f"{RESUME_PREFIX}*"))
+    else:
+        assert f"the same command resumes from checkpoint {failing - 1} (" in caplog.text
+    monkeypatch.undo()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tape_train.data"):
+        assert cli.main(argv) == 0
+    assert ("starting over" not in caplog.text
+            and ("resuming prepare from" in caplog.text) == (failing > 1)), caplog.text
+    if failing > 1:
+        assert f"checkpoint {failing - 1}\n" in caplog.text + "\n"
+    assert _files(out) == reference

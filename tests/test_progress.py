@@ -99,17 +99,18 @@ def test_cli_logging_prints_a_library_line_once():
 _CONVERTER = r"""
 import os, sys, time
 out = sys.argv[sys.argv.index("--output_folder") + 1]
-os.makedirs(out)
+os.makedirs(os.path.join(out, "zero", "embed"))
 print("args = Namespace(...)")
 print("*** 1. Extracting ZeRO fragments")
 for i in range(4):
     sys.stderr.write(f"\r {25 * i}%|##  | {i}/4 [00:0{i}<00:01]")
     sys.stderr.flush()
-    with open(os.path.join(out, f"fragment{i}"), "wb") as fh:
+    with open(os.path.join(out, "zero", "embed", f"fragment{i}"), "wb") as fh:
         fh.write(b"x" * 2048)
     time.sleep(0.4)
 sys.stderr.write("\r100%|####| 4/4 [00:02<00:00]\n")
 print("*** 2. Merging slices .....")
+open(os.path.join(out, "zero", "embed", "fp32.pt"), "wb").close()
 time.sleep(0.4)
 sys.exit(int(sys.argv[1]))
 """
@@ -139,7 +140,7 @@ def test_a_conversion_reports_progress_in_lines_and_its_last_output_when_it_fail
     caplog.set_level(logging.INFO, logger="tape_train.checkpoint")
     if status == 0:
         assert loading.ensure_universal(tag, tick=ticks.append, tick_s=0.2) == tag / "universal"
-        assert (tag / "universal" / "fragment3").is_file()
+        assert (tag / "universal" / "zero" / "embed" / "fragment3").is_file()
     else:
         with pytest.raises(loading.CheckpointError) as failed:
             loading.ensure_universal(tag, tick=ticks.append, tick_s=0.2)
@@ -182,3 +183,45 @@ def test_tape_export_says_what_it_reads_and_writes_before_each_long_stage(tmp_pa
     exported = [i for i, line in enumerate(lines) if line.startswith("exported rope")]
     assert writing and exported and writing[0] < exported[0], lines
     assert ("Hugging Face" if hf else "save_pretrained") in lines[writing[0]]
+
+
+def test_a_child_printing_megabytes_without_a_newline_costs_neither_memory_nor_time(tmp_path):
+    """16 MB of output with no line end (binary garbage, a huge repr) and then a last line:
+    read in linear time, and the error's last lines stay short (the run's log and the
+    CheckpointError would otherwise carry the whole 16 MB line, after minutes of re-splitting
+    the growing pending text at every read)."""
+    import logging
+    import time
+
+    from tape_train.progress import LINE_CHARS, run_with_progress
+
+    child = ("import sys\nfor _ in range(256): sys.stdout.buffer.write(b'x' * 65536)\n"
+             "print('\\nlast words')\nsys.exit(2)")
+    started = time.monotonic()
+    code, tail = run_with_progress([sys.executable, "-c", child], what="chatty child",
+                                   output_dir=tmp_path / "none", logger=logging.getLogger("t"),
+                                   tick_s=0.5)
+    assert code == 2 and tail[-1] == "last words"
+    assert all(len(line) <= LINE_CHARS + 2 for line in tail), [len(line) for line in tail]
+    assert tail[-2].startswith("xxx") and tail[-2].endswith(" …")
+    assert time.monotonic() - started < 20
+
+
+@pytest.mark.parametrize("converter", ["pass", "import os, sys; os.makedirs(sys.argv[1])"])
+def test_a_converter_that_exits_0_without_parameters_has_failed(tmp_path, monkeypatch, converter):
+    """Exit 0 with nothing written (or an empty folder): an error with its last output, and no
+    `universal` cached that every later resume or export would take for the conversion."""
+    import json
+
+    from tape_train import loading
+
+    tag = tmp_path / "checkpoints" / "step_00000004"
+    tag.mkdir(parents=True)
+    (tag / "COMPLETE.json").write_text(json.dumps({"files": {}, "zero_stage": 1}))
+    monkeypatch.setattr(loading, "converter_command", lambda tag_dir, out: [
+        sys.executable, "-c", f"print('all done'); {converter}", str(out)])
+    with pytest.raises(loading.CheckpointError) as failed:
+        loading.ensure_universal(tag, tick_s=0.2)
+    assert "failed (exit 0 without writing zero/*/fp32.pt); the checkpoint itself is " \
+           "untouched. Last output:\nall done" in str(failed.value)
+    assert not (tag / "universal").exists() and not list(tag.glob(".universal*"))

@@ -40,6 +40,16 @@ from test_train_faults import OVERRIDES as FAULTS_OVERRIDES  # the tiny 2-rank m
 from test_train_resume import _descendants
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _env(*first: Path, **extra: str) -> dict[str, str]:
+    """A child's environment: this checkout (and ``first``) ahead of the PYTHONPATH it was given
+    (packages installed with --target, as on the GPU image). torchrun waits 3 s, not 30, before
+    it SIGKILLs a worker that ignores SIGTERM (a stopped one): the variable, unlike the
+    --shutdown-timeout flag, is also accepted by a torch older than the pinned one."""
+    path = [str(REPO), *map(str, first), os.environ.get("PYTHONPATH")]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)),
+                TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3", **extra)
 OVERRIDES = [*FAULTS_OVERRIDES, "train.max_steps=6", "checkpoint.keep=2",
              "logging.tensorboard=false", "train.collective_timeout_s=10",
              "train.startup_timeout_s=30"]
@@ -96,8 +106,7 @@ print("finished")
 def _alone(tmp_path: Path, phases: int, seconds: float) -> subprocess.CompletedProcess:
     script = tmp_path / "alone.py"
     script.write_text(_ALONE)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, str(script), str(phases), str(seconds)], env=env,
+    return subprocess.run([sys.executable, str(script), str(phases), str(seconds)], env=_env(),
                           capture_output=True, text=True, timeout=60)
 
 
@@ -141,7 +150,7 @@ def test_a_long_phase_that_reports_progress_is_not_ended(tmp_path, beat):
     script = tmp_path / "moving.py"
     script.write_text(_MOVING)
     result = subprocess.run([sys.executable, str(script), "beat" if beat else "silent"],
-                            env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
+                            env=_env(), capture_output=True,
                             text=True, timeout=60)
     if beat:
         assert result.returncode == 0 and "finished" in result.stdout, result.stderr
@@ -230,8 +239,7 @@ print("finished")
 def test_a_trainer_driven_call_by_call_is_not_ended_between_calls(tmp_path):
     script = tmp_path / "call_by_call.py"
     script.write_text(_CALL_BY_CALL)
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}", OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore")
+    env = _env(REPO / "tests", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     result = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "finished" in result.stdout, result.stderr[-3000:]
@@ -247,13 +255,10 @@ def _train(tmp_path: Path, run_dir: Path, hang_at: str = "") -> tuple[subprocess
                                                                       float]:
     hook = tmp_path / "hang_hook.py"
     hook.write_text(_HOOK)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               HANG_AT=hang_at)
+    env = _env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", HANG_AT=hang_at)
     start = time.monotonic()
-    # --shutdown-timeout: torchrun's wait before it SIGKILLs a worker that ignores SIGTERM
-    # (a stopped one), 30 s by default.
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc_per_node", "2", "--shutdown-timeout", "3", str(hook),
+                             "--nproc_per_node", "2", str(hook),
                              "--config", "demo", *OVERRIDES, f"train.run_dir={run_dir}"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     return result, time.monotonic() - start
@@ -390,13 +395,12 @@ def _convert_start(tmp_path: Path, run_dir: Path, nproc: int, overrides: list[st
     (tmp_path / "slow_converter.py").write_text(_SLOW_CONVERTER)
     for stale in ("exit_code", "convert_pids"):
         (tmp_path / stale).unlink(missing_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(tmp_path)]),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CONVERT=convert,
+    env = _env(tmp_path, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CONVERT=convert,
                CONVERT_PIDS=str(tmp_path / "convert_pids"),
                TAPE_TRAIN_EXIT_FILE=str(tmp_path / "exit_code"))
+    env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(shutdown_s)
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc_per_node", str(nproc), "--shutdown-timeout",
-                             str(shutdown_s), str(hook), "--config", "demo",
+                             "--nproc_per_node", str(nproc), str(hook), "--config", "demo",
                              *_CONVERT_OVERRIDES, *overrides, f"train.run_dir={run_dir}"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)

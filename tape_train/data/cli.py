@@ -217,8 +217,9 @@ def _prepare(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.tokenizer)
         config.update(tokenizer_sha256=tokenizer.sha256)
     existing = read_complete_manifest(out)
-    if existing is not None and existing.get("config") == config and not args.force:
+    if existing is not None:  # its scratch is not needed; --force then rebuilds, not re-moves
         remove_finished_scratch(out)
+    if existing is not None and existing.get("config") == config and not args.force:
         splits = existing["splits"]
         print(f"tape-data: {out} is already complete ({splits['train']['documents']} train / "
               f"{splits['eval']['documents']} eval documents); use --force to rebuild")

@@ -290,11 +290,13 @@ def _write_shards(source: DocumentSource, scratch: PrepareScratch, *, num_shards
             if writer is not None:
                 writer.abandon()
         seen.file.close()
-        if checkpoint == 0 or not len(seen):
+        # The last checkpoint whose state was written (not one that failed part-way).
+        saved = scratch.state["checkpoint"] if scratch.state is not None else 0
+        if saved == 0 or not len(seen):
             scratch.remove()  # nothing to resume from
         else:
             log.info("prepare: stopped; the same command resumes from checkpoint %d (%s), "
-                     "--fresh starts over", checkpoint, tmp)
+                     "--fresh starts over", saved, tmp)
         raise
     fsync_tree(tmp)  # the manifest written later must never vouch for shards still in cache
     splits = {}

@@ -17,6 +17,8 @@ appends only the new ones.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -128,6 +130,11 @@ class PrepareScratch:
     def open(cls, out: Path, key: str, inputs, fresh: bool = False) -> PrepareScratch:
         """Sweep away what other prepares left in ``out``, then resume this key's scratch if
         its inputs are ``inputs`` (and not ``fresh``), else start it empty."""
+        with _claiming(out):
+            return cls._open(out, key, inputs, fresh)
+
+    @classmethod
+    def _open(cls, out: Path, key: str, inputs, fresh: bool) -> PrepareScratch:
         for left in remove_abandoned_scratch(out, SCRATCH_PREFIX):
             log.info("prepare: removed %s, left by an interrupted prepare", left)
         self = cls(out, key)
@@ -199,9 +206,10 @@ class PrepareScratch:
             os.fsync(f.fileno())
             sizes[Path(f.name).name] = f.tell()
         kill_point(f"data-{checkpoint}")
-        self.state = {"format": RESUME_FORMAT, "key": self.key, "inputs": inputs,
-                      "checkpoint": checkpoint, "files": sizes, "progress": progress}
-        write_atomic(self.dir / STATE_NAME, json.dumps(self.state) + "\n")
+        state = {"format": RESUME_FORMAT, "key": self.key, "inputs": inputs,
+                 "checkpoint": checkpoint, "files": sizes, "progress": progress}
+        write_atomic(self.dir / STATE_NAME, json.dumps(state) + "\n")
+        self.state = state  # only once written: a save that failed is not the one to resume
         kill_point(f"checkpoint-{checkpoint}")
 
     def save_final(self, inputs, manifest: dict) -> None:
@@ -227,6 +235,21 @@ def remove_finished_scratch(out: Path) -> None:
         if finished and _live_owner(directory) is None:
             shutil.rmtree(directory, ignore_errors=True)
             log.info("prepare: removed %s, left by a prepare that completed", directory)
+
+
+@contextlib.contextmanager
+def _claiming(out: Path):
+    """Held while a prepare looks for live owners and writes its own ``owner.json``: two
+    prepares started at once on this host would otherwise both find no owner, then both
+    resume (or one delete the other's scratch) and write the same files. A filesystem without
+    ``flock`` on directories leaves only the owner check."""
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _live_owner(directory: Path) -> int | None:
