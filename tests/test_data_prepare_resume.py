@@ -108,9 +108,10 @@ def test_a_prepare_killed_twice_and_on_two_workers_with_tokens_resumes(tmp_path,
     assert _files(out) == reference
 
 
-def test_changed_input_or_options_start_over(tmp_path, corpus):
-    """Negative controls: an input file modified since the interruption, or other options,
-    or --fresh: the run starts over (saying why) and writes what a fresh run writes."""
+def test_changed_input_starts_over_and_other_options_wait_for_fresh(tmp_path, corpus):
+    """Negative controls: an input file modified since the interruption, or --fresh: the run
+    starts over (saying why) and writes what a fresh run writes; other options are refused
+    until --fresh."""
     data = tmp_path / "in"
     data.mkdir()
     for name in ("a.jsonl", "b.jsonl"):
@@ -126,15 +127,30 @@ def test_changed_input_or_options_start_over(tmp_path, corpus):
     _finished(_prepare(tmp_path / "fresh", *args))
     assert _files(out) == _files(tmp_path / "fresh")
 
+    # Other options: the interrupted work is not thrown away by a mere re-run (refused, naming
+    # what differs, nothing touched); --fresh discards it and writes what a fresh run writes.
     other = ["--input", str(data), *OPTIONS[:-1], "30000"]  # another shuffle buffer
     _killed(_prepare(tmp_path / "o", *args, kill_at="checkpoint-2"))
     left = list((tmp_path / "o").glob(f"{RESUME_PREFIX}*"))
     assert len(left) == 1
-    log = _finished(_prepare(tmp_path / "o", *other))
-    assert f"removed {left[0]}, left by an interrupted prepare with other options" in log
+    before = _files(tmp_path / "o")
+    refused = _prepare(tmp_path / "o", *other)
+    assert refused.returncode == 1, refused.stderr[-2000:]
+    assert ("holds an interrupted prepare with other options (shuffle_bytes 40000 -> 30000) "
+            "that got to checkpoint 2") in refused.stderr
+    assert "--fresh" in refused.stderr and "Traceback" not in refused.stderr
+    assert _files(tmp_path / "o") == before
+    log = _finished(_prepare(tmp_path / "o", *other, "--fresh"))
+    assert f"removed {left[0]}, left by an interrupted prepare with other options (--fresh)" in log
     assert "resuming prepare" not in log
     _finished(_prepare(tmp_path / "o-fresh", *other))
     assert _files(tmp_path / "o") == _files(tmp_path / "o-fresh")
+    # Killed before its first checkpoint: nothing to keep, removed without asking.
+    _killed(_prepare(tmp_path / "e", *args, kill_at="data-1"))
+    assert list((tmp_path / "e").glob(f"{RESUME_PREFIX}*"))
+    log = _finished(_prepare(tmp_path / "e", *other))
+    assert "left by an interrupted prepare with other options before its first checkpoint" in log
+    assert _files(tmp_path / "e") == _files(tmp_path / "o-fresh")
 
     _killed(_prepare(tmp_path / "f", *args, kill_at="checkpoint-2"))
     log = _finished(_prepare(tmp_path / "f", *args, "--fresh"))

@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "it; default: the CPUs this process may use)")
     prep.add_argument("--force", action="store_true", help="rebuild even if complete")
     prep.add_argument("--fresh", action="store_true",
-                      help="start over instead of resuming an interrupted prepare of the same "
-                           "options and inputs")
+                      help="start over, discarding an interrupted prepare in --out (one with "
+                           "the same options would be resumed; one with other options is "
+                           "otherwise refused)")
     # Text per shuffle buffer; a checkpoint follows each (tests use tiny ones). It shapes the
     # output, so a value other than the default is recorded in the manifest's config.
     prep.add_argument("--shuffle-bytes", type=int, default=SHUFFLE_BYTES,

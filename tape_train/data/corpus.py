@@ -34,7 +34,7 @@ from tape_train.data.formats import (MANIFEST_FORMAT, MANIFEST_NAME,  # noqa: F4
                                       prepared_shard_name, read_complete_manifest)
 from tape_train.data.sources import is_held_out
 from tape_train.data.prepare_scratch import (SCRATCH_PREFIX, SEEN_NAME,  # noqa: F401
-                                              DigestLog, PrepareScratch, kill_point, resume_key)
+                                              DigestLog, PrepareScratch, kill_point)
 from tape_train.data.tokens import TokenShardWriter
 from tape_train.files import fsync_dir, fsync_tree, raise_open_file_limit, write_atomic
 
@@ -170,10 +170,10 @@ def write_corpus(documents: Iterable[dict] | DocumentSource, out_dir: str | os.P
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    key = resume_key(config=config or {}, num_shards=num_shards, eval_fraction=eval_fraction,
-                     seed=seed, shuffle_bytes=shuffle_bytes, frame_bytes=frame_bytes,
-                     tokenizer=tokenizer.sha256 if tokenizer is not None else None)
-    scratch = PrepareScratch.open(out, key, inputs, fresh)
+    options = {"config": config or {}, "num_shards": num_shards, "eval_fraction": eval_fraction,
+               "seed": seed, "shuffle_bytes": shuffle_bytes, "frame_bytes": frame_bytes,
+               "tokenizer": tokenizer.sha256 if tokenizer is not None else None}
+    scratch = PrepareScratch.open(out, options, inputs, fresh)
     if scratch.state is not None and "manifest" in scratch.state:
         log.info("prepare: resuming the interrupted prepare in %s: its shards are complete",
                  scratch.dir)

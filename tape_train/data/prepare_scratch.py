@@ -55,9 +55,22 @@ def kill_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def resume_key(**options) -> str:
+def resume_key(options: dict) -> str:
     """The digest naming the scratch directory of a prepare with these ``options``."""
     return digest({"resume_format": RESUME_FORMAT, **options})
+
+
+def describe_option_change(old: dict | None, new: dict) -> str:
+    """The options (``--seed 0 -> 1``, ``inputs [...] -> [...]``) that differ between an
+    interrupted prepare and this one, in a few words."""
+    if not isinstance(old, dict):
+        return "its options are not recorded"
+    flat_old = {**(old.get("config") or {}), **{k: v for k, v in old.items() if k != "config"}}
+    flat_new = {**(new.get("config") or {}), **{k: v for k, v in new.items() if k != "config"}}
+    changes = [f"{name} {flat_old.get(name)!r} -> {flat_new.get(name)!r}"
+               for name in sorted(set(flat_old) | set(flat_new))
+               if flat_old.get(name) != flat_new.get(name)]
+    return "; ".join(changes) or "its options differ"
 
 
 def describe_input_change(old, new) -> str:
@@ -120,31 +133,44 @@ class PrepareScratch:
     """The scratch directory of one prepare, and its last checkpoint (``state``: None to start
     from the first document)."""
 
-    def __init__(self, out: Path, key: str):
+    def __init__(self, out: Path, options: dict):
         self.out = out
-        self.key = key
-        self.dir = out / f"{RESUME_PREFIX}{key}"
+        self.options = options
+        self.key = resume_key(options)
+        self.dir = out / f"{RESUME_PREFIX}{self.key}"
         self.state: dict | None = None
 
     @classmethod
-    def open(cls, out: Path, key: str, inputs, fresh: bool = False) -> PrepareScratch:
-        """Sweep away what other prepares left in ``out``, then resume this key's scratch if
-        its inputs are ``inputs`` (and not ``fresh``), else start it empty."""
+    def open(cls, out: Path, options: dict, inputs, fresh: bool = False) -> PrepareScratch:
+        """Sweep away what other prepares left in ``out``, then resume the scratch of
+        ``options`` if its inputs are ``inputs`` (and not ``fresh``), else start it empty.
+
+        An interrupted prepare with other options that reached a checkpoint is not thrown
+        away on a mere re-run (a changed flag or a path written differently would lose hours
+        of work): that is refused, naming what differs, until ``fresh`` discards it."""
         with _claiming(out):
-            return cls._open(out, key, inputs, fresh)
+            return cls._open(out, options, inputs, fresh)
 
     @classmethod
-    def _open(cls, out: Path, key: str, inputs, fresh: bool) -> PrepareScratch:
+    def _open(cls, out: Path, options: dict, inputs, fresh: bool) -> PrepareScratch:
         for left in remove_abandoned_scratch(out, SCRATCH_PREFIX):
             log.info("prepare: removed %s, left by an interrupted prepare", left)
-        self = cls(out, key)
+        self = cls(out, options)
         for other in sorted(out.glob(f"{RESUME_PREFIX}*")):
             if other.name == self.dir.name or not other.is_dir() or other.is_symlink():
                 continue
-            if _live_owner(other) is None:
-                shutil.rmtree(other, ignore_errors=True)
-                log.info("prepare: removed %s, left by an interrupted prepare with other options "
-                         "(it resumes only with the same options)", other)
+            if _live_owner(other) is not None:
+                continue
+            done = _checkpointed(other)
+            if done is not None and not fresh:
+                raise DataError(
+                    f"prepare: {out} holds an interrupted prepare with other options "
+                    f"({describe_option_change(done.get('options'), options)}) that got to "
+                    f"checkpoint {done.get('checkpoint')} ({other.name}); re-run it with its "
+                    f"own options to resume it, or add --fresh to discard it and start this one")
+            shutil.rmtree(other, ignore_errors=True)
+            log.info("prepare: removed %s, left by an interrupted prepare with other options%s",
+                     other, " (--fresh)" if done is not None else " before its first checkpoint")
         owner = _live_owner(self.dir)
         if owner is not None:
             raise DataError(f"prepare: {out} is being written by another tape-data prepare with "
@@ -206,7 +232,8 @@ class PrepareScratch:
             os.fsync(f.fileno())
             sizes[Path(f.name).name] = f.tell()
         kill_point(f"data-{checkpoint}")
-        state = {"format": RESUME_FORMAT, "key": self.key, "inputs": inputs,
+        state = {"format": RESUME_FORMAT, "key": self.key, "options": self.options,
+                 "inputs": inputs,
                  "checkpoint": checkpoint, "files": sizes, "progress": progress}
         write_atomic(self.dir / STATE_NAME, json.dumps(state) + "\n")
         self.state = state  # only once written: a save that failed is not the one to resume
@@ -215,7 +242,8 @@ class PrepareScratch:
     def save_final(self, inputs, manifest: dict) -> None:
         """The pass is complete and its files fsynced: what is left is moving them into place
         and writing ``manifest``."""
-        self.state = {"format": RESUME_FORMAT, "key": self.key, "inputs": inputs,
+        self.state = {"format": RESUME_FORMAT, "key": self.key, "options": self.options,
+                      "inputs": inputs,
                       "checkpoint": (self.state or {}).get("checkpoint", 0), "files": {},
                       "manifest": manifest}
         write_atomic(self.dir / STATE_NAME, json.dumps(self.state, ensure_ascii=False) + "\n")
@@ -250,6 +278,18 @@ def _claiming(out: Path):
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _checkpointed(directory: Path) -> dict | None:
+    """The state of the interrupted prepare in ``directory`` if it reached a checkpoint (work a
+    re-run with its options would resume), else None."""
+    try:
+        state = json.loads((directory / STATE_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict) or state.get("format") != RESUME_FORMAT:
+        return None
+    return state if state.get("checkpoint") or "manifest" in state else None
 
 
 def _live_owner(directory: Path) -> int | None:
