@@ -307,6 +307,24 @@ def test_force_rebuilds_even_where_a_completed_prepare_left_its_scratch(tmp_path
     assert _files(out) == reference
 
 
+def test_an_interrupted_force_rebuild_is_named_and_resumed_by_force(tmp_path, corpus,
+                                                                     reference):
+    """A --force rebuild of a complete directory killed after a checkpoint: the old manifest
+    still stands, so a plain re-run says "already complete" — and says that the interrupted
+    rebuild's scratch is there and how to resume or drop it; --force resumes it."""
+    out = tmp_path / "out"
+    _finished(_prepare(out, "--input", str(corpus), *OPTIONS))
+    _killed(_prepare(out, "--input", str(corpus), *OPTIONS, "--force", kill_at="checkpoint-2"))
+    plain = _finished(_prepare(out, "--input", str(corpus), *OPTIONS))
+    assert "holds an interrupted rebuild of it (checkpoint 2" in plain
+    assert "--force resumes it" in plain
+    rebuilt = _finished(_prepare(out, "--input", str(corpus), *OPTIONS, "--force"))
+    assert "resuming prepare from" in rebuilt and "interrupted rebuild" not in rebuilt
+    assert _files(out) == reference
+    # Negative control: nothing interrupted, nothing said.
+    assert "interrupted rebuild" not in _finished(_prepare(out, "--input", str(corpus), *OPTIONS))
+
+
 def test_demo_documents_resume_at_a_package_and_document(tmp_path, monkeypatch):
     """The demo source's position is [package, documents of it]: resuming yields exactly the
     rest, and packages before the position are not unpacked."""

@@ -29,7 +29,7 @@ from tape_train.data.corpus import (SHUFFLE_BYTES, DocumentSource, read_complete
                                     write_corpus)
 from tape_train.data.formats import (SkipLog, hub_shards, open_hub_dataset, read_documents,
                                      resolve_local_shards)
-from tape_train.data.prepare_scratch import remove_finished_scratch
+from tape_train.data.prepare_scratch import interrupted_scratch, remove_finished_scratch
 from tape_train.hints import example_on_missing
 from tape_train.machine_cache import usable_cpus
 from tape_train.progress import MODES, progress_bar, setup_cli_logging
@@ -224,6 +224,10 @@ def _prepare(args: argparse.Namespace) -> int:
         splits = existing["splits"]
         print(f"tape-data: {out} is already complete ({splits['train']['documents']} train / "
               f"{splits['eval']['documents']} eval documents); use --force to rebuild")
+        for directory, state in interrupted_scratch(out):
+            log.warning("prepare: %s holds an interrupted rebuild of it (checkpoint %s, "
+                        "%s): --force resumes it, --force --fresh starts it over, or delete "
+                        "the directory", out, state.get("checkpoint"), directory.name)
         return 0
     bar = None
     if args.demo:

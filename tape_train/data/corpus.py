@@ -110,11 +110,15 @@ class _ShardSet:
         entries = []
         for i, name in enumerate(self.names):
             self.files[i].close()
-            data = (directory / name).read_bytes()
-            frames = [f for f in self.frames[i] if f[0] < len(data)]  # none starts at EOF
+            digest, size = hashlib.sha256(), 0
+            with open(directory / name, "rb") as f:  # in chunks: a shard may be many GB
+                while chunk := f.read(8 << 20):
+                    digest.update(chunk)
+                    size += len(chunk)
+            frames = [f for f in self.frames[i] if f[0] < size]  # none starts at EOF
             entries.append({"path": name, "split": self.split, "documents": self.documents[i],
-                            "text_bytes": self.text_bytes[i], "file_bytes": len(data),
-                            "sha256": hashlib.sha256(data).hexdigest(), "frames": frames})
+                            "text_bytes": self.text_bytes[i], "file_bytes": size,
+                            "sha256": digest.hexdigest(), "frames": frames})
         return entries
 
     def abandon(self) -> None:

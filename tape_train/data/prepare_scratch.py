@@ -265,6 +265,18 @@ def remove_finished_scratch(out: Path) -> None:
             log.info("prepare: removed %s, left by a prepare that completed", directory)
 
 
+def interrupted_scratch(out: Path) -> list[tuple[Path, dict]]:
+    """The scratch directories in ``out`` of prepares that were interrupted after a checkpoint
+    and are not running (e.g. a ``--force`` rebuild of a complete directory), with their
+    states: work a re-run with the same options resumes, and disk it holds meanwhile."""
+    found = []
+    for directory in sorted(Path(out).glob(f"{RESUME_PREFIX}*")):
+        state = _checkpointed(directory) if directory.is_dir() else None
+        if state is not None and _live_owner(directory) is None:
+            found.append((directory, state))
+    return found
+
+
 @contextlib.contextmanager
 def _claiming(out: Path):
     """Held while a prepare looks for live owners and writes its own ``owner.json``: two
