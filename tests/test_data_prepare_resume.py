@@ -376,6 +376,41 @@ def test_ctrl_c_ends_with_one_line_and_the_same_command_resumes(tmp_path, corpus
     assert _files(tmp_path / "out") == reference
 
 
+def test_sigterm_stops_like_ctrl_c_and_a_second_one_is_ignored(tmp_path, corpus, reference,
+                                                               monkeypatch, capsys, caplog):
+    """SIGTERM (Slurm's time limit, preemption, scancel; prepare.sbatch's stop) after the first
+    checkpoint: the Ctrl-C path (exit 130, the checkpoint named), not a death mid-write; a
+    second SIGTERM (Slurm signals every process, the batch script once more) is ignored."""
+    import logging
+
+    from tape_train.data import cli, prepare_scratch
+
+    def terminate(name: str) -> None:
+        if name == "checkpoint-1":
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    argv = ["prepare", "--input", str(corpus), *OPTIONS, "--out", str(tmp_path / "out")]
+    previous = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(prepare_scratch, "kill_point", terminate)
+    try:
+        with caplog.at_level(logging.INFO, logger="tape_train.data"):
+            assert cli.main(argv) == 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    err = capsys.readouterr().err
+    assert "tape-data: interrupted" in err and "Traceback" not in err
+    assert "got SIGTERM; stopping as on Ctrl-C" in caplog.text
+    assert "the same command resumes from checkpoint 1" in caplog.text
+    monkeypatch.undo()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tape_train.data"):
+        assert cli.main(argv) == 0
+    assert "resuming prepare from" in caplog.text and "checkpoint 1" in caplog.text
+    assert _files(tmp_path / "out") == reference
+    assert signal.getsignal(signal.SIGTERM) == previous  # a run that was not stopped restores it
+
+
 @pytest.mark.parametrize("failing", [1, 3])
 def test_a_checkpoint_that_fails_to_save_is_not_named_as_the_one_to_resume(
         tmp_path, corpus, reference, monkeypatch, capsys, caplog, failing):

@@ -8,7 +8,8 @@
     tape-data info data/demo                            # summary of a prepared directory
 
 Re-running ``prepare`` with the same options on a complete directory does nothing; on an
-interrupted one it resumes from its last checkpoint (``--fresh`` starts over).
+interrupted one it resumes from its last checkpoint (``--fresh`` starts over). Ctrl-C and
+SIGTERM stop it alike: the log names the checkpoint to resume from, exit 130.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -308,12 +311,39 @@ def _print_summary(out: Path, manifest: dict) -> None:
               f"{tokens['tokenizer']} sha256 {tokens['tokenizer_sha256'][:12]}…)")
 
 
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """Within the block SIGTERM stops the prepare as Ctrl-C does (KeyboardInterrupt: the log
+    names the checkpoint, exit 130) instead of killing it mid-write. Slurm's time limit,
+    preemption and scancel send it, and launch/slurm/prepare.sbatch sends one more to this
+    process: a later SIGTERM is ignored (also after the block), so it cannot cut the stop short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be installed from the main thread
+        return
+    stopped = False
+
+    def on_sigterm(signum, frame):
+        nonlocal stopped
+        stopped = True
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        log.info("prepare: got SIGTERM; stopping as on Ctrl-C")
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        if not stopped:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_cli_logging()
     try:
         if args.command == "prepare":
-            return _prepare(args)
+            with _sigterm_as_interrupt():
+                return _prepare(args)
         manifest = read_complete_manifest(args.dir)
         if manifest is None:
             print(f"tape-data: error: {args.dir} is not a complete prepared directory "
