@@ -19,6 +19,7 @@ import pytest
 from tape_train.cluster import submit
 from tape_train.cluster.render import (
     HEADER_BEGIN,
+    SETTINGS_BEGIN,
     SETTINGS_END,
     ClusterOptions,
     RenderError,
@@ -26,6 +27,7 @@ from tape_train.cluster.render import (
     parse_time_limit,
     render_eval_script,
     render_train_script,
+    replace_blocks,
 )
 
 TEMPLATES = default_template_dir()
@@ -158,11 +160,51 @@ def test_missing_marker_is_an_error_naming_the_template():
         render_train_script(doubled, ClusterOptions(), ["--config", "x"])
 
 
+SCRIPTS = sorted(p.name for p in TEMPLATES.glob("*.sbatch"))
+
+
+def test_every_script_is_checked_here():
+    assert SCRIPTS == ["eval.sbatch", "prepare.sbatch", "train.sbatch"]
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-@pytest.mark.parametrize("name", ["train.sbatch", "eval.sbatch"])
+@pytest.mark.parametrize("name", SCRIPTS)
 def test_templates_are_valid_bash(name):
     proc = subprocess.run(["bash", "-n", str(TEMPLATES / name)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_scripts_share_the_conventions(name):
+    """One marked header and settings block each (what rendering replaces), requeueable jobs
+    appending to one log per job, the interpreter from TAPE_PYTHON, log lines naming the script,
+    job and restart, and a refusal outside Slurm."""
+    text = (TEMPLATES / name).read_text()
+    header = sbatch_lines(text)
+    # Re-rendering the blocks with their own contents gives the script back: the markers are
+    # where replace_blocks expects them, and every #SBATCH line is inside the header block.
+    lines = text.splitlines()
+    settings = lines[lines.index(next(ln for ln in lines if ln.startswith(SETTINGS_BEGIN))) + 1:
+                     lines.index(next(ln for ln in lines if ln.startswith(SETTINGS_END)))]
+    assert replace_blocks(text, name, [f"#SBATCH {ln}" for ln in header], settings) == text
+    for line in ("--requeue", "--open-mode=append", "--output=logs/slurm/%x-%j.out"):
+        assert line in header, (name, line)
+    assert "--nodes=1" in header or name == "train.sbatch"
+    assert 'TAPE_PYTHON=${TAPE_PYTHON:-python3}' in text
+    assert (f'log() {{ echo "[{name} $(date -u +%Y-%m-%dT%H:%M:%SZ) job=${{SLURM_JOB_ID:-?}} '
+            "restart=") in text
+    assert f'echo "{name}: not inside a Slurm job; submit it with sbatch' in text
+    assert "ERROR: no arguments" in text or "ERROR: no training arguments" in text
+
+
+def test_prepare_script_warns_before_the_time_limit():
+    header = sbatch_lines((TEMPLATES / "prepare.sbatch").read_text())
+    signal = [ln for ln in header if ln.startswith("--signal=")]
+    assert signal == ["--signal=B:USR1@90"]
+    # The warning must come with room to spare: slurmctld checks deadlines every 30 s.
+    seconds = int(signal[0].split("@")[1])
+    limit = parse_time_limit(next(ln for ln in header if ln.startswith("--time="))[7:])
+    assert 60 <= seconds < limit
 
 
 def write_config(tmp_path: Path) -> Path:
