@@ -14,6 +14,9 @@ module. Tests here use the real batch scripts as tape-submit renders them:
   not requeued, with the node that failed first named in the log; a run directory locked by
   another job fails in the start-up checks before torchrun; `sbatch train.sbatch` used as it
   is with a misspelt option reports tape-train's own error;
+- `sbatch launch/slurm/prepare.sbatch` (tape-data prepare) told to stop mid-way with USR1 is
+  requeued, resumes from its checkpoint and writes what a direct prepare writes; bad input
+  fails once, not requeued; without the script's trap USR1 ends the job (negative control);
 - the real trainer (tape-train, under torchrun, on a small real-text corpus): a 2-node job
   trains the shrunk `tiny` model with world size 2 and finishes; a second, identical job gets
   `scancel --signal=USR1 --batch` mid-run, checkpoints, requeues itself, resumes and finishes
@@ -37,6 +40,7 @@ import math
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -276,6 +280,119 @@ def test_plain_sbatch_with_bad_training_arguments_says_what_is_wrong(cluster, tm
     assert info.state == "FAILED" and info.restart_count == 0, f"{info.raw}\n{text}"
     assert ("tape-train would reject the arguments ['--confg', 'run.yaml']: the following "
             "arguments are required: --config") in text, text
+
+
+# ---------------------------------------------------------------------------------------------
+# Corpus preparation: launch/slurm/prepare.sbatch
+# ---------------------------------------------------------------------------------------------
+# ~0.3 MB of training text in buffers of 10 kB: about 30 checkpoints, a few ms apart.
+PREPARE_OPTIONS = ["--num-shards", "3", "--eval-fraction", "0.1", "--shuffle-bytes", "10000"]
+
+
+def submit_prepare(cluster, workdir: Path, args: list[str], script: Path | None = None) -> int:
+    """Plain `sbatch prepare.sbatch <args>` from `workdir` (1 CPU, 5 minutes)."""
+    (workdir / "logs" / "slurm").mkdir(parents=True, exist_ok=True)
+    script = script or REPO_ROOT / "launch" / "slurm" / "prepare.sbatch"
+    return cluster.sbatch(["--cpus-per-task=1", "--time=5", str(script), *args], cwd=workdir,
+                          env={"PYTHONPATH": str(REPO_ROOT), "TAPE_PYTHON": sys.executable})
+
+
+def prepare_log(workdir: Path, job_id: int) -> str:
+    path = workdir / "logs" / "slurm" / f"tape-prepare-{job_id}.out"
+    return path.read_text() if path.exists() else f"<no log at {path}>"
+
+
+def hold_prepare(cluster, job_id: int, workdir: Path, out: Path) -> int:
+    """SIGSTOPs the job's prepare at its checkpoint 2 (so it cannot finish before a signal
+    reaches the batch shell); returns its pid."""
+    from test_slurm_prepare import hold_at_checkpoint
+
+    def still_running() -> None:
+        info = cluster.job_info(job_id)
+        assert info is not None and info.state in ("PENDING", "CONFIGURING", "RUNNING"), (
+            f"{info}\n{prepare_log(workdir, job_id)}")
+
+    return hold_at_checkpoint(out, 2, still_running)
+
+
+def test_prepare_job_requeued_on_usr1_resumes_to_a_direct_runs_bytes(cluster, corpus,
+                                                                     tmp_path):
+    """A prepare told to stop (USR1) mid-way is requeued, resumes from its checkpoint and
+    writes what a direct `tape-data prepare` writes; a prepare of bad input fails once, not
+    requeued; without the script's trap a USR1 ends the job and nothing requeues it (the
+    negative control). The three jobs run side by side (~20 s, most of it the requeue's
+    cred_expire wait)."""
+    from test_slurm_prepare import files
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "in.jsonl").write_bytes(corpus["jsonl"].read_bytes() + b"{not json\n")
+    bad_id = submit_prepare(cluster, bad, ["--input", str(bad / "in.jsonl"), "--out",
+                                           str(bad / "out"), *PREPARE_OPTIONS])
+
+    def args(out: Path) -> list[str]:
+        return ["--input", str(corpus["jsonl"]), "--out", str(out), *PREPARE_OPTIONS,
+                "--tokenize", "--tokenizer", str(corpus["tokenizer"])]
+
+    work = tmp_path / "job"
+    work.mkdir()
+    job_id = submit_prepare(cluster, work, args(work / "out"))
+    held = [hold_prepare(cluster, job_id, work, work / "out")]
+    # The negative control: the same script without its USR1 trap, stopped the same way.
+    control = tmp_path / "no-trap"
+    control.mkdir()
+    script = control / "prepare.sbatch"
+    text = (REPO_ROOT / "launch" / "slurm" / "prepare.sbatch").read_text()
+    script.write_text(text.replace("trap 'stop_prepare USR1' USR1\n", ""))
+    assert script.read_text() != text
+    control_id = submit_prepare(cluster, control, args(control / "out"), script=script)
+    try:
+        held.append(hold_prepare(cluster, control_id, control, control / "out"))
+        # What a preemption tool does (and Slurm at the time limit minus the grace).
+        for job in (job_id, control_id):
+            cluster.run(["scancel", "--signal=USR1", "--batch", str(job)])
+        deadline = time.monotonic() + 30
+        while "caught SIGUSR1" not in prepare_log(work, job_id):
+            assert time.monotonic() < deadline, prepare_log(work, job_id)
+            time.sleep(0.1)
+        control_info = cluster.wait_for_job(control_id, timeout=60)
+    finally:
+        for pid in held:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    info = cluster.wait_for_job(job_id, timeout=120)
+    log = prepare_log(work, job_id)
+    assert info.state == "COMPLETED" and info.exit_code == "0:0", f"{info.raw}\n{log}"
+    assert info.restart_count == 1, f"{info.raw}\n{log}"
+    stopped = re.search(r"stopped; the same command resumes from checkpoint (\d+)", log)
+    assert stopped and int(stopped.group(1)) >= 2, log
+    assert f"requeueing job {job_id} (prepare exit code 130)" in log
+    assert re.search(r"restart=1\] SLURM_RESTART_COUNT=1", log), log
+    assert re.search(r"resuming prepare from \d+ documents \([\d.]+ MB\), checkpoint "
+                     + stopped.group(1) + "\n", log), log
+    assert "prepare finished (exit 0)" in log and "Traceback" not in log
+
+    direct = tmp_path / "direct"
+    run = subprocess.run([sys.executable, "-m", "tape_train.data.cli", "prepare",
+                          *args(direct)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert files(work / "out") == files(direct)
+
+    bad_info = cluster.wait_for_job(bad_id, timeout=60)
+    bad_log = prepare_log(bad, bad_id)
+    assert bad_info.state == "FAILED" and bad_info.exit_code == "1:0", f"{bad_info.raw}\n{bad_log}"
+    assert bad_info.restart_count == 0
+    assert "in.jsonl:161: malformed JSON" in bad_log
+    assert "not requeueing: it would fail again" in bad_log
+
+    control_log = prepare_log(control, control_id)
+    assert control_info.restart_count == 0, f"{control_info.raw}\n{control_log}"
+    # The batch shell died of signal 10 (USR1): FAILED, exit code 0:10.
+    assert (control_info.state, control_info.exit_code) == ("FAILED", "0:10"), (
+        f"{control_info.raw}\n{control_log}")
+    assert "requeueing" not in control_log
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -99,7 +100,8 @@ def run_job(tmp_path: Path, args: list[str], script: Path = SCRIPT, restart: int
     pid = None
     try:
         if send is not None:
-            pid = hold_at_checkpoint(out, hold_at, proc, log_path)
+            pid = hold_at_checkpoint(
+                out, hold_at, lambda: _assert(proc.poll() is None, log_path.read_text()))
             proc.send_signal(send)
             deadline = time.monotonic() + 20
             while "to stop it at once" not in log_path.read_text() and proc.poll() is None:
@@ -121,14 +123,17 @@ def run_job(tmp_path: Path, args: list[str], script: Path = SCRIPT, restart: int
     return proc.returncode, log_path.read_text()
 
 
-def hold_at_checkpoint(out: Path, checkpoint: int, proc: subprocess.Popen, log_path: Path
-                       ) -> int:
+def hold_at_checkpoint(out: Path, checkpoint: int, still_running: Callable[[], None]) -> int:
     """SIGSTOPs the prepare writing into `out` (the live owner of its scratch) once its state
-    says `checkpoint` or later; returns its pid."""
+    says `checkpoint` or later; returns its pid. `still_running` asserts that the job runs
+    (asked twice a second: checkpoints may be milliseconds apart)."""
     deadline = time.monotonic() + 60
+    asked = 0.0
     while True:
-        assert proc.poll() is None, log_path.read_text()
-        assert time.monotonic() < deadline, log_path.read_text()
+        if time.monotonic() - asked > 0.5:
+            still_running()
+            asked = time.monotonic()
+        assert time.monotonic() < deadline, f"no checkpoint {checkpoint} in {out}"
         for scratch in out.glob(f"{RESUME_PREFIX}*"):
             try:
                 state = json.loads((scratch / STATE_NAME).read_text())
@@ -139,6 +144,10 @@ def hold_at_checkpoint(out: Path, checkpoint: int, proc: subprocess.Popen, log_p
                 os.kill(pid, signal.SIGSTOP)
                 return pid
         time.sleep(0.005)
+
+
+def _assert(condition: bool, message: str) -> None:
+    assert condition, message
 
 
 @pytest.fixture(scope="module")
