@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -227,6 +228,7 @@ def main(argv=None) -> int:
     for variant in variants.values():
         if hasattr(variant, "close"):
             variant.close()
+    shutil.rmtree(tmp, ignore_errors=True)  # the variants' run directories: nothing to keep
     if args.json:
         write_atomic(args.json, json.dumps({
             "args": vars(args), "gemm_peak_tflops": peak, "flops_per_token": flops_per_token,

@@ -7,6 +7,25 @@ import pytest
 from tape_train.data.testing import train_small_tokenizer
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _temp_files_inside_pytest_basetemp(tmp_path_factory):
+    """Point TMPDIR (this process's and every child's) into pytest's own temporary directory,
+    which pytest prunes: what a killed torchrun or launch script leaves behind on purpose
+    (torchelastic_* log dirs, exit-code files) then does not pile up in the machine's /tmp."""
+    import os
+    import tempfile
+
+    tmp = tmp_path_factory.mktemp("TMPDIR", numbered=False)
+    before, before_tempdir = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = str(tmp), None
+    yield tmp
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = before_tempdir
+
+
 @pytest.fixture(scope="session")
 def tok(tmp_path_factory):
     """A small sentencepiece tokenizer trained on real text (deterministic; read-only)."""
