@@ -85,16 +85,10 @@ def _init_distributed(device_arg: str):
     import torch
     import torch.distributed as dist
 
+    from tape_train.devices import pick_device
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device_arg == "auto":
-        device_arg = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(f"cuda:{local_rank}" if device_arg == "cuda" else device_arg)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device here (torch.cuda.is_available() is "
-                             "False); use --device cpu or auto")
-        torch.cuda.set_device(device)
+    device = pick_device(device_arg, int(os.environ.get("LOCAL_RANK", "0")), "--device")
     if world == 1:
         return 0, 1, device, None
     if not dist.is_initialized():

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tape_train.devices import pick_device
+
 log = logging.getLogger("tape_train.train")
 
 
@@ -46,15 +48,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def pick_device(requested: str, local_rank: int) -> torch.device:
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("train.device=cuda but torch.cuda.is_available() is False")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
 
 
 def init_distributed(requested_device: str = "auto", timeout_s: float | None = None) -> DistInfo:

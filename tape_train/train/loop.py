@@ -23,6 +23,7 @@ import torch
 
 from tape_train.config import RunConfig, diff_configs
 from tape_train.data.config import DataError
+from tape_train.devices import DeviceError
 from tape_train.eval.perplexity import UnmeasuredLengthError
 from tape_train.files import FileWriteError, write_atomic
 from tape_train.train import checkpoint as ckpt
@@ -751,7 +752,7 @@ class Trainer:
             self.setup()
             code = self.train()
         except (ckpt.CheckpointError, RunLockError, UnmeasuredLengthError, FileWriteError,
-                DataError) as exc:  # their messages name the file, key or value: no traceback
+                DataError, DeviceError) as exc:  # their messages name the file, key or value
             log.error("%s", exc)
             code = EXIT_ERROR
         except PreflightError as exc:

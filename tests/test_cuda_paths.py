@@ -1,0 +1,148 @@
+"""The CUDA-only code paths, checked on a CPU-only machine.
+
+- Device mistakes made visible: the model (every encoding, every backend that runs off CUDA,
+  training and evaluation mode, KV-cache generation) and the trainer's micro-batch loop run
+  with parameters and inputs on the ``meta`` device, where a tensor created on the CPU by
+  accident meets a meta tensor and raises as it would meet a CUDA tensor, and where reading a
+  value back to the host (``.cpu()``, ``.item()``) raises as it would drain a GPU's queue.
+- Host syncs counted: one real trainer step of 3 micro-batches reads values back once per
+  step, never once per micro-batch (``benchmarks/gpu/common.count_host_syncs``, which the GPU
+  report runs on CUDA with torch's sync debug mode).
+- The selection logic fed CUDA facts by monkeypatching ``torch.cuda``: device index from
+  LOCAL_RANK, NCCL vs gloo, attention backend, peak FLOP/s by GPU name, DeepSpeed's GPU config,
+  the RNG state of a rank's own GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from model_utils import small_config
+from tape_train.model import TransformerLM
+from tape_train.model.pe import ENCODINGS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+META = torch.device("meta")
+OFF_CUDA_BACKENDS = ("eager", "sdpa", "blocked", "auto")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """``torch.cuda`` of a node whose processes each see ``visible`` GPUs ("NVIDIA H100 80GB
+    HBM3", sm90); records ``set_device`` calls. Nothing here touches a real GPU."""
+    state = types.SimpleNamespace(visible=8, current=0, set_device=[], rng={})
+
+    def set_device(device):
+        index = torch.device(device).index if not isinstance(device, int) else device
+        if not 0 <= index < state.visible:
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        state.set_device.append(index)
+        state.current = index
+
+    def get_rng_state(device="cuda"):
+        index = state.current if device == "cuda" else torch.device("cuda", device).index
+        return state.rng.get(index, torch.tensor([index], dtype=torch.uint8))
+
+    def set_rng_state(new_state, device="cuda"):
+        index = state.current if device == "cuda" else device
+        if not 0 <= index < state.visible:
+            raise IndexError("tuple index out of range")
+        state.rng[index] = new_state
+
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "device_count", lambda: state.visible)
+    monkeypatch.setattr(cuda, "set_device", set_device)
+    monkeypatch.setattr(cuda, "current_device", lambda: state.current)
+    monkeypatch.setattr(cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(cuda, "get_rng_state", get_rng_state)
+    monkeypatch.setattr(cuda, "set_rng_state", set_rng_state)
+    monkeypatch.setattr(cuda, "get_rng_state_all",
+                        lambda: [get_rng_state(i) for i in range(state.visible)])
+    monkeypatch.setattr(cuda, "set_rng_state_all",
+                        lambda states: [set_rng_state(s, i) for i, s in enumerate(states)])
+    return state
+
+
+def test_each_rank_takes_the_gpu_of_its_local_rank(fake_cuda):
+    from tape_train.devices import pick_device
+
+    for local_rank in range(8):
+        assert pick_device("auto", local_rank) == torch.device("cuda", local_rank)
+        assert fake_cuda.set_device[-1] == local_rank and fake_cuda.current == local_rank
+    assert pick_device("cpu", 5) == torch.device("cpu")
+
+
+def test_a_local_rank_without_a_gpu_fails_in_one_line(fake_cuda, monkeypatch):
+    from tape_train.devices import DeviceError, pick_device
+
+    fake_cuda.visible = 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(DeviceError, match=r"LOCAL_RANK=2 but this process sees 2 CUDA "
+                                          r"device\(s\) \(CUDA_VISIBLE_DEVICES=0,1\): start at "
+                                          r"most 2 process"):
+        pick_device("cuda", 2)
+    assert fake_cuda.set_device == []  # refused before any CUDA call
+
+
+def test_no_cuda_is_one_line_naming_the_setting(monkeypatch):
+    from tape_train.devices import DeviceError, pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match=r"^--device cuda: no CUDA device here "):
+        pick_device("cuda", 0, "--device")
+    assert pick_device("auto", 3) == torch.device("cpu")
+
+
+def test_the_trainer_starts_nccl_on_cuda_and_gloo_on_cpu(fake_cuda, monkeypatch):
+    import deepspeed
+
+    from tape_train.train import distributed as tdist
+
+    chosen = []
+
+    class Stop(Exception):
+        pass
+
+    def init_distributed(dist_backend, **kwargs):
+        chosen.append(dist_backend)
+        raise Stop
+
+    monkeypatch.setattr(deepspeed, "init_distributed", init_distributed)
+    monkeypatch.setenv("RANK", "13")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    for device, backend in (("auto", "nccl"), ("cpu", "gloo")):
+        with pytest.raises(Stop):
+            tdist.init_distributed(device)
+        assert chosen[-1] == backend
+    assert fake_cuda.set_device == [5]
+
+
+def test_collectives_of_nccl_live_on_the_current_gpu(fake_cuda, monkeypatch):
+    from tape_train.train import distributed as tdist
+
+    fake_cuda.current = 6
+    monkeypatch.setattr(tdist.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(tdist.dist, "get_backend", lambda group=None: "nccl")
+    assert tdist.collective_device() == torch.device("cuda", 6)
+    monkeypatch.setattr(tdist.dist, "get_backend", lambda group=None: "gloo")
+    assert tdist.collective_device() == torch.device("cpu")
+
+
+def test_eval_cli_takes_the_gpu_of_its_local_rank(fake_cuda, monkeypatch):
+    from tape_train.eval.cli import _init_distributed
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    rank, world, device, reduce = _init_distributed("auto")
+    assert device == torch.device("cuda", 3) and fake_cuda.set_device == [3] and reduce is None
+
+
