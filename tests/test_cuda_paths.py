@@ -146,3 +146,22 @@ def test_eval_cli_takes_the_gpu_of_its_local_rank(fake_cuda, monkeypatch):
     assert device == torch.device("cuda", 3) and fake_cuda.set_device == [3] and reduce is None
 
 
+def test_a_rank_saves_and_restores_only_its_own_gpus_random_stream(fake_cuda):
+    """Saved with 8 GPUs visible (rank on cuda:5), resumed where each process sees one GPU:
+    the state of cuda:5 must land on this process's cuda:0 (restoring all 8 failed)."""
+    from tape_train.train import checkpoint as ckpt
+
+    fake_cuda.current = 5
+    fake_cuda.rng = {i: torch.tensor([100 + i], dtype=torch.uint8) for i in range(8)}
+    saved = ckpt.capture_rng_state()
+    assert torch.equal(saved["cuda"], torch.tensor([105], dtype=torch.uint8))
+    fake_cuda.visible, fake_cuda.current, fake_cuda.rng = 1, 0, {}
+    ckpt.restore_rng_state(saved)
+    assert fake_cuda.rng == {0: torch.tensor([105], dtype=torch.uint8)}
+    # A checkpoint of the old format (one state per visible GPU) resumes too.
+    fake_cuda.visible, fake_cuda.current, fake_cuda.rng = 8, 5, {}
+    ckpt.restore_rng_state({**saved, "cuda": [torch.tensor([i], dtype=torch.uint8)
+                                              for i in range(8)]})
+    assert fake_cuda.rng == {5: torch.tensor([5], dtype=torch.uint8)}
+
+

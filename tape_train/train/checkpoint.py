@@ -104,19 +104,29 @@ def find_latest_intact(path: str | Path, warn: bool = True) -> Path | None:
 
 
 def capture_rng_state() -> dict:
+    """This rank's random streams: Python, NumPy, torch's CPU generator and, on a GPU, the
+    generator of this rank's own device (the current one, ``cuda:LOCAL_RANK``) only: the other
+    GPUs of the node are other ranks', and a resume may see another number of them."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def restore_rng_state(state: dict) -> None:
+    """Undo ``capture_rng_state``. The CUDA state goes to this rank's current device; a state
+    saved as one entry per visible device (older checkpoints) gives the entry of the current
+    device's index, or its first when this process sees fewer devices than the saver did."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = state["cuda"]
+        if isinstance(cuda, (list, tuple)):
+            index = torch.cuda.current_device()
+            cuda = cuda[index] if index < len(cuda) else cuda[0]
+        torch.cuda.set_rng_state(cuda)
 
 
 def code_version() -> dict:
