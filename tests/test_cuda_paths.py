@@ -165,3 +165,93 @@ def test_a_rank_saves_and_restores_only_its_own_gpus_random_stream(fake_cuda):
     assert fake_cuda.rng == {5: torch.tensor([5], dtype=torch.uint8)}
 
 
+def test_attention_backend_on_a_gpu(fake_cuda, monkeypatch):
+    from tape_train.model import attention
+
+    cuda = torch.device("cuda", 4)
+    tape = TransformerLM(small_config("tape")).pe
+    rope = TransformerLM(small_config("rope")).pe
+    t5 = TransformerLM(small_config("t5")).pe
+    monkeypatch.setattr(attention, "flash_attn_installed", lambda: True)
+    monkeypatch.setattr(attention, "_triton_ok", lambda device: device.type == "cuda")
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert attention.resolve_backend("auto", tape, cuda, bf16, False) == "triton"
+    assert attention.resolve_backend("auto", tape, cuda, bf16, True) == "sdpa"   # decoding
+    assert attention.resolve_backend("auto", tape, cuda, bf16, False, plain_value=True) == "flash"
+    assert attention.resolve_backend("auto", rope, cuda, bf16, False) == "flash"
+    assert attention.resolve_backend("auto", rope, cuda, fp32, False) == "sdpa"
+    assert attention.resolve_backend("auto", t5, cuda, bf16, False, has_bias=True) == "sdpa"
+    monkeypatch.setattr(attention, "flash_attn_installed", lambda: False)
+    assert attention.resolve_backend("auto", rope, cuda, bf16, False) == "sdpa"
+    with pytest.raises(RuntimeError, match="needs flash-attn installed"):
+        attention.resolve_backend("flash", rope, cuda, bf16, False)
+
+
+def test_the_fused_kernel_needs_sm80(fake_cuda, monkeypatch):
+    from tape_train.kernels import triton_available
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda index=None: asked.append(index) or (8, 0))
+    assert triton_available(torch.device("cuda", 3)) and asked == [3]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (7, 5))
+    assert not triton_available("cuda:3")
+    assert not triton_available("cpu")
+
+
+def test_peak_and_precision_of_this_ranks_gpu(fake_cuda, monkeypatch):
+    from tape_train.precision import resolve_dtype
+    from tape_train.train.peak import device_peak_tflops
+
+    names = []
+    monkeypatch.setattr(torch.cuda, "get_device_name",
+                        lambda device=None: names.append(device) or "NVIDIA H100 PCIe")
+    assert device_peak_tflops(torch.device("cuda", 7), torch.bfloat16, None)[0] == 756.0
+    assert names == [torch.device("cuda", 7)]
+    assert device_peak_tflops(torch.device("cuda", 7), torch.float32, None)[0] == 51.2  # no TF32
+    choice = resolve_dtype("auto", "cuda")
+    assert choice.dtype == "bf16" and "sm90" in choice.reason
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    assert resolve_dtype("auto", "cuda").dtype == "fp32"
+
+
+def test_the_plan_and_the_run_agree_on_tf32(fake_cuda, monkeypatch):
+    """An fp32 run divides by the plain fp32 peak (TF32 stays off): the dry run's step-time
+    plan must use the same peak, not the TF32 one (7x higher on an H100)."""
+    from tape_train.config import load_run_config
+    from tape_train.train.peak import device_peak_tflops
+    from tape_train.train.preflight import planning_peak_tflops
+
+    cfg = load_run_config(None, ["model=tiny", "train.dtype=fp32"])
+    run_peak = device_peak_tflops(torch.device("cuda", 0), torch.float32, None)[0]
+    assert planning_peak_tflops(cfg, "cuda", "H100")[0] == run_peak == 66.9
+    before, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, True
+    try:  # (a property of torch's: monkeypatch cannot set it)
+        assert planning_peak_tflops(cfg, "cuda", "H100")[0] == 494.7
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_deepspeed_config_keeps_its_gpu_defaults():
+    from tape_train.config import load_run_config
+    from tape_train.train.engine import deepspeed_config
+
+    for stage in (1, 3):
+        cfg = load_run_config(None, ["model=tiny", f"parallel.zero_stage={stage}",
+                                     "train.dtype=bf16"])
+        gpu, cpu = deepspeed_config(cfg, "cuda"), deepspeed_config(cfg, "cpu")
+        assert gpu["bf16"] == {"enabled": True} and gpu["zero_optimization"]["stage"] == stage
+        assert "contiguous_gradients" not in gpu["zero_optimization"]
+        assert "memory_efficient_linear" not in gpu["zero_optimization"]
+        assert gpu != cpu  # the CPU-only settings are CPU-only
+
+
+def test_gpu_report_takes_the_trainers_peak(monkeypatch):
+    from gpu.common import device_facts
+
+    props = types.SimpleNamespace(name="NVIDIA H100 PCIe", major=9, minor=0,
+                                  multi_processor_count=114, total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    facts = device_facts(torch.device("cuda", 0))
+    assert facts["bf16_peak_tflops"] == 756.0  # the PCIe part, not the SXM's 989

@@ -72,13 +72,8 @@ def gpu_slug(name: str) -> str:
     return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
 
 
-#: Dense bf16 tensor-core peaks (TFLOP/s, datasheet, SXM parts) for MFU.
-BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
-                    "L40S": 362.0, "L4": 121.0, "A10": 125.0}
-
-
 def device_facts(device: torch.device) -> dict:
-    """Name, versions and (on a GPU) capability, memory and datasheet bf16 peak."""
+    """Name, versions and (on a GPU) capability, memory and datasheet dense bf16 peak."""
     import triton
 
     facts = {"device": str(device), "torch": torch.__version__, "triton": triton.__version__,
@@ -95,8 +90,10 @@ def device_facts(device: torch.device) -> dict:
                      sm_count=props.multi_processor_count,
                      memory_gib=round(props.total_memory / 2**30, 1),
                      cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version())
-        facts["bf16_peak_tflops"] = next(
-            (peak for key, peak in BF16_PEAK_TFLOPS.items() if key in props.name), None)
+        # The trainer's table (tape_train.train.peak), so the report's MFU is the run's.
+        from tape_train.train.peak import gpu_table_peak
+
+        facts["bf16_peak_tflops"] = gpu_table_peak(props.name, torch.bfloat16, tf32=False)
     else:
         facts.update(name=f"CPU ({facts['cpu']})", bf16_peak_tflops=None)
     return facts

@@ -98,6 +98,13 @@ def gpu_table_peak(name: str, dtype: torch.dtype, tf32: bool) -> float | None:
     return None
 
 
+def tf32_matmuls(dtype: torch.dtype) -> bool:
+    """Whether an fp32 run's matrix products use TF32 tensor cores on a GPU: only where torch
+    allows it (``torch.backends.cuda.matmul.allow_tf32``, off by default; the trainer never
+    turns it on), so fp32 MFU and plans divide by the plain fp32 peak."""
+    return dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+
+
 def device_peak_tflops(device: torch.device, dtype: torch.dtype, configured: float | None
                        ) -> tuple[float | None, str]:
     """Peak TFLOP/s per rank for MFU and where it came from (None: unknown, no MFU)."""
@@ -105,7 +112,7 @@ def device_peak_tflops(device: torch.device, dtype: torch.dtype, configured: flo
         return configured, "logging.peak_tflops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        tf32 = dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+        tf32 = tf32_matmuls(dtype)
         peak = gpu_table_peak(name, dtype, tf32)
         if peak is None:
             return None, f"no table peak for {name!r} in {dtype}: set logging.peak_tflops for MFU"

@@ -482,7 +482,7 @@ def planning_peak_tflops(cfg, device_type: str, gpu_name: str | None = None
     import torch
 
     from tape_train.train.memory import dtype_of
-    from tape_train.train.peak import cpu_peak_tflops, gpu_table_peak
+    from tape_train.train.peak import cpu_peak_tflops, gpu_table_peak, tf32_matmuls
 
     if cfg.logging.peak_tflops is not None:
         return cfg.logging.peak_tflops, "logging.peak_tflops"
@@ -492,7 +492,7 @@ def planning_peak_tflops(cfg, device_type: str, gpu_name: str | None = None
         if not name:
             return None, ("GPU model unknown here: pass --gpu-name (e.g. 'H100') or set "
                           "logging.peak_tflops")
-        peak = gpu_table_peak(name, dtype, tf32=dtype == torch.float32)
+        peak = gpu_table_peak(name, dtype, tf32=tf32_matmuls(dtype))
         if peak is None:
             return None, f"no table peak for GPU {name!r}: set logging.peak_tflops"
         return peak, f"published dense peak of {name}"
