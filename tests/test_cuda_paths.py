@@ -32,6 +32,144 @@ META = torch.device("meta")
 OFF_CUDA_BACKENDS = ("eager", "sdpa", "blocked", "auto")
 
 
+def _meta_model(pe: str, backend: str, dtype=torch.float32) -> TransformerLM:
+    return TransformerLM(small_config(pe, attn_backend=backend)).to(device=META, dtype=dtype)
+
+
+def _cases():
+    for pe, spec in ENCODINGS.items():
+        for backend in OFF_CUDA_BACKENDS:
+            if backend == "blocked" and spec.dense_bias:
+                continue  # refused with a message (test_model_backends)
+            yield pe, backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("pe,backend", list(_cases()))
+def test_model_creates_nothing_off_its_device(pe, backend, dtype):
+    model = _meta_model(pe, backend, dtype)
+    ids = torch.zeros(2, 16, dtype=torch.long, device=META)
+    model.train()  # RandPE and TAPE's train_offset draw positions here
+    out = model(ids, labels=ids)
+    out.loss_sum.backward()
+    assert out.loss_sum.device == META and out.logits.shape == (2, 16, 97)
+    assert all(p.grad is not None and p.grad.device == META for p in model.parameters()
+               if p.requires_grad)
+    model.eval()
+    assert model(ids, labels=ids).logits.device == META
+
+
+@pytest.mark.parametrize("pe", list(ENCODINGS))
+def test_kv_cache_generation_creates_nothing_off_its_device(pe):
+    model = _meta_model(pe, "auto").eval()
+    ids = torch.zeros(2, 5, dtype=torch.long, device=META)
+    # Greedy without eos: sampling's multinomial and the eos stop read values (data-dependent)
+    out = model.generate(ids, 3)
+    assert out.shape == (2, 8) and out.device == META
+
+
+def test_meta_catches_a_tensor_made_on_the_cpu(monkeypatch):
+    # Negative control: positions made without device= (the mistake this file looks for).
+    from tape_train.model.pe.base import PositionalEncoding
+
+    monkeypatch.setattr(PositionalEncoding, "layer0_positions",
+                        lambda self, batch, length, offset, device:
+                        torch.arange(offset, offset + length)[None])
+    model = _meta_model("rope", "sdpa")
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        model(torch.zeros(1, 8, dtype=torch.long, device=META))
+
+
+class _MetaEngine:
+    """What ``forward_backward`` uses of a DeepSpeed engine, around a model on ``meta``."""
+
+    device = META
+
+    def __init__(self, model) -> None:
+        self.model, self.steps, self.inputs = model, 0, []
+
+    def __call__(self, input_ids, labels=None, **kwargs):
+        self.inputs.append((input_ids, labels, kwargs.get("positions")))
+        return self.model(input_ids, labels=labels, **kwargs)
+
+    def backward(self, loss, scale_wrt_gas=True):
+        loss.backward()
+
+    def step(self):
+        self.steps += 1
+
+
+@pytest.mark.parametrize("sp", [1, 2])
+def test_micro_batch_loop_keeps_the_loss_on_the_device(sp):
+    """The per-micro-batch ``loss_sum.cpu()`` was a host sync per micro-batch (and a meta
+    tensor cannot be copied out): the sum now stays on ``engine.device`` until the step."""
+    from tape_train.parallel import RankGrid
+    from tape_train.train.engine import forward_backward
+
+    engine = _MetaEngine(_meta_model("tape", "auto").train())
+    grid = RankGrid.from_sizes(sp, sp=sp, rank=0)
+    batches = [{"input_ids": torch.zeros(2, 16, dtype=torch.long),
+                "labels": torch.ones(2, 16, dtype=torch.long)} for _ in range(3)]
+    seen = []
+    total = forward_backward(engine, batches, grid=grid, global_tokens=96,
+                             before_last_step=seen.append)
+    assert engine.steps == 3 and len(seen) == 1 and seen[0] is total
+    assert total.device == META and total.dtype == torch.float64
+    for input_ids, labels, positions in engine.inputs:
+        assert input_ids.device == labels.device == META and input_ids.shape == (2, 16 // sp)
+        assert (positions is None) == (sp == 1) and (positions is None or positions.device == META)
+
+
+def test_a_training_step_reads_values_back_once_per_step_not_per_micro_batch(tmp_path):
+    from gpu.common import count_host_syncs
+
+    from tape_train.config import load_run_config
+    from tape_train.train.loop import Trainer
+
+    micro, steps = 3, 2
+    cfg = load_run_config(None, [
+        "model=tiny", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
+        "model.intermediate_size=128", "model.vocab_size=256", "model.max_seq_len=64",
+        f"train.run_dir={tmp_path}", "train.seq_len=32", "train.micro_batch_size=2",
+        f"train.grad_accum_steps={micro}", "train.dtype=fp32", "train.device=cpu",
+        "train.synthetic_data=true", "train.max_steps=10", "logging.peak_tflops=1.0",
+        "logging.tensorboard=false", "logging.progress_bar=false"])
+    trainer = Trainer(cfg)
+    try:
+        trainer.setup()
+        trainer.train_step()  # the first step: DeepSpeed's one-off set-up work
+        with count_host_syncs(trainer.dist.device) as syncs:
+            for _ in range(steps):
+                trainer.train_step()
+    finally:
+        trainer.close()
+    # Once per step: G, the loss all-reduce, the grad norm, the stop agreement (and more).
+    assert sum(syncs.sites.values()) >= 4 * steps, "the counter missed reads: it would pass"
+    assert syncs.mid_step == {}, dict(syncs.sites)
+
+
+def test_the_sync_counter_sees_a_read_per_micro_batch():
+    # Negative control of the counter: the old accumulation (a copy to the host per
+    # micro-batch) in a function it takes for the trainer's micro-batch loop.
+    from gpu.common import count_host_syncs
+
+    code = compile("def forward_backward(micro_batches):\n"
+                   "    total = torch.zeros((), dtype=torch.float64)\n"
+                   "    for i, loss in enumerate(micro_batches):\n"
+                   "        total += loss.double().cpu()\n", "/x/tape_train/train/engine.py", "exec")
+    scope = {"torch": torch}
+    exec(code, scope)
+    with count_host_syncs(torch.device("cpu")) as syncs:
+        scope["forward_backward"]([torch.ones(())] * 3)
+    assert syncs.sites == {"tape_train/train/engine.py:4": 3}
+    assert syncs.mid_step == {"tape_train/train/engine.py:4": 2}  # not the step's last one
+
+
+# ------------------------------------------------------------------------------------------------
+# Selection logic fed CUDA facts
+# ------------------------------------------------------------------------------------------------
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """``torch.cuda`` of a node whose processes each see ``visible`` GPUs ("NVIDIA H100 80GB

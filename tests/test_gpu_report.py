@@ -64,6 +64,9 @@ def test_cpu_smoke_report_is_complete_and_finite(tmp_path):
                                       "zero3_bf16_deterministic_again"}
     assert len(trainer["comparisons"]) == 5
     assert trainer["comparisons"]["bf16 deterministic: run vs the same run again"] == 0.0
+    syncs = checks["host_syncs"]  # judged: 2 micro-batches per step, none read back in each
+    assert syncs["ok"] and set(syncs["runs"]) == {"zero1_bf16", "zero3_bf16"}
+    assert all(r["micro_batches"] == 2 and r["per_step"] >= 4 for r in syncs["runs"].values())
     speed = data["sections"]["kernel_speed"]["results"][0]["methods"]
     for name in ("tape_fused", "tape_unfused", "rope_flash"):
         assert speed[name]["fwd_bwd_ms"] > 0, name

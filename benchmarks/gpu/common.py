@@ -1,14 +1,20 @@
-"""Shared pieces of the GPU report: the time budget, timing, relative errors, device facts."""
+"""Shared pieces of the GPU report: the time budget, timing, relative errors, device facts,
+the count of host syncs."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import math
 import platform
 import statistics
+import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 
 class OutOfTime(Exception):
@@ -106,3 +112,81 @@ def measure_matmul_tflops(device: torch.device, size: int, reps: int) -> float:
     b = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen)
     ms = time_ms(lambda: a @ b, device, warmup=3, reps=reps)
     return 2 * size**3 / (ms * 1e-3) / 1e12
+
+
+# Tensor methods that read a value back to the host: each one waits for the GPU to finish all
+# the work queued before it (a pipeline drain) when the tensor lives on a GPU.
+HOST_READS = frozenset({"item", "tolist", "cpu", "numpy", "nonzero", "__float__", "__int__",
+                        "__bool__", "__index__"})
+_OWN_CODE = ("/tape_train/", "/deepspeed/")
+_MICRO_BATCH_LOOP = ("forward_backward", "tape_train/train/engine.py")
+
+
+@dataclass
+class HostSyncs:
+    """What ``count_host_syncs`` saw, by the line of tape_train or DeepSpeed that caused it:
+    ``sites`` all of it, ``mid_step`` what happened while a micro-batch other than the step's
+    last one ran (``tape_train.train.engine.forward_backward``): the optimizer step is done in
+    the last one, so such a site repeats for every micro-batch."""
+
+    sites: collections.Counter = field(default_factory=collections.Counter)
+    mid_step: collections.Counter = field(default_factory=collections.Counter)
+
+    def record(self) -> None:
+        frame = sys._getframe(2)  # the op's caller, then outwards
+        stack, mid = [], False
+        while frame is not None:
+            name = frame.f_code.co_filename.replace("\\", "/")
+            stack.append(f"{name}:{frame.f_lineno}")
+            if frame.f_code.co_name == _MICRO_BATCH_LOOP[0] and name.endswith(_MICRO_BATCH_LOOP[1]):
+                batches, i = frame.f_locals.get("micro_batches"), frame.f_locals.get("i")
+                mid = mid or (i is not None and batches is not None and i < len(batches) - 1)
+            frame = frame.f_back
+        site = next((f"{root.strip('/')}/{name.split(root, 1)[1]}"
+                     for name in stack for root in _OWN_CODE if root in name), "elsewhere")
+        self.sites[site] += 1
+        if mid:
+            self.mid_step[site] += 1
+
+
+class _HostReadRecorder(TorchFunctionMode):
+    def __init__(self, syncs: HostSyncs) -> None:
+        super().__init__()
+        self.syncs = syncs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            self.syncs.record()
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def count_host_syncs(device: torch.device):
+    """Counts what waits for the device inside the block; yields a ``HostSyncs`` filled as it
+    runs.
+
+    CUDA: the synchronising operations torch's sync debug mode reports (a value read back, a
+    blocking copy, ``nonzero``...). Elsewhere nothing waits, so the calls that would wait on a
+    GPU are counted instead: every read of a tensor value back to the host (``HOST_READS``),
+    including reads of host-side tensors that cost nothing on a GPU run."""
+    syncs = HostSyncs()
+    if device.type != "cuda":
+        with _HostReadRecorder(syncs):
+            yield syncs
+        return
+    before, show = torch.cuda.get_sync_debug_mode(), warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" in str(message):  # called inside the op: the stack is its caller's
+            syncs.record()
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():  # restores the filters and showwarning
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield syncs
+        finally:
+            torch.cuda.set_sync_debug_mode(before)

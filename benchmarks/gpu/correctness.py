@@ -1,6 +1,7 @@
 """Correctness on the device: fused kernel vs the fp64 reference, the model's ``triton``
-backend vs ``eager``, KV-cache decoding vs the full forward, and bf16 trainer steps through
-DeepSpeed (ZeRO-1 and ZeRO-3) against fp32.
+backend vs ``eager``, KV-cache decoding vs the full forward, bf16 trainer steps through
+DeepSpeed (ZeRO-1 and ZeRO-3) against fp32, and what of those steps waits for the device
+(``host_sync_check``).
 
 Every check returns a dict with its measured errors, its tolerance and ``ok``. Errors are
 relative: ‖x − ref‖ / ‖ref‖ (``common.rel_err``). Tolerances:
@@ -219,6 +220,18 @@ def start_trainers(recipe: Path, work: Path, common_overrides: list[str]) -> dic
 
 DETERMINISTIC_RUNS = ("zero3_bf16_deterministic", "zero3_bf16_deterministic_again")
 DETERMINISTIC_KEY = "bf16 deterministic: run vs the same run again"
+SYNC_RUNS = ("zero1_bf16", "zero3_bf16")  # host syncs counted after their loss steps
+
+
+def host_sync_check(runs: dict) -> dict:
+    """No line of tape_train may wait for the device once per micro-batch (each wait drains
+    the GPU's queue before the next micro-batch can be queued); DeepSpeed's own such sites are
+    listed, not judged. ``runs``: ``TrainerProbe.host_syncs`` results by run name."""
+    ours = {name: {site: n for site, n in r["per_micro_batch"].items()
+                   if site.startswith("tape_train/")} for name, r in runs.items()}
+    judged = all(r["micro_batches"] >= 2 for r in runs.values())
+    return {"check": "host_syncs", "runs": runs, "tape_train_per_micro_batch": ours,
+            "ok": not any(ours.values()) if judged else None}
 
 
 def trainer_checks(runs: dict, steps: int, budget: Budget, sink: list, flush) -> None:
@@ -226,7 +239,7 @@ def trainer_checks(runs: dict, steps: int, budget: Budget, sink: list, flush) ->
     (one-rank NCCL group on a GPU, gloo on CPU); per-step losses compared. Closes ``runs``."""
     from trainer_process import BenchmarkError
 
-    losses, failures, skipped = {}, {}, []
+    losses, failures, skipped, syncs = {}, {}, [], {}
     try:
         for name, child in runs.items():
             if budget.left() <= 0:
@@ -235,11 +248,15 @@ def trainer_checks(runs: dict, steps: int, budget: Budget, sink: list, flush) ->
             try:
                 child.result()
                 losses[name] = child.call("losses", steps)
+                if name in SYNC_RUNS:
+                    syncs[name] = child.call("host_syncs", steps)
             except BenchmarkError as exc:
                 failures[name] = str(exc)[-3000:]
     finally:
         for child in runs.values():
             child.close()
+    if syncs:
+        sink.append(host_sync_check(syncs))
     res = {"check": "trainer", "steps": steps, "losses": losses, "failures": failures,
            "skipped_for_time": skipped,
            "bf16_tolerance": TRAIN_BF16_TOL, "zero_tolerance": TRAIN_ZERO_TOL, "comparisons": {}}

@@ -34,6 +34,18 @@ class TrainerProbe:
         """Per-step loss of ``steps`` real steps on the recipe's (synthetic) data."""
         return [float(self.trainer.train_step()["loss"]) for _ in range(steps)]
 
+    def host_syncs(self, steps: int) -> dict:
+        """What waits for the device in ``steps`` real steps, by the line that caused it, and
+        what of it repeats for every micro-batch (``common.count_host_syncs``)."""
+        from gpu.common import count_host_syncs
+
+        with count_host_syncs(self.device) as syncs:
+            for _ in range(steps):
+                self.trainer.train_step()
+        return {"steps": steps, "micro_batches": self.trainer.cfg.train.grad_accum_steps,
+                "per_step": sum(syncs.sites.values()) / steps, "sites": dict(syncs.sites),
+                "per_micro_batch": dict(syncs.mid_step)}
+
     def measure(self, micro_batch: int, warmup: int, steps: int) -> dict:
         """Median step of ``micro_batch`` × seq_len random tokens; ``{"oom": True}`` if it
         does not fit (the trainer is unusable afterwards: search upward, stop at the first)."""

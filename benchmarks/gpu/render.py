@@ -118,6 +118,13 @@ def _correctness(results: list) -> list[str]:
                          + (f"; failed: {list(r['failures'])}" if r["failures"] else "")
                          + (f"; skipped for time: {r['skipped_for_time']}"
                             if r["skipped_for_time"] else ""))
+        elif r.get("check") == "host_syncs":
+            verdict = {True: "ok", False: "FAILED", None: "NOT JUDGED (1 micro-batch)"}[r["ok"]]
+            lines.append(f"- host syncs per step (none of tape_train's per micro-batch): "
+                         f"{verdict}; " + "; ".join(
+                             f"{name} {_f(run['per_step'])}/step of {run['micro_batches']} "
+                             f"micro-batches, per micro-batch: {run['per_micro_batch'] or 'none'}"
+                             for name, run in r["runs"].items()))
     if kernel:
         keys = next((list(r["errors"]) for r in kernel if "errors" in r), ["result"])
         lines += ["", "Fused kernel vs fp64 reference (relative error; tolerance in the JSON):", "",
