@@ -126,6 +126,33 @@ def test_generate_names_a_bad_tokenizer(run_and_tokenizers, tmp_path, capsys):
                  "2", "--top-p", "1", "--top-k", "0"]) == 0
 
 
+def test_generate_device_is_checked_before_loading_and_cpu_is_the_auto_choice_here(
+        run_and_tokenizers, capsys, monkeypatch):
+    import torch
+
+    import tape_train.inference.loading as loading
+    from tape_train.inference.generate import main
+
+    run, tok, _ = run_and_tokenizers
+    loads = []
+    real_load = loading.load_for_inference
+    monkeypatch.setattr(loading, "load_for_inference",
+                        lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main([str(run / "run"), "--prompt", "x", "--tokenizer", tok, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda: no CUDA device here" in err and "Traceback" not in err
+    assert loads == []  # refused before the model was read
+    greedy = ["--prompt", "The", "--tokenizer", tok, "--max-new-tokens", "6",
+              "--temperature", "0"]
+    texts = []
+    for device in ("auto", "cpu"):
+        assert main([str(run / "run"), *greedy, "--device", device]) == 0
+        texts.append(capsys.readouterr().out)
+    assert len(loads) == 2
+    assert texts[0] == texts[1] and len(texts[0]) > len("The\n")
+
+
 def test_tape_eval_checks_out_and_device_before_evaluating(run_and_tokenizers, tmp_path,
                                                            capsys):
     import torch

@@ -44,15 +44,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the sampling (default: %(default)s)")
     parser.add_argument("--tokenizer", help="sentencepiece .model (default: the model's own)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where to decode: auto (the GPU at LOCAL_RANK, default 0, where "
+                             "CUDA is available, else the CPU), cpu or cuda")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                        help="compute dtype on the CPU (default: auto, bf16 only where bf16 "
-                             "matrix products are fast here)")
+                        help="compute dtype (default: auto: bf16 where the device has fast "
+                             "native bf16 -- on a CPU, where bf16 matrix products are fast "
+                             "here -- else fp32)")
     example_on_missing(parser, 'tape-generate exports/demo --prompt "The Python interpreter"')
     args = parser.parse_args(argv)
+
+    import os
 
     import torch
 
     from tape_train.data import TokenizerError, load_model_tokenizer, load_tokenizer
+    from tape_train.devices import DeviceError, pick_device
     from tape_train.inference.loading import load_for_inference
     from tape_train.model.generate import check_sampling
     from tape_train.precision import resolve_dtype
@@ -62,10 +69,11 @@ def main(argv: list[str] | None = None) -> int:
                        name=lambda key: "--" + key.replace("_", "-"))
         if args.tokenizer:
             load_tokenizer(args.tokenizer)
-    except ValueError as exc:  # a bad --tokenizer (TokenizerError) included
+        device = pick_device(args.device, int(os.environ.get("LOCAL_RANK", "0")), "--device")
+    except (ValueError, DeviceError) as exc:  # a bad --tokenizer (TokenizerError) included
         print(f"tape-generate: error: {exc}", file=sys.stderr)
         return 2
-    precision = resolve_dtype(args.dtype, "cpu")
+    precision = resolve_dtype(args.dtype, device.type)
     if precision.warning:
         print(f"tape-generate: {precision.warning}", file=sys.stderr)
     try:
@@ -83,11 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     except TokenizerError as exc:
         print(f"tape-generate: error: {exc}", file=sys.stderr)
         return 2
-    ids = torch.tensor([[tokenizer.bos_id, *tokenizer.encode(args.prompt)]])
+    model.to(device)
+    ids = torch.tensor([[tokenizer.bos_id, *tokenizer.encode(args.prompt)]], device=device)
     sys.stdout.write(args.prompt)
+    # The sampling stream is the device's: the same seed samples the same text on the same
+    # kind of device, not across CPU and GPU.
     model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, eos_id=tokenizer.eos_id,
-                   generator=torch.Generator().manual_seed(args.seed),
+                   generator=torch.Generator(device=device).manual_seed(args.seed),
                    on_token=StreamPrinter(tokenizer))
     sys.stdout.write("\n")
     return 0
