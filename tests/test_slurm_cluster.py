@@ -732,6 +732,16 @@ def non_lock_holder(run_dir: Path) -> tuple[int, int]:
     return holder, next(pid for pid in pids if pid != holder)
 
 
+def ended_in_job(cluster, job_id: int, log_dir: Path, name: str, state: str, why: str) -> str:
+    """Waits for the job to end in `state` without a requeue, its log saying `restart 1 of 3`
+    and `why` the first attempt ended (a regex); returns the log."""
+    info = cluster.wait_for_job(job_id, timeout=240)
+    log = log_text(log_dir, name, job_id)
+    assert info.state == state and info.restart_count == 0, f"{info.raw}\n{log}"
+    assert re.search(rf"restart 1 of 3 \(job {job_id}:0\): attempt 0 ended: {why}", log), log
+    return log
+
+
 def test_a_killed_rank_is_restarted_in_the_job_and_the_losses_are_unchanged(
         cluster, corpus, training_jobs, tmp_path, monkeypatch):
     # Rank 0 is SIGKILLed (the OOM killer, a segfault, kill -9) after the checkpoint at step
@@ -744,12 +754,9 @@ def test_a_killed_rank_is_restarted_in_the_job_and_the_losses_are_unchanged(
     wait_for_step(cluster, job_id, run_dir, log_dir, "restarted", 12)
     holder, _ = non_lock_holder(run_dir)
     os.kill(holder, signal.SIGKILL)
-    info = cluster.wait_for_job(job_id, timeout=240)
-    log = log_text(log_dir, "restarted", job_id)
-    assert info.state == "COMPLETED" and info.restart_count == 0, f"{info.raw}\n{log}"
-    assert re.search(rf"restart 1 of 3 \(job {job_id}:0\): attempt 0 ended: rank 0 \(node "
-                     rf"ttnode\d, pid {holder}\) ended without a word: killed by a signal",
-                     log), log
+    log = ended_in_job(cluster, job_id, log_dir, "restarted", "COMPLETED",
+                       rf"rank 0 \(node ttnode\d, pid {holder}\) ended without a word: killed by "
+                       rf"a signal")
     assert "resuming from checkpoint step_00000010" in log and "restart 2 of" not in log
     assert "TORCHELASTIC_RESTART_COUNT=" in log
     # The dead rank 0's lock (same job, same host) was taken over by the new rank 0.
@@ -841,13 +848,10 @@ def test_a_deterministic_failure_is_restarted_once_not_max_restarts_times(cluste
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(REPO_ROOT)]))
     (job_id,), run_dir, log_dir = submit_training(
         tmp_path, "crashing", corpus, monkeypatch, extra=["--train-module", "crashing_trainer"])
-    info = cluster.wait_for_job(job_id, timeout=240)
-    log = log_text(log_dir, "crashing", job_id)
-    assert info.state == "FAILED" and info.restart_count == 0, f"{info.raw}\n{log}"
     # The first restart is always taken; the second is refused: attempt 1 saved nothing.
-    assert re.search(r"restart 1 of 3 \(job \d+:0\): attempt 0 ended: rank 1 \(node ttnode\d, "
-                     r"pid \d+\) exited 1 first: RuntimeError: injected failure at step 2",
-                     log), log
+    log = ended_in_job(cluster, job_id, log_dir, "crashing", "FAILED",
+                       r"rank 1 \(node ttnode\d, pid \d+\) exited 1 first: RuntimeError: "
+                       r"injected failure at step 2")
     assert ("ERROR: NOT restarting: attempt 1 made no progress (newest complete checkpoint "
             "none, as at its start), so the failure looks deterministic; it ended: rank 1") in log
     assert "restart 2 of" not in log and "requeueing job" not in log
