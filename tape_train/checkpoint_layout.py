@@ -164,6 +164,14 @@ def find_latest_complete(path: str | Path, warn: bool = True) -> Path | None:
     return find_newest(path, why_incomplete, warn)
 
 
+def newest_complete_tag(run_dir: str | Path) -> str | None:
+    """Name of the newest complete checkpoint (sizes checked, nothing read), or ``None``: what
+    the Slurm requeue guard and the in-job restart guard compare to tell progress from a stall
+    (a run that saved nothing since the last look made no progress)."""
+    found = find_latest_complete(run_dir, warn=False)
+    return found.name if found is not None else None
+
+
 def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
     """A complete tag directory from a run dir, a checkpoint root or a tag dir; raises else.
 

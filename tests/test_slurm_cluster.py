@@ -10,8 +10,8 @@ module. Tests here use the real batch scripts as tape-submit renders them:
   ranks differ, one all-reduce spans both nodes; a USR1 to the batch shell reaches both ranks,
   which stop together and exit 75 like the trainer; with --max-requeues 0 the script does not
   requeue and the job fails with 75;
-- faults, with the same probe: a rank killed with SIGKILL ends the job within seconds, FAILED,
-  not requeued, with the node that failed first named in the log; a run directory locked by
+- faults, with the same probe: with --max-restarts 0 a rank killed with SIGKILL ends the job
+  within seconds, FAILED, not requeued, with the node that failed first named in the log; a run directory locked by
   another job fails in the start-up checks before torchrun; `sbatch train.sbatch` used as it
   is with a misspelt option reports tape-train's own error;
 - `sbatch launch/slurm/prepare.sbatch` (tape-data prepare) told to stop mid-way with USR1 is
@@ -26,9 +26,13 @@ module. Tests here use the real batch scripts as tape-submit renders them:
 - a 1-node training job whose trainer is SIGKILLed after its first checkpoint leaves RUN.lock;
   while it ran, real squeue kept its lock refused (RUNNING); the resubmission (a new job id)
   learns from squeue that the holder's job FAILED, takes the lock over and resumes.
-- a hang: node rank 1's trainer is SIGSTOPped mid-run: rank 0's collective times out after
-  train.collective_timeout_s and says so in one line; the job ends FAILED, not requeued, once
-  srun's --wait (grace + 60 s) has ended the stopped node.
+- in-job restarts: rank 0's trainer SIGKILLed after the checkpoint at step 10 is restarted by
+  torchrun in the same job, the new rank 0 takes over its lock, and the losses are the
+  uninterrupted run's; a SIGSTOPped trainer: rank 0's collective times out after
+  train.collective_timeout_s and says so in one line, then the job is restarted and completes
+  with the uninterrupted losses, while with --max-restarts 0 (side by side) it ends FAILED once
+  srun's --wait (grace + 60 s) has ended the stopped node; a trainer failing at step 2 of every
+  attempt is restarted once, then refused for making no progress: FAILED.
 """
 
 from __future__ import annotations
@@ -138,7 +142,8 @@ restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 out = os.environ["PROBE_OUT"]
 record = {k: os.environ.get(k) for k in (
     "MASTER_ADDR", "MASTER_PORT", "SLURMD_NODENAME", "SLURM_NODEID", "SLURM_JOB_ID",
-    "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "LOCAL_RANK")}
+    "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "LOCAL_RANK", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_MAX_RESTARTS")}
 record.update(rank=rank, world=world, all_reduce_sum=total.item(), restart=restart)
 steps = 0
 if restart == 0:
@@ -149,7 +154,7 @@ if restart == 0:
             break
         if steps == 0:
             with open(os.path.join(out, f"waiting-{rank}"), "w") as f:
-                f.write(str(os.getpid()))
+                f.write(f"{os.getpid()} {os.environ['SLURM_NODEID']}")
         steps += 1
         time.sleep(0.2)
 record["steps_before_stop"] = steps
@@ -192,7 +197,7 @@ def wait_for_probe_loop(cluster, job_id: int, out: Path, log: Path) -> list[int]
         assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
         time.sleep(0.3)
     time.sleep(0.2)   # the pid is written right after the file is created
-    return [int((out / f"waiting-{r}").read_text()) for r in (0, 1)]
+    return [int((out / f"waiting-{r}").read_text().split()[0]) for r in (0, 1)]
 
 
 def test_two_node_probe_rendezvous_and_signal_forwarding(cluster, tmp_path, monkeypatch):
@@ -210,8 +215,10 @@ def test_two_node_probe_rendezvous_and_signal_forwarding(cluster, tmp_path, monk
     records = [json.loads((out / f"probe-0-{r}.json").read_text()) for r in (0, 1)]
     for rec in records:
         assert rec["world"] == 2 and rec["all_reduce_sum"] == 3.0   # 1 + 2 across both nodes
-        assert rec["MASTER_ADDR"] == "ttnode1"                      # first node of the job
-        assert int(rec["MASTER_PORT"]) == 15000 + job_id % 15000    # from the job id
+        # c10d rendezvous named after the job (its store on the first node, port from the job
+        # id: the log line below); the workers' own store is a fresh one per attempt.
+        assert rec["TORCHELASTIC_RUN_ID"] == str(job_id)
+        assert rec["TORCHELASTIC_MAX_RESTARTS"] == "3"              # tape-submit's default
         assert rec["GLOO_SOCKET_IFNAME"] == "lo" and rec["OMP_NUM_THREADS"] == "1"
         assert rec["LOCAL_RANK"] == "0"                             # one process per node
         # The forwarded USR1 reached both ranks' processes after they had looped, and they
@@ -223,14 +230,18 @@ def test_two_node_probe_rendezvous_and_signal_forwarding(cluster, tmp_path, monk
 
     assert len(re.findall(r"\[preflight ttnode\d\] all 5 start-up checks passed", text)) == 2
     assert "caught SIGUSR1" in text and "SLURM_RESTART_COUNT=0" in text
+    assert f"master=ttnode1:{15000 + job_id % 15000}" in text
+    assert "WARNING: this torchrun has no" not in text   # it takes every option
     assert "NOT requeueing: restart count 0 reached TAPE_MAX_REQUEUES=0" in text
 
 
-def test_a_killed_rank_stops_the_job_promptly_naming_its_node(cluster, tmp_path, monkeypatch):
-    # Node rank 1's worker dies of SIGKILL (OOM killer, a crash): its torchrun fails, the
+def test_without_restarts_a_killed_rank_stops_the_job_promptly_naming_its_node(cluster, tmp_path,
+                                                                                monkeypatch):
+    # --max-restarts 0 (the negative control of the restart test with the trainer below):
+    # node rank 1's worker dies of SIGKILL (OOM killer, a crash): its torchrun fails, the
     # other rank's collective fails when the connection closes, and the job ends FAILED,
     # not requeued, long before srun --wait (grace + 60 = 180 s) would cut it short.
-    job_id, out, log = submit_probe(cluster, tmp_path, monkeypatch)
+    job_id, out, log = submit_probe(cluster, tmp_path, monkeypatch, ["--max-restarts", "0"])
     pids = wait_for_probe_loop(cluster, job_id, out, log)
     killed_at = time.monotonic()
     os.kill(pids[1], signal.SIGKILL)
@@ -243,7 +254,9 @@ def test_a_killed_rank_stops_the_job_promptly_naming_its_node(cluster, tmp_path,
     node = dict(re.findall(r"node (ttnode\d) \(node rank (\d)\): torchrun exited", text))
     assert sorted(node.values()) == ["0", "1"], text
     first = re.search(r"node (ttnode\d) \(node rank (\d)\): torchrun exited with [1-9]", text)
-    assert first and first.group(2) == "1", text   # the node that failed first comes first
+    # The node that failed first comes first (c10d numbers the ranks by host and pid, so rank
+    # 1 may run on either node).
+    assert first and first.group(2) == (out / "waiting-1").read_text().split()[1], text
     assert "ERROR: training failed (exit 1); not requeueing" in text
     assert "requeueing job" not in text
 
@@ -573,22 +586,28 @@ def test_usr1_checkpoints_requeues_resumes_and_matches_uninterrupted_losses(clus
     assert "caught SIGUSR1" in log and "requeueing job" in log
     assert "SLURM_RESTART_COUNT=1" in log
 
+    assert_uninterrupted_losses(cluster, training_jobs, run_dir, stop["step"])
+
+
+def assert_uninterrupted_losses(cluster, training_jobs, run_dir: Path, resumed_at: int) -> None:
+    """run_dir's per-step losses are the uninterrupted (plain) job's: bit-identical up to the
+    checkpoint it resumed from, equal to float32 round-off after it."""
     plain_id, plain_run, _ = training_jobs["plain"]
     cluster.wait_for_job(plain_id, timeout=240)
     reference = {r["step"]: r["loss"] for r in read_metrics(plain_run, "train")}
     resumed = {r["step"]: r["loss"] for r in read_metrics(run_dir, "train")}
     assert sorted(resumed) == sorted(reference) == list(range(1, MAX_STEPS + 1))
     # Before the stop both jobs ran the same computation: bit-identical.
-    before = range(1, stop["step"] + 1)
+    before = range(1, resumed_at + 1)
     assert [resumed[s] for s in before] == [reference[s] for s in before]
     # After the resume: equal to float32 round-off (see LOSS_RTOL). A resume that lost the
     # optimizer state, the data position or the schedule is off by far more than that: the
     # loss moves by more than 100x the tolerance from one step to the next.
-    after = range(stop["step"] + 1, MAX_STEPS + 1)
+    after = range(resumed_at + 1, MAX_STEPS + 1)
     mismatches = [(s, reference[s], resumed[s]) for s in after
                   if not math.isclose(resumed[s], reference[s], rel_tol=LOSS_RTOL)]
     assert not mismatches, mismatches[:5]
-    step_changes = [abs(reference[s] - reference[s - 1]) / reference[s] for s in after]
+    step_changes = [abs(reference[s] - reference[s - 1]) / reference[s] for s in after if s > 1]
     assert max(step_changes) > 100 * LOSS_RTOL
 
 
@@ -630,7 +649,9 @@ def test_a_job_killed_outright_leaves_its_lock_and_the_resubmission_resumes(clus
     from tape_train.train.run_lock import lock_refusal
 
     monkeypatch.setenv("SLURM_CONF", str(cluster.conf_path))
-    (first,), run_dir, log_dir = submit_training(tmp_path, "killed", corpus, monkeypatch, nodes=1)
+    # --max-restarts 0: with restarts the kill would be recovered inside the job (tested below).
+    (first,), run_dir, log_dir = submit_training(tmp_path, "killed", corpus, monkeypatch, nodes=1,
+                                                 extra=["--max-restarts", "0"])
     lock = run_dir / LOCK_NAME
     deadline = time.monotonic() + 180
     while find_latest_intact(run_dir, warn=False) is None:
@@ -692,33 +713,146 @@ def _trainer_pids(run_dir: Path) -> list[int]:
     return sorted(found)
 
 
-def test_a_stopped_trainer_ends_the_job_after_the_collective_timeout(cluster, corpus, tmp_path,
-                                                                     monkeypatch):
-    monkeypatch.setenv("SLURM_CONF", str(cluster.conf_path))
-    (job_id,), run_dir, log_dir = submit_training(
-        tmp_path, "hang", corpus, monkeypatch,
-        extra=["--signal-grace", "60", "train.collective_timeout_s=20",
-               "train.startup_timeout_s=60"])
+def wait_for_step(cluster, job_id: int, run_dir: Path, log_dir: Path, name: str,
+                  step: int) -> None:
     deadline = time.monotonic() + 180
-    while max([r["step"] for r in read_metrics(run_dir, "train")], default=0) < 3:
+    while max([r["step"] for r in read_metrics(run_dir, "train")], default=0) < step:
         info = cluster.job_info(job_id)
         assert info is not None and info.state in ("PENDING", "CONFIGURING", "RUNNING"), (
-            f"{info}\n{log_text(log_dir, 'hang', job_id)}")
-        assert time.monotonic() < deadline, log_text(log_dir, "hang", job_id)
+            f"{info}\n{log_text(log_dir, name, job_id)}")
+        assert time.monotonic() < deadline, log_text(log_dir, name, job_id)
         time.sleep(0.2)
+
+
+def non_lock_holder(run_dir: Path) -> tuple[int, int]:
+    """(rank 0's pid, the other trainer's pid) of a 2-rank job."""
     holder = json.loads((run_dir / LOCK_NAME).read_text())["pid"]  # rank 0
     pids = _trainer_pids(run_dir)
     assert len(pids) == 2 and holder in pids, (holder, pids)
-    [victim] = [pid for pid in pids if pid != holder]
-    os.kill(victim, signal.SIGSTOP)
-    stopped_at = time.monotonic()
+    return holder, next(pid for pid in pids if pid != holder)
+
+
+def ended_in_job(cluster, job_id: int, log_dir: Path, name: str, state: str, why: str) -> str:
+    """Waits for the job to end in `state` without a requeue, its log saying `restart 1 of 3`
+    and `why` the first attempt ended (a regex); returns the log."""
     info = cluster.wait_for_job(job_id, timeout=240)
-    elapsed = time.monotonic() - stopped_at
+    log = log_text(log_dir, name, job_id)
+    assert info.state == state and info.restart_count == 0, f"{info.raw}\n{log}"
+    assert re.search(rf"restart 1 of 3 \(job {job_id}:0\): attempt 0 ended: {why}", log), log
+    return log
+
+
+def test_a_killed_rank_is_restarted_in_the_job_and_the_losses_are_unchanged(
+        cluster, corpus, training_jobs, tmp_path, monkeypatch):
+    # Rank 0 is SIGKILLed (the OOM killer, a segfault, kill -9) after the checkpoint at step
+    # 10: torchrun restarts both nodes' workers in the same job (no requeue), the new rank 0
+    # takes over the dead one's RUN.lock, and they resume from step 10 and finish with the
+    # uninterrupted run's losses. Without restarts the same kill fails the job
+    # (test_without_restarts_a_killed_rank_stops_the_job_promptly_naming_its_node).
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf_path))
+    (job_id,), run_dir, log_dir = submit_training(tmp_path, "restarted", corpus, monkeypatch)
+    wait_for_step(cluster, job_id, run_dir, log_dir, "restarted", 12)
+    holder, _ = non_lock_holder(run_dir)
+    os.kill(holder, signal.SIGKILL)
+    log = ended_in_job(cluster, job_id, log_dir, "restarted", "COMPLETED",
+                       rf"rank 0 \(node ttnode\d, pid {holder}\) ended without a word: killed by "
+                       rf"a signal")
+    assert "resuming from checkpoint step_00000010" in log and "restart 2 of" not in log
+    assert "TORCHELASTIC_RESTART_COUNT=" in log
+    # The dead rank 0's lock (same job, same host) was taken over by the new rank 0.
+    assert re.search(rf"took over the lock of run directory {re.escape(str(run_dir))} from "
+                     rf"host \S+, pid {holder}, Slurm job {job_id} \(restart 0\).*its process "
+                     rf"{holder} on this host no longer exists", log), log
+    resume = [e for e in events(run_dir) if e["event"] == "resume"]
+    assert len(resume) == 1 and "step_00000010" in str(resume[0]["checkpoint"]), resume
+    assert_uninterrupted_losses(cluster, training_jobs, run_dir, 10)
+
+
+def test_a_stopped_trainer_is_restarted_and_without_restarts_fails_after_the_timeout(
+        cluster, corpus, training_jobs, tmp_path, monkeypatch):
+    # Node rank 1's trainer is SIGSTOPped (a frozen node): rank 0's collective times out after
+    # train.collective_timeout_s. With restarts torchrun then ends the stopped worker (SIGKILL
+    # after its 30 s stop timeout) and restarts both: the job completes with the uninterrupted
+    # losses. Without (the negative control) the job ends FAILED once srun's --wait (grace +
+    # 60 s) has ended the stopped node. The two jobs run side by side.
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf_path))
+    extra = ["--signal-grace", "60", "train.collective_timeout_s=20",
+             "train.startup_timeout_s=60"]
+    jobs = {}
+    for name, more in (("hang", ["--max-restarts", "0"]), ("hang-restarted", [])):
+        (job_id,), run_dir, log_dir = submit_training(tmp_path, name, corpus, monkeypatch,
+                                                      extra=extra + more)
+        jobs[name] = job_id, run_dir, log_dir
+    # Each is stopped as soon as it has trained 3 steps (well before its checkpoint at 10).
+    stopped_at = {}
+    deadline = time.monotonic() + 180
+    while len(stopped_at) < len(jobs):
+        for name, (job_id, run_dir, log_dir) in jobs.items():
+            steps = [r["step"] for r in read_metrics(run_dir, "train")]
+            if name not in stopped_at and max(steps, default=0) >= 3:
+                os.kill(non_lock_holder(run_dir)[1], signal.SIGSTOP)
+                stopped_at[name] = time.monotonic()
+            info = cluster.job_info(job_id)
+            assert info is not None and info.state in ("PENDING", "CONFIGURING", "RUNNING"), (
+                f"{info}\n{log_text(log_dir, name, job_id)}")
+        assert time.monotonic() < deadline, stopped_at
+        time.sleep(0.1)
+    timed_out = (r"\[rank0\] ERROR tape_train\.train: rank 0: a collective timed out in step "
+                 r"\d+ \(train\.collective_timeout_s=20 s\)")
+
+    job_id, run_dir, log_dir = jobs["hang"]
+    info = cluster.wait_for_job(job_id, timeout=240)
+    elapsed = time.monotonic() - stopped_at["hang"]
     text = log_text(log_dir, "hang", job_id)
     assert info.state == "FAILED" and info.restart_count == 0, f"{info.raw}\n{text}"
-    assert re.search(r"\[rank0\] ERROR tape_train\.train: rank 0: a collective timed out in step "
-                     r"\d+ \(train\.collective_timeout_s=20 s\)", text), text
+    assert re.search(timed_out, text), text
     assert "is stuck:" not in text          # the stopped rank could not report
+    assert "restart 1 of" not in text
     # The collective timeout (20 s), then srun --wait (60 + 60 s) for the stopped node.
     assert 20 < elapsed < 20 + 120 + 60, (elapsed, text)
-    print(f"stopped rank: job ended {elapsed:.0f} s after the SIGSTOP")
+    print(f"stopped rank, no restarts: job ended {elapsed:.0f} s after the SIGSTOP")
+
+    job_id, run_dir, log_dir = jobs["hang-restarted"]
+    info = cluster.wait_for_job(job_id, timeout=240)
+    elapsed = time.monotonic() - stopped_at["hang-restarted"]
+    text = log_text(log_dir, "hang-restarted", job_id)
+    print(f"stopped rank, restarts: job completed {elapsed:.0f} s after the SIGSTOP")
+    assert info.state == "COMPLETED" and info.restart_count == 0, f"{info.raw}\n{text}"
+    assert re.search(timed_out, text), text
+    assert re.search(r"restart 1 of 3 \(job \d+:0\): attempt 0 ended: rank 1 \(node ttnode\d, "
+                     r"pid \d+\) ended without a word.*; then rank 0 \(node ttnode\d, pid \d+\): "
+                     r"rank 0: a collective timed out", text), text
+    assert_uninterrupted_losses(cluster, training_jobs, run_dir, 0)
+
+
+# Runs under torchrun in place of tape-train: the real trainer, but rank 1 fails at step 2 of
+# every attempt (a deterministic bug).
+CRASHING_TRAINER = '''
+import os, sys
+from tape_train.train import loop
+real_step = loop.Trainer.train_step
+def train_step(self):
+    if self.state.step + 1 >= 2 and os.environ["RANK"] == "1":
+        raise RuntimeError("injected failure at step 2")
+    return real_step(self)
+loop.Trainer.train_step = train_step
+from tape_train.train.cli import main
+sys.exit(main())
+'''
+
+
+def test_a_deterministic_failure_is_restarted_once_not_max_restarts_times(cluster, corpus,
+                                                                          tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf_path))
+    (tmp_path / "crashing_trainer.py").write_text(CRASHING_TRAINER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(REPO_ROOT)]))
+    (job_id,), run_dir, log_dir = submit_training(
+        tmp_path, "crashing", corpus, monkeypatch, extra=["--train-module", "crashing_trainer"])
+    # The first restart is always taken; the second is refused: attempt 1 saved nothing.
+    log = ended_in_job(cluster, job_id, log_dir, "crashing", "FAILED",
+                       r"rank 1 \(node ttnode\d, pid \d+\) exited 1 first: RuntimeError: "
+                       r"injected failure at step 2")
+    assert ("ERROR: NOT restarting: attempt 1 made no progress (newest complete checkpoint "
+            "none, as at its start), so the failure looks deterministic; it ended: rank 1") in log
+    assert "restart 2 of" not in log and "requeueing job" not in log
+    assert log.count("tape-train: world size 2") == 3, log   # attempts 0, 1 and the refused 2

@@ -47,6 +47,19 @@ for arg in "$@"; do
     case $arg in --signal=*) kill -s "${arg#--signal=}" "$(cat "$FAKE_DIR/step.pid")";; esac
 done
 """
+# The interpreter: torchrun's --help (all options unless FAKE_TORCHRUN_HELP says otherwise) and
+# the restart verdict (FAKE_VERDICT_RC: 0 none, 3 fail, 4 requeue).
+FAKE_PYTHON = r"""#!/bin/bash
+echo "python $*" >> "$FAKE_DIR/calls"
+case "$*" in
+    "-m torch.distributed.run --help")
+        echo "${FAKE_TORCHRUN_HELP:---max-restarts --signals-to-handle --shutdown-timeout}"
+        exit "${FAKE_HELP_RC:-0}";;
+    "-m tape_train.cluster.requeue_guard --restart-verdict"*)
+        echo "${FAKE_VERDICT:-}"; exit "${FAKE_VERDICT_RC:-0}";;
+esac
+exit 99
+"""
 FAKE_SCONTROL = r"""#!/bin/bash
 echo "scontrol $*" >> "$FAKE_DIR/calls"
 case $1 in
@@ -61,7 +74,7 @@ def _fake_slurm_bin(tmp_path: Path) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL),
-                       ("scontrol", FAKE_SCONTROL)):
+                       ("scontrol", FAKE_SCONTROL), ("fakepython", FAKE_PYTHON)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     return bin_dir
@@ -71,7 +84,8 @@ def _fake_slurm_bin(tmp_path: Path) -> Path:
 def fake_slurm(tmp_path):
     bin_dir = _fake_slurm_bin(tmp_path)
     opts = ClusterOptions(nodes=2, procs_per_node=2, cpus_per_task=8, signal_grace=120,
-                          socket_ifname="lo", max_requeues=3, python="python3",
+                          socket_ifname="lo", max_requeues=3,
+                          python=str(bin_dir / "fakepython"),
                           log_dir=str(tmp_path), workdir=str(tmp_path),
                           max_stalled_requeues=0)  # the progress guard is tested on its own below
     script = tmp_path / "train.sbatch"
@@ -119,11 +133,18 @@ def test_finished_training_exits_0_without_requeue(fake_slurm):
     assert ("--gpus-per-node 0 --min-free-gb 10.0 --procs-per-node 2 --train-module "
             "tape_train.train.cli -- --config run.yaml train.max_steps=5" in preflight)
     for part in ("--ntasks-per-node=1", "--cpus-per-task=8", "--nnodes=2", "--nproc_per_node=2",
-                 "--master_addr=nodeA", f"--master_port={15000 + JOB_ID % 15000}",
+                 "--max_restarts=3", "--rdzv_backend=c10d", "--rdzv_id=4321",
+                 f"--rdzv_endpoint=nodeA:{15000 + JOB_ID % 15000}",
+                 "--rdzv_conf=is_host=$(( SLURM_NODEID == 0 ))",
                  "--signals_to_handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                  "--shutdown_timeout=120", "--wait=180",
                  "-m tape_train.train.cli --config run.yaml train.max_steps=5"):
         assert part in train, part
+    assert "WARNING" not in out
+    # torchrun's options asked once, before training; the restart verdict read after it.
+    asked = [c for c in calls if c.startswith("python")]
+    assert [c.split(" --")[0] for c in asked] == [
+        "python -m torch.distributed.run", "python -m tape_train.cluster.requeue_guard"], asked
     assert "OMP_NUM_THREADS=4" in out        # 8 CPUs shared by 2 processes
     assert "training finished (exit 0)" in out
 
@@ -136,6 +157,8 @@ def test_usr1_is_forwarded_then_the_job_requeues(fake_slurm):
     # The requeue comes after the step has ended, never while it may be writing a checkpoint.
     assert calls.index(f"scontrol requeue {JOB_ID}") > calls.index("step got USR1")
     assert "requeueing job" in out
+    # A stop is a stop: no restart verdict is asked for, whatever the trainer recorded.
+    assert not any("--restart-verdict" in c for c in calls)
 
 
 def test_usr1_when_requeue_is_refused_exits_75(fake_slurm):
@@ -262,3 +285,113 @@ def test_job_stops_requeueing_after_restarts_without_progress(tmp_path, progress
         return
     assert [rc for rc, _ in outputs] == [0, 75, 75] and requeues == 1, outputs
     assert "NOT requeueing: 2 consecutive restarts added no checkpoint" in outputs[1][1]
+
+
+# ----------------------------------------------------------------------------------------------
+# In-job restarts: torchrun's options, and the trainer's restart verdict
+# ----------------------------------------------------------------------------------------------
+
+
+def test_an_older_torchrun_gets_no_options_it_lacks_and_a_warning_each(fake_slurm):
+    # torch 2.11's torchrun has no --shutdown_timeout; a much older one no --signals_to_handle.
+    rc, calls, out = run_script(fake_slurm, FAKE_TRAIN_RC=0, FAKE_TORCHRUN_HELP="--max-restarts")
+    assert rc == 0, out
+    train = [c for c in calls if c.startswith("srun")][1]
+    assert "--shutdown_timeout" not in train and "--signals_to_handle" not in train
+    assert "--max_restarts=3" in train
+    assert ("WARNING: this torchrun has no --shutdown_timeout: workers get 30 s after a signal "
+            "to write their checkpoint, not TAPE_SIGNAL_GRACE=120 s") in out
+    assert "WARNING: this torchrun has no --signals_to_handle" in out
+    # Negative control of the probe: a torchrun with both options gets both (the test above).
+
+
+def test_a_failing_torchrun_probe_passes_every_option_with_a_warning(fake_slurm):
+    rc, calls, out = run_script(fake_slurm, FAKE_TRAIN_RC=0, FAKE_HELP_RC=1,
+                                FAKE_TORCHRUN_HELP="No module named torch")
+    assert rc == 0, out
+    train = [c for c in calls if c.startswith("srun")][1]
+    assert "--shutdown_timeout=120" in train and "--signals_to_handle" in train
+    assert "--help` failed (No module named torch); passing every option as is" in out
+
+
+def test_a_refused_restart_fails_the_job_with_the_trainers_reason(fake_slurm):
+    # The trainer refused a restart (no progress): every rank exited 0, so torchrun did too.
+    why = "NOT restarting: attempt 1 made no progress (newest complete checkpoint none, ...)"
+    rc, calls, out = run_script(fake_slurm, FAKE_TRAIN_RC=0, FAKE_VERDICT_RC=3,
+                                FAKE_VERDICT=why)
+    assert rc == 1, out
+    assert f"ERROR: {why}" in out and "training finished" not in out
+    assert not any(c.startswith("scontrol requeue") for c in calls)
+
+
+def test_a_restart_after_a_stop_requeues_instead(fake_slurm):
+    # A worker stopped on a signal that torchrun itself did not get (exit 75), and torchrun
+    # restarted it: the trainer refuses to go on inside the job, the script requeues.
+    rc, calls, out = run_script(fake_slurm, FAKE_TRAIN_RC=0, FAKE_VERDICT_RC=4,
+                                FAKE_VERDICT="NOT restarting: attempt 0 stopped on a signal")
+    assert rc == 0, out
+    assert f"scontrol requeue {JOB_ID}" in calls and "training finished" not in out
+
+
+def test_without_restarts_no_verdict_is_asked_for(fake_slurm):
+    tmp_path, script, env = fake_slurm
+    script.write_text(script.read_text().replace("TAPE_MAX_RESTARTS=3\n",
+                                                 "TAPE_MAX_RESTARTS=0\n"))
+    rc, calls, out = run_script(fake_slurm, FAKE_TRAIN_RC=0, FAKE_VERDICT_RC=3)
+    assert rc == 0, out
+    assert "--max_restarts=0" in [c for c in calls if c.startswith("srun")][1]
+    assert not any("--restart-verdict" in c for c in calls)
+
+
+def test_restart_guard_takes_the_first_restart_then_only_after_progress(tmp_path, monkeypatch):
+    from tape_train.cluster.requeue_guard import main as guard_main
+    from tape_train.train import restarts
+
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    run = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {{base: tiny}}\ntrain: {{run_dir: {run}}}\n")
+    verdict = ["--restart-verdict", "--", "--config", str(config)]
+
+    def attempt(expect: int, crash_rank: int | None = None):
+        number, refused, line = restarts.begin_attempt(run, world_size=2, max_restarts=5)
+        assert number == expect
+        for rank in (0, 1):
+            restarts.record_rank(run, number, rank)
+        if crash_rank is not None:   # the other rank was SIGKILLed: it leaves no exit record
+            restarts.record_rank(run, number, 1 - crash_rank, code=1,
+                                 reason="a collective failed: another rank exited")
+        return refused, line
+
+    assert attempt(0, crash_rank=1) == (None, None)
+    refused, line = attempt(1, crash_rank=1)           # the first restart: always, no progress
+    assert refused is None and line.startswith("restart 1 of 5 (job 9:0): attempt 0 ended: "
+                                               "rank 1 (node ")
+    assert "ended without a word: killed by a signal" in line
+    assert "then rank 0 (node" in line and "a collective failed" in line
+    _complete_checkpoint(run, 10)                      # attempt 1 saved: progress
+    refused, line = attempt(2)
+    assert refused is None and "resuming from checkpoint step_00000010" in line
+    assert guard_main(verdict) == 0
+    refused, line = attempt(3)                         # attempt 2 saved nothing: a loop
+    assert line is None and refused[0] == restarts.FAIL
+    assert refused[1].startswith("NOT restarting: attempt 2 made no progress (newest complete "
+                                 "checkpoint step_00000010, as at its start)")
+    assert guard_main(verdict) == 3
+    # The next run of the job (a requeue) starts its own count; no verdict for it yet.
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert guard_main(verdict) == 0
+    assert attempt(0) == (None, None)
+    restarts.record_rank(run, 0, 0, code=75, reason="stopped on a signal")
+    refused, _ = attempt(1)                            # a stop is never continued by a restart
+    assert refused[0] == restarts.REQUEUE and "stopped on a signal (exit 75" in refused[1]
+    assert guard_main(verdict) == 4
+    # The limit, counted over the whole job run (torchrun counts per node).
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    for number in range(6):
+        _complete_checkpoint(run, 20 + number)
+        assert attempt(number)[0] is None
+    _complete_checkpoint(run, 30)
+    refused, _ = attempt(6)
+    assert refused[0] == restarts.FAIL and "exceed TAPE_MAX_RESTARTS=5" in refused[1]

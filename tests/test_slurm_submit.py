@@ -85,6 +85,7 @@ def test_parse_time_limit_rejects_other_text_naming_the_option(text):
     (dict(log_dir="my logs"), "whitespace"),
     (dict(train_module="tape_train/train"), "--train-module"),
     (dict(extra_sbatch=["constraint=a100"]), "--sbatch-arg"),
+    (dict(max_restarts=-1), "--max-restarts must be an integer >= 0"),
 ])
 def test_cluster_options_reject_bad_values_naming_them(kwargs, match):
     with pytest.raises(RenderError, match=match):
@@ -114,7 +115,7 @@ def test_cpu_render_header_settings_and_untouched_body():
             "'train.run_dir=runs/it'\"'\"'s here')") in script
     for line in ("TAPE_PYTHON=/venv/bin/python", "TAPE_GPUS_PER_NODE=0",
                  "TAPE_PROCS_PER_NODE=2", "TAPE_SOCKET_IFNAME=lo", "TAPE_SIGNAL_GRACE=120",
-                 "TAPE_TRAIN_MODULE=tape_train.train.cli"):
+                 "TAPE_TRAIN_MODULE=tape_train.train.cli", "TAPE_MAX_RESTARTS=3"):
         assert f"\n{line}\n" in script
     # The body is the template's, line for line: one source of truth.
     assert strip_blocks(script) == strip_blocks(train_template())
@@ -219,8 +220,9 @@ def test_tape_submit_dry_run_prints_the_script(tmp_path, monkeypatch):
     rc, out, err = run_submit(["--config", str(config), "train.max_steps=7", "--nodes", "2",
                                "--time", "01:00:00", "--sbatch-arg=--exclusive",
                                "--eval-after", "--eval-lengths", "128", "256",
-                               "--eval-arg=--max-tokens=512", "--dry-run"])
+                               "--eval-arg=--max-tokens=512", "--max-restarts", "0", "--dry-run"])
     assert rc == 0, err
+    assert "\nTAPE_MAX_RESTARTS=0\n" in out
     train, _, evaluation = out.partition(submit.EVAL_SEPARATOR)
     assert train.startswith("#!/bin/bash\n")
     assert "#SBATCH --nodes=2\n" in train and "#SBATCH --job-name=tape-run\n" in train
@@ -238,6 +240,7 @@ def test_tape_submit_dry_run_prints_the_script(tmp_path, monkeypatch):
     (["train.no_such_key=1"], "train.no_such_key"),
     (["--time", "4h"], "--time '4h'"),
     (["--nodes", "0"], "--nodes must be an integer >= 1"),
+    (["--max-restarts", "-2"], "--max-restarts must be an integer >= 0"),
 ])
 def test_tape_submit_rejects_bad_config_or_options_before_submitting(tmp_path, monkeypatch,
                                                                      extra, match):

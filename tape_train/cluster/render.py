@@ -81,6 +81,8 @@ class ClusterOptions:
         max_requeues: the script stops requeueing itself after this many restarts.
         max_stalled_requeues: ... or after this many restarts in a row that added no new
             checkpoint (`tape_train.cluster.requeue_guard`; 0: no limit).
+        max_restarts: in-job restarts (torchrun --max_restarts) after a rank crashed or hung;
+            after the first, only if the attempt before saved a new checkpoint (0: none).
         train_module: the module torchrun runs with `-m` (the trainer; a fork may swap it).
         extra_sbatch: further sbatch options, e.g. `--constraint=a100`, one `#SBATCH` line each.
     """
@@ -102,6 +104,7 @@ class ClusterOptions:
     min_free_gb: float = 10.0
     max_requeues: int = 100
     max_stalled_requeues: int = 3
+    max_restarts: int = 3
     train_module: str = "tape_train.train.cli"
     extra_sbatch: list[str] = field(default_factory=list)
 
@@ -112,6 +115,7 @@ class ClusterOptions:
         _check_int("signal_grace", self.signal_grace, minimum=1)
         _check_int("max_requeues", self.max_requeues, minimum=0)
         _check_int("max_stalled_requeues", self.max_stalled_requeues, minimum=0)
+        _check_int("max_restarts", self.max_restarts, minimum=0)
         if self.gpus_per_node > 0 and self.procs_per_node not in (1, self.gpus_per_node):
             raise RenderError(f"--procs-per-node {self.procs_per_node} is for CPU nodes; with "
                               f"--gpus-per-node {self.gpus_per_node} there is one process per GPU")
@@ -234,6 +238,7 @@ def train_settings(opts: ClusterOptions, train_args: list[str]) -> list[str]:
         _assign("TAPE_MIN_FREE_GB", opts.min_free_gb),
         _assign("TAPE_MAX_REQUEUES", opts.max_requeues),
         _assign("TAPE_MAX_STALLED_REQUEUES", opts.max_stalled_requeues),
+        _assign("TAPE_MAX_RESTARTS", opts.max_restarts),
         _assign("TAPE_TRAIN_MODULE", opts.train_module),
     ]
 

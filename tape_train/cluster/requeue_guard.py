@@ -13,6 +13,11 @@ stalled incarnations the answer is "stop", with the reason on one line.
 
 Exit status: 0 requeue, 3 stop (the reason is printed), 2 the question could not be answered
 (bad arguments, unreadable run directory; printed too): the script then requeues as before.
+
+``--restart-verdict`` asks instead whether the trainer refused an in-job restart in this run of
+the job (``tape_train.train.restarts``: it ends such a run with exit 0 so that torchrun stops
+restarting): exit 0 no refusal, 3 refused, the job fails (the reason is printed), 4 refused
+because the attempt had stopped on a signal: the job requeues.
 """
 
 from __future__ import annotations
@@ -23,16 +28,13 @@ import os
 import sys
 from pathlib import Path
 
+from tape_train.checkpoint_layout import newest_complete_tag
+
 STATE_NAME = "requeue_state.json"
-EXIT_REQUEUE, EXIT_ERROR, EXIT_STOP = 0, 2, 3
+EXIT_REQUEUE, EXIT_ERROR, EXIT_STOP, EXIT_RESTART_REQUEUE = 0, 2, 3, 4
 
 
-def newest_checkpoint(run_dir: Path) -> str | None:
-    """Tag of the newest complete checkpoint (sizes checked, nothing read), or ``None``."""
-    from tape_train.checkpoint_layout import find_latest_complete
-
-    found = find_latest_complete(run_dir, warn=False)
-    return found.name if found is not None else None
+newest_checkpoint = newest_complete_tag  # the one notion of progress (restarts use it too)
 
 
 def decide(run_dir: Path, job_id: str, restart: str, max_stalled: int) -> tuple[bool, str]:
@@ -70,7 +72,9 @@ def decide(run_dir: Path, job_id: str, restart: str, max_stalled: int) -> tuple[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tape_train.cluster.requeue_guard")
-    parser.add_argument("--max-stalled", type=int, required=True)
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--max-stalled", type=int)
+    mode.add_argument("--restart-verdict", action="store_true")
     parser.add_argument("train_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
@@ -78,6 +82,14 @@ def main(argv: list[str] | None = None) -> int:
         from tape_train.cluster.run_args import resolve_run_dir
 
         run_dir = resolve_run_dir(train_args)
+        if args.restart_verdict:
+            from tape_train.train.restarts import REQUEUE, read_verdict
+
+            verdict = read_verdict(run_dir)
+            if verdict is None:
+                return EXIT_REQUEUE
+            print(verdict[1])
+            return EXIT_RESTART_REQUEUE if verdict[0] == REQUEUE else EXIT_STOP
         requeue, reason = decide(run_dir, os.environ.get("SLURM_JOB_ID", ""),
                                  os.environ.get("SLURM_RESTART_COUNT", "0"), args.max_stalled)
     except Exception as exc:  # noqa: BLE001 - any failure: say it, let the script requeue

@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-stalled-requeues", type=int, default=3,
                    help="stop requeueing after this many restarts in a row that added no "
                         "checkpoint (0: no limit; default: %(default)s)")
+    r.add_argument("--max-restarts", type=int, default=3,
+                   help="restart the workers of every node in the job after a rank crashed or "
+                        "hung, resuming from the newest checkpoint, up to this many times; "
+                        "after the first, only if the attempt before saved a new checkpoint "
+                        "(0: a crash ends the job; default: %(default)s)")
     r.add_argument("--train-module", default="tape_train.train.cli",
                    help="module torchrun runs with -m (default: the trainer)")
     r.add_argument("--template-dir", type=Path, default=None,
@@ -167,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             job_name=_job_name(args.config, args.job_name), signal_grace=args.signal_grace,
             log_dir=str(log_dir), workdir=str(workdir), socket_ifname=args.socket_ifname,
             python=args.python, min_free_gb=args.min_free_gb, max_requeues=args.max_requeues,
-            max_stalled_requeues=args.max_stalled_requeues,
+            max_stalled_requeues=args.max_stalled_requeues, max_restarts=args.max_restarts,
             train_module=args.train_module, extra_sbatch=args.sbatch_arg)
         template_dir = args.template_dir or default_template_dir()
         train_path = template_dir / "train.sbatch"

@@ -29,6 +29,7 @@ from tape_train.files import FileWriteError, write_atomic
 from tape_train.train import checkpoint as ckpt
 from tape_train.train import distributed as tdist
 from tape_train.train import relayout
+from tape_train.train import restarts
 from tape_train.train.relayout import protected_differences
 from tape_train.train.engine import build_engine, count_target_tokens, forward_backward
 from tape_train.host_memory import keep_freed_memory
@@ -58,6 +59,12 @@ class TrainState:
     tokens_seen: int = 0         # input tokens consumed, all ranks
     skipped_steps: int = 0       # non-finite updates skipped in the whole run
     bad_steps_in_row: int = 0
+
+
+class RestartRefused(Exception):
+    """torchrun restarted the workers, and ``tape_train.train.restarts`` refuses the restart
+    (no progress, a stop, the limit): every rank ends with exit 0 so that torchrun stops
+    restarting; the launcher reads the recorded verdict and fails or requeues the job."""
 
 
 class StoppedDuringSetup(Exception):
@@ -112,6 +119,7 @@ class Trainer:
         self._timeout_in_force: float | None = None
         self._stepped = False      # a step ran in this process (the first compiles, autotunes)
         self._in_train = False     # inside train(): a phase lasts until the next one starts
+        self._attempt: int | None = None  # in-job restart attempt (restarts.guarded() only)
 
     # ------------------------------------------------------------------------------------------
     # Set-up
@@ -119,7 +127,7 @@ class Trainer:
 
     def setup(self) -> None:
         self.stop.install()  # early: a stop signal during set-up ends it at the next phase
-        self.watchdog = Watchdog(int(os.environ.get("RANK", "0")), before_exit=self._release_lock)
+        self.watchdog = Watchdog(int(os.environ.get("RANK", "0")), before_exit=self._hung_exit)
         try:
             self._setup()
         finally:  # start-up is over (or failed): whatever the caller does next is not in it
@@ -148,17 +156,19 @@ class Trainer:
         self.grid.build()
         # Data is sharded over dp only: every rank of an SP/TP group gets the same batch.
         self.dp_size, self.dp_rank = self.grid.dp_size, self.grid.dp_rank
-        restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+        requeues = os.environ.get("SLURM_RESTART_COUNT", "0")
         log.info("%s", self._preflight_summary)
         if cfg.train.deterministic:
             log.info("deterministic algorithms on (train.deterministic): CUBLAS_WORKSPACE_CONFIG=%s, "
                      "cuDNN without autotuning, atomic-free attention backward",
                      os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
         log.info("tape-train: world size %d (%s), device %s, run dir %s, "
-                 "SLURM_RESTART_COUNT=%s", self.dist.world_size, self.grid.describe(),
-                 self.dist.device, self.run_dir, restarts)
+                 "SLURM_RESTART_COUNT=%s TORCHELASTIC_RESTART_COUNT=%s", self.dist.world_size,
+                 self.grid.describe(), self.dist.device, self.run_dir, requeues,
+                 os.environ.get("TORCHELASTIC_RESTART_COUNT", "-"))
 
         self._take_run_lock()
+        self._check_restart()
         # Find the checkpoint and compare configs before building anything expensive.
         self._resume_tag = self._find_resume_checkpoint()
         self._relayout = None
@@ -201,7 +211,7 @@ class Trainer:
                                     wandb=cfg.logging.wandb, run_config=cfg.to_dict())
         self.writer.write("event", self.state.step, {
             "event": "resume" if resumed_from else "start", "checkpoint": resumed_from,
-            "world_size": self.dist.world_size, "slurm_restart_count": int(restarts or 0),
+            "world_size": self.dist.world_size, "slurm_restart_count": int(requeues or 0),
             "layout": relayout.current_layout(self.grid),
             "relayout_from": self._relayout.saved if resumed_from and self._relayout else None,
             "code_version": ckpt.code_version()})
@@ -267,6 +277,34 @@ class Trainer:
     def _release_lock(self) -> None:
         if self.lock is not None:
             self.lock.release()
+
+    def _hung_exit(self) -> None:
+        """The watchdog ends this rank: say so to the next attempt, release the lock."""
+        self._record_end(1, "stuck (its watchdog ended it; its log has the stacks)")
+        self._release_lock()
+
+    def _check_restart(self) -> None:
+        """Under torchrun with restarts (``restarts.guarded()``): rank 0 numbers this attempt
+        and, on a restart, logs why the last attempt ended or refuses the restart; every rank
+        records where it runs. Collective."""
+        if not restarts.guarded():
+            return
+        attempt, verdict = 0, None
+        if self.rank == 0:
+            attempt, verdict, line = restarts.begin_attempt(
+                self.run_dir, self.dist.world_size,
+                int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")))
+            if line:
+                log.warning("%s", line)
+        self._attempt = tdist.all_reduce_max_int(attempt)
+        restarts.record_rank(self.run_dir, self._attempt, self.rank)
+        if tdist.all_reduce_max_int(1 if verdict else 0):
+            raise RestartRefused(verdict[1] if verdict else "restart refused (rank 0 says why)")
+
+    def _record_end(self, code: int, reason: str) -> None:
+        if self._attempt is not None and code != 0:
+            restarts.record_rank(self.run_dir, self._attempt, getattr(self, "rank", 0),
+                                 code=code, reason=reason)
 
     def _build_loader(self):
         if self.loader_factory is not None:
@@ -748,13 +786,19 @@ class Trainer:
     def run(self) -> int:
         """set-up + train + clean-up; errors are logged and mapped to exit code 1."""
         code = EXIT_ERROR
+        reason = "an unexpected exception (its traceback is in this rank's log)"
         try:
             self.setup()
             code = self.train()
+            reason = "stopped on a signal" if code else ""
+        except RestartRefused as refused:
+            if self.rank == 0:
+                log.error("%s", refused)
+            code, reason = EXIT_OK, ""
         except (ckpt.CheckpointError, RunLockError, UnmeasuredLengthError, FileWriteError,
                 DataError, DeviceError) as exc:  # their messages name the file, key or value
             log.error("%s", exc)
-            code = EXIT_ERROR
+            code, reason = EXIT_ERROR, str(exc)
         except PreflightError as exc:
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per node
                 for line in exc.problems:
@@ -768,10 +812,15 @@ class Trainer:
         except RuntimeError as exc:  # a collective timed out, or a peer went away: one line
             line = describe_collective_error(exc, self.watchdog, getattr(self, "rank", 0))
             if line is None:
+                reason = f"RuntimeError: {exc}".splitlines()[0]
                 raise
             log.error("%s", line)
-            code = EXIT_ERROR
+            code, reason = EXIT_ERROR, line
+        except Exception as exc:  # with its traceback; the next attempt names it
+            reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            raise
         finally:
+            self._record_end(code if code is not None else EXIT_ERROR, reason)
             self.close()
             _write_exit_file(code if code is not None else EXIT_ERROR)
         return code
