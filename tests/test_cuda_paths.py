@@ -120,32 +120,53 @@ def test_micro_batch_loop_keeps_the_loss_on_the_device(sp):
         assert (positions is None) == (sp == 1) and (positions is None or positions.device == META)
 
 
-def test_a_training_step_reads_values_back_once_per_step_not_per_micro_batch(tmp_path):
-    from gpu.common import count_host_syncs
+_SYNC_WORKER = """
+import json, sys
+from gpu.common import count_host_syncs
+from tape_train.config import load_run_config
+from tape_train.train.loop import Trainer
 
-    from tape_train.config import load_run_config
-    from tape_train.train.loop import Trainer
+trainer = Trainer(load_run_config(None, json.loads(sys.argv[1])))
+try:
+    trainer.setup()
+    trainer.train_step()  # the first step: DeepSpeed's one-off set-up work
+    with count_host_syncs(trainer.dist.device) as syncs:
+        for _ in range(int(sys.argv[2])):
+            trainer.train_step()
+finally:
+    trainer.close()
+print(json.dumps({"total": sum(syncs.sites.values()), "sites": {str(k): v for k, v in
+                  syncs.sites.items()}, "mid_step": {str(k): v for k, v in
+                  syncs.mid_step.items()}}))
+"""
+
+
+def test_a_training_step_reads_values_back_once_per_step_not_per_micro_batch(tmp_path):
+    # In a process of its own: a trainer sets up logging, a process group and signal handlers
+    # for its whole process, which later tests in this one must not inherit.
+    import json
+    import os
+    import subprocess
 
     micro, steps = 3, 2
-    cfg = load_run_config(None, [
+    overrides = [
         "model=tiny", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
         "model.intermediate_size=128", "model.vocab_size=256", "model.max_seq_len=64",
         f"train.run_dir={tmp_path}", "train.seq_len=32", "train.micro_batch_size=2",
         f"train.grad_accum_steps={micro}", "train.dtype=fp32", "train.device=cpu",
         "train.synthetic_data=true", "train.max_steps=10", "logging.peak_tflops=1.0",
-        "logging.tensorboard=false", "logging.progress_bar=false"])
-    trainer = Trainer(cfg)
-    try:
-        trainer.setup()
-        trainer.train_step()  # the first step: DeepSpeed's one-off set-up work
-        with count_host_syncs(trainer.dist.device) as syncs:
-            for _ in range(steps):
-                trainer.train_step()
-    finally:
-        trainer.close()
+        "logging.tensorboard=false", "logging.progress_bar=false"]
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(repo), str(repo / "benchmarks"), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", _SYNC_WORKER, json.dumps(overrides),
+                           str(steps)], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    syncs = json.loads(proc.stdout.strip().splitlines()[-1])
     # Once per step: G, the loss all-reduce, the grad norm, the stop agreement (and more).
-    assert sum(syncs.sites.values()) >= 4 * steps, "the counter missed reads: it would pass"
-    assert syncs.mid_step == {}, dict(syncs.sites)
+    assert syncs["total"] >= 4 * steps, "the counter missed reads: it would pass"
+    assert syncs["mid_step"] == {}, syncs["sites"]
 
 
 def test_the_sync_counter_sees_a_read_per_micro_batch():
