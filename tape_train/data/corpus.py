@@ -295,7 +295,7 @@ def _write_shards(source: DocumentSource, scratch: PrepareScratch, *, num_shards
                 writer.abandon()
         seen.file.close()
         # The last checkpoint whose state was written (not one that failed part-way).
-        saved = scratch.state["checkpoint"] if scratch.state is not None else 0
+        saved = scratch.saved_checkpoint()
         if saved == 0 or not len(seen):
             scratch.remove()  # nothing to resume from
         else:

@@ -211,6 +211,12 @@ class PrepareScratch:
             return None
         return state
 
+    def saved_checkpoint(self) -> int:
+        """The checkpoint a resume would start from: the state on disk, which a stop signal
+        arriving between its write and ``self.state``'s update would otherwise contradict."""
+        state = self._read_state()
+        return int(state.get("checkpoint", 0)) if state is not None else 0
+
     def _truncate(self, state: dict) -> str | None:
         """Cut every data file back to the size its checkpoint recorded (a kill after the
         checkpoint leaves more); the reason not to resume if one is shorter or missing."""
