@@ -186,6 +186,32 @@ def test_the_sync_counter_sees_a_read_per_micro_batch():
     assert syncs.mid_step == {"tape_train/train/engine.py:4": 2}  # not the step's last one
 
 
+def test_evaluation_keeps_its_sums_on_the_device():
+    """Evaluation read each batch's NLL and token count back (two host syncs per batch); the
+    sums now stay on the model's device until the end of the ``evaluate_perplexity`` call."""
+    from gpu.common import count_host_syncs
+    from tape_train.eval.perplexity import _evaluate_length, evaluate_perplexity, \
+        materialize_documents
+
+    docs = materialize_documents([(list(range(1, n + 1)), n) for n in (9, 17, 30, 5)])
+    model = _meta_model("tape", "auto").eval()
+    with count_host_syncs(META) as syncs, torch.no_grad():
+        sums, info = _evaluate_length(model, docs, 8, "sliding", None, None, 2, META, False, 0,
+                                      1)
+    assert syncs.sites == {} and sums.device == META and sums.dtype == torch.float64
+    assert info["windows"] > 4                      # several batches ran
+
+    def reads(batch_size):
+        cpu_model = TransformerLM(small_config("tape")).eval()
+        with count_host_syncs(torch.device("cpu")) as syncs:
+            evaluate_perplexity(cpu_model, docs, lengths=[4, 8], protocol="sliding",
+                                batch_size=batch_size)
+        return sum(n for site, n in syncs.sites.items() if "eval/perplexity" in site)
+    # 1 window per batch vs. all of a length's in one: the reads do not follow the batches
+    # (each call also validates its documents on the host, one read per document).
+    assert reads(1) == reads(64) > 0
+
+
 # ------------------------------------------------------------------------------------------------
 # Selection logic fed CUDA facts
 # ------------------------------------------------------------------------------------------------

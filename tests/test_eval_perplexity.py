@@ -207,27 +207,62 @@ def test_bits_per_byte_and_cap_on_the_real_model():
     assert r["loss"] == pytest.approx(expected / 20)
 
 
+def _simulated_ranks(dp_size, evaluate):
+    """``evaluate(rank, reduce)`` on ``dp_size`` threads whose ``reduce`` really sums over
+    them (an all-reduce); returns (results by rank, the tensors each rank handed in)."""
+    import threading
+
+    barrier = threading.Barrier(dp_size)
+    handed, results, errors = {}, {}, []
+
+    def rank_body(rank):
+        def reduce(t):
+            handed[rank] = t.clone()
+            barrier.wait(timeout=30)
+            total = sum(handed[r] for r in range(dp_size))
+            barrier.wait(timeout=30)     # all have summed before any rank's next call
+            return total
+        try:
+            results[rank] = evaluate(rank, reduce)
+        except Exception as err:   # noqa: BLE001 - re-raised in the test's thread
+            errors.append(err)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank_body, args=(r,)) for r in range(dp_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [results[r] for r in range(dp_size)], [handed[r] for r in range(dp_size)]
+
+
 def test_data_parallel_split_sums_to_single_rank_with_equal_forward_counts():
     docs = unique_documents()
     single = evaluate_perplexity(RecordingModel(), docs, lengths=[4, 6], protocol="sliding",
                                  batch_size=2)
-    dp_size, calls, shards, reduced_shapes = 3, [], [], []
-    for rank in range(dp_size):
-        model = RecordingModel()
-
-        def reduce(t):
-            reduced_shapes.append(tuple(t.shape))
-            return t
-        shards.append(evaluate_perplexity(model, docs, lengths=[4, 6], protocol="sliding",
-                                          batch_size=2, reduce=reduce, dp_rank=rank,
-                                          dp_size=dp_size))
-        calls.append(model.calls)
-    assert len(set(calls)) == 1             # ZeRO-3 needs the same number of forwards per rank
-    assert reduced_shapes == [(2, 3)] * dp_size
+    dp_size, models = 3, [RecordingModel() for _ in range(3)]
+    ranks, handed = _simulated_ranks(dp_size, lambda rank, reduce: evaluate_perplexity(
+        models[rank], docs, lengths=[4, 6], protocol="sliding", batch_size=2, reduce=reduce,
+        dp_rank=rank, dp_size=dp_size))
+    assert len({m.calls for m in models}) == 1   # ZeRO-3 needs the same number of forwards
+    assert [tuple(t.shape) for t in handed] == [(2, 3)] * dp_size
+    for results in ranks:                         # every rank reports the whole
+        for got, want in zip(results, single):
+            assert got.keys() == want.keys() and got["tokens"] == want["tokens"]
+            for key, value in want.items():                 # sums in another order
+                assert got[key] == (pytest.approx(value, rel=1e-12)
+                                    if isinstance(value, float) else value), key
     for i, whole in enumerate(single):
-        for key in ("nll_sum", "tokens", "bytes"):
-            assert sum(s[i][key] for s in shards) == pytest.approx(whole[key])
-        assert all(0 < s[i]["tokens"] < whole["tokens"] for s in shards)   # really split
+        for j, key in enumerate(("nll_sum", "tokens", "bytes")):
+            assert sum(float(t[i, j]) for t in handed) == pytest.approx(whole[key])
+            assert all(0 < float(t[i, j]) < whole[key] for t in handed)   # really split
+    # Negative control: a reduce that sums nothing leaves each rank with its share, which
+    # every rank finds short of the windows it knows (no rank reports a partial number).
+    with pytest.raises(RuntimeError, match="num_tokens="):
+        evaluate_perplexity(RecordingModel(), docs, lengths=[4, 6], protocol="sliding",
+                            batch_size=2, reduce=lambda t: t, dp_rank=1, dp_size=dp_size)
 
 
 def test_heartbeat_is_called_once_per_batch_of_every_length_and_protocol():

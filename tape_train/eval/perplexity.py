@@ -311,24 +311,35 @@ def evaluate_perplexity(model: torch.nn.Module, documents: Iterable, *, lengths:
     device = torch.device(device) if device is not None else _model_device(model)
     was_training = model.training
     model.eval()
-    rows, stats = [], []
+    rows, sums = [], []
     try:
         with torch.no_grad():
             for length in lengths:
-                sums, info = _evaluate_length(model, docs, length, protocol, stride, max_tokens,
-                                              batch_size, device, progress, dp_rank, dp_size,
-                                              heartbeat)
-                stats.append(sums)
+                length_sums, info = _evaluate_length(model, docs, length, protocol, stride,
+                                                     max_tokens, batch_size, device, progress,
+                                                     dp_rank, dp_size, heartbeat)
+                sums.append(length_sums)
                 rows.append(info)
     finally:
         model.train(was_training)
 
-    totals = torch.tensor(stats, dtype=torch.float64)
+    # The one read of the device per call: the sums stayed where the model computed them.
+    totals = torch.stack(sums)
     if reduce is not None:
         totals = reduce(totals)
+    totals = totals.tolist()
+    for info, (_, tokens, _) in zip(rows, totals):
+        # Every rank knows every window, so every rank finds a miscount (no rank is left
+        # waiting in a collective of a later call).
+        if round(tokens) != info["scored"]:
+            raise RuntimeError(
+                f"the model reported num_tokens={round(tokens)} at L={info['length']} for "
+                f"windows with {info['scored']} labels != {IGNORE_INDEX}: it must sum the NLL "
+                f"over exactly those")
     check_measured(rows, docs, allow_unmeasured)
     results = []
-    for info, (nll_sum, tokens, n_bytes) in zip(rows, totals.tolist()):
+    for info, (nll_sum, tokens, n_bytes) in zip(rows, totals):
+        info = {k: v for k, v in info.items() if k != "scored"}
         result = dict(info, **summarize(nll_sum, round(tokens), n_bytes))
         if not info["measured"]:
             result.update(perplexity=math.nan, loss=math.nan, bits_per_byte=math.nan)
@@ -374,8 +385,10 @@ def summarize(nll_sum: float, tokens: int, n_bytes: float) -> dict:
 
 
 def _evaluate_length(model, docs, length, protocol, stride, max_tokens, batch_size, device,
-                     progress, dp_rank, dp_size, heartbeat=None) -> tuple[list[float], dict]:
-    """Sums (nll, tokens, bytes) of this rank's batches at one length, and global counts."""
+                     progress, dp_rank, dp_size, heartbeat=None) -> tuple[torch.Tensor, dict]:
+    """This rank's sums at one length, ``(nll, tokens the model counted, bytes)`` in float64
+    on ``device`` (nothing is read back here: no host sync per batch), and global counts
+    (``scored``: the labels of every rank's windows, for the caller's check)."""
     total = sum(t.numel() - 1 for t, _ in docs)
     if max_tokens is not None:
         total = min(total, max_tokens)
@@ -407,7 +420,10 @@ def _evaluate_length(model, docs, length, protocol, stride, max_tokens, batch_si
         stride_note = f" S={resolve_stride(length, stride)}" if protocol == "sliding" else ""
         bar = progress_bar(total, desc=f"eval {protocol} L={length}{stride_note}", unit="tok",
                            mode="on", leave=False)
-    nll_sum, scored, scored_bytes = 0.0, 0, 0.0
+    # NLL and the model's token count accumulate on the device in float64; bytes and the
+    # expected count are known here.
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    scored, scored_bytes = 0, 0.0
     own_batches = 0
     first_batch = None
     num_batches = 0
@@ -415,14 +431,17 @@ def _evaluate_length(model, docs, length, protocol, stride, max_tokens, batch_si
         num_batches += 1
         if first_batch is None:
             first_batch = batch
+        batch_scored = sum(w.num_scored for w in batch)
+        scored += batch_scored
         if index % dp_size == dp_rank:
             own_batches += 1
-            nll, n = _forward(model, batch, device)
-            nll_sum += nll
-            scored += n
+            out = _forward(model, batch, device)
+            sums += torch.stack([out.loss_sum.detach().to(torch.float64),
+                                 torch.as_tensor(out.num_tokens, dtype=torch.float64,
+                                                 device=sums.device)])
             scored_bytes += sum(w.num_bytes for w in batch)
         if bar is not None:
-            bar.update(sum(w.num_scored for w in batch))
+            bar.update(batch_scored)
         if heartbeat is not None:
             heartbeat()
     # Keep the forward count identical on every rank (collectives inside ZeRO-3's forward).
@@ -434,19 +453,16 @@ def _evaluate_length(model, docs, length, protocol, stride, max_tokens, batch_si
             "stride": resolve_stride(length, stride) if protocol == "sliding" else None,
             **counts, "max_tokens": max_tokens,
             "measured": counts["windows_at_length"] > 0,
-            "few_tokens": counts["tokens_at_length"] < FEW_TOKENS}
-    return [nll_sum, float(scored), scored_bytes], info
+            "few_tokens": counts["tokens_at_length"] < FEW_TOKENS, "scored": scored}
+    host_bytes = torch.tensor([scored_bytes], dtype=torch.float64)
+    return torch.cat([sums, host_bytes.to(device, non_blocking=True)]), info
 
 
-def _forward(model, batch: list[_Window], device: torch.device) -> tuple[float, int]:
+def _forward(model, batch: list[_Window], device: torch.device):
+    """The model's output for one batch (inputs copied without waiting for the device)."""
     input_ids, labels = _collate(batch)
-    out = model(input_ids.to(device), labels=labels.to(device))
-    expected = sum(w.num_scored for w in batch)
-    got = int(out.num_tokens)
-    if got != expected:
-        raise RuntimeError(f"the model reported num_tokens={got} for a batch with {expected} "
-                           f"labels != {IGNORE_INDEX}: it must sum the NLL over exactly those")
-    return float(out.loss_sum.detach().double()), got
+    return model(input_ids.to(device, non_blocking=True),
+                 labels=labels.to(device, non_blocking=True))
 
 
 def evaluate_schedule(model: torch.nn.Module, documents: Iterable, config: EvalConfig, *,
