@@ -45,13 +45,15 @@ def _not_printed_by_its_library(record: logging.LogRecord) -> bool:
     return True
 
 
-def setup_cli_logging(level: int = logging.INFO) -> None:
+def setup_cli_logging(level: int = logging.INFO, tag: str = "") -> None:
     """A command's log on stderr: one ``time LEVEL logger: message`` line per record, and no
     second copy of what a library prints through its own handler. Keeps an existing root
-    setup (a command called from another one, or from tests) apart from adding the filter."""
+    setup (a command called from another one, or from tests) apart from adding the filter.
+    ``tag`` (e.g. ``rank1``) goes in brackets after the time: which process of several said it."""
     root = logging.getLogger()
     if not root.handlers:
-        logging.basicConfig(level=level, stream=sys.stderr, format=CLI_LOG_FORMAT)
+        fmt = CLI_LOG_FORMAT.replace(" ", f" [{tag}] ", 1) if tag else CLI_LOG_FORMAT
+        logging.basicConfig(level=level, stream=sys.stderr, format=fmt)
     for handler in root.handlers:
         if _not_printed_by_its_library not in handler.filters:
             handler.addFilter(_not_printed_by_its_library)

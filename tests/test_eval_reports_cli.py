@@ -176,38 +176,83 @@ def test_tape_eval_errors_are_clear(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def _evaluate_rank(run_dir):
-    """One data-parallel rank of a real gloo group: its share of windows, all-reduced."""
-    import torch.distributed as dist
+def _torchrun(tmp_path, nproc, target, *args):
+    """``python -m torch.distributed.run --standalone --nproc_per_node <nproc> <target>
+    <args>``: what eval.sbatch runs on a node (``target`` ``-m tape_train.eval.cli`` or a
+    script)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    from tape_train.train.checkpoint import load_model_from_checkpoint
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={nproc}", *target, *args], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=180)
 
-    cfg, state, _ = load_model_from_checkpoint(run_dir)
-    model = TransformerLM(cfg)
-    model.load_state_dict(state)
 
-    def reduce(t):
-        dist.all_reduce(t)
-        return t
-    docs = synthetic_eval_documents(50, 4, 33, 7)
-    return evaluate_perplexity(model, docs, lengths=[8, 16], protocol="sliding", batch_size=2,
-                               max_tokens=70, reduce=reduce, dp_rank=dist.get_rank(),
-                               dp_size=dist.get_world_size())
+EVAL_ARGS = ["--lengths", "8", "16", "--max-tokens", "70", "--batch-size", "1", "--dtype",
+             "fp32", "--no-progress"]
 
 
 @pytest.mark.distributed
-def test_two_gloo_ranks_match_one_process(tmp_path):
-    from distributed import run_distributed_test
+def test_tape_eval_on_two_gloo_ranks_equals_one_process(tmp_path, capsys):
+    make_checkpoint(tmp_path / "run", "tape", seed=6)
+    assert main(["--checkpoint", str(tmp_path / "run"), *EVAL_ARGS,
+                 "--out", str(tmp_path / "one")]) == 0
+    capsys.readouterr()
+    proc = _torchrun(tmp_path, 2, ["-m", "tape_train.eval.cli"], "--checkpoint",
+                     str(tmp_path / "run"), *EVAL_ARGS, "--out", str(tmp_path / "two"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = json.loads((tmp_path / "one" / "eval.json").read_text())
+    two = json.loads((tmp_path / "two" / "eval.json").read_text())
+    assert (one["settings"]["world_size"], two["settings"]["world_size"]) == (1, 2)
+    pairs = list(zip(one["models"][0]["results"], two["models"][0]["results"]))
+    assert len(pairs) == 4                                   # 2 lengths x 2 protocols
+    for want, got in pairs:
+        assert got["tokens"] == want["tokens"] == 70 and got["windows"] == want["windows"]
+        for key in ("nll_sum", "perplexity", "bytes", "bits_per_byte"):
+            assert got[key] == pytest.approx(want[key], rel=1e-12), key
+    # Rank 0 alone writes and prints: one table, one set of files, one progress line each.
+    assert proc.stdout.count("| model |") == 1 and proc.stdout.count("wrote ") == 1
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [
+        "eval.json", "eval.md", "ppl_vs_length.png"]
+    assert proc.stderr.count("eval L=16 protocol=sliding") == 1
+    assert "[rank1]" not in proc.stderr and "error" not in proc.stderr
 
-    model = make_checkpoint(tmp_path / "run", "tape", seed=6)
-    ranks = run_distributed_test(_evaluate_rank, world_size=2, args=(str(tmp_path / "run"),))
-    single = evaluate_perplexity(model.float(), synthetic_eval_documents(50, 4, 33, 7),
-                                 lengths=[8, 16], protocol="sliding", max_tokens=70)
-    for rank_results in ranks:
-        for got, want in zip(rank_results, single):
-            assert got["tokens"] == want["tokens"] == 70
-            assert got["bytes"] == pytest.approx(want["bytes"])
-            assert got["nll_sum"] == pytest.approx(want["nll_sum"], rel=1e-6)
+
+FAIL_ON_RANK_1 = """import os, sys
+import tape_train.eval.perplexity as perplexity
+real, calls = perplexity._forward, []
+def forward(*args, **kwargs):   # rank 1 fails in its second batch; rank 0 goes on
+    calls.append(1)
+    if os.environ["RANK"] == "1" and len(calls) == 2:
+        raise RuntimeError("injected failure")
+    return real(*args, **kwargs)
+perplexity._forward = forward
+from tape_train.eval.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.distributed
+def test_a_rank_that_fails_ends_the_job_without_a_hang_or_a_report(tmp_path):
+    make_checkpoint(tmp_path / "run", "tape", seed=6)
+    script = tmp_path / "fail_on_rank_1.py"
+    script.write_text(FAIL_ON_RANK_1)
+    proc = _torchrun(tmp_path, 2, [str(script)], "--checkpoint", str(tmp_path / "run"),
+                     *EVAL_ARGS, "--out", str(tmp_path / "out"))   # a hang: TimeoutExpired
+    assert proc.returncode != 0
+    assert "tape-eval: error (rank 1 of 2): injected failure" in proc.stderr
+    # Rank 0, waiting for rank 1 in the all-reduce, says why in one line of its own (unless
+    # torchrun, which ends the other workers when one fails, was faster).
+    rank0 = [line for line in proc.stderr.splitlines() if line.startswith("tape-eval: error: ")]
+    assert len(rank0) <= 1 and all(line.startswith(
+        "tape-eval: error: summing the results with the other ranks failed, most likely because "
+        "another rank stopped (its own error is in this log): ") for line in rank0), rank0
+    assert not (tmp_path / "out").exists()                 # no partial report
 
 
 def test_table_and_plot_mark_unmeasured_and_few_token_lengths(tmp_path):

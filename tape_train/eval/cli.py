@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
+from tape_train.files import FileWriteError
 from tape_train.hints import example_on_missing
 from tape_train.progress import MODES, setup_cli_logging, show_progress
 
@@ -81,25 +83,29 @@ def _parse_max_tokens(text: str) -> int | None:
 
 
 def _init_distributed(device_arg: str):
-    """(rank, world size, device, reduce) — a process group only when launched by torchrun."""
-    import torch
+    """(rank, world size, device, reduce): a process group only when launched by torchrun
+    (``WORLD_SIZE`` > 1), NCCL on CUDA and gloo on CPU as in training; each process computes on
+    the device its ``LOCAL_RANK`` names (``tape_train.devices.pick_device``)."""
     import torch.distributed as dist
 
     from tape_train.devices import pick_device
+    from tape_train.train.distributed import all_reduce_sum, process_group_backend
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = pick_device(device_arg, int(os.environ.get("LOCAL_RANK", "0")), "--device")
     if world == 1:
         return 0, 1, device, None
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(process_group_backend(device))
 
-    def reduce(tensor: torch.Tensor) -> torch.Tensor:
-        # gloo and nccl both sum float64; move to the collective's device and back.
-        moved = tensor.to(device)
-        dist.all_reduce(moved)
-        return moved.cpu()
-
+    def reduce(sums):
+        try:
+            return all_reduce_sum(sums)
+        except RuntimeError as err:  # gloo: "[pair.cc:553] Connection closed by peer ..."
+            first = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip().split("\n")[0])
+            raise RuntimeError(f"summing the results with the other ranks failed, most likely "
+                               f"because another rank stopped (its own error is in this log): "
+                               f"{first.split('. ')[0]}") from err
     return dist.get_rank(), world, device, reduce
 
 
@@ -168,6 +174,8 @@ def run(args) -> int:
         existing = existing.parent
     if not existing.is_dir():  # found now, not after evaluating every checkpoint
         raise ValueError(f"--out {args.out}: {existing} exists and is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {args.out}: {existing} is not writable by this user")
     # Validates lengths, stride, batch size with the same messages as the run config.
     settings = EvalConfig(lengths=args.lengths, protocols=args.protocols,
                           sliding_stride=args.stride, max_tokens=max_tokens,
@@ -246,12 +254,17 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_cli_logging(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
+    rank = int(os.environ.get("RANK", "0"))
+    # Under torchrun: rank 0 logs progress; the others only warnings and errors, tagged.
+    setup_cli_logging(logging.INFO if rank == 0 else logging.WARNING,
+                      tag="" if rank == 0 else f"rank{rank}")
     try:
         return run(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        # CheckpointError, DataError and TokenizerError derive from these.
-        print(f"tape-eval: error: {err}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, RuntimeError, FileWriteError) as err:
+        # CheckpointError, DataError and TokenizerError derive from these. Every rank that
+        # fails says so (a failure of one rank alone must be visible), naming itself.
+        where = f" (rank {rank} of {os.environ.get('WORLD_SIZE')})" if rank else ""
+        print(f"tape-eval: error{where}: {err}", file=sys.stderr)
         return 1
     finally:
         import torch.distributed as dist

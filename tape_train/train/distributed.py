@@ -69,11 +69,16 @@ def init_distributed(requested_device: str = "auto", timeout_s: float | None = N
     # Also when a group exists already (tests): DeepSpeed then only wraps it for its own comm.
     extra = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     with _no_shm_comm_build(device.type == "cpu"):
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
-                                   verbose=False, **extra)
+        deepspeed.init_distributed(dist_backend=process_group_backend(device), verbose=False,
+                                   **extra)
     if timeout_s is not None:
         set_collective_timeout(timeout_s)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def process_group_backend(device: torch.device) -> str:
+    """NCCL for processes computing on CUDA, gloo on CPU (the trainer and ``tape-eval``)."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def use_venv_extensions_dir() -> Path:
