@@ -1,5 +1,6 @@
 """Which device a process computes on: the one place that turns ``auto``/``cpu``/``cuda`` and
-``LOCAL_RANK`` into a ``torch.device`` (the trainer and ``tape-eval`` both call it)."""
+``LOCAL_RANK`` into a ``torch.device``, and the process-group backend that goes with it (the
+trainer and ``tape-eval`` both call them)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,8 @@ def pick_device(requested: str, local_rank: int, setting: str = "train.device"):
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def process_group_backend(device) -> str:
+    """NCCL for processes computing on CUDA, gloo on CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"

@@ -395,3 +395,73 @@ def test_restart_guard_takes_the_first_restart_then_only_after_progress(tmp_path
     _complete_checkpoint(run, 30)
     refused, _ = attempt(6)
     assert refused[0] == restarts.FAIL and "exceed TAPE_MAX_RESTARTS=5" in refused[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# eval.sbatch: one process per GPU of the job under torchrun, one process on a CPU node
+# ----------------------------------------------------------------------------------------------
+
+# srun that runs the step here: its options dropped, the command executed.
+RUNNING_SRUN = r"""#!/bin/bash
+echo "srun $*" >> "$FAKE_DIR/calls"
+while [[ $1 == --* ]]; do shift; done
+exec "$@"
+"""
+
+
+def run_eval_script(tmp_path, args, srun=RUNNING_SRUN, **env_extra):
+    """launch/slurm/eval.sbatch as it ships (plain `sbatch eval.sbatch ARGS`), with `srun`
+    a stand-in; returns (exit code, srun calls, output)."""
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text(srun)
+    (bin_dir / "srun").chmod(0o755)
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FAKE_", "TAPE_"))}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", FAKE_DIR=str(tmp_path),
+               SLURM_JOB_ID=str(JOB_ID), SLURM_CPUS_PER_TASK="4", TAPE_PYTHON=sys.executable,
+               PYTHONPATH=os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")])),
+               **{k: str(v) for k, v in env_extra.items()})
+    proc = subprocess.run(["bash", str(default_template_dir() / "eval.sbatch"), *args],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    calls = (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() \
+        else []
+    return proc.returncode, calls, proc.stdout + proc.stderr
+
+
+def test_eval_script_runs_one_process_per_gpu_of_the_job(tmp_path):
+    """Slurm gave the job 2 GPUs (SLURM_GPUS_ON_NODE): torchrun starts 2 tape-eval processes
+    (here on the CPU, gloo), which write the one report."""
+    import json
+
+    from test_eval_reports_cli import EVAL_ARGS, make_checkpoint
+
+    make_checkpoint(tmp_path / "run", "tape", seed=6)
+    rc, calls, output = run_eval_script(
+        tmp_path, ["--checkpoint", "run", *EVAL_ARGS, "--out", "run/eval"],
+        SLURM_GPUS_ON_NODE=2)
+    assert rc == 0, output[-3000:]
+    assert len(calls) == 1 and "-m torch.distributed.run --standalone --nproc_per_node=2 " \
+        "-m tape_train.eval.cli --checkpoint run" in calls[0]
+    assert "2 process(es), gpus_per_node=2 OMP_NUM_THREADS=2" in output
+    report = json.loads((tmp_path / "run" / "eval" / "eval.json").read_text())
+    assert report["settings"]["world_size"] == 2 and output.count("| model |") == 1
+    assert "evaluation finished" in output
+
+
+FAILING_SRUN = """#!/bin/bash
+echo "srun $*" >> "$FAKE_DIR/calls"
+exit 3
+"""
+
+
+def test_eval_script_on_a_cpu_node_runs_one_process_and_reports_failures(tmp_path):
+    rc, calls, output = run_eval_script(tmp_path, ["--checkpoint", "run"], srun=FAILING_SRUN)
+    assert rc == 3 and "evaluation failed (exit 3)" in output
+    assert len(calls) == 1 and "torch.distributed.run" not in calls[0]
+    assert calls[0].endswith("-c import sys; from tape_train.eval.cli import main; "
+                             "sys.exit(main()) --checkpoint run")
+    rc, calls, output = run_eval_script(tmp_path, ["--checkpoint", "run"], TAPE_GPUS_PER_NODE="a")
+    assert rc == 2 and "TAPE_GPUS_PER_NODE=a is not a number" in output and len(calls) == 1

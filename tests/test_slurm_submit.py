@@ -139,17 +139,22 @@ def test_gpu_render_four_nodes_with_placement_options():
     assert opts.world_size == 32
 
 
-def test_eval_render_one_task_one_gpu_and_arguments():
+def test_eval_render_one_task_with_a_nodes_gpus_and_arguments():
     opts = ClusterOptions(nodes=4, gpus_per_node=8, partition="gpu", job_name="big")
     script = render_eval_script((TEMPLATES / "eval.sbatch").read_text(), opts,
                                 ["--checkpoint", "/runs/a", "--out", "/runs/a/eval",
                                  "--lengths", "256", "512"], time="00:20:00")
     header = sbatch_lines(script)
-    for line in ("--job-name=big-eval", "--nodes=1", "--ntasks=1", "--gpus-per-node=1",
+    for line in ("--job-name=big-eval", "--nodes=1", "--ntasks=1", "--gpus-per-node=8",
                  "--partition=gpu", "--time=00:20:00"):
         assert line in header, line
     assert "EVAL_ARGS=(--checkpoint /runs/a --out /runs/a/eval --lengths 256 512)" in script
+    assert "\nTAPE_GPUS_PER_NODE=8\n" in script          # torchrun --nproc_per_node=8
     assert strip_blocks(script) == strip_blocks((TEMPLATES / "eval.sbatch").read_text())
+    cpu = render_eval_script((TEMPLATES / "eval.sbatch").read_text(), ClusterOptions(),
+                             ["--checkpoint", "/runs/a"])
+    assert "--gpus-per-node" not in "".join(sbatch_lines(cpu))
+    assert "\nTAPE_GPUS_PER_NODE=0\n" in cpu                       # 1 process
 
 
 def test_missing_marker_is_an_error_naming_the_template():

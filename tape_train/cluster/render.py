@@ -191,7 +191,8 @@ def train_header(opts: ClusterOptions) -> list[str]:
 
 
 def eval_header(opts: ClusterOptions, time: str) -> list[str]:
-    """`#SBATCH` lines for the evaluation job: one task on one node (one GPU on GPU nodes)."""
+    """`#SBATCH` lines for the evaluation job: one task (torchrun) on one node, with as many
+    GPUs as a training node has (one tape-eval process each)."""
     parse_time_limit(time)
     lines = [
         f"--job-name={opts.job_name}-eval",
@@ -201,7 +202,7 @@ def eval_header(opts: ClusterOptions, time: str) -> list[str]:
         f"--time={time}",
     ]
     if opts.gpus_per_node > 0:
-        lines.append("--gpus-per-node=1")
+        lines.append(f"--gpus-per-node={opts.gpus_per_node}")
     lines += _placement(opts)
     lines += [
         "--requeue",
@@ -244,7 +245,9 @@ def train_settings(opts: ClusterOptions, train_args: list[str]) -> list[str]:
 
 
 def eval_settings(opts: ClusterOptions, eval_args: list[str]) -> list[str]:
-    return [_array("EVAL_ARGS", eval_args), _assign("TAPE_PYTHON", opts.python)]
+    """The run-settings block of eval.sbatch: one process per GPU (one on CPU nodes)."""
+    return [_array("EVAL_ARGS", eval_args), _assign("TAPE_PYTHON", opts.python),
+            _assign("TAPE_GPUS_PER_NODE", opts.gpus_per_node)]
 
 
 def replace_blocks(template: str, source: str, header: list[str], settings: list[str]) -> str:

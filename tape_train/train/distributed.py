@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tape_train.devices import pick_device
+from tape_train.devices import pick_device, process_group_backend
 
 log = logging.getLogger("tape_train.train")
 
@@ -74,11 +74,6 @@ def init_distributed(requested_device: str = "auto", timeout_s: float | None = N
     if timeout_s is not None:
         set_collective_timeout(timeout_s)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
-
-
-def process_group_backend(device: torch.device) -> str:
-    """NCCL for processes computing on CUDA, gloo on CPU (the trainer and ``tape-eval``)."""
-    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def use_venv_extensions_dir() -> Path:
