@@ -15,10 +15,12 @@ ZeRO shards. Data flows one way: train → (files) → this module → eval / in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -95,9 +97,17 @@ def ensure_universal(tag_dir: Path, out_dir: Path | None = None, *,
     finished, so an interrupted conversion is never mistaken for a complete one and is simply
     redone. Runs on one process (no process group); returns the universal directory.
 
+    Processes that need the same conversion at once (the ranks of a ``torchrun tape-eval``, an
+    evaluation job next to an export) take turns on a lock file beside the target: one
+    converts, the others wait for it (logging that they do) and then use its result; if it
+    dies, the next one converts (the lock file stays beside a failed conversion, holding only
+    the last converter's host and pid). On a filesystem without ``flock`` each converts on its
+    own and the first finished result is kept.
+
     It may take minutes on a large model: its progress is logged (DeepSpeed's stage lines, and
     at least every ``progress.LOG_EVERY_S`` the time so far and what it wrote), and ``tick``
-    (see ``tape_train.progress.run_with_progress``) hears every ``tick_s`` whether it moved.
+    (see ``tape_train.progress.run_with_progress``) hears every ``tick_s`` whether it moved,
+    also while waiting for another process's conversion.
     """
     from tape_train.progress import run_with_progress
 
@@ -112,32 +122,116 @@ def ensure_universal(tag_dir: Path, out_dir: Path | None = None, *,
     if read_marker(tag_dir).get("zero_stage", 3) < 1:
         raise CheckpointError(f"checkpoint {tag_dir} was written with ZeRO stage 0; DeepSpeed's "
                               f"universal conversion needs ZeRO-1/2/3 optimizer shards")
-    for stale in target.parent.glob(f".{target.name}.tmp*"):  # left by a killed conversion
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    start = time.perf_counter()
-    log.info("converting %s to DeepSpeed's universal format (once; cached in %s)", tag_dir,
-             target)
-    try:
-        code, tail = run_with_progress(
-            converter_command(tag_dir, tmp), what=f"universal conversion of {tag_dir.name}",
-            output_dir=tmp, logger=log, tick=tick, tick_s=tick_s, stage_prefix="***")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    # A converter that exits 0 having written no parameter (zero/<name>/fp32.pt) failed too:
-    # cached, its empty output would be taken for the conversion by every later run.
-    if code != 0 or not any(tmp.glob(f"zero/*/{UNIVERSAL_PARAM}")):
-        shutil.rmtree(tmp, ignore_errors=True)
-        last = "\n".join(tail)
-        how = f"exit {code}" if code != 0 else f"exit 0 without writing zero/*/{UNIVERSAL_PARAM}"
-        raise CheckpointError(f"converting {tag_dir} to the universal format failed ({how}); "
-                              f"the checkpoint itself is untouched. Last output:\n{last}")
-    write_atomic(tmp / "CONVERTED.json", json.dumps(
-        {"source": tag_dir.name, "seconds": round(time.perf_counter() - start, 2)}))
-    os.replace(tmp, target)
-    log.info("universal checkpoint ready in %.1f s: %s", time.perf_counter() - start, target)
+    with _conversion_lock(target, tick=tick, tick_s=tick_s) as locked:
+        if target.is_dir():  # another process converted it while this one waited
+            log.info("universal checkpoint converted by another process: %s", target)
+            return target
+        if locked:  # only a killed conversion can have left these
+            for stale in target.parent.glob(f".{target.name}.tmp*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        tmp = target.with_name(f".{target.name}.tmp{os.getpid()}-{os.urandom(4).hex()}")
+        start = time.perf_counter()
+        log.info("converting %s to DeepSpeed's universal format (once; cached in %s)", tag_dir,
+                 target)
+        try:
+            code, tail = run_with_progress(
+                converter_command(tag_dir, tmp), what=f"universal conversion of {tag_dir.name}",
+                output_dir=tmp, logger=log, tick=tick, tick_s=tick_s, stage_prefix="***")
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        # A converter that exits 0 having written no parameter (zero/<name>/fp32.pt) failed
+        # too: cached, its empty output would be taken for the conversion by every later run.
+        if code != 0 or not any(tmp.glob(f"zero/*/{UNIVERSAL_PARAM}")):
+            shutil.rmtree(tmp, ignore_errors=True)
+            last = "\n".join(tail)
+            how = (f"exit {code}" if code != 0
+                   else f"exit 0 without writing zero/*/{UNIVERSAL_PARAM}")
+            raise CheckpointError(f"converting {tag_dir} to the universal format failed "
+                                  f"({how}); the checkpoint itself is untouched. Last "
+                                  f"output:\n{last}")
+        write_atomic(tmp / "CONVERTED.json", json.dumps(
+            {"source": tag_dir.name, "seconds": round(time.perf_counter() - start, 2)}))
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # unlocked: another process was first
+        log.info("universal checkpoint ready in %.1f s: %s", time.perf_counter() - start, target)
+    # Removed only once the target exists: a process still waiting on the removed file finds
+    # the target when it gets the lock, one arriving later before it locks anything.
+    target.with_name(f".{target.name}.lock").unlink(missing_ok=True)
     return target
+
+
+@contextlib.contextmanager
+def _conversion_lock(target: Path, *, tick: Callable[[bool], None] | None, tick_s: float):
+    """Holds ``.<target name>.lock`` beside ``target`` (an exclusive ``flock``) for one
+    conversion; yields whether it is held (False where the filesystem has no ``flock``).
+
+    While another process holds it: waits, calling ``tick`` every ``tick_s`` (moved = that
+    process's temporary output grew) and logging at least every ``progress.LOG_EVERY_S``
+    who converts and for how long. The kernel releases the lock of a process that dies."""
+    import fcntl
+
+    lock_path = target.with_name(f".{target.name}.lock")
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # an unwritable directory: the conversion itself says so
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _wait_for_lock(fd, lock_path, target, tick, tick_s)
+        except OSError as exc:  # ENOLCK, ENOSYS, EOPNOTSUPP: e.g. Lustre without -o flock
+            log.warning("cannot lock %s (%s): processes converting this checkpoint at the same "
+                        "time will each convert it", lock_path, exc.strerror or exc)
+            yield False
+            return
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode(), 0)
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _wait_for_lock(fd: int, lock_path: Path, target: Path,
+                   tick: Callable[[bool], None] | None, tick_s: float) -> None:
+    """Blocks until ``fd``'s exclusive lock is this process's (see ``_conversion_lock``)."""
+    import fcntl
+
+    from tape_train.progress import LOG_EVERY_S, _elapsed, _tree_size
+
+    def holder() -> str:
+        try:
+            return lock_path.read_text().strip() or "another process"
+        except OSError:
+            return "another process"
+
+    what = tag if (tag := target.parent.name) and target.name == UNIVERSAL else str(target)
+    start = ticked = logged = time.monotonic()
+    log.info("waiting for %s, which is converting %s to the universal format", holder(), what)
+    seen = None
+    while True:
+        time.sleep(min(tick_s, 1.0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        now = time.monotonic()
+        if tick is not None and now - ticked >= tick_s:
+            ticked = now
+            sizes = [_tree_size(p) for p in sorted(target.parent.glob(f".{target.name}.tmp*"))]
+            tick(seen is not None and sizes != seen)
+            seen = sizes
+        if now - logged >= LOG_EVERY_S:
+            logged = now
+            log.info("still waiting for %s's universal conversion of %s (%s so far)", holder(),
+                     what, _elapsed(now - start))
 
 
 def read_universal_weights(universal_dir: Path) -> dict[str, torch.Tensor]:

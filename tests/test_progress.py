@@ -149,7 +149,7 @@ def test_a_conversion_reports_progress_in_lines_and_its_last_output_when_it_fail
         assert message.endswith("Last output:\nargs = Namespace(...)\n*** 1. Extracting ZeRO "
                                 "fragments\n100%|####| 4/4 [00:02<00:00]\n*** 2. Merging "
                                 "slices .....")
-        assert not (tag / "universal").exists() and not list(tag.glob(".universal*"))
+        assert not (tag / "universal").exists() and not list(tag.glob(".universal.tmp*"))
     lines = [r.getMessage() for r in caplog.records]
     assert not any("\r" in line for line in lines)
     assert "universal conversion of step_00000004: 1. Extracting ZeRO fragments (0 s so far)" \
@@ -224,4 +224,138 @@ def test_a_converter_that_exits_0_without_parameters_has_failed(tmp_path, monkey
         loading.ensure_universal(tag, tick_s=0.2)
     assert "failed (exit 0 without writing zero/*/fp32.pt); the checkpoint itself is " \
            "untouched. Last output:\nall done" in str(failed.value)
-    assert not (tag / "universal").exists() and not list(tag.glob(".universal*"))
+    assert not (tag / "universal").exists() and not list(tag.glob(".universal.tmp*"))
+
+
+# A converter that counts its runs and keeps writing until the test lets it finish.
+_HELD_CONVERTER = r"""
+import os, sys, time
+count, release = sys.argv[1], sys.argv[2]
+out = sys.argv[sys.argv.index("--output_folder") + 1]
+with open(count, "a") as fh:
+    fh.write("x")
+os.makedirs(os.path.join(out, "zero", "embed"))
+i = 0
+while not os.path.exists(release):
+    i += 1
+    with open(os.path.join(out, "zero", "embed", f"part{i % 20}"), "wb") as fh:
+        fh.write(b"x" * i)
+    time.sleep(0.1)
+open(os.path.join(out, "zero", "embed", "fp32.pt"), "wb").close()
+"""
+
+
+def _held_conversion(tmp_path, monkeypatch):
+    """A complete ZeRO-1 tag, and ensure_universal's converter replaced by _HELD_CONVERTER.
+    Returns (tag dir, file counting the conversions, file that lets them finish)."""
+    import json
+
+    from tape_train import loading
+
+    tag = tmp_path / "checkpoints" / "step_00000004"
+    tag.mkdir(parents=True)
+    (tag / "COMPLETE.json").write_text(json.dumps({"files": {}, "zero_stage": 1}))
+    script, count, release = (tmp_path / n for n in ("converter.py", "count", "release"))
+    script.write_text(_HELD_CONVERTER)
+    monkeypatch.setattr(loading, "converter_command", lambda tag_dir, out: [
+        sys.executable, str(script), str(count), str(release), "--output_folder", str(out)])
+    return tag, count, release
+
+
+def _wait_for(condition, what: str, timeout: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("locking", [True, False])
+def test_processes_needing_one_conversion_at_once_take_turns(tmp_path, monkeypatch, caplog,
+                                                               locking):
+    """The ranks of a multi-GPU tape-eval (or an eval job next to an export) convert the same
+    tensor-parallel checkpoint at once: one converts, the other waits, saying so and hearing
+    through `tick` that the conversion moves, then uses the result; nothing is left beside it.
+    Before, each deleted the other's temporary output as "stale" and the first to finish broke
+    the other. Negative control, no lock (a filesystem without flock): both convert, and both
+    still get the universal checkpoint."""
+    import contextlib
+    import logging
+    import threading
+
+    from tape_train import loading
+
+    tag, count, release = _held_conversion(tmp_path, monkeypatch)
+    if not locking:
+        monkeypatch.setattr(loading, "_conversion_lock",
+                            contextlib.contextmanager(lambda target, **_: (yield False)))
+    caplog.set_level(logging.INFO, logger="tape_train.checkpoint")
+    results, ticks = {}, []
+
+    def convert(name, **kwargs):
+        try:
+            results[name] = loading.ensure_universal(tag, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            results[name] = exc
+
+    first = threading.Thread(target=convert, args=("first",))
+    first.start()
+    _wait_for(lambda: count.exists(), "the first conversion to start")
+    second = threading.Thread(target=convert, args=("second",),
+                              kwargs=dict(tick=ticks.append, tick_s=0.2))
+    second.start()
+    if locking:
+        _wait_for(lambda: any(r.getMessage().startswith("waiting for ") for r in caplog.records),
+                  "the second caller to wait")
+        _wait_for(lambda: True in ticks, "a tick saying the conversion moves")
+        assert count.read_text() == "x"
+    else:
+        _wait_for(lambda: count.read_text() == "xx", "the second conversion to start")
+    release.touch()
+    first.join(30)
+    second.join(30)
+    assert results == {"first": tag / "universal", "second": tag / "universal"}, results
+    assert (tag / "universal" / "zero" / "embed" / "fp32.pt").is_file()
+    assert sorted(p.name for p in tag.iterdir()) == ["COMPLETE.json", "universal"]
+    assert count.read_text() == ("x" if locking else "xx")
+    if locking:
+        lines = [r.getMessage() for r in caplog.records]
+        assert any(line.startswith("waiting for ") and " pid " in line
+                   and "converting step_00000004 to the universal format" in line
+                   for line in lines), lines
+        assert f"universal checkpoint converted by another process: {tag / 'universal'}" in lines
+
+
+def test_a_dead_converters_lock_and_leftovers_go_to_the_next(tmp_path, monkeypatch, caplog):
+    """A converter killed mid-way: the kernel frees its lock; the process waiting for it
+    converts, removing the dead one's partial output (but not while the lock was held)."""
+    import logging
+    import threading
+
+    from tape_train import loading
+
+    tag, count, release = _held_conversion(tmp_path, monkeypatch)
+    release.touch()
+    leftover = tag / ".universal.tmp4242"
+    (leftover / "zero").mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(120)"),
+        str(tag / ".universal.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        caplog.set_level(logging.INFO, logger="tape_train.checkpoint")
+        result = {}
+        waiter = threading.Thread(target=lambda: result.update(
+            path=loading.ensure_universal(tag, tick_s=0.2)))
+        waiter.start()
+        _wait_for(lambda: any(r.getMessage().startswith("waiting for ")
+                              for r in caplog.records), "the waiting line")
+        assert leftover.is_dir() and not count.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    waiter.join(30)
+    assert result == {"path": tag / "universal"} and count.read_text() == "x"
+    assert sorted(p.name for p in tag.iterdir()) == ["COMPLETE.json", "universal"]
