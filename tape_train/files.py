@@ -5,6 +5,7 @@ marker, a report, a manifest, a config copy, a tokenizer): the bytes go to a tem
 the same directory, the file is fsynced, renamed onto the target and the directory is fsynced.
 A reader sees the old file or the new one, never a part; a crash leaves at most a hidden
 ``.<name>.*.tmp`` file, which the next write of the same name does not depend on.
+``atomic_path`` does the same for a writer that needs a file name rather than bytes.
 
 ``describe_os_error`` turns an ``OSError`` into one line naming the path, and for a full disk
 says "no space left on device" with the bytes needed and free.
@@ -12,11 +13,12 @@ says "no space left on device" with the bytes needed and free.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -52,21 +54,40 @@ def write_atomic(path: str | os.PathLike, data: bytes | str | Callable[[IO], obj
     Raises ``FileWriteError`` (an ``OSError`` with the same errno) naming ``path``; the target is
     then unchanged and the temporary file removed.
     """
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise FileWriteError(exc.errno, describe_os_error(exc, path.parent)) from exc
     size = len(data.encode() if isinstance(data, str) else data) if not callable(data) else 0
-    try:
-        with os.fdopen(fd, "wb") as fh:
+    with atomic_path(path, mode=mode, needed=size) as tmp:
+        with open(tmp, "wb") as fh:
             if callable(data):
                 data(fh)
             else:
                 fh.write(data.encode() if isinstance(data, str) else data)
-            fh.flush()
-            os.fsync(fh.fileno())
+    return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, mode: int | None = None,
+                needed: int | None = None) -> Iterator[Path]:
+    """``write_atomic`` for a writer that wants a file name (``torch.profiler``'s trace export):
+    yields a temporary path beside ``path``; when the block ends the file written there is
+    fsynced and renamed onto ``path``, and if it raises the temporary file is removed and
+    ``path`` is unchanged. ``needed``: bytes to be written, for the message of a full disk.
+
+    Raises ``FileWriteError`` as ``write_atomic`` does.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+    except OSError as exc:
+        raise FileWriteError(exc.errno, describe_os_error(exc, path.parent)) from exc
+    try:
+        yield Path(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         if mode is None:  # mkstemp creates 0600; a plain open() would honour the umask
             umask = os.umask(0)
             os.umask(umask)
@@ -77,9 +98,8 @@ def write_atomic(path: str | os.PathLike, data: bytes | str | Callable[[IO], obj
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(exc, OSError) and not isinstance(exc, FileWriteError):
-            raise FileWriteError(exc.errno, describe_os_error(exc, path, needed=size)) from exc
+            raise FileWriteError(exc.errno, describe_os_error(exc, path, needed=needed)) from exc
         raise
-    return path
 
 
 def free_bytes(path: str | os.PathLike) -> int | None:
