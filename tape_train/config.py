@@ -12,7 +12,7 @@ Sections and who owns them:
   mapping ``{base: tiny, pe: rope, ...}`` (``base`` omitted: every field given explicitly).
 - ``data``       ``tape_train.data.config.DataConfig`` (built with ``DataConfig.from_dict``).
 - ``eval``       ``tape_train.eval.config.EvalConfig`` (built with ``EvalConfig.from_dict``).
-- ``train``, ``optim``, ``checkpoint``, ``parallel``, ``logging``: defined here.
+- ``train``, ``optim``, ``checkpoint``, ``parallel``, ``logging``, ``profile``: defined here.
 
 Every section validates itself in ``__post_init__`` (the one place its invariants live).
 Unknown keys and ill-typed values fail with a ``ConfigError`` naming the file and line (or the
@@ -34,7 +34,8 @@ from tape_train.hints import did_you_mean, read_yaml
 from tape_train.model.config import ModelConfig, load_model_config
 from tape_train.resources import named_file, resource_dir
 
-SECTIONS = ("model", "data", "eval", "train", "optim", "checkpoint", "parallel", "logging")
+SECTIONS = ("model", "data", "eval", "train", "optim", "checkpoint", "parallel", "logging",
+            "profile")
 
 
 class ConfigError(ValueError):
@@ -272,8 +273,97 @@ class LoggingConfig:
                  f"logging.peak_tflops must be > 0, got {self.peak_tflops}")
 
 
+@dataclass
+class ProfileConfig:
+    """Opt-in profiling of chosen training steps (``tape_train.train.profiling``): torch.profiler
+    traces and CUDA memory snapshots under ``<run_dir>/profile/``. Off: nothing is recorded.
+
+    Attributes:
+        enabled: profile the steps below on the ranks below.
+        start_step: the first traced optimizer step (1-based, the step numbers of the logs).
+        active_steps: steps traced in each window (the trace of a window is one file).
+        warmup_steps: steps just before each window that the profiler runs and discards
+            (its own start-up would otherwise distort the first traced step).
+        repeat: number of windows; 0: one every ``interval`` steps until the run ends.
+        interval: steps from the start of one window to the next (needed when repeat is not 1;
+            at least ``warmup_steps + active_steps``).
+        ranks: the ranks that profile: a list (checked against the world size at start-up and
+            by ``--dry-run``) or ``all``.
+        trace: write a torch.profiler trace per window and rank (Chrome trace JSON).
+        record_shapes: record the input shapes of every op (grouping by shape; some overhead).
+        profile_memory: record tensor allocations and frees in the trace (more overhead).
+        with_stack: record the Python stack of every op (much larger traces and overhead).
+        memory_snapshot: CUDA only: record the caching allocator's history from start-up, write a
+            snapshot at the end of every window and when a CUDA out-of-memory error ends the run
+            (pytorch.org/memory_viz opens it); on CPU a warning at start-up, nothing recorded.
+        memory_snapshot_entries: allocator events kept in the history (a ring buffer: the newest).
+    """
+
+    enabled: bool = False
+    start_step: int = 5
+    active_steps: int = 2
+    warmup_steps: int = 1
+    repeat: int = 1
+    interval: int | None = None
+    ranks: list[int] | Literal["all"] = field(default_factory=lambda: [0])
+    trace: bool = True
+    record_shapes: bool = True
+    profile_memory: bool = False
+    with_stack: bool = False
+    memory_snapshot: bool = False
+    memory_snapshot_entries: int = 100_000
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "profile")
+        for key in ("start_step", "active_steps", "memory_snapshot_entries"):
+            _require(getattr(self, key) > 0, f"profile.{key} must be > 0, got "
+                     f"{getattr(self, key)}")
+        for key in ("warmup_steps", "repeat"):
+            _require(getattr(self, key) >= 0, f"profile.{key} must be >= 0, got "
+                     f"{getattr(self, key)}")
+        _require(self.warmup_steps < self.start_step,
+                 f"profile.warmup_steps={self.warmup_steps} must be < profile.start_step="
+                 f"{self.start_step}: the warm-up steps run before the first traced step")
+        span = self.warmup_steps + self.active_steps
+        if self.repeat == 1:
+            _require(self.interval is None, f"profile.interval={self.interval} is only used "
+                     f"with profile.repeat other than 1 (several windows); remove it or set "
+                     f"profile.repeat")
+        else:
+            _require(self.interval is not None and self.interval >= span,
+                     f"profile.repeat={self.repeat} needs profile.interval (steps from the "
+                     f"start of one window to the next) >= profile.warmup_steps + "
+                     f"profile.active_steps = {span}, got {self.interval}")
+        if isinstance(self.ranks, list):
+            _require(bool(self.ranks) and all(r >= 0 for r in self.ranks),
+                     f"profile.ranks must be a non-empty list of ranks >= 0 or 'all', got "
+                     f"{self.ranks}")
+            self.ranks = sorted(set(self.ranks))
+        if self.enabled:
+            _require(self.trace or self.memory_snapshot, "profile.trace and "
+                     "profile.memory_snapshot are both false: profiling would record nothing")
+
+    def window_from(self, step: int) -> tuple[int, int] | None:
+        """(first, last) traced step of the earliest window whose warm-up starts at ``step`` or
+        later; ``None`` when no window is left (``train.max_steps`` is not considered)."""
+        first, index = self.start_step, 0
+        late = step - (self.start_step - self.warmup_steps)
+        if late > 0:
+            if self.interval is None:
+                return None
+            index = -(-late // self.interval)
+            first += index * self.interval
+        if self.repeat and index >= self.repeat:
+            return None
+        return first, first + self.active_steps - 1
+
+    def profiles_rank(self, rank: int) -> bool:
+        return self.ranks == "all" or rank in self.ranks
+
+
 _OWN_SECTIONS = {"train": TrainConfig, "optim": OptimConfig, "checkpoint": CheckpointConfig,
-                 "parallel": ParallelConfig, "logging": LoggingConfig}
+                 "parallel": ParallelConfig, "logging": LoggingConfig,
+                 "profile": ProfileConfig}
 
 
 def _external_section_classes() -> dict[str, type]:
@@ -301,6 +391,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def __post_init__(self) -> None:
         # Cross-section checks, before any process group exists: can this model be split this
@@ -311,6 +402,20 @@ class RunConfig:
         RankGrid.from_sizes(sp * tp, sp=sp, tp=tp, rank=0).check_model(self.model)
         _require(self.train.seq_len % sp == 0, f"train.seq_len={self.train.seq_len} is not "
                  f"divisible by parallel.sp={sp} (each rank holds seq_len/sp tokens)")
+        profile = self.profile
+        if profile.enabled:
+            last = profile.start_step + profile.active_steps - 1
+            _require(last <= self.train.max_steps,
+                     f"profile.start_step={profile.start_step} with profile.active_steps="
+                     f"{profile.active_steps} traces steps {profile.start_step}-{last}, beyond "
+                     f"train.max_steps={self.train.max_steps}")
+            if profile.repeat > 1:
+                last += (profile.repeat - 1) * profile.interval
+                _require(last <= self.train.max_steps,
+                         f"profile.repeat={profile.repeat} windows every profile.interval="
+                         f"{profile.interval} steps end at step {last}, beyond "
+                         f"train.max_steps={self.train.max_steps} (profile.repeat=0: windows "
+                         f"until the run ends)")
 
     def to_dict(self) -> dict:
         """Plain nested dict (YAML/JSON-able); ``model`` is fully expanded (no ``base``)."""
@@ -354,7 +459,7 @@ class RunConfig:
         try:
             return cls(**built)
         except ValueError as exc:
-            raise ConfigError(f"{source}: {exc}") from None
+            raise ConfigError(f"{_where_of_message(source, lines, exc)}: {exc}") from None
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()

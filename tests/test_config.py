@@ -168,3 +168,68 @@ def test_diff_and_protected_keys(tmp_path):
     assert {"model.hidden_size", "train.lr", "model.attn_backend", "train.seq_len"} <= keys
     assert sorted(protected_differences(diffs)) == ["model.hidden_size", "train.seq_len"]
     assert diff_configs(old, old) == []
+
+
+PROFILED = BASE.replace("  lr: 3.0e-4\n", "  lr: 3.0e-4\n  max_steps: 10\n") + """\
+profile:
+  enabled: true
+  start_step: 9
+  active_steps: 3
+"""
+
+
+def test_a_profile_window_past_the_run_names_its_keys_and_line(tmp_path):
+    path = _write(tmp_path, PROFILED)
+    with pytest.raises(ConfigError) as err:
+        load_run_config(path)
+    assert str(err.value) == (f"{path}:11: profile.start_step=9 with profile.active_steps=3 "
+                              f"traces steps 9-11, beyond train.max_steps=10")
+    assert load_run_config(path, ["train.max_steps=11"]).profile.start_step == 9  # fits
+    # Off, the window is not checked: a short run need not touch the profile section.
+    assert not load_run_config(path, ["profile.enabled=false"]).profile.enabled
+    with pytest.raises(ConfigError, match=r"profile\.repeat=3 windows every profile\.interval"
+                                          r"=5 steps end at step 21, beyond train\.max_steps=11"):
+        load_run_config(path, ["train.max_steps=11", "profile.repeat=3", "profile.interval=5"])
+    assert load_run_config(path, ["train.max_steps=11", "profile.repeat=0",
+                                  "profile.interval=5"]).profile.repeat == 0  # until the end
+
+
+@pytest.mark.parametrize("override, pattern", [
+    ("profile.ranks=al", r"profile\.ranks: expected a list of int or one of 'all', got 'al'"),
+    ("profile.ranks=[]", r"profile\.ranks must be a non-empty list of ranks >= 0 or 'all'"),
+    ("profile.ranks=[-1]", r"profile\.ranks must be a non-empty list"),
+    ("profile.warmup_steps=9", r"profile\.warmup_steps=9 must be < profile\.start_step=9"),
+    ("profile.active_steps=0", r"profile\.active_steps must be > 0, got 0"),
+    ("profile.interval=4", r"profile\.interval=4 is only used with profile\.repeat other than 1"),
+    ("profile.repeat=2", r"profile\.repeat=2 needs profile\.interval .* >= "
+                         r"profile\.warmup_steps \+ profile\.active_steps = 4, got None"),
+    ("profile.trace=false", r"profile\.trace and profile\.memory_snapshot are both false"),
+    ("profile.with_stacks=true", r"unknown key 'profile\.with_stacks' \(did you mean "
+                                 r"'profile\.with_stack'\?\)"),
+])
+def test_bad_profile_values_name_the_key(tmp_path, override, pattern):
+    with pytest.raises(ConfigError, match=pattern) as err:
+        load_run_config(_write(tmp_path, PROFILED), ["train.max_steps=20", override])
+    assert f"override '{override}'" in str(err.value)
+
+
+def test_profile_ranks_outside_the_world_fail_the_preflight(tmp_path):
+    from tape_train.train.preflight import run_preflight
+
+    def preflight(ranks, world):
+        cfg = load_run_config(_write(tmp_path, PROFILED), [
+            "train.max_steps=20", "train.synthetic_data=true", "train.device=cpu",
+            f"train.run_dir={tmp_path / 'run'}", f"profile.ranks={ranks}"])
+        return run_preflight(cfg, world_size=world, check_resume=False, plan=False)
+
+    report = preflight("[0,3]", 2)
+    assert report.problems == ["profile.ranks=[0, 3]: rank 3 is outside a world of 2 rank(s) "
+                               "(0-1)"]
+    report = preflight("[0,3]", 4)                       # negative control: it fits
+    assert report.problems == []
+    assert f"profiling: on (profile.enabled), steps 9-11 after 1 warm-up step(s), on rank 0, 3" \
+        in report.lines
+    assert any(line.endswith("(Chrome trace JSON: ui.perfetto.dev, chrome://tracing)")
+               and f"{tmp_path / 'run'}/profile/step_9/rank0.pt.trace.json" in line
+               for line in report.lines)
+    assert preflight("all", 2).problems == []

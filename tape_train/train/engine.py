@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tape_train.config import RunConfig
 from tape_train.train.optim import build_optimizer
+from tape_train.train.profiling import no_label
 
 log = logging.getLogger("tape_train.train")
 
@@ -107,7 +108,7 @@ def count_target_tokens(micro_batches: Sequence[dict]) -> int:
 
 
 def forward_backward(engine, micro_batches: Sequence[dict], *, grid,
-                     global_tokens: int, before_last_step=None) -> torch.Tensor:
+                     global_tokens: int, before_last_step=None, label=no_label) -> torch.Tensor:
     """Forward/backward/step over one optimizer step's micro-batches on this rank.
 
     Loss normalisation: DeepSpeed averages gradients over its data-parallel group, which is
@@ -126,6 +127,9 @@ def forward_backward(engine, micro_batches: Sequence[dict], *, grid,
         before_last_step: called with the local ``loss_sum`` (fp64) after the last backward
             and before the optimizer step (the accumulation boundary), e.g. to agree on
             skipping a non-finite update.
+        label: ``label(name)`` is a context around each phase of a micro-batch (``forward``,
+            ``backward``, ``optimizer_step``): ``RunProfiler.label``, a no-op when nothing is
+            profiled.
 
     Returns this rank's summed NLL (fp64 scalar, nats) over its micro-batches, on
     ``engine.device``.
@@ -146,14 +150,17 @@ def forward_backward(engine, micro_batches: Sequence[dict], *, grid,
             kwargs["positions"] = positions.to(engine.device, non_blocking=True)
         else:  # no positions: RandPE / TAPE's train_offset draw their own in training
             input_ids, labels = mb["input_ids"], mb["labels"]
-        input_ids = input_ids.to(engine.device, non_blocking=True)
-        labels = labels.to(engine.device, non_blocking=True)
-        out = engine(input_ids, labels=labels, **kwargs)
-        # scale_wrt_gas=False: the 1/G normalisation already spans all micro-batches.
-        engine.backward(out.loss_sum * factor, scale_wrt_gas=False)
+        with label("forward"):
+            input_ids = input_ids.to(engine.device, non_blocking=True)
+            labels = labels.to(engine.device, non_blocking=True)
+            out = engine(input_ids, labels=labels, **kwargs)
+        with label("backward"):
+            # scale_wrt_gas=False: the 1/G normalisation already spans all micro-batches.
+            engine.backward(out.loss_sum * factor, scale_wrt_gas=False)
         local_sum += out.loss_sum.detach().double()
         if i == len(micro_batches) - 1 and before_last_step is not None:
             before_last_step(local_sum)
-        engine.step()
+        with label("optimizer_step"):
+            engine.step()
     return local_sum
 

@@ -39,6 +39,7 @@ from tape_train.train.optim import LRSchedule
 from tape_train.train.peak import checked_mfu, device_peak_tflops
 from tape_train.precision import PrecisionChoice, deterministic_algorithms, resolve_dtype
 from tape_train.train.preflight import PreflightError
+from tape_train.train.profiling import RunProfiler
 from tape_train.train.run_lock import RunLock, RunLockError
 from tape_train.train.signals import StopRequest
 from tape_train.train.watchdog import STARTUP_KEY, STEP_KEY, Watchdog, describe_collective_error
@@ -120,6 +121,7 @@ class Trainer:
         self._stepped = False      # a step ran in this process (the first compiles, autotunes)
         self._in_train = False     # inside train(): a phase lasts until the next one starts
         self._attempt: int | None = None  # in-job restart attempt (restarts.guarded() only)
+        self.profiler = RunProfiler()  # off until set-up knows the rank and the device
 
     # ------------------------------------------------------------------------------------------
     # Set-up
@@ -150,6 +152,9 @@ class Trainer:
         self.dist = tdist.init_distributed(cfg.train.device, cfg.train.startup_timeout_s)
         self.rank = self.dist.rank
         setup_logging(self.rank, cfg.logging.all_ranks)
+        self.profiler = RunProfiler(cfg.profile, self.run_dir, self.rank, self.dist.device,
+                                    cfg.train.max_steps)
+        self.profiler.record_memory()
         self._stop_point("process-group start")
         if self.dist.device.type == "cpu" and cfg.train.keep_freed_memory:
             keep_freed_memory()
@@ -513,12 +518,16 @@ class Trainer:
 
     def _train_step(self) -> dict:
         cfg = self.cfg
+        label = self.profiler.label
         step_start = time.perf_counter()
-        micro_batches, data_wait = self._next_micro_batches()
-        local_tokens = count_target_tokens(micro_batches)
-        # The sp·tp ranks of a data-parallel rank hold the same (unsharded) micro-batches.
-        model_parallel = self.grid.sp * self.grid.tp
-        global_tokens = int(tdist.all_reduce_sum(torch.tensor([local_tokens]))[0]) // model_parallel
+        with label("data"):
+            micro_batches, data_wait = self._next_micro_batches()
+        with label("sync"):
+            local_tokens = count_target_tokens(micro_batches)
+            # The sp·tp ranks of a data-parallel rank hold the same (unsharded) micro-batches.
+            model_parallel = self.grid.sp * self.grid.tp
+            global_tokens = int(tdist.all_reduce_sum(
+                torch.tensor([local_tokens]))[0]) // model_parallel
         lr = cfg.train.lr * self.schedule(self.state.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -528,14 +537,17 @@ class Trainer:
         def agree_before_update(local_loss_sum: torch.Tensor) -> None:
             # One all-reduce: a NaN/inf anywhere makes the global sum non-finite on all ranks.
             # Each sequence chunk's loss is held by the tp ranks of its group: count it once.
-            total = float(tdist.all_reduce_sum(local_loss_sum.reshape(1).clone())[0]) / self.grid.tp
+            with label("sync"):
+                total = float(tdist.all_reduce_sum(
+                    local_loss_sum.reshape(1).clone())[0]) / self.grid.tp
             agreed["loss_sum"] = total
             agreed["skip"] = not math.isfinite(total) or global_tokens == 0
             self.optimizer.skip_next_step = agreed["skip"]
 
         try:
             forward_backward(self.engine, micro_batches, grid=self.grid,
-                             global_tokens=global_tokens, before_last_step=agree_before_update)
+                             global_tokens=global_tokens, before_last_step=agree_before_update,
+                             label=label)
         finally:
             self.optimizer.skip_next_step = False
         step_time = time.perf_counter() - step_start
@@ -591,8 +603,10 @@ class Trainer:
         bar = self._progress_bar()
         exit_code = EXIT_OK
         self._in_train = True
+        self.profiler.start(self.state.step + 1)
         try:
             while self.state.step < max_steps:
+                self._profile_before_step()
                 metrics = self.train_step()
                 step = self.state.step
                 if bar is not None:
@@ -626,11 +640,25 @@ class Trainer:
             self._finish()
             return exit_code
         finally:
+            # Every way out of the loop saved a checkpoint last, under the long timeout: a
+            # window whose steps all ran is written in that phase, one cut short is not.
+            self.profiler.finish(self.state.step)
             self._in_train = False
             if self.watchdog is not None:  # its last phase (the final evaluation) is over
                 self.watchdog.disarm()
             if bar is not None:
                 bar.close()
+
+    def _profile_before_step(self) -> None:
+        """Profiling before the next step (``tape_train.train.profiling``): writing a window's
+        files (seconds to minutes for a large trace) is a phase of every rank, under the long
+        timeout, whether or not the rank profiles."""
+        step = self.state.step + 1
+        if not self.profiler.ends_window_before(step):
+            self.profiler.before_step(step)
+            return
+        with self._watched(f"writing the profile of the steps before step {step}", long=True):
+            self.profiler.before_step(step)
 
     def _finish(self) -> None:
         """The final evaluation and the ``done`` event, after the last checkpoint."""
@@ -679,7 +707,8 @@ class Trainer:
         results. RNG states are saved and restored around it so evaluation never changes the
         training trajectory.
         """
-        with self._watched(f"the evaluation at step {self.state.step}", long=True):
+        with self._watched(f"the evaluation at step {self.state.step}", long=True), \
+                self.profiler.label("evaluation"):
             return self._evaluate()
 
     def _evaluate(self) -> list[dict]:
@@ -740,7 +769,8 @@ class Trainer:
                                                                   self.cfg.eval.max_tokens)]
 
     def save(self) -> Path:
-        with self._watched(f"the checkpoint save at step {self.state.step}", long=True):
+        with self._watched(f"the checkpoint save at step {self.state.step}", long=True), \
+                self.profiler.label("checkpoint"):
             return self._save()
 
     def _save(self) -> Path:
@@ -769,6 +799,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
 
     def close(self) -> None:
+        self.profiler.close()
         if self.watchdog is not None:
             self.watchdog.close()
         if self._restore_algorithms is not None:
@@ -809,6 +840,10 @@ class Trainer:
                         "nothing to save; exit %d", stop.signal_name or "a signal on another "
                         "rank", stop.where, stop.code)
             code = stop.code
+        except torch.OutOfMemoryError as exc:  # with its traceback, and a snapshot if recorded
+            self._out_of_memory()
+            reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            raise
         except RuntimeError as exc:  # a collective timed out, or a peer went away: one line
             line = describe_collective_error(exc, self.watchdog, getattr(self, "rank", 0))
             if line is None:
@@ -824,6 +859,23 @@ class Trainer:
             self.close()
             _write_exit_file(code if code is not None else EXIT_ERROR)
         return code
+
+    def _out_of_memory(self) -> None:
+        """Out of memory ends the run: one line naming the phase, and the CUDA allocator's
+        snapshot if ``profile.memory_snapshot`` recorded one (``after_out_of_memory``)."""
+        phase = self.watchdog.phase if self.watchdog is not None else None
+        where = phase[0] if phase else "start-up"
+        device = self.dist.device if hasattr(self, "dist") else None
+        path = self.profiler.after_out_of_memory(self.state.step, where)
+        profile = self.cfg.profile
+        hint = ""
+        if path is not None:
+            hint = f"; its memory snapshot is {path} (open it at pytorch.org/memory_viz)"
+        elif device is not None and device.type == "cuda" and not (profile.enabled
+                                                                    and profile.memory_snapshot):
+            hint = (" (profile.enabled=true profile.memory_snapshot=true records a memory "
+                    "snapshot of the next one: docs/training.md, \"Profiling a run\")")
+        log.error("out of memory on %s in %s%s", device or "the device", where, hint)
 
 
 def _write_exit_file(code: int) -> None:

@@ -16,9 +16,10 @@ with ``data.format: tokens`` the token shards match the tokenizer and the mixtur
 valid (each source's blocks, share and samples per epoch are reported);
 held-out documents are long enough for every evaluation length (counted over the documents
 the evaluation will score, ``eval.max_tokens``); the run directory is writable with room for
-``checkpoint.keep`` + 1 checkpoints; a resume's layout and batch (``relayout``); the memory
-estimate (``tape_train.train.memory``) against the device; FLOPs per token
-(``tape_train.model.flops``) and an estimated step time at an assumed MFU.
+``checkpoint.keep`` + 1 checkpoints; ``profile.ranks`` within the world (and what profiling
+will write); a resume's layout and batch (``relayout``); the memory estimate
+(``tape_train.train.memory``) against the device; FLOPs per token (``tape_train.model.flops``)
+and an estimated step time at an assumed MFU.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
     if check_eval and not synthetic and tokenizer is not None and sources_ok:
         _check_held_out(cfg, tokenizer, report, limits)
     _check_run_dir(cfg, report)
+    if cfg.profile.enabled:
+        _check_profile(cfg, world_size, _target_device(cfg, gpus_per_node), report)
     if check_resume and grid is not None:
         _check_resume(cfg, grid, resume_from, allow_config_change, report)
     if plan and (grid is None or not lengths_ok):
@@ -168,6 +171,14 @@ def _check_grid(cfg, world_size: int, report: Report):
 
 def global_batch(cfg, dp: int) -> int:
     return cfg.train.micro_batch_size * cfg.train.grad_accum_steps * dp
+
+
+def _check_profile(cfg, world_size: int, device_type: str, report: Report) -> None:
+    from tape_train.train.profiling import describe_plan
+
+    lines, problems = describe_plan(cfg, world_size, device_type)
+    report.lines.extend(lines)
+    report.problems.extend(problems)
 
 
 def _check_lengths(cfg, report: Report) -> bool:
