@@ -235,3 +235,31 @@ def test_a_trace_is_renamed_into_place_only_when_complete(tmp_path):
     with atomic_path(target) as tmp:
         tmp.write_text('{"traceEvents": []}')
     assert _files(tmp_path) == ["step_3/rank0.pt.trace.json"]
+
+
+def test_a_trace_that_cannot_be_written_is_one_error_and_training_goes_on(tmp_path, monkeypatch,
+                                                                          caplog):
+    import contextlib
+    import errno
+
+    from tape_train.files import FileWriteError
+    from tape_train.train import profiling
+
+    @contextlib.contextmanager
+    def full_disk(path, **kwargs):
+        raise FileWriteError(errno.ENOSPC, f"no space left on device writing {path}")
+        yield
+
+    monkeypatch.setattr(profiling, "atomic_path", full_disk)
+    prof = profiling.RunProfiler(_profile(start_step=1, active_steps=1, warmup_steps=0),
+                                 tmp_path, max_steps=2)
+    with caplog.at_level(logging.INFO, logger="tape_train.train"):
+        for step in (1, 2):
+            prof.before_step(step)
+            with prof.label("forward"):
+                pass
+        prof.finish(2)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert errors == [f"profile: the trace of steps 1-1 was not written: no space left on "
+                      f"device writing {tmp_path}/profile/step_1/rank0.pt.trace.json"]
+    assert _files(tmp_path) == []

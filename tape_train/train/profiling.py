@@ -212,7 +212,8 @@ class RunProfiler:
             with atomic_path(path) as tmp:
                 prof.export_chrome_trace(str(tmp))
         except OSError as exc:  # a diagnostic: training goes on without it
-            log.error("profile: the trace of steps %d-%d was not written: %s", first, last, exc)
+            log.error("profile: the trace of steps %d-%d was not written: %s", first, last,
+                      exc.strerror or exc)
             return
         log.info("profile: wrote the trace of steps %d-%d on rank %d: %s (%s)", first, last,
                  self.rank, path, human_bytes(path.stat().st_size))
@@ -241,7 +242,8 @@ class RunProfiler:
             snapshot = torch.cuda.memory._snapshot()
             write_atomic(path, lambda f: pickle.dump(snapshot, f))
         except OSError as exc:  # a diagnostic: training goes on without it
-            log.error("profile: the CUDA memory snapshot %s was not written: %s", when, exc)
+            log.error("profile: the CUDA memory snapshot %s was not written: %s", when,
+                      exc.strerror or exc)
             return None
         log.info("profile: wrote the CUDA memory snapshot %s on rank %d: %s (%s; open it at "
                  "pytorch.org/memory_viz)", when, self.rank, path,
