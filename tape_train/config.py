@@ -510,11 +510,23 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def diff_configs(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
-    """Dotted keys whose values differ between two ``RunConfig.to_dict()`` results."""
+    """Dotted keys whose values differ between two ``RunConfig.to_dict()`` results.
+
+    A key ``old`` lacks (a checkpoint of a version before the key existed) whose ``new`` value
+    is the key's default is no difference: that version behaved as the default does."""
     flat_old, flat_new = _flatten(old), _flatten(new)
+    defaults = _section_defaults()
     return [(k, flat_old.get(k, "<absent>"), flat_new.get(k, "<absent>"))
-            for k in sorted(set(flat_old) | set(flat_new)) if flat_old.get(k, "<absent>")
-            != flat_new.get(k, "<absent>")]
+            for k in sorted(set(flat_old) | set(flat_new))
+            if flat_old.get(k, "<absent>") != flat_new.get(k, "<absent>")
+            and not (k not in flat_old and k in defaults and flat_new[k] == defaults[k])]
+
+
+def _section_defaults() -> dict[str, Any]:
+    """Flat defaults of the sections that have them (train, optim, …; not model/data/eval)."""
+    return _flatten({f.name: _section_to_dict(f.default_factory())
+                     for f in dataclasses.fields(RunConfig)
+                     if f.default_factory is not dataclasses.MISSING})
 
 
 # ----------------------------------------------------------------------------------------------

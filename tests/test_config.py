@@ -170,6 +170,19 @@ def test_diff_and_protected_keys(tmp_path):
     assert diff_configs(old, old) == []
 
 
+def test_keys_a_checkpoint_predates_are_no_difference_at_their_defaults(tmp_path):
+    """A checkpoint saved before a key existed (no `profile` section, no `train.lr` here)
+    behaved as the default: resuming it with the defaults warns about nothing. Controls: a
+    non-default value of such a key, and a key the new config lacks, still differ."""
+    new = load_run_config(_write(tmp_path, BASE)).to_dict()
+    old = {name: dict(section) for name, section in new.items()}
+    del old["profile"], old["train"]["grad_accum_steps"]
+    assert diff_configs(old, new) == []
+    enabled = load_run_config(_write(tmp_path, BASE), ["profile.enabled=true"]).to_dict()
+    assert diff_configs(old, enabled) == [("profile.enabled", "<absent>", True)]
+    assert diff_configs(new, {k: v for k, v in new.items() if k != "logging"}) != []
+
+
 PROFILED = BASE.replace("  lr: 3.0e-4\n", "  lr: 3.0e-4\n  max_steps: 10\n") + """\
 profile:
   enabled: true
