@@ -165,11 +165,13 @@ sys.exit(75 if restart == 0 else 0)
 '''
 
 
-def submit_probe(cluster, tmp_path: Path, monkeypatch, extra: list[str] = ()
+def submit_probe(cluster, tmp_path: Path, monkeypatch, extra: list[str] = (), sub: str = ""
                  ) -> tuple[int, Path, Path]:
-    """tape-submit a 2-node job running PROBE_SOURCE in place of the trainer; returns (job id,
-    the probe's output directory, the job's log). The nodes import this checkout's
-    tape_train (PYTHONPATH), whatever the interpreter has installed."""
+    """tape-submit a 2-node job running PROBE_SOURCE in place of the trainer (from
+    `tmp_path/sub`); returns (job id, the probe's output directory, the job's log). The nodes
+    import this checkout's tape_train (PYTHONPATH), whatever the interpreter has installed."""
+    tmp_path = tmp_path / sub
+    tmp_path.mkdir(exist_ok=True)
     (tmp_path / "slurm_probe.py").write_text(PROBE_SOURCE)
     out = tmp_path / "probe"
     out.mkdir()
@@ -203,14 +205,34 @@ def wait_for_probe_loop(cluster, job_id: int, out: Path, log: Path) -> list[int]
 def test_two_node_probe_rendezvous_and_signal_forwarding(cluster, tmp_path, monkeypatch):
     # --max-requeues 0: the stop must not requeue (the requeue itself is exercised with the
     # real trainer below), so this job ends after one run, FAILED with the trainer's 75.
+    # Side by side, a second job gets USR1 on its steps only (`scancel --signal=USR1` without
+    # --batch; `--signal=USR1@T` without B:): torchrun exits 1 for a forwarded signal, and the
+    # script must still see a stop for a requeue (it used to fail the job: exit 1).
     job_id, out, log = submit_probe(cluster, tmp_path, monkeypatch, ["--max-requeues", "0"])
+    steps_id, steps_out, steps_log = submit_probe(cluster, tmp_path, monkeypatch,
+                                                  ["--max-requeues", "0"], sub="steps")
     # Wait until both ranks are inside their loop, then "preempt" the batch shell only.
     wait_for_probe_loop(cluster, job_id, out, log)
     cluster.run(["scancel", "--signal=USR1", "--batch", str(job_id)])
+    wait_for_probe_loop(cluster, steps_id, steps_out, steps_log)
+    cluster.run(["scancel", "--signal=USR1", str(steps_id)])
     info = cluster.wait_for_job(job_id, timeout=120)
     text = log.read_text()
     assert info.state == "FAILED" and info.exit_code == "75:0", f"{info.raw}\n{text}"
     assert info.restart_count == 0, f"{info.raw}\n{text}"
+
+    steps_info = cluster.wait_for_job(steps_id, timeout=120)
+    steps_text = steps_log.read_text()
+    assert (steps_info.state, steps_info.exit_code) == ("FAILED", "75:0"), (
+        f"{steps_info.raw}\n{steps_text}")
+    assert "caught SIGUSR1" not in steps_text           # the batch shell got nothing
+    assert len(re.findall(r"node ttnode\d \(node rank \d\): SIGUSR1 reached this step",
+                          steps_text)) == 2, steps_text
+    assert all(json.loads((steps_out / f"probe-0-{r}.json").read_text())["steps_before_stop"] > 0
+               for r in (0, 1))
+    # The requeue's own decision (its limit is 0 here, as for the job above).
+    assert "NOT requeueing: restart count 0 reached TAPE_MAX_REQUEUES=0" in steps_text
+    assert "training failed" not in steps_text
 
     records = [json.loads((out / f"probe-0-{r}.json").read_text()) for r in (0, 1)]
     for rec in records:
