@@ -32,7 +32,12 @@ module. Tests here use the real batch scripts as tape-submit renders them:
   train.collective_timeout_s and says so in one line, then the job is restarted and completes
   with the uninterrupted losses, while with --max-restarts 0 (side by side) it ends FAILED once
   srun's --wait (grace + 60 s) has ended the stopped node; a trainer failing at step 2 of every
-  attempt is restarted once, then refused for making no progress: FAILED.
+  attempt is restarted once, then refused for making no progress: FAILED;
+- what admins and schedulers do, side by side: a job suspended (`scontrol suspend`) for longer
+  than half the collective timeout and resumed runs on without a restart, with the
+  uninterrupted losses; a job whose node is set DOWN is requeued by Slurm and resumes from the
+  checkpoint its trainer wrote on TERM. A USR1 sent to the steps only (not the batch shell)
+  stops the probe job for a requeue, like one to the batch shell.
 """
 
 from __future__ import annotations
@@ -165,11 +170,13 @@ sys.exit(75 if restart == 0 else 0)
 '''
 
 
-def submit_probe(cluster, tmp_path: Path, monkeypatch, extra: list[str] = ()
+def submit_probe(cluster, tmp_path: Path, monkeypatch, extra: list[str] = (), sub: str = ""
                  ) -> tuple[int, Path, Path]:
-    """tape-submit a 2-node job running PROBE_SOURCE in place of the trainer; returns (job id,
-    the probe's output directory, the job's log). The nodes import this checkout's
-    tape_train (PYTHONPATH), whatever the interpreter has installed."""
+    """tape-submit a 2-node job running PROBE_SOURCE in place of the trainer (from
+    `tmp_path/sub`); returns (job id, the probe's output directory, the job's log). The nodes
+    import this checkout's tape_train (PYTHONPATH), whatever the interpreter has installed."""
+    tmp_path = tmp_path / sub
+    tmp_path.mkdir(exist_ok=True)
     (tmp_path / "slurm_probe.py").write_text(PROBE_SOURCE)
     out = tmp_path / "probe"
     out.mkdir()
@@ -203,14 +210,34 @@ def wait_for_probe_loop(cluster, job_id: int, out: Path, log: Path) -> list[int]
 def test_two_node_probe_rendezvous_and_signal_forwarding(cluster, tmp_path, monkeypatch):
     # --max-requeues 0: the stop must not requeue (the requeue itself is exercised with the
     # real trainer below), so this job ends after one run, FAILED with the trainer's 75.
+    # Side by side, a second job gets USR1 on its steps only (`scancel --signal=USR1` without
+    # --batch; `--signal=USR1@T` without B:): torchrun exits 1 for a forwarded signal, and the
+    # script must still see a stop for a requeue (it used to fail the job: exit 1).
     job_id, out, log = submit_probe(cluster, tmp_path, monkeypatch, ["--max-requeues", "0"])
+    steps_id, steps_out, steps_log = submit_probe(cluster, tmp_path, monkeypatch,
+                                                  ["--max-requeues", "0"], sub="steps")
     # Wait until both ranks are inside their loop, then "preempt" the batch shell only.
     wait_for_probe_loop(cluster, job_id, out, log)
     cluster.run(["scancel", "--signal=USR1", "--batch", str(job_id)])
+    wait_for_probe_loop(cluster, steps_id, steps_out, steps_log)
+    cluster.run(["scancel", "--signal=USR1", str(steps_id)])
     info = cluster.wait_for_job(job_id, timeout=120)
     text = log.read_text()
     assert info.state == "FAILED" and info.exit_code == "75:0", f"{info.raw}\n{text}"
     assert info.restart_count == 0, f"{info.raw}\n{text}"
+
+    steps_info = cluster.wait_for_job(steps_id, timeout=120)
+    steps_text = steps_log.read_text()
+    assert (steps_info.state, steps_info.exit_code) == ("FAILED", "75:0"), (
+        f"{steps_info.raw}\n{steps_text}")
+    assert "caught SIGUSR1" not in steps_text           # the batch shell got nothing
+    assert len(re.findall(r"node ttnode\d \(node rank \d\): SIGUSR1 reached this step",
+                          steps_text)) == 2, steps_text
+    assert all(json.loads((steps_out / f"probe-0-{r}.json").read_text())["steps_before_stop"] > 0
+               for r in (0, 1))
+    # The requeue's own decision (its limit is 0 here, as for the job above).
+    assert "NOT requeueing: restart count 0 reached TAPE_MAX_REQUEUES=0" in steps_text
+    assert "training failed" not in steps_text
 
     records = [json.loads((out / f"probe-0-{r}.json").read_text()) for r in (0, 1)]
     for rec in records:
@@ -608,7 +635,7 @@ def assert_uninterrupted_losses(cluster, training_jobs, run_dir: Path, resumed_a
                   if not math.isclose(resumed[s], reference[s], rel_tol=LOSS_RTOL)]
     assert not mismatches, mismatches[:5]
     step_changes = [abs(reference[s] - reference[s - 1]) / reference[s] for s in after if s > 1]
-    assert max(step_changes) > 100 * LOSS_RTOL
+    assert not step_changes or max(step_changes) > 100 * LOSS_RTOL  # none: it never resumed
 
 
 def test_eval_job_chained_after_the_requeued_training(cluster, training_jobs):
@@ -856,3 +883,92 @@ def test_a_deterministic_failure_is_restarted_once_not_max_restarts_times(cluste
             "none, as at its start), so the failure looks deterministic; it ended: rank 1") in log
     assert "restart 2 of" not in log and "requeueing job" not in log
     assert log.count("tape-train: world size 2") == 3, log   # attempts 0, 1 and the refused 2
+
+
+# Runs under torchrun in place of tape-train: the real trainer, each step 0.25 s longer (the
+# same computation), so that what an admin does lands mid-run.
+SLOW_TRAINER = '''
+import sys, time
+from tape_train.train import loop
+real_step = loop.Trainer.train_step
+def train_step(self):
+    time.sleep(0.25)
+    return real_step(self)
+loop.Trainer.train_step = train_step
+from tape_train.train.cli import main
+sys.exit(main())
+'''
+
+
+def _stopped(pids: list[int]) -> bool:
+    """Whether every process in `pids` is stopped (state T in /proc/<pid>/stat)."""
+    states = [Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] for pid in pids]
+    return all(state == "T" for state in states)
+
+
+def test_a_suspended_job_runs_on_and_a_downed_node_requeues_it(cluster, corpus, training_jobs,
+                                                              tmp_path, monkeypatch):
+    # Side by side, two 2-node jobs (train.collective_timeout_s=20, so 10 s per step phase):
+    # - `scontrol suspend` for 13 s, then `scontrol resume`: every process is SIGSTOPped and
+    #   SIGCONTed; the watchdog must not take the stopped time for a stuck rank (it ended both
+    #   ranks, and torchrun restarted them, before the fix): the job completes with no restart
+    #   and the uninterrupted losses, bit for bit;
+    # - `scontrol update nodename=<its second node> state=down`: Slurm requeues the job
+    #   (--requeue) after TERM to its processes; the trainer checkpoints, and the rerun (same job
+    #   id, restart 1) resumes from there with the uninterrupted losses.
+    # A node set DOWN requeues every job on it: the two jobs get two nodes each, and the
+    # earlier training jobs have ended (they have, when the whole module runs).
+    for job_id, *_ in training_jobs.values():
+        cluster.wait_for_job(job_id, timeout=300)
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf_path))
+    (tmp_path / "slow_trainer.py").write_text(SLOW_TRAINER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(REPO_ROOT)]))
+    extra = ["--train-module", "slow_trainer", "train.collective_timeout_s=20",
+             "train.startup_timeout_s=60"]
+    jobs = {}
+    for name, nodes in (("suspended", cluster.node_names[:2]), ("downed", cluster.node_names[2:4])):
+        (job_id,), run_dir, log_dir = submit_training(
+            tmp_path, name, corpus, monkeypatch, [*extra, f"--sbatch-arg=--nodelist={','.join(nodes)}"])
+        jobs[name] = job_id, run_dir, log_dir
+    job_id, run_dir, log_dir = jobs["suspended"]
+    wait_for_step(cluster, job_id, run_dir, log_dir, "suspended", 12)
+    pids = _trainer_pids(run_dir)
+    cluster.run(["scontrol", "suspend", str(job_id)])
+    down_id, down_run, down_logs = jobs["downed"]
+    wait_for_step(cluster, down_id, down_run, down_logs, "downed", 12)
+    node = cluster.run(["scontrol", "show", "hostnames", cluster.job_info(down_id).node_list]
+                       ).stdout.split()[-1]
+    cluster.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=test"])
+    try:
+        deadline = time.monotonic() + 30
+        while not _stopped(pids):   # Slurm stops the processes within a few seconds
+            assert time.monotonic() < deadline, log_text(log_dir, "suspended", job_id)
+            time.sleep(0.1)
+        time.sleep(13)
+        assert cluster.job_info(job_id).state == "SUSPENDED"
+        cluster.run(["scontrol", "resume", str(job_id)])
+        assert _trainer_pids(run_dir) == pids
+    finally:
+        cluster.run(["scontrol", "resume", str(job_id)], check=False)
+        cluster.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)
+
+    info = cluster.wait_for_job(job_id, timeout=240)
+    log = log_text(log_dir, "suspended", job_id)
+    assert info.state == "COMPLETED" and info.restart_count == 0, f"{info.raw}\n{log}"
+    assert re.search(r"\[rank0\] INFO tape_train\.train: rank 0: this process did not run for "
+                     r"1\d s \(a suspended job, SIGSTOP\); step \d+ gets that time back", log), log
+    assert "is stuck" not in log and "restart 1 of" not in log, log
+    assert [e["event"] for e in events(run_dir)].count("resume") == 0
+    assert_uninterrupted_losses(cluster, training_jobs, run_dir, MAX_STEPS)
+
+    info = cluster.wait_for_job(down_id, timeout=240)
+    log = log_text(down_logs, "downed", down_id)
+    assert info.state == "COMPLETED" and info.restart_count == 1, f"{info.raw}\n{log}"
+    ctld = (cluster.log_dir / "slurmctld.log").read_text()
+    assert f"requeue job JobId={down_id} due to failure of node {node}" in ctld
+    evs = events(down_run)
+    stop = next(e for e in evs if e["event"] == "stop")
+    resume = next(e for e in evs if e["event"] == "resume")
+    assert stop["step"] >= 12 and resume["step"] == stop["step"], (evs, log)
+    assert resume["slurm_restart_count"] == 1 and "caught SIGTERM" in log
+    assert_uninterrupted_losses(cluster, training_jobs, down_run, stop["step"])

@@ -2,7 +2,7 @@
 (``tape_train.train.watchdog``).
 
 Fast: the watchdog alone in a subprocess (a phase that overruns ends the process with the
-stacks; one re-armed in time does not), and the one-line description of a failed collective.
+stacks; one re-armed in time does not; time the process was stopped does not count), and the one-line description of a failed collective.
 
 Slow: the real trainer under torchrun, 2 gloo ranks, ZeRO-3, synthetic data, 6 steps with a
 checkpoint every 2, ``train.collective_timeout_s=10`` (a step may take 5 s on a rank) and
@@ -27,6 +27,7 @@ after which the re-run resumes exactly.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -126,6 +127,52 @@ def test_phases_that_end_in_time_are_not_ended(tmp_path):
     ok = _alone(tmp_path, 6, 0.5)  # 3 s in all, each phase within its 1 s
     assert ok.returncode == 0 and "finished" in ok.stdout, ok.stderr
     assert "stuck" not in ok.stderr
+
+
+_SUSPENDED = """
+import logging, sys, time
+from tape_train.train import watchdog as wd
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+if sys.argv[1] == "off":
+    wd.STOPPED_GAP_S = float("inf")            # the negative control: no stop detection
+watchdog = wd.Watchdog(2)
+watchdog.arm("step 9", 4.0, "train.collective_timeout_s")   # 2 s allowance
+print("armed", flush=True)
+for _ in range(20):                            # 1 s of work, plus however long it is stopped
+    time.sleep(0.05)
+watchdog.disarm()
+watchdog.close()
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize("detect", [True, False])
+def test_time_the_process_was_stopped_does_not_count_as_stuck(tmp_path, detect):
+    """A process stopped (`scontrol suspend`, SIGSTOP) for longer than its phase's allowance and
+    then continued is not ended: the watchdog sees its own wake come late and gives the phase
+    that time back. Without that (the negative control) the same stop ends it as stuck."""
+    script = tmp_path / "suspended.py"
+    script.write_text(_SUSPENDED)
+    child = subprocess.Popen([sys.executable, str(script), "on" if detect else "off"],
+                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        while (line := child.stdout.readline()) != "armed\n":   # DeepSpeed prints on import
+            assert line, child.communicate()
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(4.0)                            # twice the allowance, stopped
+        os.kill(child.pid, signal.SIGCONT)
+        out, err = child.communicate(timeout=30)
+    finally:
+        child.kill()
+    if detect:
+        assert child.returncode == 0 and "finished" in out, err
+        assert "stuck" not in err
+        assert re.search(r"rank 2: this process did not run for [3-5] s \(a suspended job, "
+                         r"SIGSTOP\); step 9 gets that time back", err), err
+    else:
+        assert child.returncode == 1 and "finished" not in out
+        assert re.search(r"rank 2 is stuck: step 9 made no progress for [4-6] s", err), err
 
 
 _MOVING = """

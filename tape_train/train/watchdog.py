@@ -22,6 +22,15 @@ the job's time limit. Two bounds, both set by the config:
   the job and this rank with it. If a waiting rank is still in the same phase a minute after
   its collective should have timed out, it is ended the same way. A stopped process runs no
   watchdog: its peers' collective timeout ends the run.
+- **Time stopped is not time stuck.** ``time.monotonic`` runs on while the process is stopped
+  (``scontrol suspend``, gang scheduling, SIGSTOP/SIGCONT), so right after a resume every
+  phase would look overrun. The watchdog thread wakes at least every ``TICK_S`` (less for
+  short allowances); a wake that comes more than ``STOPPED_GAP_S`` later than it asked for is
+  time this process did not run: the phase's start moves by as much (one INFO line) and the
+  faulthandler backstop is re-armed. What it cannot cover: the collective timeouts of torch's
+  process groups count wall time too, so a suspension approaching the collective timeout fails
+  the collective that was waiting (gloo: measured), and faulthandler's own timer fires at the
+  resume when the stop outlasted it (the collective timeout + 2 minutes).
 
 Checkpoints stay intact whatever the watchdog ends: a checkpoint is marked complete only after
 every rank finished writing it (``tape_train.train.checkpoint.save_checkpoint``), so a save cut
@@ -46,6 +55,8 @@ log = logging.getLogger("tape_train.train")
 EXIT_HUNG = 1
 STEP_KEY, STARTUP_KEY = "train.collective_timeout_s", "train.startup_timeout_s"
 BACKSTOP_S = 60.0  # after a collective's timeout, before a rank still waiting is ended
+TICK_S = 1.0        # the watchdog thread wakes at least this often while a phase runs ...
+STOPPED_GAP_S = 2.0  # ... and a wake this much later than asked means the process was stopped
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -84,6 +95,11 @@ class _Phase:
             return self.started + self.budget_s
         return self.started + self.timeout_s + BACKSTOP_S
 
+    def backstop_s(self, now: float) -> float:
+        """Seconds from ``now`` until faulthandler's backstop (set again whenever ``started``
+        moves): after even the waiting allowance."""
+        return max(self.started + self.timeout_s + 2 * BACKSTOP_S - now, 1.0)
+
 
 class Watchdog:
     """Ends this process, with every thread's stack on stderr, when a phase makes no progress.
@@ -109,15 +125,13 @@ class Watchdog:
 
     def arm(self, name: str, timeout_s: float, key: str) -> None:
         """Start phase ``name``: it may take ``timeout_s / 2`` on this rank."""
+        now = time.monotonic()
         with self._cond:
-            self._phase = self._last = _Phase(name, timeout_s, key, time.monotonic())
+            self._phase = self._last = phase = _Phase(name, timeout_s, key, now)
             self._cond.notify()
         # Backstop for a hang that holds the GIL (the thread above cannot run then): a C
         # thread dumps the stacks and exits once even the waiting allowance is over.
-        try:
-            faulthandler.dump_traceback_later(timeout_s + 2 * BACKSTOP_S, exit=True)
-        except (AttributeError, ValueError, OSError):  # stderr without a file descriptor
-            pass
+        _backstop(phase.backstop_s(now))
 
     def progress(self) -> None:
         """The current phase made progress (a long loop's iteration, e.g. an evaluation
@@ -130,10 +144,7 @@ class Watchdog:
                 return
             phase.started, phase.warned = now, False
             self._cond.notify()
-        try:
-            faulthandler.dump_traceback_later(phase.timeout_s + 2 * BACKSTOP_S, exit=True)
-        except (AttributeError, ValueError, OSError):
-            pass
+        _backstop(phase.backstop_s(now))
 
     def disarm(self) -> None:
         with self._cond:
@@ -159,16 +170,35 @@ class Watchdog:
 
     def _watch(self) -> None:
         with self._cond:
+            due = None  # when the last timed wait was to end at the latest
             while not self._closed:
+                now = time.monotonic()
+                if due is not None and now - due > STOPPED_GAP_S:
+                    self._resumed(now - due, now)
+                due = None
                 phase = self._phase
                 if phase is None:
                     self._cond.wait()
                     continue
-                remaining = phase.deadline() - time.monotonic()
+                remaining = phase.deadline() - now
                 if remaining > 0:
-                    self._cond.wait(remaining)
+                    # Short waits, so that a stop shows as a late wake (see the module doc).
+                    wait = min(remaining, TICK_S, phase.budget_s / 4)
+                    due = now + wait
+                    self._cond.wait(wait)
                     continue
                 self._overrun(phase)
+
+    def _resumed(self, stopped_s: float, now: float) -> None:
+        """The process did not run for ``stopped_s`` (stopped, suspended): not the phase's
+        fault, so its allowance (and the backstop) starts that much later."""
+        phase = self._phase
+        if phase is None:
+            return
+        phase.started += stopped_s
+        log.info("rank %d: this process did not run for %.0f s (a suspended job, SIGSTOP); "
+                 "%s gets that time back", self.rank, stopped_s, phase.name)
+        _backstop(phase.backstop_s(now))
 
     def _overrun(self, phase: _Phase) -> None:
         frame = sys._current_frames().get(self._target)
@@ -221,6 +251,13 @@ class Watchdog:
             self.before_exit()
         except Exception as exc:  # noqa: BLE001 - exiting anyway
             log.warning("rank %d: before exiting: %s", self.rank, exc)
+
+
+def _backstop(seconds: float) -> None:
+    try:
+        faulthandler.dump_traceback_later(seconds, exit=True)
+    except (AttributeError, ValueError, OSError):  # stderr without a file descriptor
+        pass
 
 
 def _where(frame) -> str:
