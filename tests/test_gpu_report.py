@@ -73,6 +73,10 @@ def test_cpu_smoke_report_is_complete_and_finite(tmp_path):
     e2e = data["sections"]["end_to_end"]["results"]
     assert {(r["size"], r["pe"]) for r in e2e} == {("tiny", "tape"), ("tiny", "rope")}
     assert all(r["tokens_per_s"] > 0 and r["finite"] and r["status"] == "done" for r in e2e)
+    for r in e2e:  # one profiled step at the largest micro-batch: CPU operators' own time
+        prof = r["profile"]
+        assert prof["device"] == "cpu" and prof["categories"]["matmul"] > 0, prof
+        assert 0 < prof["busy_ms"] <= 1.05 * prof["step_ms"], prof
     sweep = data["sections"]["sweep"]
     assert {r["kernel"] for r in sweep["results"]} == {"fwd", "bwd_dkv", "bwd_dq"}
     assert all(r["ok"] for r in sweep["results"]) and len(sweep["paste"]) == 3
@@ -81,6 +85,7 @@ def test_cpu_smoke_report_is_complete_and_finite(tmp_path):
     assert md.startswith("# GPU report\n") and "PARTIAL" not in md
     for heading in ("## Targets", "## correctness", "## kernel speed", "## end to end", "## sweep"):
         assert heading in md
+    assert "| matmul | " in md and "Where a step's time goes" in md
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["end_to_end.png", "kernel_speed.png"]
 
 
@@ -171,3 +176,52 @@ def test_a_crashing_check_fails_alone_and_the_next_ones_run(capsys):
     assert "| float32 | 32 | 128 | atomic | 1.0e-07 | yes |" in md
     with pytest.raises(OutOfTime):  # the budget, unlike a crash, ends the section
         correctness.guarded(lambda: Budget(seconds=0, deadline=time.monotonic()).check("x"))
+
+
+class _Event:
+    def __init__(self, key, device_us=0.0, cpu_us=0.0, count=1, cuda=False):
+        from torch.autograd import DeviceType
+
+        self.key, self.count = key, count
+        self.self_device_time_total, self.self_cpu_time_total = device_us, cpu_us
+        self.device_type = DeviceType.CUDA if cuda else DeviceType.CPU
+
+
+class _Profile:
+    def __init__(self, events):
+        self.events = events
+
+    def key_averages(self):
+        return self.events
+
+
+def test_a_profiled_steps_time_is_split_by_kernel_category():
+    """Device kernels by category per step (the operators that launched them not counted
+    again), the idle rest of the step, the largest kernels first; names no category knows
+    are "other" (negative control)."""
+    from gpu.end_to_end import OTHER, categorize, time_breakdown
+
+    prof = _Profile([
+        _Event("aten::mm", device_us=9000, cpu_us=300),  # an operator: its kernels count
+        _Event("sm90_xmma_gemm_bf16bf16_bf16f32", device_us=9000, count=4, cuda=True),
+        _Event("tape_attention_fwd_kernel", device_us=4000, count=2, cuda=True),
+        _Event("tape_attention_bwd_dkv_kernel", device_us=6000, count=2, cuda=True),
+        _Event("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", device_us=2000, cuda=True),
+        _Event("Memcpy HtoD (Pageable -> Device)", device_us=500, cuda=True),
+        _Event("void at::native::vectorized_elementwise_kernel", device_us=1500, cuda=True),
+    ])
+    out = time_breakdown(prof, steps=2, step_ms=15.0)
+    assert out["device"] == "cuda"
+    assert out["categories"] == pytest.approx({
+        "TAPE attention (fused kernel)": 5.0, "matmul": 4.5, "communication": 1.0,
+        OTHER: 0.75, "memory copies": 0.25})
+    assert out["busy_ms"] == pytest.approx(11.5) and out["idle_ms"] == pytest.approx(3.5)
+    assert [k["name"] for k in out["top"][:2]] == ["sm90_xmma_gemm_bf16bf16_bf16f32",
+                                                   "tape_attention_bwd_dkv_kernel"]
+    assert out["top"][0]["calls"] == 2
+    assert categorize("flash_fwd_kernel") == "attention (SDPA, flash, cuDNN, unfused)"
+    assert categorize("some_new_kernel") == OTHER
+    cpu = time_breakdown(_Profile([_Event("aten::mm", cpu_us=4000),
+                                   _Event("ProfilerStep#3", cpu_us=100)]), 1, 5.0)
+    assert cpu["device"] == "cpu" and cpu["categories"] == {"matmul": 4.0}
+    assert cpu["idle_ms"] is None

@@ -2,7 +2,10 @@
 and encoding at the largest micro-batch that fits (searched upward by doubling, OOM caught).
 
 Each (size, encoding) trainer lives in its own spawned process (``trainer_process.Child``),
-so one's memory never limits another's, and an OOM or a crash loses only that row.
+so one's memory never limits another's, and an OOM or a crash loses only that row. After each
+micro-batch that fits, one more step runs under torch.profiler: where that step's time goes
+(device kernels by category on CUDA, operators' own CPU time on CPU, and the part of the step
+the device was idle), so that a missed target comes with its reason.
 """
 
 from __future__ import annotations
@@ -15,6 +18,56 @@ from pathlib import Path
 import torch
 
 from gpu.common import Budget, OutOfTime
+
+
+# Kernel (CUDA) or operator (CPU) names, lower-cased, by category: the first match wins.
+CATEGORIES = (
+    ("TAPE attention (fused kernel)", ("tape_attention",)),
+    ("attention (SDPA, flash, cuDNN, unfused)", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("communication", ("nccl", "all_gather", "allgather", "reduce_scatter", "reducescatter",
+                       "all_reduce", "allreduce", "broadcast", "c10d", "gloo")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "matmul", "aten::mm",
+                "aten::addmm", "aten::bmm", "aten::baddbmm")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("memory copies", ("memcpy", "memset", "copy")),
+)
+OTHER = "other (elementwise, norms, TAPE state updates, ...)"
+TOP_KERNELS = 8
+
+
+def categorize(name: str) -> str:
+    """The category of a kernel or operator ``name`` (``CATEGORIES``; else ``OTHER``)."""
+    low = name.lower()
+    return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), OTHER)
+
+
+def time_breakdown(prof, steps: int, step_ms: float) -> dict:
+    """Per-step milliseconds by category of a ``torch.profiler.profile`` of ``steps`` steps
+    that took ``step_ms`` each: device kernels' time where the trace has any (CUDA), else the
+    operators' own CPU time (their children excluded, so nothing counts twice)."""
+    from torch.autograd import DeviceType
+
+    events = list(prof.key_averages())
+    # Kernels are events of their own; where a trace attributes them only to the operators
+    # that launched them, those operators' own device time is the same sum.
+    device = ([e for e in events if e.device_type == DeviceType.CUDA]
+              or [e for e in events if getattr(e, "self_device_time_total", 0) > 0])
+    if device:
+        rows = [(e.key, e.self_device_time_total, e.count) for e in device]
+    else:
+        rows = [(e.key, e.self_cpu_time_total, e.count) for e in events
+                if not e.key.startswith(("ProfilerStep", "tape_train/", "[memory]"))]
+    rows = [(name, us / 1000 / steps, calls / steps) for name, us, calls in rows if us > 0]
+    categories: dict[str, float] = {}
+    for name, ms, _ in rows:
+        categories[categorize(name)] = categories.get(categorize(name), 0.0) + ms
+    busy = sum(categories.values())
+    top = sorted(rows, key=lambda r: -r[1])[:TOP_KERNELS]
+    return {"device": "cuda" if device else "cpu", "steps": steps, "step_ms": step_ms,
+            "busy_ms": busy, "idle_ms": max(step_ms - busy, 0.0) if device else None,
+            "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
+            "top": [{"name": name[:120], "category": categorize(name), "ms": ms,
+                     "calls": calls} for name, ms, calls in top]}
 
 
 class TrainerProbe:
@@ -45,6 +98,22 @@ class TrainerProbe:
         return {"steps": steps, "micro_batches": self.trainer.cfg.train.grad_accum_steps,
                 "per_step": sum(syncs.sites.values()) / steps, "sites": dict(syncs.sites),
                 "per_micro_batch": dict(syncs.mid_step)}
+
+    def profile(self, steps: int) -> dict:
+        """``time_breakdown`` of ``steps`` more steps on the batches of the last ``measure``."""
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                self.trainer.train_step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            step_ms = (time.perf_counter() - start) * 1000 / steps
+        return time_breakdown(prof, steps, step_ms)
 
     def measure(self, micro_batch: int, warmup: int, steps: int) -> dict:
         """Median step of ``micro_batch`` × seq_len random tokens; ``{"oom": True}`` if it
@@ -114,6 +183,8 @@ def end_to_end(recipe: Path, work: Path, plan: dict, peak_tflops: float | None,
                 flush()
                 if probe["oom"]:
                     break
+                if plan.get("profile_steps"):  # now: after an OOM the trainer is unusable
+                    probe["profile"] = child.call("profile", plan["profile_steps"])
                 mb *= 2
             row["status"] = "done"
         except OutOfTime as exc:
@@ -129,6 +200,8 @@ def end_to_end(recipe: Path, work: Path, plan: dict, peak_tflops: float | None,
             row.update(micro_batch=best["micro_batch"], tokens_per_s=best["tokens_per_s"],
                        peak_mem_gib=best["peak_mem_gib"], finite=best["finite"],
                        flops_per_token=best["flops_per_token"])
+            if "profile" in best:
+                row["profile"] = best["profile"]
             if peak_tflops:
                 row["mfu"] = best["tokens_per_s"] * row["flops_per_token"] / (peak_tflops * 1e12)
         flush()

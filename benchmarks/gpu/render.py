@@ -177,6 +177,37 @@ def _e2e(results: list) -> list[str]:
         lines.append(f"| {r['size']} | {r['pe']} | {_f(r.get('micro_batch'))} | "
                      f"{_f(r.get('tokens_per_s'), '.0f')} | {_f(r.get('mfu'), '.1%')} | "
                      f"{_f(r.get('peak_mem_gib'), '.1f')} | {r['status']} |")
+    return lines + _breakdown([r for r in results if r.get("profile")])
+
+
+def _breakdown(rows: list) -> list[str]:
+    """Where one step's time goes, per row, at its micro-batch (one profiled step)."""
+    if not rows:
+        return []
+    on_device = rows[0]["profile"]["device"] == "cuda"
+    cats = list(dict.fromkeys(c for r in rows for c in r["profile"]["categories"]))
+    lines = ["", "Where a step's time goes at that micro-batch (one step under torch.profiler; "
+             + ("ms of device kernels per step, share of the step in brackets; idle = the "
+                "device waited for the host" if on_device else
+                "ms of the operators' own CPU time per step") + "):", "",
+             "| | " + " | ".join(f"{r['size']} {r['pe']}" for r in rows) + " |",
+             "|---" * (len(rows) + 1) + "|"]
+
+    def cell(r, ms):
+        step = r["profile"]["step_ms"]
+        return "–" if ms is None else f"{ms:.1f} ({ms / step:.0%})" if step else f"{ms:.1f}"
+
+    for cat in cats:
+        lines.append(f"| {cat} | " + " | ".join(cell(r, r["profile"]["categories"].get(cat, 0.0))
+                                              for r in rows) + " |")
+    if on_device:
+        lines.append("| device idle | " + " | ".join(cell(r, r["profile"]["idle_ms"])
+                                                   for r in rows) + " |")
+    lines.append("| step (wall) | " + " | ".join(f"{r['profile']['step_ms']:.1f}"
+                                               for r in rows) + " |")
+    for r in rows:
+        top = ", ".join(f"{k['name'][:60]} {k['ms']:.1f} ms" for k in r["profile"]["top"][:5])
+        lines.append(f"- {r['size']} {r['pe']}, largest: {top}")
     return lines
 
 
