@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tape_train.files import FileWriteError
 from tape_train.hints import example_on_missing
-from tape_train.progress import MODES, setup_cli_logging, show_progress
+from tape_train.progress import MODES, exit_flushed, setup_cli_logging, show_progress
 
 log = logging.getLogger("tape_train.eval")
 
@@ -288,12 +288,7 @@ def _exit_without_finalizing(code: int) -> None:
     import atexit
 
     atexit._run_exitfuncs()  # logging's flush, a scratch universal checkpoint's removal
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    exit_flushed(code)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+# Imported now, not when exiting: a trainer stuck in an import holds the import lock.
+from tape_train.progress import exit_flushed
+
 log = logging.getLogger("tape_train.train")
 
 EXIT_HUNG = 1
@@ -258,12 +261,7 @@ class Watchdog:
             helper = threading.Thread(target=self._before_exit, daemon=True)
             helper.start()
             helper.join(timeout=5)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(EXIT_HUNG)
+        exit_flushed(EXIT_HUNG)
 
     def _before_exit(self) -> None:
         try:
