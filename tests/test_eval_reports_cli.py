@@ -223,6 +223,46 @@ def test_tape_eval_on_two_gloo_ranks_equals_one_process(tmp_path, capsys):
     assert "[rank1]" not in proc.stderr and "error" not in proc.stderr
 
 
+WITNESS = """import atexit, os, sys
+class Witness:
+    def __del__(self, write=os.write):  # runs when the interpreter finalizes this module
+        write(2, b"interpreter finalized\\n")
+witness = Witness()
+atexit.register(lambda: sys.stderr.write("atexit handlers ran\\n"))
+from tape_train.eval.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.distributed
+def test_ranks_end_after_their_atexit_handlers_without_finalizing(tmp_path):
+    """A rank of a multi-rank tape-eval ends without the interpreter's finalization, in which
+    a gloo worker thread still releasing its last collective's tensors aborts the process
+    (exit -6, about one two-rank run in eight here) and torchrun then ends rank 0, perhaps
+    before its report is written. Its atexit handlers still run (logging, scratch removal).
+    One process without a group (the control) finalizes as usual: the witness works."""
+    make_checkpoint(tmp_path / "run", "tape", seed=6)
+    script = tmp_path / "witness.py"
+    script.write_text(WITNESS)
+    args = ["--checkpoint", str(tmp_path / "run"), *EVAL_ARGS]
+    proc = _torchrun(tmp_path, 2, [str(script)], *args, "--out", str(tmp_path / "two"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("atexit handlers ran") == 2, proc.stderr[-3000:]
+    assert "interpreter finalized" not in proc.stderr
+    assert (tmp_path / "two" / "eval.json").is_file()
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+        str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])))
+    alone = subprocess.run([sys.executable, str(script), *args, "--out", str(tmp_path / "one")],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=180, env=env)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert "atexit handlers ran" in alone.stderr and "interpreter finalized" in alone.stderr
+
+
 FAIL_ON_RANK_1 = """import os, sys
 import tape_train.eval.perplexity as perplexity
 real, calls = perplexity._forward, []

@@ -2,7 +2,8 @@
 (``tape_train.train.watchdog``).
 
 Fast: the watchdog alone in a subprocess (a phase that overruns ends the process with the
-stacks; one re-armed in time does not; time the process was stopped does not count), and the one-line description of a failed collective.
+stacks; one re-armed in time does not; time the process was stopped does not count, time the
+trainer held the GIL does), and the one-line description of a failed collective.
 
 Slow: the real trainer under torchrun, 2 gloo ranks, ZeRO-3, synthetic data, 6 steps with a
 checkpoint every 2, ``train.collective_timeout_s=10`` (a step may take 5 s on a rank) and
@@ -173,6 +174,46 @@ def test_time_the_process_was_stopped_does_not_count_as_stuck(tmp_path, detect):
     else:
         assert child.returncode == 1 and "finished" not in out
         assert re.search(r"rank 2 is stuck: step 9 made no progress for [4-6] s", err), err
+
+
+_HOLDS_THE_GIL = """
+import logging, sys, time
+from tape_train.train import watchdog as wd
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+if sys.argv[1] == "off":
+    wd._thread_cpu_clock = lambda: None        # the negative control: its CPU time unread
+n = 2 * 10**7
+start = time.perf_counter()
+sum(range(n))
+n = int(n * 3.5 / (time.perf_counter() - start))   # one call holds the GIL for ~3.5 s
+watchdog = wd.Watchdog(4)
+watchdog.arm("step 7", 2.0, "train.collective_timeout_s")   # 1 s allowance
+for call in range(1, 4):    # stuck in a retry loop whose C call does not release the GIL
+    time.sleep(0.01)
+    sum(range(n))
+    print("call", call, flush=True)
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize("cpu_time", [True, False])
+def test_a_trainer_that_holds_the_gil_is_not_taken_for_a_stopped_one(tmp_path, cpu_time):
+    """The watchdog's wake also comes late when the trainer's thread holds the GIL for seconds
+    (a long C call); that thread ran, so it was not stopped: its phase gets no time back and
+    ends at its first wake past the allowance. Without reading the trainer's CPU time (the
+    negative control) each late wake counted as a stop, and three 3.5 s calls against a 1 s
+    allowance ran to the end."""
+    script = tmp_path / "holds_the_gil.py"
+    script.write_text(_HOLDS_THE_GIL)
+    proc = subprocess.run([sys.executable, str(script), "on" if cpu_time else "off"],
+                          env=_env(), capture_output=True, text=True, timeout=90)
+    if cpu_time:
+        assert proc.returncode == 1 and "call 2" not in proc.stdout, proc.stdout + proc.stderr
+        assert "did not run" not in proc.stderr, proc.stderr
+        assert re.search(r"rank 4 is stuck: step 7 made no progress for [2-9] s", proc.stderr)
+    else:
+        assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr
+        assert "rank 4: this process did not run for" in proc.stderr
 
 
 _MOVING = """

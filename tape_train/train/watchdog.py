@@ -27,7 +27,12 @@ the job's time limit. Two bounds, both set by the config:
   phase would look overrun. The watchdog thread wakes at least every ``TICK_S`` (less for
   short allowances); a wake that comes more than ``STOPPED_GAP_S`` later than it asked for is
   time this process did not run: the phase's start moves by as much (one INFO line) and the
-  faulthandler backstop is re-armed. What it cannot cover: the collective timeouts of torch's
+  faulthandler backstop is re-armed. A wake can also come late because the trainer's thread
+  holds the GIL (a long C call that does not release it, e.g. in a stuck retry loop): that
+  thread's CPU time tells the two apart, since a stopped thread uses none, so only the part of
+  the delay in which the trainer's thread did not run is given back (else such a rank would
+  be found stuck several times later than its allowance, after its peers' collectives had
+  already timed out). What it cannot cover: the collective timeouts of torch's
   process groups count wall time too, so a suspension approaching the collective timeout fails
   the collective that was waiting (gloo: measured), and faulthandler's own timer fires at the
   resume when the stop outlasted it (the collective timeout + 2 minutes).
@@ -49,6 +54,9 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+# Imported now, not when exiting: a trainer stuck in an import holds the import lock.
+from tape_train.progress import exit_flushed
 
 log = logging.getLogger("tape_train.train")
 
@@ -114,6 +122,7 @@ class Watchdog:
         self.rank = rank
         self.before_exit = before_exit
         self._target = threading.get_ident()  # the trainer's thread
+        self._target_cpu = _thread_cpu_clock()  # its CPU-time clock (None where unavailable)
         self._comm_dirs = _comm_dirs()
         self._phase: _Phase | None = None
         self._last: _Phase | None = None  # the phase in progress, or the last one disarmed
@@ -174,7 +183,11 @@ class Watchdog:
             while not self._closed:
                 now = time.monotonic()
                 if due is not None and now - due > STOPPED_GAP_S:
-                    self._resumed(now - due, now)
+                    # The trainer's thread ran (held the GIL) in part of the delay: not stopped.
+                    ran = self._trainer_cpu_s() - cpu_before
+                    stopped_s = (now - due) - max(0.0, ran - wait)
+                    if stopped_s > STOPPED_GAP_S:
+                        self._resumed(stopped_s, now)
                 due = None
                 phase = self._phase
                 if phase is None:
@@ -184,10 +197,19 @@ class Watchdog:
                 if remaining > 0:
                     # Short waits, so that a stop shows as a late wake (see the module doc).
                     wait = min(remaining, TICK_S, phase.budget_s / 4)
-                    due = now + wait
+                    due, cpu_before = now + wait, self._trainer_cpu_s()
                     self._cond.wait(wait)
                     continue
                 self._overrun(phase)
+
+    def _trainer_cpu_s(self) -> float:
+        """CPU seconds the trainer's thread has used (0 where that cannot be read)."""
+        if self._target_cpu is None:
+            return 0.0
+        try:
+            return time.clock_gettime(self._target_cpu)
+        except OSError:  # the thread has ended
+            return 0.0
 
     def _resumed(self, stopped_s: float, now: float) -> None:
         """The process did not run for ``stopped_s`` (stopped, suspended): not the phase's
@@ -239,18 +261,22 @@ class Watchdog:
             helper = threading.Thread(target=self._before_exit, daemon=True)
             helper.start()
             helper.join(timeout=5)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(EXIT_HUNG)
+        exit_flushed(EXIT_HUNG)
 
     def _before_exit(self) -> None:
         try:
             self.before_exit()
         except Exception as exc:  # noqa: BLE001 - exiting anyway
             log.warning("rank %d: before exiting: %s", self.rank, exc)
+
+
+def _thread_cpu_clock() -> int | None:
+    """The CPU-time clock of the calling thread, readable from other threads (None where the
+    platform has none)."""
+    try:
+        return time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        return None
 
 
 def _backstop(seconds: float) -> None:
