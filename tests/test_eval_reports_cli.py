@@ -59,6 +59,26 @@ def test_reports_written_complete_and_atomic(tmp_path):
         "eval.json", "eval.md", "ppl_vs_length.png"]                         # no temp files
 
 
+def test_a_report_cut_short_leaves_no_json_beside_new_files(tmp_path, monkeypatch):
+    """eval.json marks a complete report: rewriting a report and stopping after the Markdown
+    must not leave the earlier report's JSON beside the new table (a mix that looks complete).
+    Control: the uninterrupted rewrite ends with a JSON again."""
+    out = tmp_path / "out"
+    report.write_reports(out, _runs())
+    relabelled = [dict(run, label=run["label"] + " v2") for run in _runs()]
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(report, "plot_perplexity_vs_length", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            report.write_reports(out, relabelled)
+    assert "TAPE v2" in (out / "eval.md").read_text() and not (out / "eval.json").exists()
+    report.write_reports(out, relabelled)
+    assert "TAPE v2" in (out / "eval.json").read_text()
+
+
 def test_failed_write_keeps_previous_file(tmp_path):
     target = tmp_path / "eval.json"
     target.write_text("previous")

@@ -160,9 +160,12 @@ def write_reports(out_dir: str | os.PathLike, runs: list[dict],
                   settings: dict | None = None) -> dict[str, Path]:
     """``eval.json``, ``eval.md`` and ``ppl_vs_length.png`` in ``out_dir``; returns the paths.
 
-    The JSON is written last: its presence means the whole report is there.
+    The JSON is written last, and an earlier report's JSON is removed first: its presence
+    means the whole report is there, all of it from this call (an interrupted call leaves no
+    JSON beside a new Markdown file or plot).
     """
     out = Path(out_dir)
+    (out / "eval.json").unlink(missing_ok=True)
     paths = {"markdown": write_markdown(out / "eval.md", runs),
              "plot": plot_perplexity_vs_length(runs, out / "ppl_vs_length.png")}
     paths["json"] = write_json(out / "eval.json", runs, settings)
