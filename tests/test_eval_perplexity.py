@@ -324,6 +324,15 @@ def test_short_documents_cannot_report_a_long_length(caplog):
     assert at4["documents_at_length"] == 4
     assert at4["windows_at_length"] == sum((n - 1) // 4 for n in (8, 9, 7, 8))  # full windows
     assert at4["tokens_at_length"] == 4 * at4["windows_at_length"] and at4["few_tokens"]
+    # Data-parallel ranks find the same: only rank 0 says so (one line, not one per GPU).
+    whole = torch.tensor([[r["nll_sum"], r["tokens"], r["bytes"]] for r in (at4, at128)],
+                         dtype=torch.float64)  # what the all-reduce would give every rank
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tape_train.eval"):
+        for rank in range(3):
+            evaluate_perplexity(model, short, lengths=[4, 128], dp_rank=rank, dp_size=3,
+                                reduce=lambda t: whole.to(t.dtype))
+    assert caplog.text.count("eval L=128: n/a") == 1
 
 
 def test_length_reached_by_only_some_documents_counts_only_those():

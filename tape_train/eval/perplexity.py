@@ -336,7 +336,7 @@ def evaluate_perplexity(model: torch.nn.Module, documents: Iterable, *, lengths:
                 f"the model reported num_tokens={round(tokens)} at L={info['length']} for "
                 f"windows with {info['scored']} labels != {IGNORE_INDEX}: it must sum the NLL "
                 f"over exactly those")
-    check_measured(rows, docs, allow_unmeasured)
+    check_measured(rows, docs, allow_unmeasured, warn=dp_rank == 0)  # the same on every rank
     results = []
     for info, (nll_sum, tokens, n_bytes) in zip(rows, totals):
         info = {k: v for k, v in info.items() if k != "scored"}
@@ -352,8 +352,10 @@ def evaluate_perplexity(model: torch.nn.Module, documents: Iterable, *, lengths:
     return results
 
 
-def check_measured(rows: list[dict], docs: list, allow_unmeasured: bool = False) -> None:
-    """Refuse (one length asked, or none reached) or warn about lengths no window reached."""
+def check_measured(rows: list[dict], docs: list, allow_unmeasured: bool = False,
+                   warn: bool = True) -> None:
+    """Refuse (one length asked, or none reached) or warn (if ``warn``) about lengths no
+    window reached."""
     missing = [r["length"] for r in rows if not r["measured"]]
     if not missing:
         return
@@ -365,7 +367,7 @@ def check_measured(rows: list[dict], docs: list, allow_unmeasured: bool = False)
         lengths = ", ".join(f"L={n}" for n in missing)
         raise UnmeasuredLengthError(f"cannot evaluate {lengths}: {why}. Use longer held-out "
                                     f"documents, a larger eval max_tokens, or shorter lengths")
-    for length in missing:
+    for length in missing if warn else ():
         log.warning("eval L=%d: n/a, %s", length, why)
 
 
