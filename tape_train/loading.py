@@ -276,7 +276,7 @@ def load_model_from_checkpoint(path: str | Path, map_dtype: torch.dtype | None =
                                       source=f"{tag_dir / MARKER} [model]").for_any_device()
     if meta.get("zero_stage", 3) >= 1 and saved_layout(meta)["tp"] > 1:
         # zero_to_fp32 cannot merge tensor-parallel shards: go through the universal form.
-        state = read_universal_weights(_universal_for_reading(tag_dir))
+        state = _read_universal_weights_of(tag_dir)
     elif meta.get("zero_stage", 3) >= 1:  # ZeRO-1/2/3: fp32 master weights in the shards
         from deepspeed.utils import zero_to_fp32
 
@@ -299,17 +299,55 @@ def load_model_from_checkpoint(path: str | Path, map_dtype: torch.dtype | None =
     return model_cfg, state, meta
 
 
-def _universal_for_reading(tag_dir: Path) -> Path:
-    """The cached universal form, converted next to the checkpoint if that directory is
-    writable, else into a temporary directory that lives until the process exits."""
+def _read_universal_weights_of(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """Full fp32 weights of a tensor-parallel checkpoint, through its universal form: cached in
+    the tag when that directory is writable, else converted into a scratch directory of the
+    machine's temp dir that the processes reading this checkpoint share (one converts, see
+    ``ensure_universal``) and the last of them removes."""
     if (tag_dir / UNIVERSAL).is_dir() or os.access(tag_dir, os.W_OK):
-        return ensure_universal(tag_dir)
-    import atexit
+        return read_universal_weights(ensure_universal(tag_dir))
+    with _shared_scratch(tag_dir) as scratch:
+        return read_universal_weights(ensure_universal(tag_dir, out_dir=scratch / UNIVERSAL))
+
+
+@contextlib.contextmanager
+def _shared_scratch(tag_dir: Path):
+    """``<tmp>/tape-universal-<uid>-<key of tag_dir>``, held with a shared ``flock`` on its
+    ``.readers`` file while in use; on leaving, the reader that can take the lock exclusively
+    is the last one and removes the directory. A reader that locked a ``.readers`` file just
+    removed (its inode is no longer the path's) starts again on a fresh one."""
+    import fcntl
+    import hashlib
     import tempfile
 
-    scratch = Path(tempfile.mkdtemp(prefix="tape-universal-"))
-    atexit.register(shutil.rmtree, scratch, True)
-    return ensure_universal(tag_dir, out_dir=scratch / UNIVERSAL)
+    real = os.path.realpath(tag_dir)
+    stamp = (tag_dir / MARKER).stat().st_mtime_ns
+    key = hashlib.sha256(f"{real}\0{stamp}".encode()).hexdigest()[:16]
+    scratch = Path(tempfile.gettempdir()) / f"tape-universal-{os.getuid()}-{key}"
+    while True:
+        scratch.mkdir(mode=0o700, exist_ok=True)
+        try:
+            fd = os.open(scratch / ".readers", os.O_RDWR | os.O_CREAT, 0o600)
+        except FileNotFoundError:  # removed by the last reader just now
+            continue
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            same = os.fstat(fd).st_ino == os.stat(scratch / ".readers").st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        yield scratch
+    finally:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(scratch, ignore_errors=True)  # the last reader
+        except BlockingIOError:
+            pass  # another process still reads it, and removes it when done
+        finally:
+            os.close(fd)
 
 
 def is_export_dir(path: Path) -> bool:

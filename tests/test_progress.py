@@ -359,3 +359,56 @@ def test_a_dead_converters_lock_and_leftovers_go_to_the_next(tmp_path, monkeypat
     waiter.join(30)
     assert result == {"path": tag / "universal"} and count.read_text() == "x"
     assert sorted(p.name for p in tag.iterdir()) == ["COMPLETE.json", "universal"]
+
+
+def test_readers_of_a_read_only_checkpoint_share_one_conversion_and_the_last_removes_it(
+        tmp_path, monkeypatch, caplog):
+    """Ranks of a multi-GPU tape-eval reading a tensor-parallel checkpoint in a directory they
+    cannot write: one conversion into a scratch directory they share (not one per process: N
+    copies of a large model's optimizer state), read by both, removed by the last reader."""
+    import logging
+    import os
+    import tempfile
+    import threading
+    from pathlib import Path
+
+    import torch
+
+    from tape_train import loading
+
+    tag, count, release = _held_conversion(tmp_path, monkeypatch)
+    script = tmp_path / "converter.py"  # the held converter, writing a real parameter file
+    script.write_text(_HELD_CONVERTER.replace(
+        'open(os.path.join(out, "zero", "embed", "fp32.pt"), "wb").close()',
+        'import torch; torch.save({"param": torch.arange(3.0)}, '
+        'os.path.join(out, "zero", "embed", "fp32.pt"))'))
+    scratch_root = tmp_path / "tmp"
+    scratch_root.mkdir()
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(scratch_root))
+    real_access = os.access
+    monkeypatch.setattr(loading.os, "access", lambda path, mode: False if Path(path) == tag
+                        else real_access(path, mode))
+    caplog.set_level(logging.INFO, logger="tape_train.checkpoint")
+    results = {}
+
+    def read(name):
+        try:
+            results[name] = loading._read_universal_weights_of(tag)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            results[name] = exc
+
+    readers = [threading.Thread(target=read, args=(name,)) for name in ("first", "second")]
+    readers[0].start()
+    _wait_for(lambda: count.exists() or results, "the first conversion to start")
+    assert not results, results
+    readers[1].start()
+    _wait_for(lambda: any(r.getMessage().startswith("waiting for ") for r in caplog.records),
+              "the second reader to wait")
+    release.touch()
+    for reader in readers:
+        reader.join(60)
+    for name in ("first", "second"):
+        assert isinstance(results.get(name), dict), results
+        assert torch.equal(results[name]["embed"], torch.arange(3.0))
+    assert count.read_text() == "x"  # converted once
+    assert list(scratch_root.iterdir()) == [] and not (tag / "universal").exists()
