@@ -179,10 +179,10 @@ def test_a_crashing_check_fails_alone_and_the_next_ones_run(capsys):
 
 
 class _Event:
-    def __init__(self, key, device_us=0.0, cpu_us=0.0, count=1, cuda=False):
+    def __init__(self, key, device_us=0.0, cpu_us=0.0, count=1, cuda=False, annotation=False):
         from torch.autograd import DeviceType
 
-        self.key, self.count = key, count
+        self.key, self.count, self.is_user_annotation = key, count, annotation
         self.self_device_time_total, self.self_cpu_time_total = device_us, cpu_us
         self.device_type = DeviceType.CUDA if cuda else DeviceType.CPU
 
@@ -197,7 +197,8 @@ class _Profile:
 
 def test_a_profiled_steps_time_is_split_by_kernel_category():
     """Device kernels by category per step (the operators that launched them not counted
-    again), the idle rest of the step, the largest kernels first; names no category knows
+    again, nor a record_function range's span on the device's timeline: torch.optim's step
+    is one), the idle rest of the step, the largest kernels first; names no category knows
     are "other" (negative control)."""
     from gpu.end_to_end import OTHER, categorize, time_breakdown
 
@@ -209,6 +210,8 @@ def test_a_profiled_steps_time_is_split_by_kernel_category():
         _Event("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", device_us=2000, cuda=True),
         _Event("Memcpy HtoD (Pageable -> Device)", device_us=500, cuda=True),
         _Event("void at::native::vectorized_elementwise_kernel", device_us=1500, cuda=True),
+        _Event("Optimizer.step#FusedAdam.step", device_us=3000, cuda=True, annotation=True),
+        _Event("tape_train/backward", device_us=12000, cuda=True, annotation=True),
     ])
     out = time_breakdown(prof, steps=2, step_ms=15.0)
     assert out["device"] == "cuda"

@@ -49,8 +49,12 @@ def time_breakdown(prof, steps: int, step_ms: float) -> dict:
 
     events = list(prof.key_averages())
     # Kernels are events of their own; where a trace attributes them only to the operators
-    # that launched them, those operators' own device time is the same sum.
-    device = ([e for e in events if e.device_type == DeviceType.CUDA]
+    # that launched them, those operators' own device time is the same sum. A
+    # ``record_function`` range (torch.optim's ``Optimizer.step#...``, the trainer's
+    # ``tape_train/...`` labels) is also a CUDA event on the device's timeline, spanning kernels
+    # that are counted already: a user annotation, left out (as torch's own table does).
+    device = ([e for e in events if e.device_type == DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)]
               or [e for e in events if getattr(e, "self_device_time_total", 0) > 0])
     if device:
         rows = [(e.key, e.self_device_time_total, e.count) for e in device]
