@@ -313,41 +313,94 @@ def _read_universal_weights_of(tag_dir: Path) -> dict[str, torch.Tensor]:
 @contextlib.contextmanager
 def _shared_scratch(tag_dir: Path):
     """``<tmp>/tape-universal-<uid>-<key of tag_dir>``, held with a shared ``flock`` on its
-    ``.readers`` file while in use; on leaving, the reader that can take the lock exclusively
+    ``.readers`` file while in use; on leaving, a reader that then takes the lock exclusively
     is the last one and removes the directory. A reader that locked a ``.readers`` file just
-    removed (its inode is no longer the path's) starts again on a fresh one."""
+    removed (its inode is no longer the path's) starts again on a fresh one.
+
+    Where that directory cannot be shared safely (not this user's own private directory: one
+    made by another user in a shared temp dir could hold anything) or the temp dir has no
+    ``flock`` (ENOLCK on NFS), this reader converts into a private directory of its own,
+    removed when it is done."""
     import fcntl
-    import hashlib
+    import stat
     import tempfile
 
-    real = os.path.realpath(tag_dir)
-    stamp = (tag_dir / MARKER).stat().st_mtime_ns
-    key = hashlib.sha256(f"{real}\0{stamp}".encode()).hexdigest()[:16]
-    scratch = Path(tempfile.gettempdir()) / f"tape-universal-{os.getuid()}-{key}"
+    scratch = _scratch_path(tag_dir)
+    fd, why = None, None
     while True:
-        scratch.mkdir(mode=0o700, exist_ok=True)
         try:
-            fd = os.open(scratch / ".readers", os.O_RDWR | os.O_CREAT, 0o600)
+            scratch.mkdir(mode=0o700, exist_ok=True)
+            st = os.lstat(scratch)
         except FileNotFoundError:  # removed by the last reader just now
             continue
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        except OSError as exc:
+            why = f"cannot create it: {exc.strerror or exc}"
+            break
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            why = "it is not this user's own private directory"
+            break
         try:
-            same = os.fstat(fd).st_ino == os.stat(scratch / ".readers").st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
+            fd = os.open(scratch / ".readers", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except FileNotFoundError:  # removed by the last reader just now
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except OSError as exc:  # ENOLCK, ENOSYS, EOPNOTSUPP: no flock on this filesystem
+            os.close(fd)
+            fd, why = None, f"cannot lock it: {exc.strerror or exc}"
+            with contextlib.suppress(OSError):  # nobody can share it: not left behind empty
+                (scratch / ".readers").unlink()
+                scratch.rmdir()
+            break
+        if _same_file(fd, scratch / ".readers"):
             break
         os.close(fd)
+    if fd is None:
+        private = Path(tempfile.mkdtemp(prefix=f"{scratch.name}-"))
+        log.warning("not sharing the universal conversion of %s in %s (%s): converting it "
+                    "into %s for this process alone", tag_dir, scratch, why, private)
+        try:
+            yield private
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
+        return
     try:
         yield scratch
     finally:
+        # Unlocked first, then tried exclusively: where a conversion of the lock is atomic
+        # (flock emulated with POSIX locks, as on NFS) two readers leaving at once would each
+        # keep their shared lock and fail, and neither would remove the directory.
         try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            shutil.rmtree(scratch, ignore_errors=True)  # the last reader
-        except BlockingIOError:
+            if _same_file(fd, scratch / ".readers"):  # not removed by a reader that left first
+                shutil.rmtree(scratch, ignore_errors=True)  # the last reader
+        except OSError:
             pass  # another process still reads it, and removes it when done
         finally:
             os.close(fd)
+
+
+def _scratch_path(tag_dir: Path) -> Path:
+    """``<tmp>/tape-universal-<uid>-<key>``: the key is the checkpoint's real path and its
+    marker's content (a checkpoint rewritten in place is another key, also where the marker's
+    mtime did not change)."""
+    import hashlib
+    import tempfile
+
+    marker = (Path(tag_dir) / MARKER).read_bytes()
+    key = hashlib.sha256(os.path.realpath(tag_dir).encode() + b"\0" + marker).hexdigest()
+    return Path(tempfile.gettempdir()) / f"tape-universal-{os.getuid()}-{key[:16]}"
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino)
 
 
 def is_export_dir(path: Path) -> bool:

@@ -412,3 +412,171 @@ def test_readers_of_a_read_only_checkpoint_share_one_conversion_and_the_last_rem
         assert torch.equal(results[name]["embed"], torch.arange(3.0))
     assert count.read_text() == "x"  # converted once
     assert list(scratch_root.iterdir()) == [] and not (tag / "universal").exists()
+
+
+def _read_only_tag_with_a_real_converter(tmp_path, monkeypatch):
+    """A complete tag that this process may not write (so it is read through a scratch
+    conversion in the temp dir, here ``tmp_path/tmp``), converted by _HELD_CONVERTER already
+    released, writing the parameter ``embed`` = arange(3). Returns (tag, count, temp dir)."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from tape_train import loading
+
+    tag, count, release = _held_conversion(tmp_path, monkeypatch)
+    release.touch()
+    (tmp_path / "converter.py").write_text(_HELD_CONVERTER.replace(
+        'open(os.path.join(out, "zero", "embed", "fp32.pt"), "wb").close()',
+        'import torch; torch.save({"param": torch.arange(3.0)}, '
+        'os.path.join(out, "zero", "embed", "fp32.pt"))'))
+    scratch_root = tmp_path / "tmp"
+    scratch_root.mkdir()
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(scratch_root))
+    real_access = os.access
+    monkeypatch.setattr(loading.os, "access", lambda path, mode: False if Path(path) == tag
+                        else real_access(path, mode))
+    return tag, count, scratch_root
+
+
+def _plant_universal(directory, value: float) -> None:
+    import torch
+
+    (directory / "universal" / "zero" / "embed").mkdir(parents=True)
+    torch.save({"param": torch.full((3,), value)},
+               directory / "universal" / "zero" / "embed" / "fp32.pt")
+
+
+def test_a_temp_dir_without_flock_gives_each_reader_its_own_scratch(tmp_path, monkeypatch,
+                                                                     caplog):
+    """TMPDIR on NFS without locks (ENOLCK): the reader converts into a private directory,
+    says why in one line, and removes it; before, the OSError ended tape-eval."""
+    import errno
+    import fcntl
+    import logging
+
+    import torch
+
+    from tape_train import loading
+
+    tag, count, scratch_root = _read_only_tag_with_a_real_converter(tmp_path, monkeypatch)
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    caplog.set_level(logging.INFO, logger="tape_train.checkpoint")
+    state = loading._read_universal_weights_of(tag)
+    assert torch.equal(state["embed"], torch.arange(3.0)) and count.read_text() == "x"
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(line.startswith(f"not sharing the universal conversion of {tag} in ")
+               and "(cannot lock it: No locks available)" in line for line in lines), lines
+    assert list(scratch_root.iterdir()) == []
+
+
+@pytest.mark.parametrize("planted", ["open to all", "symlink"])
+def test_a_scratch_dir_that_is_not_the_users_own_is_not_read(tmp_path, monkeypatch, caplog,
+                                                              planted):
+    """The shared scratch's name in a shared /tmp can be foreseen: a directory someone else
+    made there (writable by others, or a link to theirs) is neither read nor removed; the
+    reader converts into a private one. Before, its weights were loaded (torch.load, pickle)."""
+    import logging
+
+    import torch
+
+    from tape_train import loading
+
+    tag, count, scratch_root = _read_only_tag_with_a_real_converter(tmp_path, monkeypatch)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    theirs.chmod(0o777)
+    _plant_universal(theirs, 99.0)
+    if planted == "symlink":
+        theirs.chmod(0o700)
+        loading._scratch_path(tag).symlink_to(theirs)
+    else:
+        theirs.rename(loading._scratch_path(tag))
+        theirs = loading._scratch_path(tag)
+    caplog.set_level(logging.INFO, logger="tape_train.checkpoint")
+    state = loading._read_universal_weights_of(tag)
+    assert torch.equal(state["embed"], torch.arange(3.0)) and count.read_text() == "x"
+    assert any("(it is not this user's own private directory)" in r.getMessage()
+               for r in caplog.records), caplog.records
+    assert (theirs / "universal" / "zero" / "embed" / "fp32.pt").is_file()
+    assert [p.name for p in scratch_root.iterdir()] == [loading._scratch_path(tag).name]
+
+
+def test_a_checkpoint_rewritten_in_place_is_not_read_from_an_old_scratch(tmp_path, monkeypatch):
+    """A scratch conversion left by a killed reader is reused by the next reader of the same
+    checkpoint (negative control), but not once the checkpoint was rewritten at the same path,
+    also where the new marker kept the old one's mtime (a coarse clock, a copy keeping times)."""
+    import json
+    import os
+
+    import torch
+
+    from tape_train import loading
+
+    tag, count, scratch_root = _read_only_tag_with_a_real_converter(tmp_path, monkeypatch)
+    left = loading._scratch_path(tag)
+    left.mkdir(mode=0o700)
+    _plant_universal(left, 7.0)
+    state = loading._read_universal_weights_of(tag)
+    assert torch.equal(state["embed"], torch.full((3,), 7.0)) and not count.exists()
+    assert list(scratch_root.iterdir()) == []  # the last reader removed it
+
+    left.mkdir(mode=0o700)
+    _plant_universal(left, 7.0)
+    marker = tag / "COMPLETE.json"
+    before = marker.stat()
+    marker.write_text(json.dumps({"files": {}, "zero_stage": 1, "step": 8}))
+    os.utime(marker, ns=(before.st_atime_ns, before.st_mtime_ns))
+    state = loading._read_universal_weights_of(tag)
+    assert torch.equal(state["embed"], torch.arange(3.0)) and count.read_text() == "x"
+
+
+_LEAVING_READER = r"""
+import fcntl, os, sys, tempfile, time
+from pathlib import Path
+tmp, tag, gate = sys.argv[1:4]
+tempfile.gettempdir = lambda: tmp
+def meet(stage):
+    Path(gate, f"{stage}-{os.getpid()}").touch()
+    while len([n for n in os.listdir(gate) if n.startswith(stage)]) < 2:
+        time.sleep(0.01)
+def flock(fd, op):  # as NFS emulates flock: POSIX locks, whose upgrade is atomic
+    if op != fcntl.LOCK_EX | fcntl.LOCK_NB:
+        return fcntl.lockf(fd, op)
+    meet("leave")  # both readers try at once, neither one closing before the other tried
+    try:
+        fcntl.lockf(fd, op)
+    finally:
+        meet("tried")
+fcntl.flock = flock
+from tape_train import loading
+with loading._shared_scratch(Path(tag)) as scratch:
+    assert scratch.name.startswith("tape-universal-"), scratch
+"""
+
+
+def test_two_readers_leaving_at_once_remove_the_scratch_also_with_posix_locks(tmp_path):
+    """flock emulated with POSIX locks (NFS), where a shared lock's upgrade is atomic: two
+    readers leaving at the same moment each failed to upgrade, kept their shared lock, and
+    neither removed the scratch conversion (a large model's fp32 state left in /tmp)."""
+    import json
+    import os
+
+    tag = tmp_path / "checkpoints" / "step_00000004"
+    tag.mkdir(parents=True)
+    (tag / "COMPLETE.json").write_text(json.dumps({"files": {}, "zero_stage": 1}))
+    scratch_root, gate = tmp_path / "tmp", tmp_path / "gate"
+    scratch_root.mkdir()
+    gate.mkdir()
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    readers = [subprocess.Popen([sys.executable, "-c", _LEAVING_READER, str(scratch_root),
+                                 str(tag), str(gate)], env=env) for _ in range(2)]
+    assert [reader.wait(60) for reader in readers] == [0, 0]
+    assert len(list(gate.iterdir())) == 4  # both came to leave at the same time
+    assert list(scratch_root.iterdir()) == []
