@@ -367,27 +367,13 @@ def test_readers_of_a_read_only_checkpoint_share_one_conversion_and_the_last_rem
     cannot write: one conversion into a scratch directory they share (not one per process: N
     copies of a large model's optimizer state), read by both, removed by the last reader."""
     import logging
-    import os
-    import tempfile
     import threading
-    from pathlib import Path
 
     import torch
 
     from tape_train import loading
 
-    tag, count, release = _held_conversion(tmp_path, monkeypatch)
-    script = tmp_path / "converter.py"  # the held converter, writing a real parameter file
-    script.write_text(_HELD_CONVERTER.replace(
-        'open(os.path.join(out, "zero", "embed", "fp32.pt"), "wb").close()',
-        'import torch; torch.save({"param": torch.arange(3.0)}, '
-        'os.path.join(out, "zero", "embed", "fp32.pt"))'))
-    scratch_root = tmp_path / "tmp"
-    scratch_root.mkdir()
-    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(scratch_root))
-    real_access = os.access
-    monkeypatch.setattr(loading.os, "access", lambda path, mode: False if Path(path) == tag
-                        else real_access(path, mode))
+    tag, count, release, scratch_root = _read_only_tag(tmp_path, monkeypatch)
     caplog.set_level(logging.INFO, logger="tape_train.checkpoint")
     results = {}
 
@@ -414,10 +400,10 @@ def test_readers_of_a_read_only_checkpoint_share_one_conversion_and_the_last_rem
     assert list(scratch_root.iterdir()) == [] and not (tag / "universal").exists()
 
 
-def _read_only_tag_with_a_real_converter(tmp_path, monkeypatch):
+def _read_only_tag(tmp_path, monkeypatch):
     """A complete tag that this process may not write (so it is read through a scratch
-    conversion in the temp dir, here ``tmp_path/tmp``), converted by _HELD_CONVERTER already
-    released, writing the parameter ``embed`` = arange(3). Returns (tag, count, temp dir)."""
+    conversion in the temp dir, here ``tmp_path/tmp``), converted by _HELD_CONVERTER writing
+    the parameter ``embed`` = arange(3). Returns (tag, count, release, temp dir)."""
     import os
     import tempfile
     from pathlib import Path
@@ -425,7 +411,6 @@ def _read_only_tag_with_a_real_converter(tmp_path, monkeypatch):
     from tape_train import loading
 
     tag, count, release = _held_conversion(tmp_path, monkeypatch)
-    release.touch()
     (tmp_path / "converter.py").write_text(_HELD_CONVERTER.replace(
         'open(os.path.join(out, "zero", "embed", "fp32.pt"), "wb").close()',
         'import torch; torch.save({"param": torch.arange(3.0)}, '
@@ -436,6 +421,13 @@ def _read_only_tag_with_a_real_converter(tmp_path, monkeypatch):
     real_access = os.access
     monkeypatch.setattr(loading.os, "access", lambda path, mode: False if Path(path) == tag
                         else real_access(path, mode))
+    return tag, count, release, scratch_root
+
+
+def _read_only_tag_with_a_real_converter(tmp_path, monkeypatch):
+    """``_read_only_tag`` with its converter released: (tag, count, temp dir)."""
+    tag, count, release, scratch_root = _read_only_tag(tmp_path, monkeypatch)
+    release.touch()
     return tag, count, scratch_root
 
 
