@@ -287,7 +287,7 @@ def _exit_without_finalizing(code: int) -> None:
     runs; ``destroy_process_group`` does not stop those threads)."""
     import atexit
 
-    atexit._run_exitfuncs()  # logging's flush, a scratch universal checkpoint's removal
+    atexit._run_exitfuncs()  # logging's flush, the data loader's prefetch stop
     exit_flushed(code)
 
 
