@@ -268,12 +268,9 @@ def load_model_from_checkpoint(path: str | Path, map_dtype: torch.dtype | None =
         loadable into ``TransformerLM(model_cfg)``, and the marker (step, tokens_seen, config,
         code_version, ...).
     """
-    from tape_train.model.config import ModelConfig
-
     tag_dir = resolve_checkpoint(path, verify=verify)
     meta = read_marker(tag_dir)
-    model_cfg = ModelConfig.from_dict(dict(meta["config"]["model"]),
-                                      source=f"{tag_dir / MARKER} [model]").for_any_device()
+    model_cfg = checkpoint_model_config(tag_dir, meta)
     if meta.get("zero_stage", 3) >= 1 and saved_layout(meta)["tp"] > 1:
         # zero_to_fp32 cannot merge tensor-parallel shards: go through the universal form.
         state = _read_universal_weights_of(tag_dir)
@@ -297,6 +294,15 @@ def load_model_from_checkpoint(path: str | Path, map_dtype: torch.dtype | None =
     state = {k: (v.to(map_dtype) if map_dtype is not None and v.is_floating_point() else v)
              for k, v in state.items()}
     return model_cfg, state, meta
+
+
+def checkpoint_model_config(tag_dir: Path, meta: dict):
+    """The ``ModelConfig`` a checkpoint's marker ``meta`` records, runnable on any device (a
+    CUDA-only attention backend replaced by ``auto``); read without touching the weights."""
+    from tape_train.model.config import ModelConfig
+
+    return ModelConfig.from_dict(dict(meta["config"]["model"]),
+                                 source=f"{tag_dir / MARKER} [model]").for_any_device()
 
 
 def _read_universal_weights_of(tag_dir: Path) -> dict[str, torch.Tensor]:

@@ -17,7 +17,11 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from tape_train.files import FileWriteError
 from tape_train.hints import example_on_missing
@@ -82,6 +86,23 @@ def _parse_max_tokens(text: str) -> int | None:
     return value
 
 
+# Collectives of a multi-rank evaluation wait at most this long: rank 0 reads a large checkpoint
+# back against its checksums while the others wait (NCCL's own default is 10 minutes).
+COLLECTIVE_TIMEOUT = timedelta(hours=1)
+# What a rank reports as an input error (CheckpointError, DataError and TokenizerError derive
+# from these); anything else is a bug and keeps its traceback.
+INPUT_ERRORS = (ValueError, FileNotFoundError, RuntimeError, FileWriteError)
+
+
+class RanksFailed(Exception):
+    """Ranks stopped on input errors before evaluating: rank 0 holds the lines that say why
+    (each distinct error once), the other ranks none (they end quietly)."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
 def _init_distributed(device_arg: str):
     """(rank, world size, device, reduce): a process group only when launched by torchrun
     (``WORLD_SIZE`` > 1), NCCL on CUDA and gloo on CPU as in training; each process computes on
@@ -95,7 +116,7 @@ def _init_distributed(device_arg: str):
     if world == 1:
         return 0, 1, device, None
     if not dist.is_initialized():
-        dist.init_process_group(process_group_backend(device))
+        dist.init_process_group(process_group_backend(device), timeout=COLLECTIVE_TIMEOUT)
 
     def reduce(sums):
         # The sums live on this process's device, where its backend sums them (CUDA: NCCL).
@@ -108,6 +129,62 @@ def _init_distributed(device_arg: str):
                                f"because another rank stopped (its own error is in this log): "
                                f"{first.split('. ')[0]}") from err
     return dist.get_rank(), world, device, reduce
+
+
+def _rank_zero_decides(compute: Callable[[], Any], rank: int, world: int):
+    """``compute()`` on rank 0 alone, its result sent to every rank: what must be the same
+    everywhere (which checkpoints, the dtype) and what is costly to do N times (reading the
+    checkpoints back against their checksums). Rank 0 raises its input error; the others
+    raise ``RanksFailed([])`` (they stop without repeating it)."""
+    value, error = None, None
+    if rank == 0:
+        try:
+            value = compute()
+        except INPUT_ERRORS as err:
+            error = err
+    if world > 1:
+        import torch.distributed as dist
+
+        box = [(value, error is not None)]
+        dist.broadcast_object_list(box, src=0)
+        value, failed = box[0]
+        if failed and rank != 0:
+            raise RanksFailed([])
+    if error is not None:
+        raise error
+    return value
+
+
+def _every_rank(compute: Callable[[], Any], rank: int, world: int):
+    """``compute()`` on every rank (each needs the result: configs, held-out documents), then
+    one exchange of their input errors: all ranks stop if one failed, and rank 0 prints each
+    distinct error once, naming the ranks when not all of them hit it."""
+    try:
+        value, error = compute(), None
+    except INPUT_ERRORS as err:
+        value, error = None, err
+    if world == 1:
+        if error is not None:
+            raise error
+        return value
+    import torch.distributed as dist
+
+    errors: list[str | None] = [None] * world
+    dist.all_gather_object(errors, None if error is None else str(error))
+    if not any(errors):
+        return value
+    if rank != 0:
+        raise RanksFailed([])
+    by_text: dict[str, list[int]] = {}
+    for r, text in enumerate(errors):
+        if text is not None:
+            by_text.setdefault(text, []).append(r)
+    lines = []
+    for text, ranks in by_text.items():
+        where = "" if len(ranks) == world else \
+            f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {world})"
+        lines.append(f"tape-eval: error{where}: {text}")
+    raise RanksFailed(lines)
 
 
 def _data_config(arg: str | None, meta_config: dict, tokenizer_arg: str | None):
@@ -157,53 +234,50 @@ def _default_label(tag_dir: Path, meta: dict, model_cfg) -> str:
     return f"{run} ({model_cfg.pe}, step {step})" if step is not None else f"{run} ({model_cfg.pe})"
 
 
-def run(args) -> int:
-    import torch
+@dataclass
+class _Checkpoint:
+    """One checkpoint to evaluate, read from its marker (no weights yet)."""
+    tag_dir: Path
+    meta: dict
+    model_cfg: Any
+    train_seq_len: int | None
+    lengths: list[int]
 
+
+def _check_arguments(args):
+    """(EvalConfig, max_tokens) from the arguments that need no file (same on every rank)."""
     from tape_train.eval.config import EvalConfig
-    from tape_train.eval.perplexity import evaluate_perplexity, materialize_documents
-    from tape_train.eval.report import format_table, write_reports
-    from tape_train.model import TransformerLM
-    from tape_train.loading import load_model_from_checkpoint, resolve_checkpoint
 
     if args.label is not None and len(args.label) != len(args.checkpoint):
         raise ValueError(f"--label got {len(args.label)} name(s) for {len(args.checkpoint)} "
                          f"checkpoint(s): give one per checkpoint, in the same order")
     max_tokens = _parse_max_tokens(args.max_tokens)
-    existing = Path(args.out)
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():  # found now, not after evaluating every checkpoint
-        raise ValueError(f"--out {args.out}: {existing} exists and is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {args.out}: {existing} is not writable by this user")
     # Validates lengths, stride, batch size with the same messages as the run config.
     settings = EvalConfig(lengths=args.lengths, protocols=args.protocols,
                           sliding_stride=args.stride, max_tokens=max_tokens,
                           batch_size=args.batch_size)
-    # Which checkpoints (a missing or incomplete one fails here, before any start-up work).
-    tag_dirs = [resolve_checkpoint(p) for p in args.checkpoint]
-    rank, world, device, reduce = _init_distributed(args.device)
-    if device.type == "cpu":
-        from tape_train.host_memory import keep_freed_memory
+    return settings, max_tokens
 
-        keep_freed_memory()
-    dtype_name = args.dtype
-    if dtype_name in ("auto", "bf16"):
-        from tape_train.precision import resolve_dtype
 
-        precision = resolve_dtype(dtype_name, device.type)
-        dtype_name = precision.dtype
-        if rank == 0:
-            log.info("%s", precision.log_line(args.dtype))
-            if precision.warning:
-                log.warning("%s", precision.warning)
-    dtype = getattr(torch, DTYPES[dtype_name])
+def _check_out(out: str) -> None:
+    """``--out`` can be made and written (found now, not after evaluating every checkpoint)."""
+    existing = Path(out)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--out {out}: {existing} exists and is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {existing} is not writable by this user")
 
-    runs, docs, data_desc = [], None, None
-    for i, tag_dir in enumerate(tag_dirs):
-        model_cfg, state, meta = load_model_from_checkpoint(tag_dir, map_dtype=None,
-                                                            verify=False)
+
+def _read_checkpoints(args, tag_dirs: list[Path], settings) -> list[_Checkpoint]:
+    """Each checkpoint's model config and lengths, from its marker."""
+    from tape_train.loading import checkpoint_model_config, read_marker
+
+    checkpoints = []
+    for tag_dir in tag_dirs:
+        meta = read_marker(tag_dir)
+        model_cfg = checkpoint_model_config(tag_dir, meta)
         train_seq_len = int(((meta.get("config") or {}).get("train") or {}).get("seq_len", 0)) \
             or None
         if args.lengths is None and train_seq_len is None:
@@ -211,32 +285,105 @@ def run(args) -> int:
                              f"pass --lengths")
         lengths = settings.resolve_lengths(train_seq_len) if args.lengths is None \
             else list(args.lengths)
-        if docs is None:
-            source, data_desc = _documents(args, meta, max(lengths), model_cfg)
-            docs = materialize_documents(source, max_tokens)
-            if rank == 0:
-                log.info("held-out data: %s, %d documents, %d predictions", data_desc,
-                         len(docs), sum(t.numel() - 1 for t, _ in docs))
-        model = TransformerLM(model_cfg)
+        checkpoints.append(_Checkpoint(tag_dir, meta, model_cfg, train_seq_len, lengths))
+    return checkpoints
+
+
+def _held_out(args, checkpoints: list[_Checkpoint], max_tokens: int | None):
+    """(documents, description): the held-out set of the first checkpoint's data, scored by
+    every checkpoint, each of whose vocabularies must hold its token ids."""
+    from tape_train.eval.perplexity import materialize_documents
+
+    first = checkpoints[0]
+    longest = max(max(c.lengths) for c in checkpoints)
+    source, description = _documents(args, first.meta, longest, first.model_cfg)
+    docs = materialize_documents(source, max_tokens)
+    top = max((int(tokens.max()) for tokens, _ in docs), default=-1)
+    for c in checkpoints[1:]:
+        if top >= c.model_cfg.vocab_size:
+            raise ValueError(
+                f"{c.tag_dir}: its model has a vocabulary of {c.model_cfg.vocab_size} but the "
+                f"held-out data ({description}, tokenised for {first.tag_dir}) has token id "
+                f"{top}: checkpoints evaluated together must share a tokenizer")
+    return docs, description
+
+
+def run(args) -> int:
+    """Evaluate; under torchrun the inputs are checked in two steps that every rank takes
+    together (rank 0 resolves and verifies the checkpoints and picks the dtype; then every
+    rank reads the configs and held-out data), so that an input error stops all ranks and is
+    printed once, before any weights are read."""
+    import torch
+
+    from tape_train.eval.perplexity import evaluate_perplexity
+    from tape_train.eval.report import format_table, write_reports
+    from tape_train.loading import load_model_from_checkpoint, resolve_checkpoint
+    from tape_train.model import TransformerLM
+
+    def check_inputs():
+        _check_arguments(args)
+        _check_out(args.out)
+        # Which checkpoints (a missing, incomplete or damaged one fails here).
+        return [resolve_checkpoint(p) for p in args.checkpoint]
+
+    alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    if alone:  # before the device is touched
+        tag_dirs = check_inputs()
+    rank, world, device, reduce = _init_distributed(args.device)
+    if not alone:
+        tag_dirs = _rank_zero_decides(check_inputs, rank, world)
+    if device.type == "cpu":
+        from tape_train.host_memory import keep_freed_memory
+
+        keep_freed_memory()
+
+    def pick_dtype():
+        if args.dtype not in ("auto", "bf16"):
+            return args.dtype
+        from tape_train.precision import resolve_dtype
+
+        precision = resolve_dtype(args.dtype, device.type)
+        log.info("%s", precision.log_line(args.dtype))
+        if precision.warning:
+            log.warning("%s", precision.warning)
+        return precision.dtype
+
+    dtype_name = _rank_zero_decides(pick_dtype, rank, world)  # measured once, used by all
+    dtype = getattr(torch, DTYPES[dtype_name])
+
+    def read_inputs():
+        settings, max_tokens = _check_arguments(args)
+        checkpoints = _read_checkpoints(args, tag_dirs, settings)
+        return settings, max_tokens, checkpoints, *_held_out(args, checkpoints, max_tokens)
+
+    settings, max_tokens, checkpoints, docs, data_desc = _every_rank(read_inputs, rank, world)
+    if rank == 0:
+        log.info("held-out data: %s, %d documents, %d predictions", data_desc, len(docs),
+                 sum(t.numel() - 1 for t, _ in docs))
+
+    runs = []
+    for i, c in enumerate(checkpoints):
+        _, state, _ = load_model_from_checkpoint(c.tag_dir, map_dtype=None, verify=False)
+        model = TransformerLM(c.model_cfg)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
-            raise ValueError(f"{tag_dir}: weights do not match the model config "
+            raise ValueError(f"{c.tag_dir}: weights do not match the model config "
                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
         model.to(device=device, dtype=dtype)
-        label = args.label[i] if args.label else _default_label(tag_dir, meta, model_cfg)
+        label = args.label[i] if args.label else _default_label(c.tag_dir, c.meta, c.model_cfg)
         if rank == 0:
-            log.info("evaluating %s: %s, %s, step %s, lengths %s", label, tag_dir,
-                     model_cfg.pe, meta.get("step"), lengths)
+            log.info("evaluating %s: %s, %s, step %s, lengths %s", label, c.tag_dir,
+                     c.model_cfg.pe, c.meta.get("step"), c.lengths)
         results = []
         for protocol in settings.protocols:
             results += evaluate_perplexity(
-                model, docs, lengths=lengths, protocol=protocol, stride=args.stride,
+                model, docs, lengths=c.lengths, protocol=protocol, stride=args.stride,
                 max_tokens=max_tokens, batch_size=args.batch_size, device=device,
                 progress=rank == 0 and show_progress(args.progress), reduce=reduce, dp_rank=rank,
                 dp_size=world)
-        runs.append({"label": label, "checkpoint": str(tag_dir), "step": meta.get("step"),
-                     "pe": model_cfg.pe, "model": model_cfg.name,
-                     "train_seq_len": train_seq_len, "results": results})
+        runs.append({"label": label, "checkpoint": str(c.tag_dir), "step": c.meta.get("step"),
+                     "pe": c.model_cfg.pe, "model": c.model_cfg.name,
+                     "train_seq_len": c.train_seq_len, "results": results})
         del model, state
 
     labels = [r["label"] for r in runs]
@@ -261,7 +408,11 @@ def main(argv: list[str] | None = None) -> int:
                       tag="" if rank == 0 else f"rank{rank}")
     try:
         code = run(args)
-    except (ValueError, FileNotFoundError, RuntimeError, FileWriteError) as err:
+    except RanksFailed as failed:
+        for line in failed.lines:
+            print(line, file=sys.stderr)
+        code = 1
+    except INPUT_ERRORS as err:
         # CheckpointError, DataError and TokenizerError derive from these. Every rank that
         # fails says so (a failure of one rank alone must be visible), naming itself.
         where = f" (rank {rank} of {os.environ.get('WORLD_SIZE')})" if rank else ""
