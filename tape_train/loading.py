@@ -185,10 +185,13 @@ def _conversion_lock(target: Path, *, tick: Callable[[bool], None] | None, tick_
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            _wait_for_lock(fd, lock_path, target, tick, tick_s)
+            held = _wait_for_lock(fd, lock_path, target, tick, tick_s)
         except OSError as exc:  # ENOLCK, ENOSYS, EOPNOTSUPP: e.g. Lustre without -o flock
-            log.warning("cannot lock %s (%s): processes converting this checkpoint at the same "
-                        "time will each convert it", lock_path, exc.strerror or exc)
+            _warn_unlocked(lock_path, exc)
+            held = False
+        else:
+            held = True
+        if not held:
             yield False
             return
         os.ftruncate(fd, 0)
@@ -198,9 +201,16 @@ def _conversion_lock(target: Path, *, tick: Callable[[bool], None] | None, tick_
         os.close(fd)  # releases the lock
 
 
+def _warn_unlocked(lock_path: Path, exc: OSError) -> None:
+    log.warning("cannot lock %s (%s): processes converting this checkpoint at the same time "
+                "will each convert it", lock_path, exc.strerror or exc)
+
+
 def _wait_for_lock(fd: int, lock_path: Path, target: Path,
-                   tick: Callable[[bool], None] | None, tick_s: float) -> None:
-    """Blocks until ``fd``'s exclusive lock is this process's (see ``_conversion_lock``)."""
+                   tick: Callable[[bool], None] | None, tick_s: float) -> bool:
+    """Blocks until ``fd``'s exclusive lock is this process's (see ``_conversion_lock``):
+    True; False if locking stopped working meanwhile (an NFS lock manager lost: ENOLCK), when
+    this process goes on unlocked, as on a filesystem without ``flock``."""
     import fcntl
 
     from tape_train.progress import LOG_EVERY_S, _elapsed, _tree_size
@@ -219,9 +229,12 @@ def _wait_for_lock(fd: int, lock_path: Path, target: Path,
         time.sleep(min(tick_s, 1.0))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
+            return True
         except BlockingIOError:
             pass
+        except OSError as exc:
+            _warn_unlocked(lock_path, exc)
+            return False
         now = time.monotonic()
         if tick is not None and now - ticked >= tick_s:
             ticked = now

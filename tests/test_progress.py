@@ -361,6 +361,58 @@ def test_a_dead_converters_lock_and_leftovers_go_to_the_next(tmp_path, monkeypat
     assert sorted(p.name for p in tag.iterdir()) == ["COMPLETE.json", "universal"]
 
 
+def test_locks_lost_while_waiting_for_a_conversion_mean_converting_unlocked(
+        tmp_path, monkeypatch, caplog):
+    """A process waiting for another's conversion whose locks stop working (an NFS lock
+    manager lost: ENOLCK) converts on its own, as on a filesystem without flock, with the
+    same warning; before, the OSError ended it with a traceback."""
+    import errno
+    import fcntl
+    import logging
+    import threading
+
+    from tape_train import loading
+
+    tag, count, release = _held_conversion(tmp_path, monkeypatch)
+    release.touch()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(120)"),
+        str(tag / ".universal.lock")], stdout=subprocess.PIPE, text=True)
+    real_flock, lost = fcntl.flock, threading.Event()
+
+    def flock(fd, op):
+        if lost.is_set():
+            raise OSError(errno.ENOLCK, "No locks available")
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        caplog.set_level(logging.INFO, logger="tape_train.checkpoint")
+        result = {}
+
+        def convert():
+            try:
+                result["path"] = loading.ensure_universal(tag, tick_s=0.2)
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                result["path"] = exc
+
+        waiter = threading.Thread(target=convert)
+        waiter.start()
+        _wait_for(lambda: any(r.getMessage().startswith("waiting for ")
+                              for r in caplog.records), "the waiting line")
+        lost.set()
+        waiter.join(30)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result == {"path": tag / "universal"}, result
+    assert count.read_text() == "x"
+    assert any(r.levelname == "WARNING" and "cannot lock" in r.getMessage()
+               and "No locks available" in r.getMessage() for r in caplog.records)
+
+
 def test_readers_of_a_read_only_checkpoint_share_one_conversion_and_the_last_removes_it(
         tmp_path, monkeypatch, caplog):
     """Ranks of a multi-GPU tape-eval reading a tensor-parallel checkpoint in a directory they
