@@ -47,6 +47,40 @@ def test_dry_run_refuses_a_backend_that_cannot_run_without_a_traceback(tmp_path,
     assert "--nodes must be >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("override, message", [
+    ("model.tie_embeddings='no'", "model.tie_embeddings: expected bool, got 'no'"),
+    ("model.norm_eps=true", "model.norm_eps: expected a finite number, got True"),
+    ("model.rope_theta=[1]", "model.rope_theta: expected a finite number, got [1]"),
+])
+def test_dry_run_names_a_mistyped_model_field(tmp_path, capsys, override, message):
+    """A quoted "no" tied the embeddings (a truthy string), `true` was an epsilon of 1."""
+    from tape_train.train.cli import main
+
+    path = _base_yaml(tmp_path, f"  run_dir: {tmp_path / 'run'}\n  device: cpu\n"
+                                "  synthetic_data: true\n")
+    assert main(["--config", str(path), "--dry-run", override]) == 1
+    err = capsys.readouterr().err
+    assert f"override '{override}': {message}" in err and "Traceback" not in err
+
+
+def test_exponent_floats_are_numbers_in_the_model_and_data_sections(tmp_path, capsys):
+    """YAML 1.1 reads `1e-6` as a string: accepted for float fields in every section (it was a
+    TypeError traceback in the dry-run's memory trace for model.norm_eps, and a refusal of
+    `got '1e-3'` for a source weight)."""
+    from tape_train.train.cli import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model:\n  base: tiny\n  norm_eps: 1e-6\n  rope_theta: 5e4\n"
+                    f"data:\n  sources:\n    - path: a\n      weight: 1e-3\n    - path: b\n"
+                    f"  eval_fraction: 1e-2\ntrain:\n  seq_len: 16\n  run_dir: {tmp_path / 'r'}"
+                    f"\n  device: cpu\n  synthetic_data: true\n  startup_timeout_s: 1e4\n")
+    cfg = load_run_config(path)
+    assert (cfg.model.norm_eps, cfg.model.rope_theta) == (1e-6, 5e4)
+    assert (cfg.data.sources[0].weight, cfg.data.eval_fraction) == (1e-3, 1e-2)
+    assert main(["--config", str(path), "--dry-run"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_a_run_trained_with_the_fused_kernel_evaluates_on_cpu(tmp_path, capsys):
     """attn_backend=triton was the training machine's choice: tape-eval on a CPU picks its
     own backend instead of failing at the first forward."""
