@@ -37,6 +37,11 @@ SECTIONS = ("model", "data", "eval", "train", "optim", "checkpoint", "parallel",
             "profile")
 
 
+# The longest collective/start-up timeout: faulthandler's timer (the watchdog's backstop) and
+# threading's waits overflow at about 9.2e9 s; a year is far beyond any job's time limit.
+MAX_TIMEOUT_S = 365 * 86400
+
+
 class ConfigError(ValueError):
     """A configuration file or override is invalid; the message names the key and its source."""
 
@@ -135,8 +140,10 @@ class TrainConfig:
                  f"train.synthetic_mask_fraction must be in [0, 1), got "
                  f"{self.synthetic_mask_fraction}")
         for key in ("collective_timeout_s", "startup_timeout_s"):
-            _require(getattr(self, key) > 0, f"train.{key} must be > 0 seconds, got "
-                     f"{getattr(self, key)}")
+            _require(0 < getattr(self, key) <= MAX_TIMEOUT_S,
+                     f"train.{key} must be > 0 and at most {MAX_TIMEOUT_S} seconds (a year; "
+                     f"the watchdog's timers cannot wait much longer), got "
+                     f"{getattr(self, key):g}")
         _require(self.collective_timeout_s <= self.startup_timeout_s,
                  f"train.collective_timeout_s={self.collective_timeout_s:g} must be <= "
                  f"train.startup_timeout_s={self.startup_timeout_s:g} (start-up, first steps, "

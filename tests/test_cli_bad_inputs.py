@@ -51,9 +51,13 @@ def test_dry_run_refuses_a_backend_that_cannot_run_without_a_traceback(tmp_path,
     ("model.tie_embeddings='no'", "model.tie_embeddings: expected bool, got 'no'"),
     ("model.norm_eps=true", "model.norm_eps: expected a finite number, got True"),
     ("model.rope_theta=[1]", "model.rope_theta: expected a finite number, got [1]"),
+    ("train.startup_timeout_s=1e10", "train.startup_timeout_s must be > 0 and at most "
+                                     "31536000 seconds"),
 ])
-def test_dry_run_names_a_mistyped_model_field(tmp_path, capsys, override, message):
-    """A quoted "no" tied the embeddings (a truthy string), `true` was an epsilon of 1."""
+def test_dry_run_names_a_mistyped_field_or_a_timeout_beyond_a_year(tmp_path, capsys, override,
+                                                                   message):
+    """A quoted "no" tied the embeddings (a truthy string), `true` was an epsilon of 1; a
+    timeout of 1e10 s overflowed the watchdog's timer at start-up (a traceback)."""
     from tape_train.train.cli import main
 
     path = _base_yaml(tmp_path, f"  run_dir: {tmp_path / 'run'}\n  device: cpu\n"
