@@ -164,6 +164,20 @@ def test_generate_names_a_bad_tokenizer(run_and_tokenizers, tmp_path, capsys):
                  "2", "--top-p", "1", "--top-k", "0"]) == 0
 
 
+def test_generate_samples_only_the_tokenizers_pieces(run_and_tokenizers, tmp_path, capsys):
+    """A model whose vocabulary is larger than its tokenizer's (the dry run only warns) sampled
+    ids no piece has: an IndexError traceback from sentencepiece's decode."""
+    from tape_train.inference.generate import main
+
+    run, _, _ = run_and_tokenizers
+    smaller = train_small_tokenizer(tmp_path / "tok400", vocab_size=400, max_bytes=200_000)
+    assert main([str(run / "run"), "--prompt", "The", "--tokenizer", smaller.path,
+                 "--max-new-tokens", "40", "--temperature", "2", "--top-p", "1",
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("The") and len(out) > len("The\n")
+
+
 def test_generate_device_is_checked_before_loading_and_cpu_is_the_auto_choice_here(
         run_and_tokenizers, capsys, monkeypatch):
     import torch
