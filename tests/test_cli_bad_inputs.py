@@ -206,19 +206,25 @@ def test_generate_device_is_checked_before_loading_and_cpu_is_the_auto_choice_he
 
 
 def test_tape_eval_checks_out_and_device_before_evaluating(run_and_tokenizers, tmp_path,
-                                                           capsys):
+                                                           capsys, monkeypatch):
     import torch
 
+    import tape_train.loading as loading
     from tape_train.eval.cli import main
 
     run, _, _ = run_and_tokenizers
     (tmp_path / "file").write_text("x")
     assert main(["--checkpoint", str(run / "run"), "--out", str(tmp_path / "file" / "o")]) == 1
     assert "exists and is not a directory" in capsys.readouterr().err
-    if not torch.cuda.is_available():
-        assert main(["--checkpoint", str(run / "run"), "--device", "cuda",
-                     "--out", str(tmp_path / "o")]) == 1
-        assert "--device cuda: no CUDA device here" in capsys.readouterr().err
+    resolved = []
+    real_resolve = loading.resolve_checkpoint
+    monkeypatch.setattr(loading, "resolve_checkpoint",
+                        lambda *a, **k: resolved.append(a) or real_resolve(*a, **k))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--checkpoint", str(run / "run"), "--device", "cuda",
+                 "--out", str(tmp_path / "o")]) == 1
+    assert "--device cuda: no CUDA device here" in capsys.readouterr().err
+    assert resolved == []  # refused before the checkpoint's checksums are read (minutes)
 
 
 def test_tape_submit_checks_eval_lengths_before_submitting(tmp_path, capsys):

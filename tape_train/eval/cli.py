@@ -160,6 +160,7 @@ def _default_label(tag_dir: Path, meta: dict, model_cfg) -> str:
 def run(args) -> int:
     import torch
 
+    from tape_train.devices import pick_device
     from tape_train.eval.config import EvalConfig
     from tape_train.eval.perplexity import evaluate_perplexity, materialize_documents
     from tape_train.eval.report import format_table, write_reports
@@ -181,7 +182,9 @@ def run(args) -> int:
     settings = EvalConfig(lengths=args.lengths, protocols=args.protocols,
                           sliding_stride=args.stride, max_tokens=max_tokens,
                           batch_size=args.batch_size)
-    # Which checkpoints (a missing or incomplete one fails here, before any start-up work).
+    # The device is checked before the checkpoints (a large one's checksums take minutes) ...
+    pick_device(args.device, int(os.environ.get("LOCAL_RANK", "0")), "--device")
+    # ... which are found (a missing or incomplete one fails here) before any start-up work.
     tag_dirs = [resolve_checkpoint(p) for p in args.checkpoint]
     rank, world, device, reduce = _init_distributed(args.device)
     if device.type == "cpu":
