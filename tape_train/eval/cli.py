@@ -82,6 +82,33 @@ def _parse_max_tokens(text: str) -> int | None:
     return value
 
 
+def _checked_settings(args: argparse.Namespace):
+    """(max tokens, ``EvalConfig``) of a command line, checked with the run config's messages:
+    every check that reads no file (labels, lengths, stride, batch size, max tokens)."""
+    from tape_train.eval.config import EvalConfig
+
+    if args.label is not None and len(args.label) != len(args.checkpoint):
+        raise ValueError(f"--label got {len(args.label)} name(s) for {len(args.checkpoint)} "
+                         f"checkpoint(s): give one per checkpoint, in the same order")
+    max_tokens = _parse_max_tokens(args.max_tokens)
+    return max_tokens, EvalConfig(lengths=args.lengths, protocols=args.protocols,
+                                  sliding_stride=args.stride, max_tokens=max_tokens,
+                                  batch_size=args.batch_size)
+
+
+def check_arguments(argv: list[str]) -> None:
+    """Raise ``ValueError`` with what tape-eval would refuse in ``argv`` without reading a
+    file (an unknown option, a bad value): ``tape-submit --eval-after`` checks the evaluation
+    job's command line before the training job is queued, not when it starts hours later."""
+    parser = build_parser()
+
+    def refuse(message: str):
+        raise ValueError(message)
+
+    parser.error = refuse
+    _checked_settings(parser.parse_args(argv))
+
+
 def _init_distributed(device_arg: str):
     """(rank, world size, device, reduce): a process group only when launched by torchrun
     (``WORLD_SIZE`` > 1), NCCL on CUDA and gloo on CPU as in training; each process computes on
@@ -161,16 +188,12 @@ def run(args) -> int:
     import torch
 
     from tape_train.devices import pick_device
-    from tape_train.eval.config import EvalConfig
     from tape_train.eval.perplexity import evaluate_perplexity, materialize_documents
     from tape_train.eval.report import format_table, write_reports
     from tape_train.model import TransformerLM
     from tape_train.loading import load_model_from_checkpoint, resolve_checkpoint
 
-    if args.label is not None and len(args.label) != len(args.checkpoint):
-        raise ValueError(f"--label got {len(args.label)} name(s) for {len(args.checkpoint)} "
-                         f"checkpoint(s): give one per checkpoint, in the same order")
-    max_tokens = _parse_max_tokens(args.max_tokens)
+    max_tokens, settings = _checked_settings(args)
     existing = Path(args.out)
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -178,10 +201,6 @@ def run(args) -> int:
         raise ValueError(f"--out {args.out}: {existing} exists and is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"--out {args.out}: {existing} is not writable by this user")
-    # Validates lengths, stride, batch size with the same messages as the run config.
-    settings = EvalConfig(lengths=args.lengths, protocols=args.protocols,
-                          sliding_stride=args.stride, max_tokens=max_tokens,
-                          batch_size=args.batch_size)
     # The device is checked before the checkpoints (a large one's checksums take minutes) ...
     pick_device(args.device, int(os.environ.get("LOCAL_RANK", "0")), "--device")
     # ... which are found (a missing or incomplete one fails here) before any start-up work.
