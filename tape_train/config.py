@@ -22,20 +22,24 @@ override) and the full dotted key, with a did-you-mean suggestion.
 from __future__ import annotations
 
 import dataclasses
-import math
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from tape_train import hints
 from tape_train.hints import did_you_mean, read_yaml
 from tape_train.model.config import ModelConfig, load_model_config
 from tape_train.resources import named_file, resource_dir
 
 SECTIONS = ("model", "data", "eval", "train", "optim", "checkpoint", "parallel", "logging",
             "profile")
+
+
+# The longest collective/start-up timeout: faulthandler's timer (the watchdog's backstop) and
+# threading's waits overflow at about 9.2e9 s; a year is far beyond any job's time limit.
+MAX_TIMEOUT_S = 365 * 86400
 
 
 class ConfigError(ValueError):
@@ -136,8 +140,10 @@ class TrainConfig:
                  f"train.synthetic_mask_fraction must be in [0, 1), got "
                  f"{self.synthetic_mask_fraction}")
         for key in ("collective_timeout_s", "startup_timeout_s"):
-            _require(getattr(self, key) > 0, f"train.{key} must be > 0 seconds, got "
-                     f"{getattr(self, key)}")
+            _require(0 < getattr(self, key) <= MAX_TIMEOUT_S,
+                     f"train.{key} must be > 0 and at most {MAX_TIMEOUT_S} seconds (a year; "
+                     f"the watchdog's timers cannot wait much longer), got "
+                     f"{getattr(self, key):g}")
         _require(self.collective_timeout_s <= self.startup_timeout_s,
                  f"train.collective_timeout_s={self.collective_timeout_s:g} must be <= "
                  f"train.startup_timeout_s={self.startup_timeout_s:g} (start-up, first steps, "
@@ -529,88 +535,10 @@ def _section_defaults() -> dict[str, Any]:
                      if f.default_factory is not dataclasses.MISSING})
 
 
-# ----------------------------------------------------------------------------------------------
-# Type checking shared by the sections
-# ----------------------------------------------------------------------------------------------
-
-
 def check_field_types(obj: Any, section: str) -> None:
-    """Check (and gently coerce) every field of dataclass ``obj`` against its annotation.
-
-    Coercions: int → float for float fields; numeric strings such as ``"3e-4"`` → float (YAML
-    1.1 reads ``3e-4`` as a string). Everything else must match exactly, bools are not ints.
-    """
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        ok, coerced = _conform(value, hints[f.name])
-        if not ok:
-            raise ConfigError(f"{section}.{f.name}: expected {_type_name(hints[f.name])}, got "
-                              f"{value!r}" + _choice_hint(value, hints[f.name]))
-        setattr(obj, f.name, coerced)
-
-
-def _conform(value: Any, hint: Any) -> tuple[bool, Any]:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
-        for arg in args:
-            ok, coerced = _conform(value, arg)
-            if ok:
-                return True, coerced
-        return False, value
-    if origin is Literal:
-        return value in args, value
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            return False, value
-        out = []
-        for item in value:
-            ok, coerced = _conform(item, args[0] if args else Any)
-            if not ok:
-                return False, value
-            out.append(coerced)
-        return True, out
-    if hint is Any:
-        return True, value
-    if hint is type(None):
-        return value is None, value
-    if hint is bool:
-        return isinstance(value, bool), value
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if hint is float:  # no config float means anything when infinite or NaN
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            return False, value
-        try:
-            number = float(value)
-        except ValueError:
-            return False, value
-        return math.isfinite(number), number
-    if hint is str:
-        return isinstance(value, str), value
-    return isinstance(value, hint), value
-
-
-def _type_name(hint: Any) -> str:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
-        return " or ".join(_type_name(a) for a in args)
-    if origin is list:
-        return f"a list of {_type_name(args[0])}" if args else "a list"
-    if hint is type(None):
-        return "null"
-    if hint is float:
-        return "a finite number"
-    return getattr(hint, "__name__", str(hint))
-
-
-def _choice_hint(value: Any, hint: Any) -> str:
-    choices = [a for a in typing.get_args(hint) if isinstance(a, str)]
-    if typing.get_origin(hint) is Literal and isinstance(value, str):
-        return did_you_mean(value, choices)
-    return ""
+    """The field type check of every section (``tape_train.hints.check_field_types``),
+    raising ``ConfigError``."""
+    hints.check_field_types(obj, section, ConfigError)
 
 
 def _require(condition: bool, message: str) -> None:

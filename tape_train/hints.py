@@ -1,13 +1,17 @@
 """Error-message helpers shared by every config module and command: did-you-mean suggestions,
-named YAML configs (``configs/<kind>/<name>.yaml`` or a path), and what to type when a command
-misses a required argument."""
+named YAML configs (``configs/<kind>/<name>.yaml`` or a path), the type check of a config
+dataclass's fields, and what to type when a command misses a required argument."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
+import math
+import typing
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, Literal
 
 import yaml
 
@@ -99,3 +103,90 @@ def read_named_yaml(name_or_path: str, directory: Path, kind: str,
     if not isinstance(data, dict):
         raise error(f"{path}: expected a mapping of keys, got {type(data).__name__}")
     return path, data
+
+
+def check_field_types(obj: Any, section: str, error: type[Exception] = ValueError) -> None:
+    """Check (and gently coerce) every field of dataclass ``obj`` against its annotation;
+    ``error`` names ``<section>.<field>``, what it expects and what it got.
+
+    Coercions: int → float for float fields; numeric strings such as ``"3e-4"`` → float (YAML
+    1.1 reads ``3e-4`` as a string). Everything else must match exactly, bools are not ints.
+    """
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        ok, coerced = _conform(value, hints[f.name])
+        if not ok:
+            raise error(f"{section}.{f.name}: expected {_type_name(hints[f.name])}, got "
+                        f"{value!r}" + _choice_hint(value, hints[f.name]))
+        setattr(obj, f.name, coerced)
+
+
+def finite_float(value: Any) -> float | None:
+    """``value`` as a config float: a finite int, float or numeric string (``"3e-4"``: YAML
+    1.1 reads ``3e-4`` as a string); ``None`` for anything else (bools, NaN, inf, text)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _conform(value: Any, hint: Any) -> tuple[bool, Any]:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        for arg in args:
+            ok, coerced = _conform(value, arg)
+            if ok:
+                return True, coerced
+        return False, value
+    if origin is Literal:
+        return value in args, value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        out = []
+        for item in value:
+            ok, coerced = _conform(item, args[0] if args else Any)
+            if not ok:
+                return False, value
+            out.append(coerced)
+        return True, out
+    if hint is Any:
+        return True, value
+    if hint is type(None):
+        return value is None, value
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:  # no config float means anything when infinite or NaN
+        number = finite_float(value)
+        return number is not None, (value if number is None else number)
+    if hint is str:
+        return isinstance(value, str), value
+    return isinstance(value, hint), value
+
+
+def _type_name(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        return " or ".join(_type_name(a) for a in args)
+    if origin is list:
+        return f"a list of {_type_name(args[0])}" if args else "a list"
+    if hint is type(None):
+        return "null"
+    if hint is float:
+        return "a finite number"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _choice_hint(value: Any, hint: Any) -> str:
+    choices = [a for a in typing.get_args(hint) if isinstance(a, str)]
+    if typing.get_origin(hint) is Literal and isinstance(value, str):
+        return did_you_mean(value, choices)
+    return ""

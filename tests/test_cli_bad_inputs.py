@@ -47,6 +47,44 @@ def test_dry_run_refuses_a_backend_that_cannot_run_without_a_traceback(tmp_path,
     assert "--nodes must be >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("override, message", [
+    ("model.tie_embeddings='no'", "model.tie_embeddings: expected bool, got 'no'"),
+    ("model.norm_eps=true", "model.norm_eps: expected a finite number, got True"),
+    ("model.rope_theta=[1]", "model.rope_theta: expected a finite number, got [1]"),
+    ("train.startup_timeout_s=1e10", "train.startup_timeout_s must be > 0 and at most "
+                                     "31536000 seconds"),
+])
+def test_dry_run_names_a_mistyped_field_or_a_timeout_beyond_a_year(tmp_path, capsys, override,
+                                                                   message):
+    """A quoted "no" tied the embeddings (a truthy string), `true` was an epsilon of 1; a
+    timeout of 1e10 s overflowed the watchdog's timer at start-up (a traceback)."""
+    from tape_train.train.cli import main
+
+    path = _base_yaml(tmp_path, f"  run_dir: {tmp_path / 'run'}\n  device: cpu\n"
+                                "  synthetic_data: true\n")
+    assert main(["--config", str(path), "--dry-run", override]) == 1
+    err = capsys.readouterr().err
+    assert f"override '{override}': {message}" in err and "Traceback" not in err
+
+
+def test_exponent_floats_are_numbers_in_the_model_and_data_sections(tmp_path, capsys):
+    """YAML 1.1 reads `1e-6` as a string: accepted for float fields in every section (it was a
+    TypeError traceback in the dry-run's memory trace for model.norm_eps, and a refusal of
+    `got '1e-3'` for a source weight)."""
+    from tape_train.train.cli import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model:\n  base: tiny\n  norm_eps: 1e-6\n  rope_theta: 5e4\n"
+                    f"data:\n  sources:\n    - path: a\n      weight: 1e-3\n    - path: b\n"
+                    f"  eval_fraction: 1e-2\ntrain:\n  seq_len: 16\n  run_dir: {tmp_path / 'r'}"
+                    f"\n  device: cpu\n  synthetic_data: true\n  startup_timeout_s: 1e4\n")
+    cfg = load_run_config(path)
+    assert (cfg.model.norm_eps, cfg.model.rope_theta) == (1e-6, 5e4)
+    assert (cfg.data.sources[0].weight, cfg.data.eval_fraction) == (1e-3, 1e-2)
+    assert main(["--config", str(path), "--dry-run"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_a_run_trained_with_the_fused_kernel_evaluates_on_cpu(tmp_path, capsys):
     """attn_backend=triton was the training machine's choice: tape-eval on a CPU picks its
     own backend instead of failing at the first forward."""
@@ -126,6 +164,20 @@ def test_generate_names_a_bad_tokenizer(run_and_tokenizers, tmp_path, capsys):
                  "2", "--top-p", "1", "--top-k", "0"]) == 0
 
 
+def test_generate_samples_only_the_tokenizers_pieces(run_and_tokenizers, tmp_path, capsys):
+    """A model whose vocabulary is larger than its tokenizer's (the dry run only warns) sampled
+    ids no piece has: an IndexError traceback from sentencepiece's decode."""
+    from tape_train.inference.generate import main
+
+    run, _, _ = run_and_tokenizers
+    smaller = train_small_tokenizer(tmp_path / "tok400", vocab_size=400, max_bytes=200_000)
+    assert main([str(run / "run"), "--prompt", "The", "--tokenizer", smaller.path,
+                 "--max-new-tokens", "40", "--temperature", "2", "--top-p", "1",
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("The") and len(out) > len("The\n")
+
+
 def test_generate_device_is_checked_before_loading_and_cpu_is_the_auto_choice_here(
         run_and_tokenizers, capsys, monkeypatch):
     import torch
@@ -154,19 +206,25 @@ def test_generate_device_is_checked_before_loading_and_cpu_is_the_auto_choice_he
 
 
 def test_tape_eval_checks_out_and_device_before_evaluating(run_and_tokenizers, tmp_path,
-                                                           capsys):
+                                                           capsys, monkeypatch):
     import torch
 
+    import tape_train.loading as loading
     from tape_train.eval.cli import main
 
     run, _, _ = run_and_tokenizers
     (tmp_path / "file").write_text("x")
     assert main(["--checkpoint", str(run / "run"), "--out", str(tmp_path / "file" / "o")]) == 1
     assert "exists and is not a directory" in capsys.readouterr().err
-    if not torch.cuda.is_available():
-        assert main(["--checkpoint", str(run / "run"), "--device", "cuda",
-                     "--out", str(tmp_path / "o")]) == 1
-        assert "--device cuda: no CUDA device here" in capsys.readouterr().err
+    resolved = []
+    real_resolve = loading.resolve_checkpoint
+    monkeypatch.setattr(loading, "resolve_checkpoint",
+                        lambda *a, **k: resolved.append(a) or real_resolve(*a, **k))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--checkpoint", str(run / "run"), "--device", "cuda",
+                 "--out", str(tmp_path / "o")]) == 1
+    assert "--device cuda: no CUDA device here" in capsys.readouterr().err
+    assert resolved == []  # refused before the checkpoint's checksums are read (minutes)
 
 
 def test_tape_submit_checks_eval_lengths_before_submitting(tmp_path, capsys):
@@ -174,9 +232,38 @@ def test_tape_submit_checks_eval_lengths_before_submitting(tmp_path, capsys):
 
     path = _base_yaml(tmp_path)
     assert main(["--config", str(path), "--dry-run", "--eval-after", "--eval-lengths", "0"]) == 2
-    assert "--eval-lengths: eval.lengths[0] must be a positive integer" in capsys.readouterr().err
+    assert ("--eval-lengths/--eval-arg: tape-eval --lengths 0: eval.lengths[0] must be a "
+            "positive integer") in capsys.readouterr().err
     assert main(["--config", str(path), "--dry-run", "--eval-after", "--eval-lengths", "16",
                  "32"]) == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--eval-after", "--eval-arg=--max-tokens=-5"],
+     "tape-eval --max-tokens=-5: --max-tokens must be a positive integer or 'all'"),
+    (["--eval-after", "--eval-arg=--bogus=1"], "unrecognized arguments: --bogus=1"),
+    (["--eval-after", "--eval-arg=--device=tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--eval-after", "--eval-lengths", "16", "--eval-arg=--stride=16"],
+     "eval.sliding_stride=16 must be smaller than every evaluation length"),
+    (["--eval-after", "--eval-time", "0"], "--eval-time '0' is zero"),
+    (["--eval-arg=--max-tokens=64", "--eval-time", "10"],
+     "--eval-time, --eval-arg: only used by the evaluation job of --eval-after, which is not "
+     "given"),
+])
+def test_tape_submit_checks_the_evaluation_job_before_submitting(tmp_path, capsys, args,
+                                                                 message):
+    """tape-eval's arguments are checked with tape-eval's own parser and settings: they failed
+    only when the evaluation job started, after the training job; without --eval-after they
+    were dropped without a word."""
+    from tape_train.cluster.submit import main
+
+    path = _base_yaml(tmp_path)
+    assert main(["--config", str(path), "--dry-run", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"tape-submit: error: " in err and message in err
+    assert main(["--config", str(path), "--dry-run", "--eval-after", "--eval-time", "10",
+                 "--eval-arg=--max-tokens=64", "--eval-arg=--device=cpu"]) == 0
+    assert "--max-tokens=64 --device=cpu" in capsys.readouterr().out
 
 
 def test_prepare_and_tokenizer_onto_a_file_say_so(tmp_path, capsys):

@@ -89,7 +89,8 @@ def test_unknown_section_and_nested_model_key(tmp_path):
     ("model.pe=ropee", r"model\.pe='ropee' is not one of .*did you mean 'rope'"),
     ("eval.lengths=[0]", r"eval\.lengths\[0\] must be a positive integer"),
     ("data.sharding=globl", r"data\.sharding='globl'.*did you mean 'global'"),
-    ("train.collective_timeout_s=0", r"train\.collective_timeout_s must be > 0 seconds, got 0"),
+    ("train.collective_timeout_s=0", r"train\.collective_timeout_s must be > 0 and at most "
+                                     r"31536000 seconds .*, got 0"),
     ("train.collective_timeout_s=10m", r"train\.collective_timeout_s: expected a finite number"),
     ("train.collective_timeout_s=3600", r"train\.collective_timeout_s=3600 must be <= "
                                         r"train\.startup_timeout_s=1800 .*: raise both"),

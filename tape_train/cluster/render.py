@@ -42,8 +42,9 @@ class RenderError(ValueError):
     """An option or template is invalid; the message names the option or file at fault."""
 
 
-def parse_time_limit(text: str) -> int:
-    """Seconds in a Slurm time limit: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S. Raises RenderError."""
+def parse_time_limit(text: str, flag: str = "--time") -> int:
+    """Seconds in a Slurm time limit: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S. Raises RenderError
+    naming ``flag``."""
     for pattern in _TIME_FORMATS:
         match = pattern.match(text.strip())
         if match:
@@ -51,9 +52,9 @@ def parse_time_limit(text: str) -> int:
             seconds = (parts.get("d", 0) * 86400 + parts.get("h", 0) * 3600
                        + parts.get("m", 0) * 60 + parts.get("s", 0))
             if seconds <= 0:
-                raise RenderError(f"--time {text!r} is zero; give a positive time limit")
+                raise RenderError(f"{flag} {text!r} is zero; give a positive time limit")
             return seconds
-    raise RenderError(f"--time {text!r} is not a Slurm time limit: use minutes (90), "
+    raise RenderError(f"{flag} {text!r} is not a Slurm time limit: use minutes (90), "
                       "HH:MM:SS (04:00:00) or D-HH:MM:SS (1-12:00:00)")
 
 

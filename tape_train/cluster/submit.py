@@ -37,6 +37,7 @@ from tape_train.cluster.run_args import TrainArgsError, resolve_run_dir
 from tape_train.files import write_atomic
 from tape_train.hints import example_on_missing
 
+EVAL_TIME = "01:00:00"
 EVAL_SEPARATOR = "# ---- eval.sbatch, submitted with --dependency=afterok:<training job id> ----"
 
 
@@ -100,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--eval-lengths", type=int, nargs="+", default=None,
                    help="context lengths for tape-eval (default: tape-eval's own)")
     e.add_argument("--eval-out", default=None, help="default: <run_dir>/eval")
-    e.add_argument("--eval-time", default="01:00:00",
+    e.add_argument("--eval-time", default=EVAL_TIME,
                    help="time limit of the evaluation job (default: %(default)s)")
     e.add_argument("--eval-arg", action="append", default=[], metavar="=--OPTION=VALUE",
                    help="extra tape-eval argument (repeatable), attached: "
@@ -180,21 +181,31 @@ def main(argv: list[str] | None = None) -> int:
                                            source=str(train_path))
         eval_script = None
         if args.eval_after:
-            parse_time_limit(args.eval_time)
+            parse_time_limit(args.eval_time, "--eval-time")
             eval_out = Path(args.eval_out) if args.eval_out else run_dir / "eval"
             eval_args = ["--checkpoint", str(run_dir), "--out", str(workdir / eval_out)]
-            if args.eval_lengths:
-                from tape_train.eval.config import EvalConfig
+            yours = (["--lengths", *map(str, args.eval_lengths)] if args.eval_lengths
+                     else []) + args.eval_arg
+            from tape_train.eval.cli import check_arguments
 
-                try:  # tape-eval's own rules, checked now rather than after the training job
-                    EvalConfig(lengths=args.eval_lengths)
-                except ValueError as exc:
-                    raise ValueError(f"--eval-lengths: {exc}") from None
-                eval_args += ["--lengths", *map(str, args.eval_lengths)]
-            eval_args += args.eval_arg
+            try:  # tape-eval's own rules, checked now rather than after the training job
+                check_arguments(eval_args + yours)
+            except ValueError as exc:
+                raise ValueError(f"--eval-lengths/--eval-arg: tape-eval {' '.join(yours)}: "
+                                 f"{exc}") from None
+            eval_args += yours
             eval_path = template_dir / "eval.sbatch"
             eval_script = render_eval_script(read_template(eval_path), opts, eval_args,
                                              time=args.eval_time, source=str(eval_path))
+        else:
+            given = [flag for flag, value, default in (
+                ("--eval-lengths", args.eval_lengths, None), ("--eval-out", args.eval_out, None),
+                ("--eval-time", args.eval_time, EVAL_TIME), ("--eval-arg", args.eval_arg, []))
+                if value != default]
+            if given:
+                raise ValueError(f"{', '.join(given)}: only used by the evaluation job of "
+                                 f"--eval-after, which is not given: add --eval-after, or drop "
+                                 f"{'them' if len(given) > 1 else 'it'}")
     except (RenderError, TrainArgsError, ValueError) as exc:
         # ConfigError is a ValueError: it names the config file, line and key.
         print(f"tape-submit: error: {exc}", file=sys.stderr)

@@ -8,9 +8,8 @@ loader is built, so a default ``DataConfig()`` is always constructible.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
-from tape_train.hints import choice_error, read_named_yaml, unknown_keys
+from tape_train.hints import choice_error, finite_float, read_named_yaml, unknown_keys
 from tape_train.resources import resource_dir
 
 SHARDING_MODES = ("documents", "global")
@@ -81,10 +80,10 @@ class SourceConfig:
         if self.data_files is not None and self.hub is None:
             raise DataError(f"{k}.data_files needs 'hub' (a datasets builder such as json or "
                             f"parquet); for plain local files use 'path'")
-        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) \
-                or not 0 < self.weight < math.inf:
+        weight = finite_float(self.weight)
+        if weight is None or not weight > 0:
             raise DataError(f"{k}.weight must be a finite number > 0, got {self.weight!r}")
-        self.weight = float(self.weight)
+        self.weight = weight
         if not isinstance(self.text_field, str) or not self.text_field:
             raise DataError(f"{k}.text_field must be a non-empty string, got {self.text_field!r}")
         if self.name is None:
@@ -195,10 +194,10 @@ class DataConfig:
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
             raise DataError(f"data.tokenizer must be a path to a .model file, "
                             f"got {self.tokenizer!r}")
-        if isinstance(self.eval_fraction, bool) or not isinstance(
-                self.eval_fraction, (int, float)) or not 0.0 <= self.eval_fraction < 1.0:
+        fraction = finite_float(self.eval_fraction)
+        if fraction is None or not 0.0 <= fraction < 1.0:
             raise DataError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
-        self.eval_fraction = float(self.eval_fraction)
+        self.eval_fraction = fraction
         if self.eval_max_documents is not None and not _positive_int(self.eval_max_documents):
             raise DataError(f"data.eval_max_documents must be a positive integer or null, "
                             f"got {self.eval_max_documents!r}")

@@ -86,6 +86,33 @@ def _parse_max_tokens(text: str) -> int | None:
     return value
 
 
+def _checked_settings(args: argparse.Namespace):
+    """(max tokens, ``EvalConfig``) of a command line, checked with the run config's messages:
+    every check that reads no file (labels, lengths, stride, batch size, max tokens)."""
+    from tape_train.eval.config import EvalConfig
+
+    if args.label is not None and len(args.label) != len(args.checkpoint):
+        raise ValueError(f"--label got {len(args.label)} name(s) for {len(args.checkpoint)} "
+                         f"checkpoint(s): give one per checkpoint, in the same order")
+    max_tokens = _parse_max_tokens(args.max_tokens)
+    return max_tokens, EvalConfig(lengths=args.lengths, protocols=args.protocols,
+                                  sliding_stride=args.stride, max_tokens=max_tokens,
+                                  batch_size=args.batch_size)
+
+
+def check_arguments(argv: list[str]) -> None:
+    """Raise ``ValueError`` with what tape-eval would refuse in ``argv`` without reading a
+    file (an unknown option, a bad value): ``tape-submit --eval-after`` checks the evaluation
+    job's command line before the training job is queued, not when it starts hours later."""
+    parser = build_parser()
+
+    def refuse(message: str):
+        raise ValueError(message)
+
+    parser.error = refuse
+    _checked_settings(parser.parse_args(argv))
+
+
 # Collectives of a multi-rank evaluation wait at most this long: rank 0 reads a large checkpoint
 # back against its checksums while the others wait (NCCL's own default is 10 minutes).
 COLLECTIVE_TIMEOUT = timedelta(hours=1)
@@ -244,20 +271,6 @@ class _Checkpoint:
     lengths: list[int]
 
 
-def _check_arguments(args):
-    """(EvalConfig, max_tokens) from the arguments that need no file (same on every rank)."""
-    from tape_train.eval.config import EvalConfig
-
-    if args.label is not None and len(args.label) != len(args.checkpoint):
-        raise ValueError(f"--label got {len(args.label)} name(s) for {len(args.checkpoint)} "
-                         f"checkpoint(s): give one per checkpoint, in the same order")
-    max_tokens = _parse_max_tokens(args.max_tokens)
-    # Validates lengths, stride, batch size with the same messages as the run config.
-    settings = EvalConfig(lengths=args.lengths, protocols=args.protocols,
-                          sliding_stride=args.stride, max_tokens=max_tokens,
-                          batch_size=args.batch_size)
-    return settings, max_tokens
-
 
 def _check_out(out: str) -> None:
     """``--out`` can be made and written (found now, not after evaluating every checkpoint)."""
@@ -315,19 +328,22 @@ def run(args) -> int:
     printed once, before any weights are read."""
     import torch
 
+    from tape_train.devices import pick_device
     from tape_train.eval.perplexity import evaluate_perplexity
     from tape_train.eval.report import format_table, write_reports
     from tape_train.loading import load_model_from_checkpoint, resolve_checkpoint
     from tape_train.model import TransformerLM
 
     def check_inputs():
-        _check_arguments(args)
+        _checked_settings(args)
         _check_out(args.out)
+        if alone:  # the device before the checkpoints (a large one's checksums take minutes)
+            pick_device(args.device, int(os.environ.get("LOCAL_RANK", "0")), "--device")
         # Which checkpoints (a missing, incomplete or damaged one fails here).
         return [resolve_checkpoint(p) for p in args.checkpoint]
 
     alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
-    if alone:  # before the device is touched
+    if alone:  # all of it before any start-up work
         tag_dirs = check_inputs()
     rank, world, device, reduce = _init_distributed(args.device)
     if not alone:
@@ -352,7 +368,7 @@ def run(args) -> int:
     dtype = getattr(torch, DTYPES[dtype_name])
 
     def read_inputs():
-        settings, max_tokens = _check_arguments(args)
+        max_tokens, settings = _checked_settings(args)
         checkpoints = _read_checkpoints(args, tag_dirs, settings)
         return settings, max_tokens, checkpoints, *_held_out(args, checkpoints, max_tokens)
 

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, eos_id=tokenizer.eos_id,
                    generator=torch.Generator(device=device).manual_seed(args.seed),
-                   on_token=StreamPrinter(tokenizer))
+                   on_token=StreamPrinter(tokenizer), vocab_size=tokenizer.vocab_size)
     sys.stdout.write("\n")
     return 0
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from tape_train.hints import choice_error, read_named_yaml, unknown_keys
+from tape_train.hints import check_field_types, choice_error, read_named_yaml, unknown_keys
 from tape_train.model.pe import ENCODINGS, EncodingSpec
 from tape_train.resources import resource_dir
 
@@ -79,6 +79,8 @@ class ModelConfig:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
+        # Types first: a quoted `tie_embeddings: "no"` is truthy, `norm_eps: "1e-6"` a string.
+        check_field_types(self, "model")
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -111,7 +113,7 @@ class ModelConfig:
                              f"pe={self.pe} rotates channel pairs and needs an even head dim")
         for key in ("rope_theta", "norm_eps", "init_std", "xpos_scale_base", "fire_init_c",
                     "fire_init_L"):
-            if not float(getattr(self, key)) > 0:
+            if not getattr(self, key) > 0:
                 raise ValueError(f"model.{key} must be > 0, got {getattr(self, key)!r}")
 
     @property

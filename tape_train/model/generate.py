@@ -49,11 +49,14 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, eos_id: int | None = None,
              generator: torch.Generator | None = None,
-             on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+             on_token: Callable[[torch.Tensor], None] | None = None,
+             vocab_size: int | None = None) -> torch.Tensor:
     """Prompt (b, N) → (b, N + generated). Prefill once, then one token per step.
 
     ``on_token`` receives each step's (b,) new ids (for streaming to a console). Generation
-    stops early when every row has produced ``eos_id``.
+    stops early when every row has produced ``eos_id``. ``vocab_size``: sample only ids below
+    it, the tokenizer's pieces (an embedding larger than the tokenizer has rows that no text
+    decodes to; a model that was barely trained samples them).
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     was_training = model.training
@@ -63,7 +66,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature
     tokens = [input_ids]
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     for _ in range(max_new_tokens):
-        nxt = sample_next(out.logits[:, -1], temperature, top_k, top_p, generator)
+        nxt = sample_next(out.logits[:, -1, :vocab_size], temperature, top_k, top_p, generator)
         if eos_id is not None:
             nxt = nxt.masked_fill(finished, eos_id)
             finished |= nxt == eos_id
