@@ -262,3 +262,26 @@ def test_disk_check_counts_the_checkpoints_a_resume_already_has(corpus, tmp_path
     report = preflight.Report()
     preflight._check_run_dir(cfg, report)
     assert report.problems and "1 of them already there" in report.problems[0]
+
+
+@pytest.mark.parametrize("layout,per_node,warned", [
+    (["parallel.tp=8"], 4, "parallel.tp=8 with 4 ranks per node: tensor-parallel groups span"),
+    (["parallel.tp=4"], 6, "parallel.tp=4 with 6 ranks per node"),       # blocks straddle nodes
+    (["parallel.sp=4", "parallel.tp=2"], 4, "parallel.sp=4 x tp=2 with 4 ranks per node"),
+    (["parallel.tp=8"], 8, None),                                         # controls: one node each
+    (["parallel.sp=4", "parallel.tp=2"], 8, None),
+    (["parallel.tp=2"], 6, None)])
+def test_tensor_or_sequence_parallel_groups_across_nodes_are_a_warning(layout, per_node, warned):
+    """Ranks fill nodes in order, so a tp group (a block of tp consecutive ranks) stays on one
+    node only when tp divides the GPUs per node: else every layer's all-reduces cross the
+    network. A legal layout, so a warning naming the fix, not an error."""
+    rc, out, err = dry_run(["--config", "125m", "--dry-run", "--nodes", "2", "--gpus-per-node",
+                            str(per_node), "model.num_heads=16", "train.synthetic_data=true",
+                            *layout])
+    assert rc == 0 and "preflight: ok" in out, err
+    lines = [ln for ln in err.splitlines() if "span nodes" in ln]
+    if warned is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and warned in lines[0] and "tape-train: preflight: warning: " \
+            in lines[0], lines

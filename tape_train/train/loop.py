@@ -228,8 +228,10 @@ class Trainer:
         from tape_train.train.preflight import RUN_START_LIMITS, PreflightError, run_preflight
 
         start = time.perf_counter()
+        world = int(os.environ.get("WORLD_SIZE", "1"))
         report = run_preflight(
-            self.cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            self.cfg, world_size=world,
+            ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)),  # torchrun's
             check_data=self.loader_factory is None,
             check_eval=self.eval_documents_fn is None and self.cfg.eval.enabled,
             check_resume=False, plan=False, limits=RUN_START_LIMITS)

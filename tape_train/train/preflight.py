@@ -86,6 +86,9 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
     per node, else the whole world on this machine)."""
     report = Report()
     grid = _check_grid(cfg, world_size, report)
+    per_node = ranks_per_node or gpus_per_node
+    if grid is not None and per_node and world_size > per_node:
+        _check_node_span(grid, per_node, report)
     _check_attention_backend(cfg, _target_device(cfg, gpus_per_node), report)
     lengths_ok = _check_lengths(cfg, report)
     synthetic = cfg.train.synthetic_data
@@ -167,6 +170,23 @@ def _check_grid(cfg, world_size: int, report: Report):
                 f"ZeRO-{p.zero_stage} partitions over dp×sp={grid.dp * grid.sp}; global batch "
                 f"{global_batch(cfg, grid.dp)} sequences × {cfg.train.seq_len} tokens")
     return grid
+
+
+def _check_node_span(grid, per_node: int, report: Report) -> None:
+    """Tensor- and sequence-parallel groups that cross nodes: legal, but their collectives
+    (two all-reduces per layer forward and backward for tp, the attention all-to-alls for sp)
+    then run over the network instead of NVLink. Ranks fill nodes in order (torchrun: node
+    ``i`` holds ranks ``i·per_node …``) and groups are blocks of the rank array
+    (``tape_train.parallel.grid``): a tp group stays on one node iff ``per_node % tp == 0``,
+    a dp-row's sp×tp block iff ``per_node % (sp·tp) == 0``."""
+    if grid.tp > 1 and per_node % grid.tp:
+        report.warn(f"parallel.tp={grid.tp} with {per_node} ranks per node: tensor-parallel "
+                    f"groups span nodes, so every layer's all-reduces cross the network (much "
+                    f"slower than within a node); use a parallel.tp that divides {per_node}")
+    elif grid.sp > 1 and per_node % (grid.sp * grid.tp):
+        report.warn(f"parallel.sp={grid.sp} x tp={grid.tp} with {per_node} ranks per node: "
+                    f"sequence-parallel groups span nodes, so every attention layer's "
+                    f"all-to-alls cross the network; use sp x tp dividing {per_node}")
 
 
 def global_batch(cfg, dp: int) -> int:
