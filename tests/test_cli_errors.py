@@ -55,8 +55,10 @@ def test_tape_eval_refuses_a_missing_checkpoint_before_start_up(tmp_path, monkey
     assert cli.main(["--checkpoint", str(missing), "--no-progress"]) == 1
     assert capsys.readouterr().err == (f"tape-eval: error: checkpoint path {missing} "
                                        f"does not exist\n")
-    # positive control: a checkpoint that resolves gets past the check to the start-up
+    # positive control: inputs that resolve and read get past the checks to the start-up
     monkeypatch.setattr("tape_train.loading.resolve_checkpoint", lambda p: Path(p))
+    monkeypatch.setattr(cli, "_read_checkpoints", lambda *_: [])
+    monkeypatch.setattr(cli, "_held_out", lambda *_: ([], "no documents"))
     with pytest.raises(AssertionError, match="start-up ran"):
         cli.main(["--checkpoint", str(missing), "--no-progress"])
 

@@ -196,7 +196,7 @@ def test_tape_eval_errors_are_clear(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def _torchrun(tmp_path, nproc, target, *args, env=None):
+def _torchrun(tmp_path, nproc, target, *args):
     """``python -m torch.distributed.run --standalone --nproc_per_node <nproc> <target>
     <args>``: what eval.sbatch runs on a node (``target`` ``-m tape_train.eval.cli`` or a
     script)."""
@@ -206,7 +206,7 @@ def _torchrun(tmp_path, nproc, target, *args, env=None):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}), PYTHONPATH=os.pathsep.join(
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc_per_node={nproc}", *target, *args], capture_output=True,
@@ -315,69 +315,65 @@ def test_a_rank_that_fails_ends_the_job_without_a_hang_or_a_report(tmp_path):
     assert not (tmp_path / "out").exists()                 # no partial report
 
 
-COUNT_VERIFICATIONS = """import os, sys
+COUNT_READS = """import os, sys
+def counted(module, name, what):   # one line per call, tagged by rank
+    real = getattr(module, name)
+    def wrapper(*args, **kwargs):
+        with open("reads.log", "a") as f:
+            f.write(what + " " + os.environ["RANK"] + "\\n")
+        return real(*args, **kwargs)
+    setattr(module, name, wrapper)
 import tape_train.checkpoint_layout as layout
-real = layout.verify_files
-def verify_files(*args, **kwargs):   # one line per read-back of a checkpoint, tagged by rank
-    with open("verified.log", "a") as f:
-        f.write(os.environ["RANK"] + "\\n")
-    return real(*args, **kwargs)
-layout.verify_files = verify_files
 import tape_train.eval.cli as cli
-if os.environ.get("FAIL_RANK") == os.environ["RANK"]:  # this rank alone cannot read its inputs
-    def held_out(*args, **kwargs):
-        raise ValueError("injected input error")
-    cli._held_out = held_out
+counted(layout, "verify_files", "checksums")
+counted(cli, "_held_out", "held-out")
 sys.exit(cli.main())
 """
 
 
 @pytest.mark.distributed
-def test_ranks_stop_together_on_an_input_error_and_it_is_printed_once(tmp_path):
-    """Under torchrun an input error stops every rank before any weights are read and is
-    printed once (not once per rank), naming the ranks when only some hit it; the checkpoint
-    is read back against its checksums once, by rank 0, for all ranks."""
+def test_rank_zero_reads_the_inputs_once_and_an_input_error_is_printed_once(tmp_path):
+    """Under torchrun rank 0 alone reads the checkpoints back against their checksums and the
+    held-out data (once, not once per rank: one reader of a Hub dataset) and sends them to the
+    others; an input error stops every rank before any weights are read and is printed once."""
     make_checkpoint(tmp_path / "run", "tape", seed=6)
     script = tmp_path / "count.py"
-    script.write_text(COUNT_VERIFICATIONS)
-    log = tmp_path / "verified.log"
+    script.write_text(COUNT_READS)
+    reads = tmp_path / "reads.log"
 
     def errors(proc):
         return [line for line in proc.stderr.splitlines() if line.startswith("tape-eval: err")]
 
-    # The same error on every rank (a data config that does not exist): one line.
-    proc = _torchrun(tmp_path, 2, [str(script)], "--checkpoint", str(tmp_path / "run"),
-                     *EVAL_ARGS, "--data", "no-such-data.yaml", "--out", str(tmp_path / "o"))
+    def run(*extra):
+        if reads.exists():
+            reads.unlink()
+        return _torchrun(tmp_path, 2, [str(script)], "--checkpoint", str(tmp_path / "run"),
+                         *EVAL_ARGS, "--out", str(tmp_path / "o"), *extra)
+
+    # A data config that does not exist: one line (before: one per rank).
+    proc = run("--data", "no-such-data.yaml")
     assert proc.returncode != 0
     assert len(errors(proc)) == 1 and "no-such-data.yaml" in errors(proc)[0], proc.stderr[-3000:]
-    assert errors(proc)[0].startswith("tape-eval: error: ")       # every rank: no rank named
-    assert log.read_text().split() == ["0"]                       # read back by rank 0 only
+    assert errors(proc)[0].startswith("tape-eval: error: ")
+    assert reads.read_text().split("\n")[:2] == ["checksums 0", "held-out 0"]
     assert not (tmp_path / "o").exists()
-    # An error of rank 1 alone: rank 0 prints it once, naming rank 1; nobody evaluates.
-    log.unlink()
-    proc = _torchrun(tmp_path, 2, [str(script)], "--checkpoint", str(tmp_path / "run"),
-                     *EVAL_ARGS, "--out", str(tmp_path / "o"),
-                     env={"FAIL_RANK": "1"})
-    assert proc.returncode != 0
-    assert errors(proc) == ["tape-eval: error (rank 1 of 2): injected input error"], \
-        proc.stderr[-3000:]
-    assert "eval L=" not in proc.stderr and not (tmp_path / "o").exists()
     # A damaged checkpoint: found by rank 0's read-back, one line, the others stop quietly.
     shard = tmp_path / "run" / "checkpoints" / "step_00000005" / "mp_rank_00_model_states.pt"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
-    proc = _torchrun(tmp_path, 2, [str(script)], "--checkpoint", str(tmp_path / "run"),
-                     *EVAL_ARGS, "--out", str(tmp_path / "o"))
+    proc = run()
     assert proc.returncode != 0
     assert len(errors(proc)) == 1 and str(shard) in errors(proc)[0], proc.stderr[-3000:]
-    # Control: restored, the same two ranks evaluate and write the report.
+    assert not (tmp_path / "o").exists()
+    # Control: restored, the same two ranks evaluate and write the report, rank 0 having read
+    # the inputs for both.
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
-    proc = _torchrun(tmp_path, 2, [str(script)], "--checkpoint", str(tmp_path / "run"),
-                     *EVAL_ARGS, "--out", str(tmp_path / "o"))
+    proc = run()
     assert proc.returncode == 0 and not errors(proc), proc.stderr[-3000:]
     assert (tmp_path / "o" / "eval.json").is_file()
+    assert sorted(reads.read_text().split("\n")[:-1]) == ["checksums 0", "held-out 0"]
 
 
 def test_checkpoints_of_different_vocabularies_are_refused_before_evaluating(tmp_path, capsys):

@@ -121,13 +121,8 @@ COLLECTIVE_TIMEOUT = timedelta(hours=1)
 INPUT_ERRORS = (ValueError, FileNotFoundError, RuntimeError, FileWriteError)
 
 
-class RanksFailed(Exception):
-    """Ranks stopped on input errors before evaluating: rank 0 holds the lines that say why
-    (each distinct error once), the other ranks none (they end quietly)."""
-
-    def __init__(self, lines: list[str]):
-        super().__init__("\n".join(lines))
-        self.lines = lines
+class StoppedByRankZero(Exception):
+    """Rank 0 found an input error and printed it; the other ranks end quietly (exit 1)."""
 
 
 def _init_distributed(device_arg: str):
@@ -160,9 +155,9 @@ def _init_distributed(device_arg: str):
 
 def _rank_zero_decides(compute: Callable[[], Any], rank: int, world: int):
     """``compute()`` on rank 0 alone, its result sent to every rank: what must be the same
-    everywhere (which checkpoints, the dtype) and what is costly to do N times (reading the
-    checkpoints back against their checksums). Rank 0 raises its input error; the others
-    raise ``RanksFailed([])`` (they stop without repeating it)."""
+    everywhere (which checkpoints, the held-out documents, the dtype) and what is costly or
+    unkind to do N times (reading checkpoints back against their checksums, streaming a Hub
+    dataset). Rank 0 raises its input error; the others raise ``StoppedByRankZero``."""
     value, error = None, None
     if rank == 0:
         try:
@@ -176,42 +171,10 @@ def _rank_zero_decides(compute: Callable[[], Any], rank: int, world: int):
         dist.broadcast_object_list(box, src=0)
         value, failed = box[0]
         if failed and rank != 0:
-            raise RanksFailed([])
+            raise StoppedByRankZero()
     if error is not None:
         raise error
     return value
-
-
-def _every_rank(compute: Callable[[], Any], rank: int, world: int):
-    """``compute()`` on every rank (each needs the result: configs, held-out documents), then
-    one exchange of their input errors: all ranks stop if one failed, and rank 0 prints each
-    distinct error once, naming the ranks when not all of them hit it."""
-    try:
-        value, error = compute(), None
-    except INPUT_ERRORS as err:
-        value, error = None, err
-    if world == 1:
-        if error is not None:
-            raise error
-        return value
-    import torch.distributed as dist
-
-    errors: list[str | None] = [None] * world
-    dist.all_gather_object(errors, None if error is None else str(error))
-    if not any(errors):
-        return value
-    if rank != 0:
-        raise RanksFailed([])
-    by_text: dict[str, list[int]] = {}
-    for r, text in enumerate(errors):
-        if text is not None:
-            by_text.setdefault(text, []).append(r)
-    lines = []
-    for text, ranks in by_text.items():
-        where = "" if len(ranks) == world else \
-            f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {world})"
-        lines.append(f"tape-eval: error{where}: {text}")
-    raise RanksFailed(lines)
 
 
 def _data_config(arg: str | None, meta_config: dict, tokenizer_arg: str | None):
@@ -322,10 +285,10 @@ def _held_out(args, checkpoints: list[_Checkpoint], max_tokens: int | None):
 
 
 def run(args) -> int:
-    """Evaluate; under torchrun the inputs are checked in two steps that every rank takes
-    together (rank 0 resolves and verifies the checkpoints and picks the dtype; then every
-    rank reads the configs and held-out data), so that an input error stops all ranks and is
-    printed once, before any weights are read."""
+    """Evaluate. Under torchrun rank 0 alone checks the inputs, resolves and verifies the
+    checkpoints, reads their configs and the held-out data and picks the dtype, and sends the
+    result to the others: an input error stops every rank and is printed once, before any
+    weights are read."""
     import torch
 
     from tape_train.devices import pick_device
@@ -334,20 +297,26 @@ def run(args) -> int:
     from tape_train.loading import load_model_from_checkpoint, resolve_checkpoint
     from tape_train.model import TransformerLM
 
-    def check_inputs():
-        _checked_settings(args)
+    def read_inputs():
+        max_tokens, settings = _checked_settings(args)
         _check_out(args.out)
         if alone:  # the device before the checkpoints (a large one's checksums take minutes)
             pick_device(args.device, int(os.environ.get("LOCAL_RANK", "0")), "--device")
         # Which checkpoints (a missing, incomplete or damaged one fails here).
-        return [resolve_checkpoint(p) for p in args.checkpoint]
+        tag_dirs = [resolve_checkpoint(p) for p in args.checkpoint]
+        checkpoints = _read_checkpoints(args, tag_dirs, settings)
+        docs, description = _held_out(args, checkpoints, max_tokens)
+        log.info("held-out data: %s, %d documents, %d predictions", description, len(docs),
+                 sum(t.numel() - 1 for t, _ in docs))
+        return max_tokens, settings, checkpoints, docs, description
 
     alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
     if alone:  # all of it before any start-up work
-        tag_dirs = check_inputs()
+        inputs = read_inputs()
     rank, world, device, reduce = _init_distributed(args.device)
     if not alone:
-        tag_dirs = _rank_zero_decides(check_inputs, rank, world)
+        inputs = _rank_zero_decides(read_inputs, rank, world)
+    max_tokens, settings, checkpoints, docs, data_desc = inputs
     if device.type == "cpu":
         from tape_train.host_memory import keep_freed_memory
 
@@ -366,16 +335,6 @@ def run(args) -> int:
 
     dtype_name = _rank_zero_decides(pick_dtype, rank, world)  # measured once, used by all
     dtype = getattr(torch, DTYPES[dtype_name])
-
-    def read_inputs():
-        max_tokens, settings = _checked_settings(args)
-        checkpoints = _read_checkpoints(args, tag_dirs, settings)
-        return settings, max_tokens, checkpoints, *_held_out(args, checkpoints, max_tokens)
-
-    settings, max_tokens, checkpoints, docs, data_desc = _every_rank(read_inputs, rank, world)
-    if rank == 0:
-        log.info("held-out data: %s, %d documents, %d predictions", data_desc, len(docs),
-                 sum(t.numel() - 1 for t, _ in docs))
 
     runs = []
     for i, c in enumerate(checkpoints):
@@ -424,9 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                       tag="" if rank == 0 else f"rank{rank}")
     try:
         code = run(args)
-    except RanksFailed as failed:
-        for line in failed.lines:
-            print(line, file=sys.stderr)
+    except StoppedByRankZero:
         code = 1
     except INPUT_ERRORS as err:
         # CheckpointError, DataError and TokenizerError derive from these. Every rank that
