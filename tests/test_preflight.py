@@ -261,6 +261,27 @@ def test_dry_run_does_not_import_deepspeed(corpus):
     assert "rank grid: world=4 dp=4" in proc.stdout and "preflight: ok" in proc.stdout
 
 
+def test_the_plan_sizes_checkpoints_in_the_dtype_auto_resolves_to(corpus):
+    from tape_train.config import load_run_config
+    from tape_train.files import human_bytes
+    from tape_train.train import preflight
+
+    def planned(dtype: str) -> str:   # GPU nodes: auto plans bf16 (no CPU measurement)
+        rc, out, err = dry_run(["--config", str(corpus / "run.yaml"), "--dry-run", "--nodes",
+                                "1", "--gpus-per-node", "1", "--gpu-name", "H100",
+                                f"train.dtype={dtype}"])
+        assert rc == 0, err
+        return next(ln for ln in out.splitlines() if "(+1 being written)" in ln)
+
+    def size(dtype: str) -> str:
+        cfg = load_run_config(corpus / "run.yaml", [f"train.dtype={dtype}"])
+        return f"checkpoints of ~{human_bytes(preflight.checkpoint_bytes(cfg))} need"
+
+    assert size("bf16") != size("fp32")
+    assert size("bf16") in planned("auto")
+    assert size("fp32") in planned("fp32")                 # negative control
+
+
 def test_disk_check_counts_the_checkpoints_a_resume_already_has(corpus, tmp_path, monkeypatch):
     import shutil as shutil_module
     from collections import namedtuple
