@@ -19,7 +19,15 @@ def _run(module: str) -> None:
 
         print(f"{os.path.basename(sys.argv[0])} {__version__}")
         sys.exit(0)
-    sys.exit(importlib.import_module(module).main())
+    try:
+        code = importlib.import_module(module).main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader of stdout went away (`tape-model info tiny | head -1`): end as a command
+        # killed by SIGPIPE does, without a traceback or a failed flush at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(128 + 13)  # 13: SIGPIPE
+    sys.exit(code)
 
 
 def model_main() -> None:

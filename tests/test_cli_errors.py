@@ -128,3 +128,27 @@ def test_sampling_settings_that_cannot_sample_are_refused():
     with pytest.raises(ValueError, match="top_p"):
         check_sampling(4, 1.0, None, 0.0)
     check_sampling(4, 0.0, 0, 1.0)  # greedy, no limits: fine
+
+
+@pytest.mark.parametrize("handled", [True, False])
+def test_a_closed_stdout_ends_a_command_without_a_traceback(handled):
+    import os
+    import subprocess
+    import sys
+
+    # `tape-model info ... | head -1`: the reader is gone before the second line is written.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    entry = ("from tape_train.cli import model_main as main" if handled else
+             "from tape_train.model.cli import main")   # negative control: no handler
+    code = (f"import sys; sys.argv = ['tape-model', 'info', 'tiny', '--seq-len', '64', '128']; "
+            f"{entry}; sys.exit(main())")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    if handled:
+        assert (proc.returncode, proc.stderr) == (141, "")
+    else:
+        assert proc.returncode != 0 and "BrokenPipeError" in proc.stderr

@@ -247,3 +247,10 @@ def test_profile_ranks_outside_the_world_fail_the_preflight(tmp_path):
                and f"{tmp_path / 'run'}/profile/step_9/rank0.pt.trace.json" in line
                for line in report.lines)
     assert preflight("all", 2).problems == []
+    # More windows: the warm-up belongs to each window, said before the repetition.
+    cfg = load_run_config(_write(tmp_path, PROFILED), [
+        "train.max_steps=20", "train.synthetic_data=true", "train.device=cpu",
+        f"train.run_dir={tmp_path / 'run'}", "profile.repeat=0", "profile.interval=5"])
+    assert ("profiling: on (profile.enabled), steps 9-11 after 1 warm-up step(s), then every 5 "
+            "steps until the run ends, on rank 0") in run_preflight(
+                cfg, world_size=1, check_resume=False, plan=False).lines

@@ -201,6 +201,36 @@ def test_tape_submit_refuses_a_job_that_cannot_resume_on_its_node_count(corpus, 
     assert out.strip() == "4242" and (tmp_path / "sbatch.calls").exists()
 
 
+def test_slurm_start_up_checks_refuse_a_job_that_cannot_resume_on_its_node_count(
+        corpus, tmp_path, monkeypatch):
+    # Plain `sbatch train.sbatch` has no tape-submit preflight: the first node's start-up
+    # checks must refuse the resume, not the trainer after torchrun (which restarts it once).
+    from tape_train.cluster import preflight as node_preflight
+    from tape_train.config import load_run_config
+
+    run_dir = tmp_path / "run"
+    overrides = [f"train.run_dir={run_dir}", "data.sharding=global"]
+    _write_marker(run_dir, load_run_config(corpus / "run.yaml", overrides).to_dict(), dp=2)
+    monkeypatch.setenv("SLURMD_NODENAME", "n1")
+
+    def checks(nodes: int, node_id: int, *extra: str) -> tuple[int, str]:
+        monkeypatch.setenv("SLURM_NNODES", str(nodes))
+        monkeypatch.setenv("SLURM_NODEID", str(node_id))
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = node_preflight.main(["--min-free-gb", "0", "--", "--config",
+                                      str(corpus / "run.yaml"), *overrides, *extra])
+        return rc, err.getvalue()
+
+    rc, err = checks(1, 0)
+    assert rc == 1
+    assert "[preflight n1] FAILED run inputs: resume from" in err
+    assert "the global batch changes from 4 to 2 sequences" in err
+    assert checks(2, 0) == (0, "")                             # the saved layout resumes
+    assert checks(1, 0, "--allow-config-change")[0] == 0       # as tape-train allows it
+    assert checks(1, 1)[0] == 0         # only the first node decides (as for the run lock)
+
+
 def _run_trainer(corpus: Path, overrides: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(corpus / "fake_site"), str(ROOT)])}
     env.pop("RANK", None)
@@ -229,6 +259,27 @@ def test_dry_run_does_not_import_deepspeed(corpus):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "rank grid: world=4 dp=4" in proc.stdout and "preflight: ok" in proc.stdout
+
+
+def test_the_plan_sizes_checkpoints_in_the_dtype_auto_resolves_to(corpus):
+    from tape_train.config import load_run_config
+    from tape_train.files import human_bytes
+    from tape_train.train import preflight
+
+    def planned(dtype: str) -> str:   # GPU nodes: auto plans bf16 (no CPU measurement)
+        rc, out, err = dry_run(["--config", str(corpus / "run.yaml"), "--dry-run", "--nodes",
+                                "1", "--gpus-per-node", "1", "--gpu-name", "H100",
+                                f"train.dtype={dtype}"])
+        assert rc == 0, err
+        return next(ln for ln in out.splitlines() if "(+1 being written)" in ln)
+
+    def size(dtype: str) -> str:
+        cfg = load_run_config(corpus / "run.yaml", [f"train.dtype={dtype}"])
+        return f"checkpoints of ~{human_bytes(preflight.checkpoint_bytes(cfg))} need"
+
+    assert size("bf16") != size("fp32")
+    assert size("bf16") in planned("auto")
+    assert size("fp32") in planned("fp32")                 # negative control
 
 
 def test_disk_check_counts_the_checkpoints_a_resume_already_has(corpus, tmp_path, monkeypatch):

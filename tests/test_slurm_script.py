@@ -10,6 +10,7 @@ paths run for real against Slurm in test_slurm_cluster.py.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -396,6 +397,26 @@ def test_restart_guard_takes_the_first_restart_then_only_after_progress(tmp_path
     _complete_checkpoint(run, 30)
     refused, _ = attempt(6)
     assert refused[0] == restarts.FAIL and "exceed TAPE_MAX_RESTARTS=5" in refused[1]
+
+
+def test_a_long_reason_is_cut_visibly_before_the_restart_line_goes_on(tmp_path, monkeypatch):
+    from tape_train.train import restarts
+
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    long = "refusing to resume: " + "the global batch changes " * 20
+    for name, reason in (("short", "short reason"), ("long", long)):
+        run = tmp_path / name
+        number, _, _ = restarts.begin_attempt(run, world_size=1, max_restarts=3)
+        restarts.record_rank(run, number, 0, code=1, reason=reason)
+        _, _, line = restarts.begin_attempt(run, world_size=1, max_restarts=3)
+        kept = json.loads((run / restarts.STATE_DIR / "rank-00000.json").read_text())["reason"]
+        if reason == long:
+            assert len(kept) <= restarts.REASON_CHARS and kept.endswith("…")
+            assert long.startswith(kept[:-1])
+        else:   # negative control: a short reason is kept whole
+            assert kept == reason
+        assert f"exited 1 first: {kept}" in line
 
 
 # ----------------------------------------------------------------------------------------------

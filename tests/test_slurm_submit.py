@@ -97,6 +97,19 @@ def test_short_signal_grace_warns_about_slurms_30s_granularity():
         ClusterOptions(signal_grace=30)
 
 
+def test_tape_submit_prints_the_warning_as_one_line_of_its_own(tmp_path, monkeypatch, capsys):
+    from tape_train.cluster import submit
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("model: tiny\n")
+    for grace, warned in (("30", True), ("120", False)):     # 120 s: the negative control
+        assert submit.main(["--config", "run.yaml", "--signal-grace", grace, "--dry-run"]) == 0
+        err = capsys.readouterr().err
+        assert ("tape-submit: warning: --signal-grace 30 s: Slurm may deliver USR1 up to 30 s "
+                "late" in err) is warned
+        assert "UserWarning" not in err
+
+
 def test_cpu_render_header_settings_and_untouched_body():
     opts = ClusterOptions(nodes=1, procs_per_node=2, cpus_per_task=4, time="00:30:00",
                           log_dir="/logs", workdir="/work", python="/venv/bin/python",

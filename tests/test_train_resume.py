@@ -289,6 +289,20 @@ def test_resume_with_another_model_shape_is_refused(ref_1p, tmp_path_factory):
     assert not (run_dir / "metrics.jsonl").exists()  # refused before training anything
 
 
+def test_bad_input_under_torchrun_is_its_line_and_the_failure_summary_not_a_traceback(
+        tmp_path_factory):
+    # launch/local.sh N > 1: torchrun wraps its report of the failed worker in a Python
+    # traceback; local.sh prints the report alone after the trainer's own line.
+    config = _config(tmp_path_factory)
+    run_dir = tmp_path_factory.mktemp("badtok") / "run"
+    result = _run(_command(2, config, run_dir, 1, "data.tokenizer=nope.model"))
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "tape-train: preflight: error: data.tokenizer: tokenizer nope.model: no such file" \
+        in result.stderr, result.stderr[-3000:]
+    assert "Root Cause (first observed failure)" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
 def test_bad_record_met_mid_run_is_one_line_not_a_traceback(tmp_path_factory):
     """A malformed line deep in the corpus passes the preflight (it reads the first documents)
     and is met by the loader mid-run: one error naming file:line, exit 1, no traceback, the

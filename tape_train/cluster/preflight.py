@@ -122,10 +122,12 @@ def check_free_disk(run_dir: Path, min_free_gb: float) -> CheckResult:
                        f"({'>=' if ok else 'below the'} {min_free_gb:g} GB required)")
 
 
-def check_run_inputs(train_args: list[str], gpus_per_node: int, procs_per_node: int = 1
-                     ) -> CheckResult:
+def check_run_inputs(train_args: list[str], gpus_per_node: int, procs_per_node: int = 1,
+                     check_resume: bool = False) -> CheckResult:
     """The trainer's own input checks (``tape_train.train.preflight``) as this node sees
-    them: tokenizer, data files, held-out lengths, train.seq_len, the layout of the job."""
+    them: tokenizer, data files, held-out lengths, train.seq_len, the layout of the job;
+    with ``check_resume`` (the first node) also whether the checkpoint it would resume from
+    can continue on this job's layout (the trainer's refusal, before torchrun restarts it)."""
     try:
         from tape_train.cluster.run_args import parse_train_args
         from tape_train.config import load_run_config
@@ -135,7 +137,9 @@ def check_run_inputs(train_args: list[str], gpus_per_node: int, procs_per_node: 
         cfg = load_run_config(parsed.config, parsed.overrides)
         world = int(os.environ.get("SLURM_NNODES", "1")) * (gpus_per_node or procs_per_node)
         report = run_preflight(cfg, world_size=world, gpus_per_node=gpus_per_node,
-                               check_resume=False, plan=False, limits=RUN_START_LIMITS)
+                               check_resume=check_resume, resume_from=parsed.resume_from,
+                               allow_config_change=parsed.allow_config_change, plan=False,
+                               limits=RUN_START_LIMITS)
     except Exception as exc:  # a broken config or install is this node's finding
         return CheckResult("run inputs", False, f"{type(exc).__name__}: {exc}")
     if report.problems:
@@ -148,17 +152,19 @@ def run_checks(run_dir: Path, gpus_per_node: int, min_free_gb: float,
                node: str | None = None, train_args: list[str] | None = None,
                procs_per_node: int = 1) -> list[CheckResult]:
     node = node or node_name()
+    # Rank 0, on node rank 0, takes the run lock and decides the resume (Slurm numbers the
+    # job's nodes from 0).
+    first_node = os.environ.get("SLURM_NODEID", "0") == "0"
     results = [
         check_python(),
         check_imports(),
         check_devices(gpus_per_node),
-        # Rank 0, on node rank 0, takes the run lock (Slurm numbers the job's nodes from 0).
-        check_run_dir_writable(run_dir, node,
-                               check_lock=os.environ.get("SLURM_NODEID", "0") == "0"),
+        check_run_dir_writable(run_dir, node, check_lock=first_node),
         check_free_disk(run_dir, min_free_gb),
     ]
     if train_args:
-        results.append(check_run_inputs(train_args, gpus_per_node, procs_per_node))
+        results.append(check_run_inputs(train_args, gpus_per_node, procs_per_node,
+                                        check_resume=first_node))
     return results
 
 

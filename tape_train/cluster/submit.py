@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from tape_train.cluster.render import (
@@ -160,6 +161,15 @@ def preflight(args: argparse.Namespace, opts: ClusterOptions, train_args: list[s
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A warning of the options (a short --signal-grace) is one line in the command's own
+    # format, not Python's `<file>:<line>: UserWarning: ...`.
+    with warnings.catch_warnings():
+        warnings.showwarning = lambda message, *_args, **_kw: print(
+            f"tape-submit: warning: {message}", file=sys.stderr)
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     workdir = Path.cwd()
     train_args = ["--config", args.config, *args.overrides]

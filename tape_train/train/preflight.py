@@ -108,24 +108,29 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
     # Held-out documents come from the sources too: a bad source is reported once, above.
     if check_eval and not synthetic and tokenizer is not None and sources_ok:
         _check_held_out(cfg, tokenizer, report, limits)
-    _check_run_dir(cfg, report)
+    # The plan (checkpoint size, memory, time) is for the dtype the run will resolve; the
+    # resume check keeps `auto` (a resumed run keeps its checkpoint's dtype).
+    device_type = _target_device(cfg, gpus_per_node)
+    planned = cfg
+    if plan and cfg.train.dtype == "auto":
+        planned = copy.deepcopy(cfg)
+        planned.train.dtype = resolve_planning_dtype(cfg, device_type)
+    _check_run_dir(planned, report)
     if cfg.profile.enabled:
-        _check_profile(cfg, world_size, _target_device(cfg, gpus_per_node), report)
+        _check_profile(cfg, world_size, device_type, report)
     if check_resume and grid is not None:
         _check_resume(cfg, grid, resume_from, allow_config_change, report)
     if plan and (grid is None or not lengths_ok):
         report.info("memory and time plan: skipped until the layout and train.seq_len are valid")
     elif plan:
-        device_type = _target_device(cfg, gpus_per_node)
-        if cfg.train.dtype == "auto":
-            cfg = copy.deepcopy(cfg)
-            cfg.train.dtype = resolve_planning_dtype(cfg, device_type)
-            report.info(f"precision: train.dtype=auto plans {cfg.train.dtype} on {device_type}")
+        if planned is not cfg:
+            report.info(f"precision: train.dtype=auto plans {planned.train.dtype} on "
+                        f"{device_type}")
         if ranks_per_node is None:
             ranks_per_node = gpus_per_node or (1 if device_type == "cuda" else world_size)
-        _plan_memory(cfg, world_size, device_type, ranks_per_node, device_memory_gb, gpu_name,
-                     report)
-        _plan_time(cfg, grid, device_type, gpu_name, assumed_mfu, report)
+        _plan_memory(planned, world_size, device_type, ranks_per_node, device_memory_gb,
+                     gpu_name, report)
+        _plan_time(planned, grid, device_type, gpu_name, assumed_mfu, report)
     return report
 
 
@@ -378,7 +383,8 @@ def _check_held_out(cfg, tokenizer, report: Report, limits: Limits) -> None:
 
 def checkpoint_bytes(cfg) -> int:
     """One checkpoint on disk: weights in the training dtype, fp32 master weights and AdamW
-    moments (DeepSpeed keeps the fp32 copy also in fp32 runs, ZeRO-1/2/3), summed over ranks."""
+    moments (DeepSpeed keeps the fp32 copy also in fp32 runs, ZeRO-1/2/3), summed over ranks.
+    ``auto`` counts as fp32, the larger (the dry run plans with the resolved dtype)."""
     from tape_train.model.flops import count_parameters
 
     n = count_parameters(cfg.model)["total"]

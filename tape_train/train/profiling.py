@@ -299,15 +299,14 @@ def describe_plan(cfg, world_size: int, device_type: str) -> tuple[list[str], li
         return [], [f"profile.ranks={profile.ranks}: rank {outside[0]} is outside a world of "
                     f"{world_size} rank(s) (0-{world_size - 1})"]
     first, last = profile.start_step, profile.start_step + profile.active_steps - 1
-    windows = f"steps {first}-{last}"
+    windows = f"steps {first}-{last} after {profile.warmup_steps} warm-up step(s)"
     if profile.repeat != 1:
         windows += (f", then every {profile.interval} steps"
                     + (" until the run ends" if profile.repeat == 0
                        else f" ({profile.repeat} windows)"))
     who = "every rank" if profile.ranks == "all" else "rank " + ", ".join(map(str, ranks))
     where = window_dir(cfg.train.run_dir, first)
-    lines = [f"profiling: on (profile.enabled), {windows} after {profile.warmup_steps} "
-             f"warm-up step(s), on {who}"]
+    lines = [f"profiling: on (profile.enabled), {windows}, on {who}"]
     if profile.trace:
         activities = "CPU+CUDA" if device_type == "cuda" else "CPU"
         lines.append(f"profiling: torch.profiler traces ({activities} activities) -> "

@@ -74,6 +74,9 @@ def _rank_path(run_dir: str | os.PathLike, rank: int) -> Path:
     return Path(run_dir) / STATE_DIR / f"rank-{rank:05d}.json"
 
 
+REASON_CHARS = 300  # of a rank's one-line reason kept in its record
+
+
 def record_rank(run_dir: str | os.PathLike, attempt: int, rank: int, *, code: int | None = None,
                 reason: str | None = None) -> None:
     """This rank's record for ``attempt``: where it runs at start, how it ended at exit."""
@@ -81,7 +84,11 @@ def record_rank(run_dir: str | os.PathLike, attempt: int, rank: int, *, code: in
               "host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME"),
               "pid": os.getpid()}
     if code is not None:
-        record.update(code=code, reason=(reason or "")[:300], ended=time.time())
+        reason = reason or ""
+        # Cut to a line's length, visibly: the restart message goes on after it.
+        if len(reason) > REASON_CHARS:
+            reason = reason[:REASON_CHARS - 1].rstrip() + "…"
+        record.update(code=code, reason=reason, ended=time.time())
     try:
         write_atomic(_rank_path(run_dir, rank), json.dumps(record) + "\n")
     except OSError:
