@@ -132,7 +132,9 @@ class TrainConfig:
         if self.warmup_steps is not None:
             _require(0 <= self.warmup_steps <= self.max_steps,
                      f"train.warmup_steps must be in [0, train.max_steps={self.max_steps}], "
-                     f"got {self.warmup_steps}")
+                     f"got {self.warmup_steps} (override it too, e.g. "
+                     f"train.warmup_steps={self.max_steps // 10}, or set train.warmup_steps=null "
+                     f"to warm up for train.warmup_fraction of the steps)")
         _require(0.0 <= self.min_lr_ratio <= 1.0,
                  f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         _require(bool(self.run_dir), "train.run_dir must not be empty")

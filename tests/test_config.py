@@ -254,3 +254,16 @@ def test_profile_ranks_outside_the_world_fail_the_preflight(tmp_path):
     assert ("profiling: on (profile.enabled), steps 9-11 after 1 warm-up step(s), then every 5 "
             "steps until the run ends, on rank 0") in run_preflight(
                 cfg, world_size=1, check_resume=False, plan=False).lines
+
+
+def test_a_shorter_run_than_its_warm_up_says_which_keys_fix_it():
+    """`train.max_steps=8` on the demo recipe (warm-up 30 steps): the message says to override
+    the warm-up too, and the overrides it suggests are accepted."""
+    with pytest.raises(ConfigError) as err:
+        load_run_config("demo", ["train.max_steps=8"])
+    message = str(err.value)
+    assert "train.warmup_steps must be in [0, train.max_steps=8], got 30" in message
+    assert "train.warmup_steps=0" in message and "train.warmup_steps=null" in message
+    assert load_run_config("demo", ["train.max_steps=8", "train.warmup_steps=0"]).train.max_steps == 8
+    cfg = load_run_config("demo", ["train.max_steps=8", "train.warmup_steps=null"])
+    assert cfg.train.warmup_steps is None and 0 <= cfg.train.resolved_warmup_steps <= 8
