@@ -34,19 +34,9 @@ export TAPE_TRAIN_EXIT_FILE="$exit_file"
 if [[ "$nproc" -eq 1 ]]; then
     cmd=("$python" -m tape_train.train.cli "$@")
 else
-    # torchrun, whose report of a failed worker ("Root Cause": the rank that failed first and
-    # its exit code) is printed without the Python traceback torchrun wraps it in: the
-    # trainer's own lines above it say why (a bad input is one line, not a traceback).
-    torchrun='import sys
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import main
-sys.argv[0] = "torchrun"
-try:
-    main()
-except ChildFailedError as exc:
-    print(exc, file=sys.stderr)
-    sys.exit(1)'
-    cmd=("$python" -c "$torchrun" --standalone --nproc_per_node "$nproc"
+    # torchrun, whose report of a failed worker (the rank that failed first, its exit code)
+    # comes without the Python traceback torchrun wraps it in (tape_train/cluster/torchrun.py)
+    cmd=("$python" -m tape_train.cluster.torchrun --standalone --nproc_per_node "$nproc"
          -m tape_train.train.cli "$@")
 fi
 

@@ -465,12 +465,22 @@ def test_eval_script_runs_one_process_per_gpu_of_the_job(tmp_path):
         tmp_path, ["--checkpoint", "run", *EVAL_ARGS, "--out", "run/eval"],
         SLURM_GPUS_ON_NODE=2)
     assert rc == 0, output[-3000:]
-    assert len(calls) == 1 and "-m torch.distributed.run --standalone --nproc_per_node=2 " \
-        "-m tape_train.eval.cli --checkpoint run" in calls[0]
+    assert len(calls) == 1 and "-m tape_train.cluster.torchrun --standalone " \
+        "--nproc_per_node=2 -m tape_train.eval.cli --checkpoint run" in calls[0]
     assert "2 process(es), gpus_per_node=2 OMP_NUM_THREADS=2" in output
     report = json.loads((tmp_path / "run" / "eval" / "eval.json").read_text())
     assert report["settings"]["world_size"] == 2 and output.count("| model |") == 1
     assert "evaluation finished" in output
+    # A bad input: one line from rank 0, torchrun's report of the failed rank without its
+    # Python traceback, and the script's own verdict.
+    rc, calls, output = run_eval_script(
+        tmp_path, ["--checkpoint", "run", *EVAL_ARGS, "--data", "no-such-data.yaml", "--out",
+                   "run/eval2"], SLURM_GPUS_ON_NODE=2)
+    assert rc == 1, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("tape-eval: error")]
+    assert len(errors) == 1 and "no-such-data.yaml" in errors[0], output[-3000:]
+    assert "Root Cause" in output and "Traceback" not in output, output[-3000:]
+    assert "evaluation failed (exit 1)" in output and not (tmp_path / "run" / "eval2").exists()
 
 
 FAILING_SRUN = """#!/bin/bash
@@ -482,7 +492,7 @@ exit 3
 def test_eval_script_on_a_cpu_node_runs_one_process_and_reports_failures(tmp_path):
     rc, calls, output = run_eval_script(tmp_path, ["--checkpoint", "run"], srun=FAILING_SRUN)
     assert rc == 3 and "evaluation failed (exit 3)" in output
-    assert len(calls) == 1 and "torch.distributed.run" not in calls[0]
+    assert len(calls) == 1 and "torchrun" not in calls[0]
     assert calls[0].endswith("-c import sys; from tape_train.eval.cli import main; "
                              "sys.exit(main()) --checkpoint run")
     rc, calls, output = run_eval_script(tmp_path, ["--checkpoint", "run"], TAPE_GPUS_PER_NODE="a")
