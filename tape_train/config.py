@@ -222,6 +222,12 @@ class ParallelConfig:
         zero_stage: DeepSpeed ZeRO stage 0–3 (3 shards parameters, gradients and optimizer).
         zero3_param_persistence_threshold: ZeRO-3 keeps parameters with fewer elements than
             this unpartitioned (fewer gathers for small tensors such as norms and TAPE gates).
+        offload_optimizer: ZeRO-Offload: ``cpu`` keeps the fp32 master weights and the AdamW
+            moments of each rank's partition in host memory and runs the AdamW update there
+            (DeepSpeed's CPU Adam); ``none`` keeps them on the device. Needs ZeRO >= 1.
+        offload_params: ``cpu`` also keeps ZeRO-3's parameter partitions in host memory,
+            fetched to the device layer by layer; ``none`` keeps them on the device. Needs
+            ZeRO-3. See docs/training.md, "ZeRO-Offload".
     """
 
     dp: int | None = None
@@ -229,6 +235,8 @@ class ParallelConfig:
     tp: int = 1
     zero_stage: int = 3
     zero3_param_persistence_threshold: int = 100_000
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    offload_params: Literal["none", "cpu"] = "none"
 
     def __post_init__(self) -> None:
         check_field_types(self, "parallel")
@@ -239,6 +247,13 @@ class ParallelConfig:
                  "parallel.zero3_param_persistence_threshold must be >= 0")
         _require(self.sp >= 1, f"parallel.sp must be >= 1, got {self.sp}")
         _require(self.tp >= 1, f"parallel.tp must be >= 1, got {self.tp}")
+        _require(self.offload_optimizer == "none" or self.zero_stage >= 1,
+                 f"parallel.offload_optimizer={self.offload_optimizer} needs parallel.zero_stage "
+                 f">= 1 (ZeRO offloads the optimizer partitions it owns), got "
+                 f"{self.zero_stage}")
+        _require(self.offload_params == "none" or self.zero_stage == 3,
+                 f"parallel.offload_params={self.offload_params} needs parallel.zero_stage=3 "
+                 f"(only ZeRO-3 partitions the parameters), got {self.zero_stage}")
 
 
 @dataclass

@@ -86,6 +86,8 @@ def test_unknown_section_and_nested_model_key(tmp_path):
     ("checkpoint.keep=1", r"checkpoint\.keep must be >= 2"),
     ("optim.betas=[0.9]", r"optim\.betas must be two numbers"),
     ("parallel.tp=0", r"parallel\.tp must be >= 1"),
+    ("parallel.offload_optimizer=gpu", r"parallel\.offload_optimizer: expected one of 'none', "
+                                       r"'cpu', got 'gpu' \(did you mean 'cpu'\?\)"),
     ("model.pe=ropee", r"model\.pe='ropee' is not one of .*did you mean 'rope'"),
     ("eval.lengths=[0]", r"eval\.lengths\[0\] must be a positive integer"),
     ("data.sharding=globl", r"data\.sharding='globl'.*did you mean 'global'"),
@@ -169,6 +171,27 @@ def test_diff_and_protected_keys(tmp_path):
     assert {"model.hidden_size", "train.lr", "model.attn_backend", "train.seq_len"} <= keys
     assert sorted(protected_differences(diffs)) == ["model.hidden_size", "train.seq_len"]
     assert diff_configs(old, old) == []
+
+
+def test_offload_needs_its_zero_stage_and_may_change_on_resume(tmp_path):
+    from tape_train.train.relayout import protected_differences
+
+    path = _write(tmp_path, BASE)
+    with pytest.raises(ConfigError, match=r"parallel\.offload_params=cpu needs "
+                                          r"parallel\.zero_stage=3 .*got 2"):
+        load_run_config(path, ["parallel.zero_stage=2", "parallel.offload_params=cpu"])
+    with pytest.raises(ConfigError, match=r"parallel\.offload_optimizer=cpu needs "
+                                          r"parallel\.zero_stage >= 1 .*got 0"):
+        load_run_config(path, ["parallel.zero_stage=0", "parallel.offload_optimizer=cpu"])
+    on = ["parallel.zero_stage=1", "parallel.offload_optimizer=cpu"]
+    assert load_run_config(path, on).parallel.offload_optimizer == "cpu"
+    diffs = diff_configs(load_run_config(path, on[:1]).to_dict(),
+                         load_run_config(path, on).to_dict())
+    assert [k for k, _, _ in diffs] == ["parallel.offload_optimizer"]
+    assert protected_differences(diffs) == []  # a resume may turn it on or off
+    diffs = diff_configs(load_run_config(path, on).to_dict(),
+                         load_run_config(path, ["parallel.zero_stage=3", *on[1:]]).to_dict())
+    assert protected_differences(diffs) == ["parallel.zero_stage"]  # negative control
 
 
 def test_keys_a_checkpoint_predates_are_no_difference_at_their_defaults(tmp_path):

@@ -84,3 +84,19 @@ def test_zero3_model_states_agree_with_deepspeeds_estimator():
         counts["local"], counts["largest_layer"], num_gpus_per_node=8, num_nodes=1,
         cpu_offload=False, cpu_offload_params=False)
     assert abs(ours / theirs - 1) < 0.15, (ours, theirs)
+
+
+def test_offloaded_states_leave_the_device_for_the_host():
+    from tape_train.train.memory import parameter_split
+
+    base = ["model=tiny", "train.dtype=bf16", "parallel.zero_stage=3"]
+    plain = estimate_memory(load_run_config(None, base), 4, device_type="cuda")
+    off = estimate_memory(load_run_config(None, base + ["parallel.offload_optimizer=cpu",
+                                                        "parallel.offload_params=cpu"]),
+                          4, device_type="cuda")
+    n = parameter_split(load_run_config(None, base).model, 1, 100_000)["local"]
+    assert off.host_bytes == n * (4 + 8 + 4 + 2) // 4  # master, m+v, fp32 grads, bf16 weights
+    assert plain.total_bytes - off.total_bytes == n * (4 + 8 + 2) // 4
+    assert plain.host_bytes == 0 and "host memory per rank (offloaded)" in "\n".join(off.lines())
+    cpu = estimate_memory(load_run_config(None, base + ["parallel.offload_optimizer=cpu"]), 4)
+    assert cpu.host_bytes == 0 and "fp32 gradient partition (offloaded)" in cpu.parts

@@ -53,16 +53,25 @@ def test_schedule_warmup_then_decay_to_min(decay):
     assert LRSchedule(0, 100, "constant", 0.0)(50) == 1.0
 
 
-def test_skippable_adamw_step_is_a_no_op_while_flagged():
+def _skipped_step(make, p):
+    """An optimizer from ``make`` over ``p`` (ones) whose flagged step left everything as it
+    was; the flag is cleared again."""
     import torch
 
-    p = torch.nn.Parameter(torch.ones(3))
-    opt = SkippableAdamW([{"params": [p], "names": ["p"]}], lr=0.1)
+    opt = make([{"params": [p], "names": ["p"]}], lr=0.1)
     p.grad = torch.ones(3)
     opt.skip_next_step = True
     opt.step()
     assert torch.equal(p.detach(), torch.ones(3)) and not opt.state
     opt.skip_next_step = False
+    return opt
+
+
+def test_skippable_adamw_step_is_a_no_op_while_flagged():
+    import torch
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = _skipped_step(SkippableAdamW, p)
     opt.step()
     assert (p.detach() < 1).all()  # negative control: a normal step moves the weights
 
@@ -120,3 +129,77 @@ def test_adamw_in_pieces_is_bit_identical_to_torch_adamw(monkeypatch):
     ours.load_state_dict(ref.state_dict())
     ref.load_state_dict(ours.state_dict())
 
+
+
+def _cpu_adam_or_skip():
+    from tape_train.train.optim import cpu_adam_problem
+
+    problem = cpu_adam_problem()
+    if problem is not None:
+        pytest.skip(f"DeepSpeed's cpu_adam op cannot be built here: {problem}")
+
+
+def _train_groups(cpu_adam: bool, decay_embeddings: bool = True, steps: int = 4):
+    """The tiny model's parameters after ``steps`` updates with synthetic gradients."""
+    import torch
+
+    from tape_train.config import TrainConfig
+    from tape_train.model import TransformerLM, load_model_config
+    from tape_train.train.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = TransformerLM(load_model_config(
+        "tiny", num_layers=2, hidden_size=64, num_heads=4, intermediate_size=128,
+        vocab_size=128, tape_position_size=8))
+    opt = build_optimizer(model, OptimConfig(weight_decay=0.5, decay_embeddings=decay_embeddings),
+                          TrainConfig(lr=1e-2), cpu_adam=cpu_adam)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return opt, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_cpu_adam_is_the_same_adamw_on_the_same_groups():
+    _cpu_adam_or_skip()
+    opt, ours = _train_groups(cpu_adam=True)
+    assert type(opt).__name__ == "SkippableCPUAdam" and opt.adam_w_mode
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.5, 0.0]
+    _, ref = _train_groups(cpu_adam=False)
+    worst = max(float((ours[n] - ref[n]).abs().max()) for n in ref)
+    assert worst < 1e-6, worst
+    _, wrong = _train_groups(cpu_adam=False, decay_embeddings=False)  # negative control
+    assert float((ours["embed.weight"] - wrong["embed.weight"]).abs().max()) > 1e-4
+
+
+def test_cpu_adam_skips_while_flagged_and_loads_a_torch_adamw_state():
+    import torch
+
+    _cpu_adam_or_skip()
+    from tape_train.train.optim import SkippableAdamW, skippable_cpu_adam
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = _skipped_step(skippable_cpu_adam, p)
+    # A resume that turns offload on: torch AdamW's groups lack CPU Adam's bias_correction.
+    q = torch.nn.Parameter(torch.ones(3))
+    torch_opt = SkippableAdamW([{"params": [q], "names": ["q"]}], lr=0.1)
+    q.grad = torch.ones(3)
+    torch_opt.step()
+    opt.load_state_dict(torch_opt.state_dict())
+    opt.step()  # KeyError 'bias_correction' without SkippableCPUAdam.__setstate__
+    assert (p.detach() < 1).all() and float(opt.state[p]["step"]) == 2
+
+
+def test_deepspeed_offload_sections_pin_memory_only_on_cuda():
+    from tape_train.config import load_run_config
+    from tape_train.train.engine import deepspeed_config
+
+    cfg = load_run_config(None, ["model=tiny", "parallel.offload_optimizer=cpu",
+                                 "parallel.offload_params=cpu"])
+    for device, pin in (("cuda", True), ("cpu", False)):
+        zero = deepspeed_config(cfg, device)["zero_optimization"]
+        assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": pin}
+        assert zero["offload_param"] == {"device": "cpu", "pin_memory": pin}
+    zero = deepspeed_config(load_run_config(None, ["model=tiny"]), "cuda")["zero_optimization"]
+    assert "offload_optimizer" not in zero and "offload_param" not in zero

@@ -32,8 +32,20 @@ def deepspeed_config(cfg: RunConfig, device_type: str = "cuda") -> dict:
     ``contiguous_gradients`` off — its gradient buffers landed in freshly faulted host memory
     every step (0.6 GiB of page faults per 125m fp32 step, trainer ÷ plain loop 1.21 → 1.05).
     On CUDA DeepSpeed's defaults stay until measured there.
+
+    ZeRO-Offload (``parallel.offload_optimizer`` / ``offload_params``): ``offload_optimizer`` /
+    ``offload_param`` sections with ``pin_memory`` on CUDA only (page-locked host buffers make
+    the copies asynchronous; on CPU there is no copy to speed up). ``zero_force_ds_cpu_optimizer``
+    is always False: ``build_engine`` chooses the optimizer itself (DeepSpeed's CPU Adam, or
+    torch AdamW when that op cannot be built) and logs the choice.
     """
-    zero: dict = {"stage": cfg.parallel.zero_stage}
+    parallel = cfg.parallel
+    zero: dict = {"stage": parallel.zero_stage}
+    pin = device_type == "cuda"
+    if parallel.offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": parallel.offload_optimizer, "pin_memory": pin}
+    if parallel.offload_params != "none":
+        zero["offload_param"] = {"device": parallel.offload_params, "pin_memory": pin}
     if cfg.parallel.zero_stage in (1, 2) and device_type == "cpu":
         zero["contiguous_gradients"] = False
     if cfg.parallel.zero_stage == 3:
@@ -49,6 +61,7 @@ def deepspeed_config(cfg: RunConfig, device_type: str = "cuda") -> dict:
         "fp16": {"enabled": False},
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 2**62,
         "wall_clock_breakdown": False,
         "checkpoint": {"tag_validation": "Fail"},
@@ -89,7 +102,7 @@ def build_engine(cfg: RunConfig, model: nn.Module, grid, *, load_universal: bool
 
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
-    optimizer = build_optimizer(model, cfg.optim, cfg.train)
+    optimizer = build_optimizer(model, cfg.optim, cfg.train, cpu_adam=use_cpu_adam(cfg))
     from deepspeed.accelerator import get_accelerator
 
     config = {**deepspeed_config(cfg, get_accelerator().device_name()),
@@ -100,6 +113,36 @@ def build_engine(cfg: RunConfig, model: nn.Module, grid, *, load_universal: bool
         model=model, optimizer=optimizer, config=config, dist_init_required=False)
     verify_engine(engine, grid)
     return engine, optimizer
+
+
+def use_cpu_adam(cfg: RunConfig) -> bool:
+    """Whether the run's AdamW is DeepSpeed's CPU Adam (collective; logs the choice on rank 0).
+
+    With ``parallel.offload_optimizer=cpu`` the update runs on the host, where DeepSpeed's
+    vectorised CPU Adam is the fast choice; its op is compiled on first use. Where that fails
+    on any rank (no g++ or ninja on the node), every rank falls back to torch AdamW on the
+    host partitions, with a warning naming the cause and the fix: the same update (measured:
+    the same losses as without offload, docs/training.md), a slower optimizer step.
+    """
+    from tape_train.train import distributed as tdist
+    from tape_train.train.optim import cpu_adam_problem
+
+    if cfg.parallel.offload_optimizer == "none":
+        log.info("optimizer: torch AdamW on the device (parallel.offload_optimizer=none%s)",
+                 ", parameters on the host: parallel.offload_params=cpu"
+                 if cfg.parallel.offload_params != "none" else "")
+        return False
+    problem = cpu_adam_problem()
+    if tdist.all_reduce_max_int(problem is not None):
+        log.warning("parallel.offload_optimizer=cpu: DeepSpeed's CPU Adam op could not be built "
+                    "or loaded (%s); using torch AdamW on the host instead (same update, slower "
+                    "optimizer step). Fix: install g++ and ninja on every node (the op compiles "
+                    "on first use and is cached in TORCH_EXTENSIONS_DIR), or install DeepSpeed "
+                    "with DS_BUILD_CPU_ADAM=1", problem or "on another rank")
+        return False
+    log.info("optimizer: DeepSpeed CPU Adam (AdamW mode) on the host (parallel."
+             "offload_optimizer=cpu, parallel.offload_params=%s)", cfg.parallel.offload_params)
+    return True
 
 
 def count_target_tokens(micro_batches: Sequence[dict]) -> int:

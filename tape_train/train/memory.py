@@ -23,6 +23,14 @@ DeepSpeed's ``estimate_zero3_model_states_mem_needs_all_live`` gives 18·Ψ/D + 
 for bf16 ZeRO-3 (it counts fp32 gradients of the partition); the table above gives 16·Ψ/D + the
 gathered layers.
 
+ZeRO-Offload (``parallel.offload_optimizer`` / ``offload_params``, DeepSpeed's CPU offload):
+the fp32 master copy and the AdamW moments of the rank's partition move to host memory, plus
+an fp32 gradient partition there (4 / D: CPU Adam reads fp32 gradients); with offloaded
+parameters (ZeRO-3) the e / D weight partition too, and the device then holds only the layers
+gathered for compute (two, with prefetch) and the persistent small tensors. The device's
+gradients stay as in the table (an upper bound: ZeRO streams them to the host in buckets).
+On a CPU run host and device are the same memory: the offloaded parts stay in its total.
+
 Activations are not guessed from a formula: the model runs one forward on PyTorch's ``meta``
 device (no memory, no FLOPs: shapes only) at the run's micro-batch, local sequence length
 (seq_len / sp) and dtype, and every tensor autograd saves for the backward is counted once
@@ -80,14 +88,26 @@ class MemoryEstimate:
     activations_ckpt: int
     checkpointing: bool
     notes: list[str] = field(default_factory=list)
+    host: dict[str, int] = field(default_factory=dict)  # ZeRO-Offload's states, on a GPU run
 
     @property
     def total_bytes(self) -> int:
         return sum(self.parts.values())
 
+    @property
+    def host_bytes(self) -> int:
+        """Host memory per rank for the offloaded states (0: none, or a CPU run, where they
+        are in ``parts``)."""
+        return sum(self.host.values())
+
     def lines(self) -> list[str]:
         out = [f"  {name:<42} {value / GIB:9.3f} GiB" for name, value in self.parts.items()]
         out.append(f"  {'total per rank':<42} {self.total_bytes / GIB:9.3f} GiB")
+        out += [f"  {name + ' (host)':<42} {value / GIB:9.3f} GiB"
+                for name, value in self.host.items()]
+        if self.host:
+            out.append(f"  {'host memory per rank (offloaded)':<42} "
+                       f"{self.host_bytes / GIB:9.3f} GiB")
         other = self.activations_no_ckpt if self.checkpointing else self.activations_ckpt
         mine = self.activations_ckpt if self.checkpointing else self.activations_no_ckpt
         out.append(f"  (activations {'with' if self.checkpointing else 'without'} activation "
@@ -281,9 +301,14 @@ def estimate_memory(cfg, world_size: int, *, device_type: str = "cpu") -> Memory
         "AdamW moments (fp32 m, v)": states["adam"],
     }
     notes = []
-    if stage == 3 and partitions > 1:
+    offload_params = cfg.parallel.offload_params != "none"
+    if stage == 3 and (partitions > 1 or offload_params):
         parts["ZeRO-3 gathered + persistent"] = (2 * counts["largest_layer"]
                                                  + counts["persistent"]) * e
+    host = _offloaded(parts, cfg.parallel, counts["local"] * 4 // partitions)
+    if device_type == "cpu":  # the host is the device: offloaded states stay in the total
+        parts.update({f"{name} (offloaded)": value for name, value in host.items()})
+        host = {}
     trace = trace_activations(cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len // sp,
                               dtype, tp)
     no_ckpt = trace.saved
@@ -306,7 +331,24 @@ def estimate_memory(cfg, world_size: int, *, device_type: str = "cpu") -> Memory
     if checkpointing and cfg.model.pe == "tape":
         notes.append("with checkpointing TAPE's positional state is part of each layer's "
                      "saved input")
-    return MemoryEstimate(parts, no_ckpt, ckpt, checkpointing, notes)
+    if host:
+        notes.append("ZeRO-Offload: the host parts are per rank; pinned (page-locked) host "
+                     "memory, not measured on a GPU yet (docs/training.md, \"ZeRO-Offload\")")
+    return MemoryEstimate(parts, no_ckpt, ckpt, checkpointing, notes, host)
+
+
+def _offloaded(parts: dict[str, int], parallel, fp32_partition: int) -> dict[str, int]:
+    """Move ZeRO-Offload's states out of ``parts`` (the first entries: weights, gradients,
+    master, moments); returns them with the host's fp32 gradient partition (module doc)."""
+    host: dict[str, int] = {}
+    if parallel.offload_optimizer != "none":
+        for name in ("fp32 master weights", "AdamW moments (fp32 m, v)"):
+            host[name] = parts.pop(name)
+        host["fp32 gradient partition"] = fp32_partition
+    if parallel.offload_params != "none":
+        weights = next(name for name in parts if name.startswith("weights"))
+        host[weights] = parts.pop(weights)
+    return host
 
 
 # ------------------------------------------------------------------------------------------------

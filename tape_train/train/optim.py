@@ -72,10 +72,7 @@ class SkippableAdamW(torch.optim.AdamW):
     """
 
     def __init__(self, params, piece_elements: int = CPU_PIECE_ELEMENTS, **kwargs) -> None:
-        # DeepSpeed copies group dicts around; the audit-only "names" key must not reach torch.
-        params = [{k: v for k, v in g.items() if k != "names"} if isinstance(g, dict) else g
-                  for g in params]
-        super().__init__(params, **kwargs)
+        super().__init__(_without_names(params), **kwargs)
         self.skip_next_step = False
         self.piece_elements = int(piece_elements)
 
@@ -126,9 +123,73 @@ class SkippableAdamW(torch.optim.AdamW):
             state_step.copy_(first)
 
 
-def build_optimizer(model: nn.Module, optim: OptimConfig, train: TrainConfig) -> SkippableAdamW:
-    return SkippableAdamW(param_groups(model, optim), lr=train.lr, betas=tuple(optim.betas),
-                          eps=optim.eps, weight_decay=optim.weight_decay, foreach=False)
+def _without_names(params) -> list:
+    """The groups without their audit-only ``names`` key (DeepSpeed copies group dicts around;
+    it must not reach the optimizer)."""
+    return [{k: v for k, v in g.items() if k != "names"} if isinstance(g, dict) else g
+            for g in params]
+
+
+def adamw_settings(optim: OptimConfig, train: TrainConfig) -> dict:
+    """The AdamW hyper-parameters of the run, the same for every optimizer it may use."""
+    return {"lr": train.lr, "betas": tuple(optim.betas), "eps": optim.eps,
+            "weight_decay": optim.weight_decay}
+
+
+def cpu_adam_problem() -> str | None:
+    """``None`` when DeepSpeed's ``cpu_adam`` op loads, else why not, in one line.
+
+    The op is compiled on first use (g++ and ninja; about a minute) and cached under
+    ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), unless DeepSpeed was
+    installed with it pre-built (``DS_BUILD_CPU_ADAM=1``)."""
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        CPUAdamBuilder().load(verbose=False)
+    except Exception as exc:  # noqa: BLE001 - a failed build surfaces as several types
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        telling = [ln for ln in lines if "not found" in ln or "error:" in ln.lower()]
+        line = (telling or lines or [type(exc).__name__])[0]
+        return line if len(line) <= 300 else line[:297] + "..."
+    return None
+
+
+def skippable_cpu_adam(params, **settings):
+    """DeepSpeed's CPU Adam in AdamW mode, with ``SkippableAdamW``'s ``skip_next_step``:
+    the optimizer of ``parallel.offload_optimizer=cpu`` (ZeRO hands it the host-side fp32
+    partitions). Its update is AdamW's (decoupled weight decay, bias correction), vectorised
+    in C++; its results differ from torch's in the last bits (docs/training.md)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    class SkippableCPUAdam(DeepSpeedCPUAdam):
+        def __init__(self, params, **kwargs) -> None:
+            super().__init__(_without_names(params), adamw_mode=True, **kwargs)
+            self.skip_next_step = False
+
+        def __setstate__(self, state):
+            # load_state_dict replaces the groups by the saved ones: those of a torch AdamW
+            # checkpoint lack CPU Adam's own keys (bias_correction).
+            super().__setstate__(state)
+            for group in self.param_groups:
+                for key, value in self.defaults.items():
+                    group.setdefault(key, value)
+
+        def step(self, closure=None):
+            if self.skip_next_step:
+                return None
+            return super().step(closure)
+
+    return SkippableCPUAdam(params, **settings)
+
+
+def build_optimizer(model: nn.Module, optim: OptimConfig, train: TrainConfig, *,
+                    cpu_adam: bool = False) -> torch.optim.Optimizer:
+    """AdamW over ``param_groups``: DeepSpeed's CPU Adam with ``cpu_adam`` (ZeRO-Offload),
+    else ``SkippableAdamW``; both take ``adamw_settings`` and have ``skip_next_step``."""
+    groups, settings = param_groups(model, optim), adamw_settings(optim, train)
+    if cpu_adam:
+        return skippable_cpu_adam(groups, **settings)
+    return SkippableAdamW(groups, foreach=False, **settings)
 
 
 class LRSchedule:

@@ -483,13 +483,20 @@ def _target_device(cfg, gpus_per_node: int | None) -> str:
 
 def _plan_memory(cfg, world_size: int, device_type: str, ranks_per_node: int,
                  device_memory_gb: float | None, gpu_name: str | None, report: Report) -> None:
-    from tape_train.train.memory import device_memory, estimate_memory
+    from tape_train.train.memory import CPU_RUNTIME_BYTES, device_memory, estimate_memory
 
     est = estimate_memory(cfg, world_size, device_type=device_type)
-    report.info(f"memory per rank (ZeRO-{cfg.parallel.zero_stage}, tp={cfg.parallel.tp}, "
+    offload = [f"{key}={getattr(cfg.parallel, key)}" for key in ("offload_optimizer",
+               "offload_params") if getattr(cfg.parallel, key) != "none"]
+    report.info(f"memory per rank (ZeRO-{cfg.parallel.zero_stage}"
+                f"{', ' + ', '.join(offload) if offload else ''}, tp={cfg.parallel.tp}, "
                 f"sp={cfg.parallel.sp}, micro-batch {cfg.train.micro_batch_size}, seq_len "
                 f"{cfg.train.seq_len}, {cfg.train.dtype}, {device_type}):")
     report.lines.extend(est.lines())
+    if est.host_bytes:
+        report.info(f"host memory: {ranks_per_node} rank(s) per node hold ~"
+                    f"{est.host_bytes * ranks_per_node / GIB:.2f} GiB of offloaded states, "
+                    f"besides each process's own (~{CPU_RUNTIME_BYTES / GIB:.2f} GiB)")
     if device_memory_gb is not None:
         have, source = int(device_memory_gb * 10**9), "--device-memory-gb"
     else:
