@@ -127,7 +127,10 @@ def _max_rel(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize("name", ["z3_off", "z3_off_2p", "z1_off_2p"])
 def test_offload_matches_the_run_without_it(runs, name):
-    assert "optimizer: DeepSpeed CPU Adam (AdamW mode) on the host" in runs.logs[name]
+    # DeepSpeed's CPU Adam, or (a machine without g++/ninja) torch AdamW after the warning.
+    log = runs.logs[name]
+    assert ("optimizer: DeepSpeed CPU Adam (AdamW mode) on the host" in log) != \
+        ("DeepSpeed's CPU Adam op could not be built" in log), log[-3000:]
     assert _max_rel(runs.losses(name), runs.losses("ref")) <= REL
 
 
