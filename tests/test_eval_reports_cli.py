@@ -315,6 +315,38 @@ def test_a_rank_that_fails_ends_the_job_without_a_hang_or_a_report(tmp_path):
     assert not (tmp_path / "out").exists()                 # no partial report
 
 
+BUG_ON_RANK_0 = """import os, sys
+import tape_train.eval.cli as cli
+real = cli._held_out
+def held_out(*args, **kwargs):   # a bug (not an input error) on rank 0 while reading inputs
+    if os.environ["RANK"] == "0":
+        raise KeyError("injected bug")
+    return real(*args, **kwargs)
+cli._held_out = held_out
+sys.exit(cli.main())
+"""
+
+
+@pytest.mark.distributed
+def test_a_bug_on_rank_zero_while_reading_the_inputs_ends_every_rank_saying_why(tmp_path):
+    """Rank 0 ends with its traceback; rank 1, waiting for the inputs, says in one line that
+    rank 0 stopped (it printed gloo's '[.../pair.cc:553] Connection closed by peer ... GLHF!'
+    as if that were the error). torchrun looks every 5 s, so rank 1 speaks before it is ended."""
+    make_checkpoint(tmp_path / "run", "tape", seed=6)
+    script = tmp_path / "bug_on_rank_0.py"
+    script.write_text(BUG_ON_RANK_0)
+    proc = _torchrun(tmp_path, 2, ["--monitor-interval=5", str(script)], "--checkpoint",
+                     str(tmp_path / "run"), *EVAL_ARGS, "--out", str(tmp_path / "out"))
+    assert proc.returncode != 0
+    assert "KeyError: 'injected bug'" in proc.stderr                 # rank 0's own traceback
+    rank1 = [line for line in proc.stderr.splitlines() if line.startswith("tape-eval: error")]
+    assert len(rank1) == 1 and rank1[0].startswith(
+        "tape-eval: error (rank 1 of 2): receiving the inputs from rank 0 failed, most likely "
+        "because another rank stopped (its own error is in this log): "), proc.stderr[-3000:]
+    assert "pair.cc" not in rank1[0] and "GLHF" not in rank1[0]
+    assert not (tmp_path / "out").exists()
+
+
 COUNT_READS = """import os, sys
 def counted(module, name, what):   # one line per call, tagged by rank
     real = getattr(module, name)

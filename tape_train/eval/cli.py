@@ -145,12 +145,18 @@ def _init_distributed(device_arg: str):
         try:
             dist.all_reduce(sums)
             return sums
-        except RuntimeError as err:  # gloo: "[pair.cc:553] Connection closed by peer ..."
-            first = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip().split("\n")[0])
-            raise RuntimeError(f"summing the results with the other ranks failed, most likely "
-                               f"because another rank stopped (its own error is in this log): "
-                               f"{first.split('. ')[0]}") from err
+        except RuntimeError as err:
+            raise _peer_lost("summing the results with the other ranks", err) from err
     return dist.get_rank(), world, device, reduce
+
+
+def _peer_lost(what: str, err: RuntimeError) -> RuntimeError:
+    """A collective that failed because another rank ended, said as such: the backend's own
+    message is its first sentence, without gloo's source location (``[.../pair.cc:553]
+    Connection closed by peer [127.0.0.1]:18859. This is typically caused by ... GLHF!``)."""
+    first = re.sub(r"^\[[^\]]*\]\s*", "", str(err).strip().split("\n")[0])
+    return RuntimeError(f"{what} failed, most likely because another rank stopped (its own "
+                        f"error is in this log): {first.split('. ')[0]}")
 
 
 def _rank_zero_decides(compute: Callable[[], Any], rank: int, world: int):
@@ -168,7 +174,11 @@ def _rank_zero_decides(compute: Callable[[], Any], rank: int, world: int):
         import torch.distributed as dist
 
         box = [(value, error is not None)]
-        dist.broadcast_object_list(box, src=0)
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except RuntimeError as err:  # rank 0 ended with a bug of its own (a traceback)
+            raise _peer_lost("receiving the inputs from rank 0" if rank else
+                             "sending the inputs to the other ranks", err) from err
         value, failed = box[0]
         if failed and rank != 0:
             raise StoppedByRankZero()
