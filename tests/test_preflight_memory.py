@@ -100,3 +100,18 @@ def test_offloaded_states_leave_the_device_for_the_host():
     assert plain.host_bytes == 0 and "host memory per rank (offloaded)" in "\n".join(off.lines())
     cpu = estimate_memory(load_run_config(None, base + ["parallel.offload_optimizer=cpu"]), 4)
     assert cpu.host_bytes == 0 and "fp32 gradient partition (offloaded)" in cpu.parts
+
+
+@pytest.mark.parametrize("world, per_node", [(1, 1), (4, 4), (16, 8)])
+def test_the_dry_runs_host_memory_per_node_counts_the_ranks_on_one_node(world, per_node):
+    # --gpus-per-node 8 without --nodes plans one rank: it said "8 rank(s) per node hold ...".
+    from tape_train.train.preflight import run_preflight
+
+    cfg = load_run_config(None, ["model=tiny", "train.dtype=bf16", "train.synthetic_data=true",
+                                 "parallel.offload_optimizer=cpu"])
+    report = run_preflight(cfg, world_size=world, gpus_per_node=8, check_data=False,
+                           check_eval=False, check_resume=False)
+    [line] = [line for line in report.lines if "per node hold" in line]
+    host = estimate_memory(cfg, world, device_type="cuda").host_bytes
+    assert line.startswith(f"host memory: {per_node} rank(s) per node hold "
+                           f"~{host * per_node / 2**30:.2f} GiB"), line

@@ -127,7 +127,9 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
             report.info(f"precision: train.dtype=auto plans {planned.train.dtype} on "
                         f"{device_type}")
         if ranks_per_node is None:
-            ranks_per_node = gpus_per_node or (1 if device_type == "cuda" else world_size)
+            # no more than the run has ranks (--gpus-per-node 8 without --nodes plans one)
+            ranks_per_node = min(gpus_per_node or (1 if device_type == "cuda" else world_size),
+                                 world_size)
         _plan_memory(planned, world_size, device_type, ranks_per_node, device_memory_gb,
                      gpu_name, report)
         _plan_time(planned, grid, device_type, gpu_name, assumed_mfu, report)
