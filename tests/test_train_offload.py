@@ -5,8 +5,9 @@ A tiny TAPE model trains 6 steps (checkpoints at 3 and 6) with weight decay 0.5,
 AdamW grouping matters. Every run has the same global batch (1 process with 2 accumulated
 micro-batches, or 2 processes with 1). Compared with the run without offload (ZeRO-3, fp32):
 
-- ZeRO-3 with optimizer and parameters on the host, at 1 and 2 processes, and ZeRO-1 with the
-  optimizer on the host at 2 processes: the same per-step losses to ``REL`` (DeepSpeed's CPU
+- ZeRO-3 with optimizer and parameters on the host, at 1 and 2 processes and at 2 processes
+  with tp=2 or sp=2 (one data-parallel rank, 2 accumulated micro-batches), and ZeRO-1 with
+  the optimizer on the host at 2 processes: the same per-step losses to ``REL`` (DeepSpeed's CPU
   Adam rounds differently from torch's AdamW in the last bits; measured 4e-8).
 - Negative control: the reference with the embeddings left out of weight decay (a wrong
   grouping) is further than ``REL`` from it.
@@ -50,6 +51,7 @@ logging: {console_interval: 1, peak_tflops: 1.0, tensorboard: false}
 OFFLOAD_Z3 = ("parallel.offload_optimizer=cpu", "parallel.offload_params=cpu")
 TWO = ("train.grad_accum_steps=1",)
 Z1_OFFLOAD = ("parallel.zero_stage=1", "parallel.offload_optimizer=cpu")
+TP2, SP2 = ("parallel.tp=2",), ("parallel.sp=2",)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -116,7 +118,8 @@ def runs(tmp_path_factory) -> _Runs:
            ("ref_resumed_on", 1, OFFLOAD_Z3, None, "ref"),
            ("z3_off_resumed_off", 1, (), None, "z3_off"),
            ("bf16", 1, ("train.dtype=bf16",)),
-           ("bf16_off", 1, ("train.dtype=bf16",) + OFFLOAD_Z3)])
+           ("bf16_off", 1, ("train.dtype=bf16",) + OFFLOAD_Z3),
+           ("tp2_off", 2, OFFLOAD_Z3 + TP2), ("sp2_off", 2, OFFLOAD_Z3 + SP2)])
     return r
 
 
@@ -125,7 +128,7 @@ def _max_rel(a: dict, b: dict) -> float:
     return max(abs(a[s] - b[s]) / abs(b[s]) for s in a)
 
 
-@pytest.mark.parametrize("name", ["z3_off", "z3_off_2p", "z1_off_2p"])
+@pytest.mark.parametrize("name", ["z3_off", "z3_off_2p", "z1_off_2p", "tp2_off", "sp2_off"])
 def test_offload_matches_the_run_without_it(runs, name):
     # DeepSpeed's CPU Adam, or (a machine without g++/ninja) torch AdamW after the warning.
     log = runs.logs[name]
