@@ -489,6 +489,34 @@ exit 3
 """
 
 
+@pytest.mark.parametrize("sig, name", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")])
+def test_torchrun_stopped_by_a_signal_says_so_in_one_line(tmp_path, sig, name):
+    """Slurm's SIGTERM at an eval job's time limit (or Ctrl-C's SIGINT under local.sh) reaches
+    torchrun: it ends its workers, and the wrapper says so in one line with exit 128 + signal
+    (torchrun: a SignalException traceback and exit 1)."""
+    import sys
+
+    worker = tmp_path / "worker.py"
+    worker.write_text("import os, pathlib, signal, time\n"   # ends quietly on either signal
+                      "for s in (signal.SIGTERM, signal.SIGINT):\n"
+                      "    signal.signal(s, lambda n, f: os._exit(128 + n))\n"
+                      "pathlib.Path('ready').touch()\ntime.sleep(120)\n")
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-m", "tape_train.cluster.torchrun", "--standalone",
+                             "--nproc_per_node=1", str(worker)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert f"torchrun: stopped by {name}, which its workers were sent too" in err
+    assert "Traceback" not in err, err[-3000:]
+
+
 def test_eval_script_on_a_cpu_node_runs_one_process_and_reports_failures(tmp_path):
     rc, calls, output = run_eval_script(tmp_path, ["--checkpoint", "run"], srun=FAILING_SRUN)
     assert rc == 3 and "evaluation failed (exit 3)" in output

@@ -6,14 +6,21 @@ That report ("Root Cause": the rank that failed first, its host and exit code) i
 read; the workers' own lines above it say why (a bad input is one line), so the 25-line
 ``ChildFailedError`` traceback under it says nothing more. Used by ``launch/local.sh`` and
 ``launch/slurm/eval.sbatch``; the exit code is torchrun's (1 when a worker failed).
+
+torchrun itself stopped by a signal (Slurm's SIGTERM at a time limit or ``scancel``, Ctrl-C's
+SIGINT in a terminal) passes it on to its workers and ends; that is one line here, naming the
+signal, and exit code 128 + its number as for a process killed by it (torchrun: a 30-line
+``SignalException`` traceback and exit 1).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 
 
 def main() -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
@@ -23,6 +30,15 @@ def main() -> int:
     except ChildFailedError as exc:
         print(exc, file=sys.stderr, flush=True)
         return 1
+    except SignalException as exc:
+        number = int(exc.sigval)
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        print(f"torchrun: stopped by {name}, which its workers were sent too", file=sys.stderr,
+              flush=True)
+        return 128 + number
     return 0
 
 
