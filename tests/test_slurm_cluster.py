@@ -803,7 +803,7 @@ def test_a_stopped_trainer_is_restarted_and_without_restarts_fails_after_the_tim
     # losses. Without (the negative control) the job ends FAILED once srun's --wait (grace +
     # 60 s) has ended the stopped node. The two jobs run side by side.
     monkeypatch.setenv("SLURM_CONF", str(cluster.conf_path))
-    extra = ["--signal-grace", "60", "train.collective_timeout_s=20",
+    extra = ["--signal-grace", "30", "train.collective_timeout_s=20",
              "train.startup_timeout_s=60"]
     jobs = {}
     for name, more in (("hang", ["--max-restarts", "0"]), ("hang-restarted", [])):
@@ -835,8 +835,8 @@ def test_a_stopped_trainer_is_restarted_and_without_restarts_fails_after_the_tim
     assert re.search(timed_out, text), text
     assert "is stuck:" not in text          # the stopped rank could not report
     assert "restart 1 of" not in text
-    # The collective timeout (20 s), then srun --wait (60 + 60 s) for the stopped node.
-    assert 20 < elapsed < 20 + 120 + 60, (elapsed, text)
+    # The collective timeout (20 s), then srun --wait (30 + 60 s) for the stopped node.
+    assert 20 < elapsed < 20 + 90 + 60, (elapsed, text)
     print(f"stopped rank, no restarts: job ended {elapsed:.0f} s after the SIGSTOP")
 
     job_id, run_dir, log_dir = jobs["hang-restarted"]
