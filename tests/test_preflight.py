@@ -336,3 +336,17 @@ def test_tensor_or_sequence_parallel_groups_across_nodes_are_a_warning(layout, p
     else:
         assert len(lines) == 1 and warned in lines[0] and "tape-train: preflight: warning: " \
             in lines[0], lines
+
+
+def test_gpus_per_node_alone_plans_one_full_node():
+    """`--gpus-per-node 8` without `--nodes` plans one node of 8 ranks (it planned 1 rank);
+    `--nodes 2` doubles it and `--world-size` still wins."""
+    def grid(*args):
+        rc, out, err = dry_run(["--config", "125m", "--dry-run", "train.synthetic_data=true",
+                                "--gpu-name", "H100", *args])   # (125m may not fit this RAM)
+        return next(ln for ln in out.splitlines() if ln.startswith("rank grid: "))
+
+    assert grid("--gpus-per-node", "8").startswith("rank grid: world=8 dp=8 ")
+    assert grid("--gpus-per-node", "8", "--nodes", "2").startswith("rank grid: world=16 ")
+    assert grid("--gpus-per-node", "8", "--world-size", "4").startswith("rank grid: world=4 ")
+    assert grid().startswith("rank grid: world=1 ")                       # this machine

@@ -41,12 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
         "time), in seconds and without DeepSpeed; exit 1 on any problem")
     dry.add_argument("--dry-run", action="store_true", help="check and plan, do not train")
     dry.add_argument("--world-size", type=int, default=None,
-                     help="plan for this many ranks (default: WORLD_SIZE, else "
-                          "nodes x gpus-per-node, else 1)")
+                     help="plan for this many ranks (default: nodes x gpus-per-node, "
+                          "else WORLD_SIZE, else 1)")
     dry.add_argument("--gpus-per-node", type=int, default=None,
                      help="plan for CUDA nodes with this many GPUs (0: CPU nodes)")
     dry.add_argument("--nodes", type=int, default=None,
-                     help="with --gpus-per-node: world size = nodes x gpus-per-node")
+                     help="with --gpus-per-node: world size = nodes x gpus-per-node "
+                          "(default: 1 node)")
     dry.add_argument("--device-memory-gb", type=float, default=None,
                      help="memory per device to plan against (default: this machine's)")
     dry.add_argument("--gpu-name", default=None,
@@ -93,8 +94,8 @@ def dry_run(cfg, args: argparse.Namespace) -> int:
             print(f"tape-train: {flag} must be >= {least}, got {value}", file=sys.stderr)
             return 1
     world = args.world_size
-    if world is None and args.nodes is not None and args.gpus_per_node:
-        world = args.nodes * args.gpus_per_node
+    if world is None and args.gpus_per_node:  # one node unless --nodes says more
+        world = (args.nodes or 1) * args.gpus_per_node
     if world is None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
     if world < 1:
