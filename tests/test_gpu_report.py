@@ -61,8 +61,9 @@ def test_cpu_smoke_report_is_complete_and_finite(tmp_path):
     assert trainer["ok"] and not trainer["failures"]
     assert set(trainer["losses"]) == {"zero1_fp32", "zero1_bf16", "zero3_fp32", "zero3_bf16",
                                       "zero3_bf16_deterministic",
-                                      "zero3_bf16_deterministic_again"}
-    assert len(trainer["comparisons"]) == 5
+                                      "zero3_bf16_deterministic_again", "zero3_fp32_offload"}
+    assert len(trainer["comparisons"]) == 6
+    assert trainer["comparisons"]["fp32: zero3 offloaded vs on the device"] <= 2e-3
     assert trainer["comparisons"]["bf16 deterministic: run vs the same run again"] == 0.0
     syncs = checks["host_syncs"]  # judged: 2 micro-batches per step, none read back in each
     assert syncs["ok"] and set(syncs["runs"]) == {"zero1_bf16", "zero3_bf16"}

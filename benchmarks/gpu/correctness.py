@@ -199,8 +199,9 @@ def kv_cache_check(device, model_kw: dict, prompt: int, new: int) -> dict:
 
 
 def start_trainers(recipe: Path, work: Path, common_overrides: list[str]) -> dict:
-    """Spawn the trainer processes — ZeRO-1/3 × fp32/bf16, and ZeRO-3 bf16 twice with
-    ``train.deterministic`` — which set up in the background while the kernel checks run.
+    """Spawn the trainer processes — ZeRO-1/3 × fp32/bf16, ZeRO-3 bf16 twice with
+    ``train.deterministic``, and ZeRO-3 fp32 with the optimizer and parameters offloaded to
+    the host (pinned memory, DeepSpeed's CPU Adam) — which set up in the background while the kernel checks run.
     Finish with ``trainer_checks``."""
     from trainer_process import Child
 
@@ -211,6 +212,8 @@ def start_trainers(recipe: Path, work: Path, common_overrides: list[str]) -> dic
     variants = [(f"zero{zero}_{dtype}", zero, dtype, [])
                 for zero, dtype in itertools.product((1, 3), ("fp32", "bf16"))]
     variants += [(name, 3, "bf16", ["train.deterministic=true"]) for name in DETERMINISTIC_RUNS]
+    variants += [(OFFLOAD_RUN, 3, "fp32", ["parallel.offload_optimizer=cpu",
+                                           "parallel.offload_params=cpu"])]
     for name, zero, dtype, extra in variants:
         overrides = [*common_overrides, f"parallel.zero_stage={zero}", f"train.dtype={dtype}",
                      f"train.run_dir={work / name}", *extra]
@@ -219,6 +222,8 @@ def start_trainers(recipe: Path, work: Path, common_overrides: list[str]) -> dic
 
 
 DETERMINISTIC_RUNS = ("zero3_bf16_deterministic", "zero3_bf16_deterministic_again")
+OFFLOAD_RUN = "zero3_fp32_offload"
+OFFLOAD_KEY = "fp32: zero3 offloaded vs on the device"
 DETERMINISTIC_KEY = "bf16 deterministic: run vs the same run again"
 SYNC_RUNS = ("zero1_bf16", "zero3_bf16")  # host syncs counted after their loss steps
 
@@ -270,6 +275,9 @@ def trainer_checks(runs: dict, steps: int, budget: Budget, sink: list, flush) ->
         if a and b:
             res["comparisons"][f"{dtype}: zero3 vs zero1"] = max(
                 abs(x - y) / abs(y) for x, y in zip(a, b))
+    a, b = losses.get(OFFLOAD_RUN), losses.get("zero3_fp32")
+    if a and b:  # ZeRO-Offload: the same AdamW update on the host (CPU Adam rounds differently)
+        res["comparisons"][OFFLOAD_KEY] = max(abs(x - y) / abs(y) for x, y in zip(a, b))
     a, b = (losses.get(name) for name in DETERMINISTIC_RUNS)
     if a and b:  # train.deterministic: the same run twice gives the same losses, bit for bit
         res["comparisons"][DETERMINISTIC_KEY] = max(abs(x - y) / abs(y) for x, y in zip(a, b))
@@ -279,7 +287,7 @@ def trainer_checks(runs: dict, steps: int, budget: Budget, sink: list, flush) ->
               for k in res["comparisons"]}
     res["ok"] = (not failures and finite
                  and all(v <= limits[k] for k, v in res["comparisons"].items()))
-    if res["ok"] and len(res["comparisons"]) < 5:
+    if res["ok"] and len(res["comparisons"]) < 6:
         res["ok"] = None  # not judged: runs skipped for time
     sink.append(res)
     flush()
