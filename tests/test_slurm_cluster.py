@@ -312,7 +312,9 @@ def test_plain_sbatch_with_bad_training_arguments_says_what_is_wrong(cluster, tm
     # launch/slurm/train.sbatch submitted as it is (no tape-submit), with a misspelt option.
     (tmp_path / "logs" / "slurm").mkdir(parents=True)
     script = REPO_ROOT / "launch" / "slurm" / "train.sbatch"
-    job_id = cluster.sbatch(["--nodes=1", "--cpus-per-task=1", "--time=5", str(script),
+    # 30 minutes: with the script's own --signal=B:USR1@300 a 5-minute job is due its warning
+    # at once, and Slurm's next signal check (every 30 s) could requeue it before it fails.
+    job_id = cluster.sbatch(["--nodes=1", "--cpus-per-task=1", "--time=30", str(script),
                              "--confg", "run.yaml"], cwd=tmp_path,
                             env={"PYTHONPATH": str(REPO_ROOT), "TAPE_PYTHON": sys.executable})
     info = cluster.wait_for_job(job_id, timeout=120)
