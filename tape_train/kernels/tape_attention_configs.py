@@ -70,16 +70,21 @@ def validate_config(kernel: str, cfg: KernelConfig) -> None:
         raise ValueError(f"{kernel} config {cfg}: block_n must be a multiple of block_m")
 
 
-# Why these shapes: the forward keeps three D-wide fp32 accumulators ([O | Ê⁰ | Ê¹]) per query
-# row, the dk/dv kernel four per key row (dv, dÊ-value-path for E⁰ and E¹, dk̃), so tiles are
-# smaller than FlashAttention-2's for the same head dim (on sm_80, mma.sync also keeps the
-# 3D-wide B operands in registers). Entries were chosen from a search of spill-free shapes;
-# every one is compiled for its architecture, in both dk/dv variants, by
-# `python -m tape_train.kernels.aot` (0 spills, shared memory within SHARED_MEMORY_LIMIT);
-# docs/kernel.md lists registers and shared memory. Shapes that spilled were removed (e.g.
-# dk/dv 16×32 at D=64 on sm_80, and at D=128 on sm_90 for the deterministic variant).
-# None of these has been timed on a GPU yet: `python benchmarks/gpu_report.py --sections sweep`
-# prints rows in this format, ranked by measured time, to replace them.
+# How the entries were chosen. sm_90, D=64 and D=128: measured on an H100 80GB HBM3
+# (`python benchmarks/gpu_report.py --sections sweep --sweep-extra`, bf16, causal, N=4096,
+# 32k tokens, Triton 3.6; docs/gpu/nvidia-h100-80gb-hbm3/): the three fastest correct configs
+# of each kernel, fastest first. The winners spill registers (the dk/dv 64x128 tile at D=64
+# spills ~1.5 KB per thread yet runs 2.3x faster than the spill-free 32x64 tile), so spill
+# counts are no guide on Hopper. Everything else (sm_80, sm_90 D=32) is still chosen by static
+# analysis: spill-free shapes from `python -m tape_train.kernels.aot` (the forward keeps three
+# D-wide fp32 accumulators [O | Ê⁰ | Ê¹] per query row, the dk/dv kernel four per key row, so
+# tiles are smaller than FlashAttention-2's for the same head dim), untimed.
+#
+# These rows are for 16-bit inputs (bf16, fp16). 32-bit inputs double every tile's bytes: the
+# 16-bit winners then exceed shared memory, and with IEEE fp32 dots (no TF32) Triton unrolls
+# each tile product into FMAs, so a large tile takes minutes to compile (the dk/dv 64x128 tile
+# at D=64: ~150 s and 215 KB of spills per thread). FP32_TABLE holds small tiles that fit
+# sm_80 / sm_90 shared memory at 4 bytes per element (AOT-checked, not timed).
 #
 # arch  D    kernel   candidates BLOCK_MxBLOCK_N w<warps> s<stages>, preferred first
 TABLE = """
@@ -95,12 +100,26 @@ TABLE = """
 90    32   fwd      128x64w4s3  128x128w8s3 64x64w4s4
 90    32   bwd_dkv  32x128w8s3  32x64w4s3   16x64w8s2
 90    32   bwd_dq   128x32w8s3  128x64w8s2  64x32w4s3
-90    64   fwd      128x64w8s3  128x128w8s2 64x64w4s4
+90    64   fwd      128x128w8s2 128x128w8s3 128x64w8s3
+90    64   bwd_dkv  64x128w8s2  64x128w8s3  32x64w4s3
+90    64   bwd_dq   64x64w4s3   128x64w4s2  128x32w4s3
+90    128  fwd      128x64w8s2  64x64w8s3   128x32w8s2
+90    128  bwd_dkv  32x64w8s2   32x64w8s3   32x128w8s2
+90    128  bwd_dq   128x64w8s2  64x32w4s2   128x32w8s2
+"""
+
+# 32-bit inputs (see above): sm_90 takes the largest spill-light tiles that fit 227 KiB in
+# both dk/dv variants; sm_80 uses its 16-bit rows (all fit at 4 bytes per element).
+FP32_TABLE = """
+90    32   fwd      128x64w4s3  64x64w4s4
+90    32   bwd_dkv  32x64w4s3   16x64w8s2
+90    32   bwd_dq   128x32w8s3  64x32w4s3
+90    64   fwd      128x64w8s3  64x64w4s3
 90    64   bwd_dkv  32x64w8s2   16x64w8s2
-90    64   bwd_dq   128x64w8s2  128x32w8s2  64x32w4s2
-90    128  fwd      64x32w8s3   64x32w8s2   128x16w8s2
-90    128  bwd_dkv  16x16w4s2
-90    128  bwd_dq   64x32w8s2   64x16w8s2
+90    64   bwd_dq   128x32w8s2  64x32w4s2
+90    128  fwd      64x32w8s3   64x32w8s2
+90    128  bwd_dkv  32x32w8s2   16x32w8s2
+90    128  bwd_dq   64x16w8s2
 """
 
 
@@ -122,7 +141,8 @@ def parse_table(text: str) -> dict[int, dict[int, dict[str, tuple[KernelConfig, 
     return table
 
 
-AUTOTUNE_CONFIGS = parse_table(TABLE)
+AUTOTUNE_CONFIGS = parse_table(TABLE)  # 16-bit inputs
+AUTOTUNE_CONFIGS_FP32 = {80: AUTOTUNE_CONFIGS[80], **parse_table(FP32_TABLE)}  # 32-bit inputs
 
 #: Small tiles for Triton's CPU interpreter (tests): several blocks and a masked tail at N≈40.
 INTERPRETER_CONFIGS = TapeKernelConfigs(fwd=KernelConfig.parse("32x16w1s1"),
@@ -139,10 +159,20 @@ def arch_for_capability(major: int, minor: int) -> int:
     return max(usable)
 
 
-def autotune_configs(arch: int, head_dim: int, kernel: str) -> tuple[KernelConfig, ...]:
-    """The autotuning candidates of ``kernel`` for an arch (80/90) and a head dim."""
+def tables_by_element_size() -> dict[int, dict]:
+    """``{bytes per input element: parsed table}``: 2 for bf16/fp16, 4 for fp32."""
+    return {2: AUTOTUNE_CONFIGS, 4: AUTOTUNE_CONFIGS_FP32}
+
+
+def autotune_configs(arch: int, head_dim: int, kernel: str,
+                     elem_bytes: int = 2) -> tuple[KernelConfig, ...]:
+    """The autotuning candidates of ``kernel`` for an arch (80/90), a head dim and the inputs'
+    element size (2: bf16/fp16, 4: fp32)."""
+    tables = tables_by_element_size()
+    if elem_bytes not in tables:
+        raise ValueError(f"fused TAPE attention takes 2- or 4-byte inputs, got {elem_bytes}-byte")
     try:
-        return AUTOTUNE_CONFIGS[arch][head_dim][kernel]
+        return tables[elem_bytes][arch][head_dim][kernel]
     except KeyError:
         raise ValueError(
             f"no {kernel} configs for arch {arch}, head dim {head_dim}; "
@@ -151,7 +181,7 @@ def autotune_configs(arch: int, head_dim: int, kernel: str) -> tuple[KernelConfi
 
 
 def _validate_tables() -> None:
-    for per_dim in AUTOTUNE_CONFIGS.values():
+    for per_dim in (*AUTOTUNE_CONFIGS.values(), *AUTOTUNE_CONFIGS_FP32.values()):
         for per_kernel in per_dim.values():
             for kernel, cfgs in per_kernel.items():
                 for cfg in cfgs:

@@ -45,13 +45,14 @@ def _bhn_strides(x: torch.Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-def _autotuned(kernel, kind: str, arch: int, head_dim: int, reset_to_zero: tuple[str, ...] = ()):
-    key = (kind, arch, head_dim, reset_to_zero)
+def _autotuned(kernel, kind: str, arch: int, head_dim: int, reset_to_zero: tuple[str, ...] = (),
+               elem_bytes: int = 2):
+    key = (kind, arch, head_dim, reset_to_zero, elem_bytes)
     if key not in _autotuned_cache:
         configs = [
             triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n},
                           num_warps=c.num_warps, num_stages=c.num_stages)
-            for c in autotune_configs(arch, head_dim, kind)
+            for c in autotune_configs(arch, head_dim, kind, elem_bytes)
         ]
         _autotuned_cache[key] = triton.autotune(
             configs=configs, key=["N_CTX", "CAUSAL"], reset_to_zero=list(reset_to_zero) or None
@@ -76,7 +77,7 @@ def _launch(kernel, kind: str, q: torch.Tensor, configs: TapeKernelConfigs | Non
         )
         return
     arch = arch_for_capability(*torch.cuda.get_device_capability(q.device))
-    tuned = _autotuned(kernel, kind, arch, d, reset_to_zero)
+    tuned = _autotuned(kernel, kind, arch, d, reset_to_zero, q.element_size())
     tuned[lambda meta: (triton.cdiv(n, meta[rows_per_program]), b * h)](*args, **kwargs)
 
 
