@@ -19,6 +19,7 @@ the interpreter's bf16 ``tl.dot`` is wrong in Triton 3.9), a tiny model and trai
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import shlex
@@ -33,6 +34,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SECTIONS = ("correctness", "kernel_speed", "end_to_end", "sweep")
 SHARE = {"correctness": 0.2, "kernel_speed": 0.25, "end_to_end": 0.45, "sweep": 0.10}
+STACK_DUMP_S = 90.0  # seconds past a section's budget before its stacks are printed
 
 MODEL_SMALL = dict(vocab_size=1000, hidden_size=256, num_layers=2, num_heads=4,
                    intermediate_size=512, tape_position_size=16, max_seq_len=4096)
@@ -80,7 +82,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", type=Path, help="default: docs/gpu/<gpu-model-slug>/")
-    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                   help="sections to run, in this order (default: all, in the order listed)")
+    p.add_argument("--share", action="append", default=[], metavar="SECTION=FRACTION",
+                   help="a section's share of the time budget (default: "
+                        + ", ".join(f"{k}={v}" for k, v in SHARE.items()) + ")")
+    p.add_argument("--plan", action="append", default=[], metavar="GROUP.KEY=JSON",
+                   help="override one entry of the plan, e.g. "
+                        "'sweep.head_configs=[[128, 8]]' or 'speed.lengths=[2048, 16384]'")
     p.add_argument("--time-budget", type=float,
                    help="seconds for the whole report (global deadline); default 540 on a GPU, "
                         "1500 with --cpu-smoke (Triton's interpreter on a busy CPU)")
@@ -90,6 +99,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tiny shapes on CPU, the kernel in Triton's interpreter")
     p.add_argument("--work-dir", type=Path, help="trainer run dirs and logs (default: a temp dir)")
     args = p.parse_args(argv)
+    args.shares = dict(SHARE)
+    for item in args.share:
+        name, _, value = item.partition("=")
+        try:
+            fraction = float(value)
+        except ValueError:
+            fraction = -1.0
+        if name not in SHARE or not 0 < fraction <= 1:
+            p.error(f"--share {item!r}: expected SECTION=FRACTION with SECTION one of "
+                    f"{', '.join(SECTIONS)} and 0 < FRACTION <= 1")
+        args.shares[name] = fraction
     args.command = "python benchmarks/gpu_report.py" + "".join(
         f" {shlex.quote(a)}" for a in (sys.argv[1:] if argv is None else argv))
     return args
@@ -127,12 +147,15 @@ def run_section(name: str, args, plan: dict, report: Report, device, deadline: f
     from gpu import correctness, end_to_end, kernel_speed
     from gpu.common import Budget, OutOfTime
 
-    shares = sum(SHARE[s] for s in remaining)
-    budget = Budget(seconds=(deadline - time.monotonic()) * SHARE[name] / shares,
+    shares = sum(args.shares[s] for s in remaining)
+    budget = Budget(seconds=(deadline - time.monotonic()) * args.shares[name] / shares,
                     deadline=deadline)
     sink, flush = report.section(name), report.flush
     sec = report.data["sections"][name]
     print(f"gpu_report: {name} (budget {budget.left():.0f} s)", flush=True)
+    # A section running long past its budget (a compile taking minutes, a hung call) prints
+    # every thread's stack, and again each STACK_DUMP_S after, into the log.
+    faulthandler.dump_traceback_later(budget.left() + STACK_DUMP_S, repeat=True)
     ok = True
     try:
         if name == "correctness":
@@ -167,8 +190,10 @@ def run_section(name: str, args, plan: dict, report: Report, device, deadline: f
             arch = (arch_for_capability(*__import__("torch").cuda.get_device_capability(device))
                     if device.type == "cuda" else 90)
             sweep_plan = dict(plan["sweep"], extra=plan["sweep"]["extra"] or args.sweep_extra)
-            kernel_speed.sweep(device, sweep_plan, arch, budget, sink, flush)
-            sec["paste"] = kernel_speed.table_lines(sink, arch)
+            try:
+                kernel_speed.sweep(device, sweep_plan, arch, budget, sink, flush)
+            finally:  # a sweep cut short still ranks what it measured
+                sec["paste"] = kernel_speed.table_lines(sink, arch)
         elif name == "end_to_end":
             end_to_end.end_to_end(ROOT / "configs/train/demo.yaml", work / "e2e", plan["e2e"],
                                   report.data["machine"].get("bf16_peak_tflops"), budget, sink,
@@ -181,10 +206,35 @@ def run_section(name: str, args, plan: dict, report: Report, device, deadline: f
         sec["error"] = traceback.format_exc()
         print(sec["error"], file=sys.stderr, flush=True)
         ok = False
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     sec["elapsed_s"] = round(time.monotonic() - budget.start, 1)
     report.flush()
     print(f"gpu_report: {name}: {sec['status']} ({sec['elapsed_s']:.0f} s)", flush=True)
     return ok
+
+
+def apply_plan_overrides(plan: dict, items: list[str]) -> dict:
+    """A copy of ``plan`` with ``GROUP.KEY=JSON`` entries replaced (the value's JSON type must
+    match the default's: a list stays a list)."""
+    plan = json.loads(json.dumps(plan))
+    for item in items:
+        path, _, text = item.partition("=")
+        group, _, key = path.partition(".")
+        if group not in plan or key not in plan[group]:
+            keys = ", ".join(f"{g}.{k}" for g in plan for k in plan[g])
+            raise SystemExit(f"gpu_report: --plan {item!r}: unknown entry {path!r}; one of {keys}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"gpu_report: --plan {item!r}: value is not JSON ({exc})") from None
+        default = plan[group][key]
+        if default is not None and type(value) is not type(default) and not (
+                isinstance(default, float) and isinstance(value, int)):
+            raise SystemExit(f"gpu_report: --plan {item!r}: expected a {type(default).__name__} "
+                             f"like {json.dumps(default)}")
+        plan[group][key] = value
+    return plan
 
 
 def main(argv=None) -> int:
@@ -205,7 +255,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
-    plan = SMOKE if args.cpu_smoke else FULL
+    plan = apply_plan_overrides(SMOKE if args.cpu_smoke else FULL, args.plan)
     facts = device_facts(device)
     out_dir = args.out_dir or ROOT / "docs" / "gpu" / gpu_slug(facts["name"])
     report = Report(out_dir, args.command, args.cpu_smoke)
@@ -217,7 +267,7 @@ def main(argv=None) -> int:
                 else None)
     work = Path(work_ctx.name) if work_ctx else args.work_dir
     ok = True
-    order = [s for s in SECTIONS if s in args.sections]
+    order = list(dict.fromkeys(args.sections))
     try:
         for i, name in enumerate(order):
             ok &= run_section(name, args, plan, report, device, deadline, order[i:], work)

@@ -8,8 +8,11 @@ raises ``BenchmarkError`` with the traceback or the log's tail.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
+import signal
+import time
 import traceback
 from pathlib import Path
 
@@ -23,6 +26,8 @@ def _serve(conn, log_path: str, factory, args: tuple) -> None:
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    # A parent that stops waiting sends SIGUSR1 first: every thread's stack goes to the log.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         obj = factory(*args)
         conn.send(("ok", None))
@@ -41,7 +46,8 @@ class Child:
     """``factory(*args)`` built in a fresh spawned interpreter (its peak RSS is its own),
     whose methods the parent calls one at a time. Output goes to ``log_path``.
 
-    Construction returns at once; ``result()`` waits for the object to be ready."""
+    Construction returns at once; ``result()`` waits for the object to be ready (``timeout``:
+    give up after that many seconds, with the child's stacks and log tail in the error)."""
 
     def __init__(self, name: str, log_path: Path, factory, *args) -> None:
         ctx = mp.get_context("spawn")
@@ -52,14 +58,17 @@ class Child:
         self.proc.start()
         child_conn.close()
 
-    def call(self, method: str, *args):
+    def call(self, method: str, *args, timeout: float | None = None):
         self.conn.send((method, args))
-        return self.result()
+        return self.result(timeout)
 
-    def result(self):
+    def result(self, timeout: float | None = None):
+        give_up = None if timeout is None else time.monotonic() + timeout
         while not self.conn.poll(1.0):
             if not self.proc.is_alive():
                 self._died()
+            if give_up is not None and time.monotonic() >= give_up:
+                self._stuck(timeout)
         try:
             status, value = self.conn.recv()
         except EOFError:
@@ -75,13 +84,24 @@ class Child:
         tail = "".join(self.log_path.read_text(errors="replace").splitlines(True)[-15:])
         raise BenchmarkError(f"{self.name} died ({why}); last lines of {self.log_path}:\n{tail}")
 
-    def close(self) -> None:
+    def _stuck(self, timeout: float):
+        """No answer in ``timeout`` s: the child dumps its stacks into its log (SIGUSR1), and
+        the error carries them; the child is left for ``close``."""
+        if self.proc.pid is not None and self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGUSR1)
+            time.sleep(1.0)
+        tail = "".join(self.log_path.read_text(errors="replace").splitlines(True)[-40:])
+        raise BenchmarkError(f"{self.name}: no answer in {timeout:.0f} s (stuck or too slow); "
+                             f"its stacks and last lines of {self.log_path}:\n{tail}")
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the child: asked politely (``timeout`` s), then terminated."""
         if self.proc.is_alive():
             try:
-                self.call("stop")
+                self.call("stop", timeout=timeout)
+                self.proc.join(30)
             except (BenchmarkError, OSError):
                 pass
-            self.proc.join(30)
         if self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(10)

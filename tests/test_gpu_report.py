@@ -126,10 +126,23 @@ def test_partial_report_is_marked():
 
 
 def test_lease_command_fits_the_device_tool():
-    cmd = (REPO / "benchmarks/gpu/lease_command.txt").read_text().strip()
-    assert len(cmd) <= 2000 and "\n" not in cmd
-    assert "--no-index --no-deps" in cmd and ".lease/whl/*.whl" in cmd
-    assert "benchmarks/gpu_report.py --out-dir $OUT" in cmd
+    """One line per device call; together they run every section once, each inside the
+    tool's 600 s per-command limit."""
+    import gpu_report
+
+    cmds = (REPO / "benchmarks/gpu/lease_command.txt").read_text().strip().splitlines()
+    sections = []
+    for cmd in cmds:
+        assert len(cmd) <= 2000
+        assert "--no-index --no-deps" in cmd and ".lease/whl/*.whl" in cmd
+        assert "benchmarks/gpu_report.py --out-dir $OUT" in cmd
+        budget = float(cmd.split("--time-budget ")[1].split()[0])
+        assert budget <= 560  # + pip, start-up and the final write within 600 s
+        args = gpu_report.parse_args(__import__("shlex").split(
+            cmd.split("gpu_report.py ")[1].split(" 2>&1")[0].replace("$OUT", "/out")))
+        gpu_report.apply_plan_overrides(gpu_report.FULL, args.plan)
+        sections += args.sections
+    assert sorted(sections) == sorted(gpu_report.SECTIONS)
     assert ".lease/" in (REPO / ".gitignore").read_text().split()
 
 
@@ -223,9 +236,67 @@ def test_a_profiled_steps_time_is_split_by_kernel_category():
     assert [k["name"] for k in out["top"][:2]] == ["sm90_xmma_gemm_bf16bf16_bf16f32",
                                                    "tape_attention_bwd_dkv_kernel"]
     assert out["top"][0]["calls"] == 2
+    # the host's side: operators by their own CPU time, device kernels not among them
+    assert [(h["name"], h["ms"]) for h in out["host_top"]] == [("aten::mm", 0.15)]
     assert categorize("flash_fwd_kernel") == "attention (SDPA, flash, cuDNN, unfused)"
     assert categorize("some_new_kernel") == OTHER
     cpu = time_breakdown(_Profile([_Event("aten::mm", cpu_us=4000),
                                    _Event("ProfilerStep#3", cpu_us=100)]), 1, 5.0)
     assert cpu["device"] == "cpu" and cpu["categories"] == {"matmul": 4.0}
     assert cpu["idle_ms"] is None
+
+
+def test_plan_and_share_overrides_are_checked_and_applied():
+    """A lease's call runs a chosen slice: --plan replaces one plan entry (type-checked, unknown
+    names refused with the valid ones), --share one section's share, --sections their order."""
+    import gpu_report
+
+    args = gpu_report.parse_args(["--sections", "sweep", "correctness", "--share", "sweep=0.5",
+                                  "--plan", "sweep.head_configs=[[128, 8]]",
+                                  "--plan", "speed.lengths=[2048]"])
+    assert args.sections == ["sweep", "correctness"] and args.shares["sweep"] == 0.5
+    assert args.shares["correctness"] == gpu_report.SHARE["correctness"]
+    plan = gpu_report.apply_plan_overrides(gpu_report.FULL, args.plan)
+    assert plan["sweep"]["head_configs"] == [[128, 8]] and plan["speed"]["lengths"] == [2048]
+    assert plan["kernel"] == gpu_report.FULL["kernel"]
+    assert gpu_report.FULL["speed"]["lengths"] != [2048]  # the default plan is untouched
+    for bad, message in (("sweep.nope=1", "unknown entry 'sweep.nope'"),
+                         ("speed.lengths=2048", "expected a list"),
+                         ("speed.lengths=[2048", "not JSON")):
+        with pytest.raises(SystemExit, match=message):
+            gpu_report.apply_plan_overrides(gpu_report.FULL, [bad])
+    for bad in ("sweep=2", "nope=0.1", "sweep=x"):
+        with pytest.raises(SystemExit):
+            gpu_report.parse_args(["--share", bad])
+
+
+def _sleeper(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+class _Slow:
+    def __init__(self, seconds: float) -> None:
+        _sleeper(seconds)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_stuck_child_gives_up_with_its_stack(tmp_path):
+    """A trainer that never answers (a compile taking minutes, a hang) must not hold the lease:
+    the wait ends at its timeout with the child's own stack (SIGUSR1 -> faulthandler) in the
+    error; a child that answers in time is waited for (control)."""
+    from trainer_process import BenchmarkError, Child
+
+    stuck = Child("stuck", tmp_path / "stuck.log", _Slow, 600.0)
+    start = time.monotonic()
+    with pytest.raises(BenchmarkError, match="no answer in 3 s") as err:
+        stuck.result(timeout=3.0)
+    assert time.monotonic() - start < 60
+    assert "in _sleeper" in str(err.value)  # the child's stack, from its log
+    stuck.close(timeout=1.0)
+    assert not stuck.proc.is_alive()
+    quick = Child("quick", tmp_path / "quick.log", _Slow, 0.0)
+    assert quick.result(timeout=120.0) is None
+    quick.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -27,6 +28,7 @@ FP32_TOL = 1e-4
 LOW_FACTOR, LOW_FLOOR = 3.0, 2e-3
 TRAIN_BF16_TOL = 2e-2
 TRAIN_ZERO_TOL = 2e-3
+TRAINER_GRACE_S = 120.0  # see trainer_checks
 OUTPUTS = ("O", "E0_hat", "E1_hat")
 GRADS = ("dq", "dk", "dv", "dE0", "dE1")
 
@@ -55,17 +57,20 @@ def _run(fn, inputs, grads, dtype):
     return [o.detach() for o in outs], [x.grad for x in leaves]
 
 
-def preferred_configs(device, d: int):
-    """The first (preferred) table entry of each kernel for this GPU; None on CPU (the
-    interpreter's tiles). Pinned so that the checks compile 4 kernels per (D, dtype) instead of
-    autotuning every candidate: the other candidates are checked by the sweep."""
+def preferred_configs(device, d: int, dtype=torch.bfloat16):
+    """The first (preferred) table entry of each kernel for this GPU and the inputs' element size
+    (fp32 has its own table); None on CPU (the interpreter's tiles). Pinned so that the checks
+    compile 4 kernels per (D, dtype) instead of autotuning every candidate: the other candidates
+    are checked by the sweep."""
     if device.type != "cuda":
         return None
     from tape_train.kernels.tape_attention_configs import (TapeKernelConfigs, arch_for_capability,
                                                            autotune_configs)
 
     arch = arch_for_capability(*torch.cuda.get_device_capability(device))
-    return TapeKernelConfigs(*(autotune_configs(arch, d, k)[0] for k in ("fwd", "bwd_dkv", "bwd_dq")))
+    size = torch.empty((), dtype=dtype).element_size()
+    return TapeKernelConfigs(*(autotune_configs(arch, d, k, size)[0]
+                               for k in ("fwd", "bwd_dkv", "bwd_dq")))
 
 
 def kernel_case(device, dtype, d: int, n: int, deterministic: bool, b: int, m: int) -> dict:
@@ -73,7 +78,7 @@ def kernel_case(device, dtype, d: int, n: int, deterministic: bool, b: int, m: i
     from tape_train.kernels import tape_attention_reference, tape_attention_triton
 
     inputs, grads = make_inputs(b, m, n, d, device, seed=1000 * n + d)
-    configs = preferred_configs(device, d)
+    configs = preferred_configs(device, d, dtype)
 
     def kernel(*xs):
         return tape_attention_triton(*xs, causal=True, deterministic=deterministic, configs=configs)
@@ -247,19 +252,25 @@ def trainer_checks(runs: dict, steps: int, budget: Budget, sink: list, flush) ->
     losses, failures, skipped, syncs = {}, {}, [], {}
     try:
         for name, child in runs.items():
-            if budget.left() <= 0:
+            # The runs set up in the background from the section's start: they get a grace
+            # past the section's share (never past the report's deadline), so that a share
+            # spent on compiling kernels does not throw away runs that are ready.
+            def wait() -> float:
+                return min(budget.left() + TRAINER_GRACE_S, budget.deadline - time.monotonic())
+
+            if wait() <= 0:
                 skipped.append(name)
                 continue
-            try:
-                child.result()
-                losses[name] = child.call("losses", steps)
+            try:  # a run stuck (or compiling for minutes) fails alone, with its stacks
+                child.result(timeout=wait())
+                losses[name] = child.call("losses", steps, timeout=max(wait(), 30.0))
                 if name in SYNC_RUNS:
-                    syncs[name] = child.call("host_syncs", steps)
+                    syncs[name] = child.call("host_syncs", steps, timeout=max(wait(), 30.0))
             except BenchmarkError as exc:
                 failures[name] = str(exc)[-3000:]
     finally:
         for child in runs.values():
-            child.close()
+            child.close(timeout=20.0)
     if syncs:
         sink.append(host_sync_check(syncs))
     res = {"check": "trainer", "steps": steps, "losses": losses, "failures": failures,

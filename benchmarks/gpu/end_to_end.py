@@ -67,7 +67,12 @@ def time_breakdown(prof, steps: int, step_ms: float) -> dict:
         categories[categorize(name)] = categories.get(categorize(name), 0.0) + ms
     busy = sum(categories.values())
     top = sorted(rows, key=lambda r: -r[1])[:TOP_KERNELS]
+    # Where the host's time goes while the device idles: operators by their own CPU time.
+    host = sorted(((e.key, e.self_cpu_time_total / 1000 / steps) for e in events
+                   if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0
+                   and not e.key.startswith("ProfilerStep")), key=lambda r: -r[1])[:TOP_KERNELS]
     return {"device": "cuda" if device else "cpu", "steps": steps, "step_ms": step_ms,
+            "host_top": [{"name": name[:120], "ms": ms} for name, ms in host] if device else [],
             "busy_ms": busy, "idle_ms": max(step_ms - busy, 0.0) if device else None,
             "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
             "top": [{"name": name[:120], "category": categorize(name), "ms": ms,
@@ -177,18 +182,21 @@ def end_to_end(recipe: Path, work: Path, plan: dict, peak_tflops: float | None,
         child = Child(f"{size}_{pe}", work / f"{size}_{pe}.log", TrainerProbe, recipe, overrides)
         t0 = time.monotonic()
         try:
-            child.result()
+            # Bounded waits: a stuck run fails with its stacks instead of holding the lease.
+            child.result(timeout=max(budget.left(), 60.0))
             row["setup_s"] = time.monotonic() - t0
             mb = 1
             while mb <= plan["max_micro_batch"]:
                 budget.check(f"{size} {pe} micro-batch {mb}")
-                probe = child.call("measure", mb, plan["warmup"], plan["steps"])
+                probe = child.call("measure", mb, plan["warmup"], plan["steps"],
+                                   timeout=max(budget.left(), 60.0))
                 row["probes"].append(probe)
                 flush()
                 if probe["oom"]:
                     break
                 if plan.get("profile_steps"):  # now: after an OOM the trainer is unusable
-                    probe["profile"] = child.call("profile", plan["profile_steps"])
+                    probe["profile"] = child.call("profile", plan["profile_steps"],
+                                                  timeout=max(budget.left(), 60.0))
                 mb *= 2
             row["status"] = "done"
         except OutOfTime as exc:
@@ -197,7 +205,7 @@ def end_to_end(recipe: Path, work: Path, plan: dict, peak_tflops: float | None,
             row["status"] = "failed"
             row["error"] = str(exc)[-3000:]
         finally:
-            child.close()
+            child.close(timeout=30.0)
         fits = [p for p in row["probes"] if not p["oom"]]
         if fits:
             best = fits[-1]

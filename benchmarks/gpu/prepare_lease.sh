@@ -65,5 +65,5 @@ if (( size_kib + tree_kib > LIMIT_MIB * 1024 )); then
   exit 1
 fi
 echo
-echo "Device run: carry [\".lease\"], timeout_s 600, command:"
+echo "Device runs, one per line (each: carry [\".lease\"], timeout_s 600; copy \$OUT after each):"
 cat "$ROOT/benchmarks/gpu/lease_command.txt"

@@ -208,6 +208,10 @@ def _breakdown(rows: list) -> list[str]:
     for r in rows:
         top = ", ".join(f"{k['name'][:60]} {k['ms']:.1f} ms" for k in r["profile"]["top"][:5])
         lines.append(f"- {r['size']} {r['pe']}, largest: {top}")
+        host = ", ".join(f"{t['name'][:60]} {t['ms']:.1f} ms"
+                         for t in r["profile"].get("host_top", [])[:5])
+        if host:
+            lines.append(f"- {r['size']} {r['pe']}, host (own CPU time per step): {host}")
     return lines
 
 
