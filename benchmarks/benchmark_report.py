@@ -99,6 +99,10 @@ def render_markdown(report: dict) -> str:
            "machine; ratios measured side by side are less affected."
            if max(load["start"][0], load["end"][0]) > 0.5 * m["logical_cpus"] else "") + "\n",
     ]
+    out.append("This report measures the CPU it ran on. GPU figures (fused-kernel correctness and "
+               "speed against SDPA flash/cuDNN, end-to-end training on a GPU) come from "
+               "`python benchmarks/gpu_report.py`: [docs/gpu/](gpu/) holds one folder per GPU "
+               "model, summarised in [docs/kernel.md](kernel.md#measured-on-an-h100).\n")
     for rerun in report.get("updates", []):
         out.append(f"Re-measured later, the rest of the report unchanged: "
                    f"{', '.join(rerun['parts'])} by `{rerun['command']}` on {rerun['date']} "
