@@ -38,5 +38,8 @@ def test_freed_buffers_are_reused_without_new_page_faults():
     pages = 64 * 2**20 // 4096
     tuned, default = _probe("tuned"), _probe("default")
     assert tuned["applied"]
-    assert max(tuned["faults"][-4:]) < pages // 20, tuned         # reused: no fresh pages
-    assert min(default["faults"][-4:]) > pages // 2, default      # mmap'd anew every time
+    # The last 8 rounds, most of them: the kernel may fault resident pages again on its own
+    # (swap, page migration, NUMA hinting: seen once under the full suite's load, a whole
+    # round of the reused buffer faulted), so one stray round must not decide either way.
+    assert sum(f < pages // 20 for f in tuned["faults"][-8:]) >= 6, tuned   # reused
+    assert sum(f > pages // 2 for f in default["faults"][-8:]) >= 6, default  # mmap'd anew
