@@ -33,6 +33,41 @@ def test_backend_matches_eager_values_and_gradients(backend, pe):
         torch.testing.assert_close(grads[backend][1][name], g, rtol=1e-3, atol=1e-6, msg=name)
 
 
+def test_sdpa_with_a_wide_value_in_key_width_parts_equals_one_call():
+    """On CUDA a value wider than the flash/cuDNN kernels take (TAPE at D = 128: 384) goes to SDPA
+    in key-width parts; the parts give the same outputs and gradients (q/k gradients summed
+    over the parts) as one call, fp64 on CPU here, with GQA and a KV-cache-like query tail;
+    parts joined in the wrong order differ (negative control). The dispatch rule picks the split
+    only on CUDA and only above the width limit."""
+    from tape_train.model.attention import (SDPA_FLASH_MAX_WIDTH, _sdpa, sdpa_split_value,
+                                            split_value_on_device)
+
+    gen = torch.Generator().manual_seed(0)
+    for nq, heads, kv_heads in ((24, 4, 4), (24, 4, 2), (5, 4, 4)):
+        q = torch.randn(2, heads, nq, 16, dtype=torch.float64, generator=gen, requires_grad=True)
+        k = torch.randn(2, kv_heads, 24, 16, dtype=torch.float64, generator=gen, requires_grad=True)
+        v = torch.randn(2, kv_heads, 24, 48, dtype=torch.float64, generator=gen, requires_grad=True)
+        up = torch.randn(2, heads, nq, 48, dtype=torch.float64, generator=gen)
+        results = []
+        for fn in (_sdpa, sdpa_split_value):
+            out = fn(q, k, v)
+            grads = torch.autograd.grad(out, (q, k, v), up)
+            results.append((out, *grads))
+        for got, want in zip(results[1], results[0]):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        swapped = torch.cat(results[1][0].split(16, -1)[::-1], -1)
+        assert not torch.allclose(swapped, results[0][0])
+    wide = torch.empty(1, 1, 1, 3 * 128)
+    cpu_q = torch.empty(1, 1, 1, 128)
+    assert not split_value_on_device(cpu_q, wide)  # CPU keeps one (padded) call
+    cuda_like = type("Q", (), {"shape": cpu_q.shape, "device": torch.device("cuda")})()
+    assert split_value_on_device(cuda_like, wide)
+    narrow = torch.empty(1, 1, 1, 3 * 64)  # D = 64: 192 wide, within the kernels' limit
+    assert 3 * 64 <= SDPA_FLASH_MAX_WIDTH
+    cuda_like64 = type("Q", (), {"shape": (1, 1, 1, 64), "device": torch.device("cuda")})()
+    assert not split_value_on_device(cuda_like64, narrow)
+
+
 def test_blocked_backend_in_fp64_equals_eager():
     x = tokens(length=20)
     outs = {}

@@ -3,7 +3,8 @@
 Backends (``ModelConfig.attn_backend``):
     eager   plain matmul + fp32 softmax; runs in any dtype, fp64 included (the reference).
     sdpa    ``torch.nn.functional.scaled_dot_product_attention``. For TAPE one call with the
-            3D-wide value [v | E⁰ | E¹]: one softmax for all three outputs.
+            3D-wide value [v | E⁰ | E¹]: one softmax for all three outputs; on CUDA a value
+            wider than the flash/cuDNN kernels take (D = 128: 384) goes in D-wide parts.
     flash   flash-attn 2 (CUDA, fp16/bf16) for encodings without a dense bias.
     triton  the fused TAPE kernel of ``tape_train.kernels`` (CUDA, or Triton's interpreter).
     blocked causal attention in query blocks on plain GEMMs (``blocked_attention``): logits at
@@ -115,8 +116,35 @@ def eager_attention(q, k, v, bias=None, scale=None) -> torch.Tensor:
     return torch.matmul(torch.softmax(logits, dim=-1), v.to(acc)).to(v.dtype)
 
 
+#: The widest head PyTorch's flash and cuDNN SDPA kernels take; a wider value falls to slower ones.
+SDPA_FLASH_MAX_WIDTH = 256
+
+
+def split_value_on_device(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`sdpa_attention` attends to ``v`` in key-width parts: on CUDA, when the
+    value (TAPE's [v | E⁰ | E¹], 3·D wide) is wider than the flash/cuDNN kernels take. On an
+    H100 at D = 128 (value 384 wide) one call took 41 ms where three took 8.9 ms (N = 4096,
+    docs/kernel.md)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    return q.device.type == "cuda" and dv > SDPA_FLASH_MAX_WIDTH and dv > d and dv % d == 0
+
+
 def sdpa_attention(q, k, v, bias=None, scale=None) -> torch.Tensor:
     """Same contract as :func:`eager_attention`, through PyTorch SDPA."""
+    if split_value_on_device(q, v):
+        return sdpa_split_value(q, k, v, bias, scale)
+    return _sdpa(q, k, v, bias, scale)
+
+
+def sdpa_split_value(q, k, v, bias=None, scale=None) -> torch.Tensor:
+    """:func:`sdpa_attention` with the value in key-width parts, one SDPA call each: the same
+    softmax weights applied to each part (recomputed per call), outputs concatenated; autograd
+    sums the q/k gradients of all parts."""
+    return torch.cat([_sdpa(q, k, part, bias, scale) for part in v.split(q.shape[-1], dim=-1)],
+                     dim=-1)
+
+
+def _sdpa(q, k, v, bias=None, scale=None) -> torch.Tensor:
     nq, nk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     d, dv = q.shape[-1], v.shape[-1]
