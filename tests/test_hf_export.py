@@ -24,6 +24,11 @@ transformers = pytest.importorskip("transformers")
 _DTYPE_KW = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
 
 
+# The cache's name in forward() and its outputs: ``cache`` from transformers 5.24 on.
+_CACHE = ("cache" if "cache" in transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__
+          else "past_key_values")
+
+
 def _load(path):
     return transformers.AutoModelForCausalLM.from_pretrained(
         path, trust_remote_code=True, **{_DTYPE_KW: torch.float32}).eval()
@@ -49,11 +54,11 @@ def test_logits_and_kv_cache_equal_tape_train(exports, pe):
         full = hf(input_ids=x).logits
         torch.testing.assert_close(full, model(x).logits, rtol=0, atol=1e-5)
         out = hf(input_ids=x[:, :9], use_cache=True)
-        steps, cache = [out.logits], out.past_key_values
+        steps, cache = [out.logits], out[_CACHE]
         for i in range(9, x.shape[1]):
-            out = hf(input_ids=x[:, i:i + 1], past_key_values=cache, use_cache=True)
+            out = hf(input_ids=x[:, i:i + 1], use_cache=True, **{_CACHE: cache})
             steps.append(out.logits)
-            cache = out.past_key_values
+            cache = out[_CACHE]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
 
 

@@ -19,7 +19,7 @@ class TapeConfig(PretrainedConfig):
     """
 
     model_type = "tape_lm"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
 
     def __init__(self, vocab_size=32000, hidden_size=768, intermediate_size=3072,
                  num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=None,

@@ -30,6 +30,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_tape import TapeConfig
 
+# The output's cache field: ``cache`` from transformers 5.24 on (whose ``generate`` reads only
+# that), ``past_key_values`` before.
+_CACHE_FIELD = ("cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {})
+                else "past_key_values")
+
 _BIAS = ("alibi", "fire", "t5")
 
 
@@ -298,7 +303,9 @@ class TapeForCausalLM(TapePreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None,
                 past_key_values=None, inputs_embeds=None, labels=None, use_cache=None,
                 output_attentions=None, output_hidden_states=None, return_dict=None,
-                logits_to_keep=0, **kwargs):
+                logits_to_keep=0, cache=None, **kwargs):
+        # transformers >= 5.24 passes the cache as ``cache`` (``past_key_values`` before).
+        past_key_values = cache if past_key_values is None else past_key_values
         if inputs_embeds is None:
             inputs_embeds = self.embed(input_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -329,4 +336,4 @@ class TapeForCausalLM(TapePreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1),
                                    labels[:, 1:].flatten().to(logits.device), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits,
-                                      past_key_values=cache if use_cache else None)
+                                      **{_CACHE_FIELD: cache if use_cache else None})
