@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -138,7 +139,7 @@ def test_lease_command_fits_the_device_tool():
         assert "benchmarks/gpu_report.py --out-dir $OUT" in cmd
         budget = float(cmd.split("--time-budget ")[1].split()[0])
         assert budget <= 560  # + pip, start-up and the final write within 600 s
-        args = gpu_report.parse_args(__import__("shlex").split(
+        args = gpu_report.parse_args(shlex.split(
             cmd.split("gpu_report.py ")[1].split(" 2>&1")[0].replace("$OUT", "/out")))
         gpu_report.apply_plan_overrides(gpu_report.FULL, args.plan)
         sections += args.sections

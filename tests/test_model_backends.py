@@ -39,8 +39,7 @@ def test_sdpa_with_a_wide_value_in_key_width_parts_equals_one_call():
     over the parts) as one call, fp64 on CPU here, with GQA and a KV-cache-like query tail;
     parts joined in the wrong order differ (negative control). The dispatch rule picks the split
     only on CUDA and only above the width limit."""
-    from tape_train.model.attention import (SDPA_FLASH_MAX_WIDTH, _sdpa, sdpa_split_value,
-                                            split_value_on_device)
+    from tape_train.model.attention import _sdpa, sdpa_split_value, split_value_on_device
 
     gen = torch.Generator().manual_seed(0)
     for nq, heads, kv_heads in ((24, 4, 4), (24, 4, 2), (5, 4, 4)):
@@ -55,15 +54,21 @@ def test_sdpa_with_a_wide_value_in_key_width_parts_equals_one_call():
             results.append((out, *grads))
         for got, want in zip(results[1], results[0]):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-        swapped = torch.cat(results[1][0].split(16, -1)[::-1], -1)
-        assert not torch.allclose(swapped, results[0][0])
+        # negative control: parts whose q/k gradients are not summed (only the first part's
+        # reach q and k) give the same outputs but q/k gradients the comparison rejects
+        first, *rest = v.split(16, dim=-1)
+        out = torch.cat([_sdpa(q, k, first)]
+                        + [_sdpa(q.detach(), k.detach(), part) for part in rest], dim=-1)
+        bad_dq, bad_dk = torch.autograd.grad(out, (q, k), up)
+        torch.testing.assert_close(out, results[0][0], rtol=1e-10, atol=1e-12)
+        assert not torch.allclose(bad_dq, results[0][1]) and not torch.allclose(bad_dk,
+                                                                                results[0][2])
     wide = torch.empty(1, 1, 1, 3 * 128)
     cpu_q = torch.empty(1, 1, 1, 128)
     assert not split_value_on_device(cpu_q, wide)  # CPU keeps one (padded) call
     cuda_like = type("Q", (), {"shape": cpu_q.shape, "device": torch.device("cuda")})()
     assert split_value_on_device(cuda_like, wide)
     narrow = torch.empty(1, 1, 1, 3 * 64)  # D = 64: 192 wide, within the kernels' limit
-    assert 3 * 64 <= SDPA_FLASH_MAX_WIDTH
     cuda_like64 = type("Q", (), {"shape": (1, 1, 1, 64), "device": torch.device("cuda")})()
     assert not split_value_on_device(cuda_like64, narrow)
 

@@ -250,14 +250,15 @@ def trainer_checks(runs: dict, steps: int, budget: Budget, sink: list, flush) ->
     from trainer_process import BenchmarkError
 
     losses, failures, skipped, syncs = {}, {}, [], {}
+
+    def wait() -> float:
+        # The runs set up in the background from the section's start: they get a grace past
+        # the section's share (never past the report's deadline), so that a share spent on
+        # compiling kernels does not throw away runs that are ready.
+        return min(budget.left() + TRAINER_GRACE_S, budget.deadline - time.monotonic())
+
     try:
         for name, child in runs.items():
-            # The runs set up in the background from the section's start: they get a grace
-            # past the section's share (never past the report's deadline), so that a share
-            # spent on compiling kernels does not throw away runs that are ready.
-            def wait() -> float:
-                return min(budget.left() + TRAINER_GRACE_S, budget.deadline - time.monotonic())
-
             if wait() <= 0:
                 skipped.append(name)
                 continue
