@@ -28,6 +28,7 @@ from tape_train.model.config import ATTENTION_BACKENDS
 from tape_train.model.flops import training_flops_per_token
 from tape_train.files import write_atomic
 from tape_train.host_memory import keep_freed_memory
+from tape_train.train.memory import saved_for_backward
 
 
 def make_model(shape: str, pe: str, dtype: torch.dtype, backend: str) -> TransformerLM:
@@ -61,19 +62,9 @@ def saved_activation_bytes(shape: str, pe: str, seq_len: int, batch: int, dtype,
                            backend: str) -> int:
     model = make_model(shape, pe, dtype, backend)
     ids = torch.randint(0, model.cfg.vocab_size, (batch, seq_len))
-    storages: dict[int, int] = {}
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            storages[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(ids, labels=ids)
+    out, saved = saved_for_backward(lambda: model(ids, labels=ids), exclude=model.parameters())
     out.loss.backward()
-    return sum(storages.values())
+    return saved
 
 
 def step_memory_bytes(shape: str, pe: str, saved: int) -> int:

@@ -115,6 +115,22 @@ def test_cpu_attention_benchmark_runs_every_variant():
     assert len(ratios) == 3 and all(r > 0 for r in ratios), row
 
 
+def test_lean_activations_benchmark_compares_like_with_like(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lean_activations.py"),
+                          "--sizes", "tiny", "--seq-len", "512", "--reps", "1",
+                          "--json", str(tmp_path / "lean.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads((tmp_path / "lean.json").read_text())["rows"]
+    assert [r["pe"] for r in rows] == ["tape", "rope"]
+    # The same model and batch: the same loss. The lean one keeps less once a micro-batch has
+    # more tokens than the hidden size (below, the head's fp32 ∂W, V × C, outweighs the logits).
+    for r in rows:
+        assert r["loss"]["lean"] == pytest.approx(r["loss"]["plain"], rel=1e-5)
+        assert 0 < r["lean_saved_mib"] < r["plain_saved_mib"]
+        assert r["plain_s"] > 0 and r["lean_s"] > 0
+
+
 def test_length_extrapolation_summary_reads_a_log_cut_by_a_kill(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import length_extrapolation

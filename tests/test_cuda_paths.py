@@ -50,13 +50,14 @@ def test_model_creates_nothing_off_its_device(pe, backend, dtype):
     model = _meta_model(pe, backend, dtype)
     ids = torch.zeros(2, 16, dtype=torch.long, device=META)
     model.train()  # RandPE and TAPE's train_offset draw positions here
-    out = model(ids, labels=ids)
+    out = model(ids, labels=ids, return_logits=True)
     out.loss_sum.backward()
     assert out.loss_sum.device == META and out.logits.shape == (2, 16, 97)
     assert all(p.grad is not None and p.grad.device == META for p in model.parameters()
                if p.requires_grad)
     model.eval()
-    assert model(ids, labels=ids).logits.device == META
+    assert model(ids, labels=ids, return_logits=True).logits.device == META
+    assert model(ids, labels=ids).loss_sum.device == META
 
 
 @pytest.mark.parametrize("pe", list(ENCODINGS))

@@ -25,7 +25,7 @@ def test_backend_matches_eager_values_and_gradients(backend, pe):
     grads = {}
     for name in ("eager", backend):
         model = small_model(pe, dtype=torch.float32, attn_backend=name)
-        out = model(x, labels=x)
+        out = model(x, labels=x, return_logits=True)
         out.loss.backward()
         grads[name] = (out.logits.detach(), {n: p.grad for n, p in model.named_parameters()})
     torch.testing.assert_close(grads[backend][0], grads["eager"][0], rtol=1e-4, atol=1e-5)
@@ -78,7 +78,7 @@ def test_blocked_backend_in_fp64_equals_eager():
     outs = {}
     for backend in ("eager", "blocked"):
         model = small_model("tape", attn_backend=backend)
-        outs[backend] = model(x, labels=x)
+        outs[backend] = model(x, labels=x, return_logits=True)
         outs[backend].loss.backward()
         outs[backend] = (outs[backend].logits, [p.grad for p in model.parameters()])
     torch.testing.assert_close(outs["blocked"][0], outs["eager"][0], rtol=1e-10, atol=1e-10)
@@ -226,7 +226,7 @@ def test_fused_kernel_backend_is_routed_through_the_attention_core(monkeypatch):
     results = {}
     for backend in ("sdpa", "triton"):
         model = small_model("tape", attn_backend=backend)
-        out = model(x, labels=x)
+        out = model(x, labels=x, return_logits=True)
         out.loss.backward()
         results[backend] = (out.logits, {n: p.grad for n, p in model.named_parameters()})
     assert len(calls) == model.cfg.num_layers - 1  # the last block attends with plain v

@@ -172,7 +172,7 @@ def model_backend_check(device, model_kw: dict, seq: int, batch: int) -> dict:
     got = {}
     for backend in ("eager", "triton"):
         model = _small_model(backend, torch.float32, model_kw, device)
-        out = model(x, labels=x)
+        out = model(x, labels=x, return_logits=True)
         out.loss.backward()
         got[backend] = (out.logits.detach(), {n: p.grad for n, p in model.named_parameters()})
     grad_errs = {n: rel_err(got["triton"][1][n], g) for n, g in got["eager"][1].items()

@@ -7,7 +7,7 @@ The config and the encoding registry import without torch (``tape_train.model.co
 from tape_train.model.config import POSITIONAL_ENCODINGS, ModelConfig, load_model_config
 
 _LAZY = {"from_pretrained": "pretrained", "save_pretrained": "pretrained",
-         "IGNORE_INDEX": "transformer", "KVCache": "transformer", "ModelOutput": "transformer",
+         "IGNORE_INDEX": "lm_head", "KVCache": "transformer", "ModelOutput": "transformer",
          "TransformerLM": "transformer"}
 
 

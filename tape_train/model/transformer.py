@@ -10,16 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tape_train.model.attention import Attention
 from tape_train.model.cache import KVCache
 from tape_train.model.config import ModelConfig
 from tape_train.model.layers import RMSNorm, SwiGLU
+from tape_train.model.lm_head import IGNORE_INDEX, LMHead
 from tape_train.model.pe import build_positional_encoding
-
-IGNORE_INDEX = -100
 # Where positional-encoding parameters live: the shared encoding module (``pe.*``: FIRE's MLP,
 # T5's table) and each block's state update (``layers.<i>.pos_update.*``: TAPE's W_pa, W_x,
 # W_up, W_dn). Spec §6: no weight decay on them.
@@ -35,12 +33,13 @@ def is_positional_parameter(name: str) -> bool:
 
 @dataclass
 class ModelOutput:
-    """logits (b, N, V); with labels: ``loss_sum`` (sum of token NLL over labels ≠ −100, fp32)
-    and ``num_tokens`` (count of those labels). ``states``: per-layer input (E⁰, E¹) when
-    requested (state-carrying encodings only; the last block's input state is the last
-    entry)."""
+    """logits (b, N, V), None where the call had labels and did not ask for them (the loss is
+    then computed in token chunks without them: ``tape_train.model.lm_head``); with labels:
+    ``loss_sum`` (sum of token NLL over labels ≠ −100, fp32) and ``num_tokens`` (count of
+    those labels). ``states``: per-layer input (E⁰, E¹) when requested (state-carrying
+    encodings only; the last block's input state is the last entry)."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     loss_sum: torch.Tensor | None = None
     num_tokens: torch.Tensor | None = None
     states: list | None = None
@@ -84,7 +83,9 @@ class DecoderBlock(nn.Module):
 class TransformerLM(nn.Module):
     """Decoder-only language model.
 
-    ``forward(input_ids (b, N), labels=None, positions=None, cache=None) -> ModelOutput``.
+    ``forward(input_ids (b, N), labels=None, positions=None, cache=None) -> ModelOutput``;
+    with ``labels`` the logits are returned only if ``return_logits`` (the loss never needs
+    them whole).
     ``positions``: layer-0 positions (b|1, N); default ``cache.length + arange(N)`` (RandPE
     and TAPE's ``train_offset`` sample them in training mode).
     """
@@ -99,7 +100,7 @@ class TransformerLM(nn.Module):
             DecoderBlock(cfg, self.pe, carries_state=i < state_layers)
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.reset_parameters()
@@ -108,7 +109,7 @@ class TransformerLM(nn.Module):
         """Spec §2: every Linear/Embedding weight N(0, init_std); then each positional module
         its own init (TAPE's W_up, W_pa zero)."""
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, (nn.Linear, nn.Embedding, LMHead)):
                 nn.init.normal_(module.weight, std=self.cfg.init_std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
@@ -121,7 +122,7 @@ class TransformerLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, cache: KVCache | None = None,
-                return_states: bool = False) -> ModelOutput:
+                return_states: bool = False, return_logits: bool = False) -> ModelOutput:
         b, n = input_ids.shape
         offset = 0 if cache is None else cache.length
         if positions is None:
@@ -139,11 +140,11 @@ class TransformerLM(nn.Module):
             if states is not None:
                 states.append(state)
             x, state = layer(x, ctx, None if cache is None else cache.layers[i], state)
-        logits = self.lm_head(self.norm(x))
+        h = self.norm(x)
+        logits = self.lm_head(h) if labels is None or return_logits else None
         out = ModelOutput(logits=logits, states=states)
         if labels is not None:
-            out.loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                           ignore_index=IGNORE_INDEX, reduction="sum")
+            out.loss_sum = self.lm_head(h, labels)
             out.num_tokens = (labels != IGNORE_INDEX).sum()
         return out
 

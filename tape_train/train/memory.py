@@ -36,9 +36,10 @@ device (no memory, no FLOPs: shapes only) at the run's micro-batch, local sequen
 (seq_len / sp) and dtype, and every tensor autograd saves for the backward is counted once
 (parameters excluded). Tensors inside the attention and MLP blocks are divided by tp (AutoTP
 splits heads and the MLP width); the residual stream, norms, TAPE's positional state and the
-logits are not. With activation checkpointing a layer keeps only its inputs (hidden state and
-TAPE's state E⁰, E¹), plus one layer's activations while it is recomputed. The backward adds a
-transient of about two of the largest saved tensors (a gradient and its temporary). Measured
+loss head's gradients are not. With activation checkpointing a layer keeps only its inputs
+(hidden state and TAPE's state E⁰, E¹), plus one layer's activations while it is recomputed.
+The backward adds a transient of about two of the largest saved tensors (a gradient and its
+temporary); the loss, computed in token chunks, one chunk's logits (``loss_chunk_bytes``). Measured
 against real runs in docs/training.md ("Preflight"): ``benchmarks/memory_estimate.py``.
 """
 
@@ -74,7 +75,7 @@ class ActivationTrace:
     saved: int                 # everything, without activation checkpointing
     layer_inputs: int          # Σ over layers of the layer's inputs (the checkpointed form)
     largest_layer: int         # the largest one layer's saved activations
-    outside_layers: int        # embedding, final norm, logits and loss
+    outside_layers: int        # embedding, final norm and the loss head
     positional: int            # part of ``saved`` that is TAPE's state and its updates
     largest_tensor: int        # the largest single saved tensor
 
@@ -224,6 +225,27 @@ def trace_activations(model_cfg, micro_batch: int, seq_len: int, dtype, tp: int 
                            largest_tensor=totals["largest"])
 
 
+def saved_for_backward(fn, exclude=()) -> tuple:
+    """``(fn(), bytes)``: the result of ``fn()`` and the bytes of the distinct storages
+    autograd keeps for its backward, the storages of ``exclude`` (parameters, inputs that are
+    alive anyway) not counted. Real tensors only (meta tensors have no storage addresses: see
+    ``trace_activations``)."""
+    import torch
+
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(storages.values())
+
+
 def _split_by_tp(module_path: str) -> bool:
     """Saved inside attention or MLP, except the replicated inputs of the column-parallel
     projections (q, k, v, gate, up save their C-wide input)."""
@@ -318,6 +340,8 @@ def estimate_memory(cfg, world_size: int, *, device_type: str = "cpu") -> Memory
     parts["TAPE positional state" if cfg.model.pe == "tape" else "positional encoding"] = \
         trace.positional
     parts["backward transient"] = 2 * trace.largest_tensor
+    parts["loss chunk (logits of one token chunk)"] = loss_chunk_bytes(
+        cfg.model.vocab_size, cfg.train.micro_batch_size * cfg.train.seq_len // sp, e)
     if device_type == "cpu":
         parts["DeepSpeed working copies (CPU, measured)"] = int(
             CPU_DEEPSPEED_COPIES[stage] * 4 * counts["local"])
@@ -335,6 +359,15 @@ def estimate_memory(cfg, world_size: int, *, device_type: str = "cpu") -> Memory
         notes.append("ZeRO-Offload: the host parts are per rank; pinned (page-locked) host "
                      "memory, not measured on a GPU yet (docs/training.md, \"ZeRO-Offload\")")
     return MemoryEstimate(parts, no_ckpt, ckpt, checkpointing, notes, host)
+
+
+def loss_chunk_bytes(vocab_size: int, tokens: int, elem: int) -> int:
+    """Peak of the chunked loss (``tape_train.model.lm_head``): one chunk's logits in the run
+    dtype, their fp32 copy (turned into the gradient in place) and that gradient in the run
+    dtype."""
+    from tape_train.model.lm_head import chunk_tokens
+
+    return min(tokens, chunk_tokens(vocab_size)) * vocab_size * (2 * elem + 4)
 
 
 def _offloaded(parts: dict[str, int], parallel, fp32_partition: int) -> dict[str, int]:
