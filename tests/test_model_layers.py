@@ -214,3 +214,29 @@ def test_model_loss_uses_the_chunked_head_and_matches_plain_logits():
     ref_grads = torch.autograd.grad(ref, list(model.parameters()))
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_tape_head_mixing_keeps_no_copy_of_a_contiguous_state():
+    from tape_train.model import load_model_config
+    from tape_train.model.pe.tape import TapeStateUpdate
+
+    cfg = load_model_config("tiny", pe="tape")
+    upd = TapeStateUpdate(cfg).double()
+    with torch.no_grad():
+        upd.w_pa.normal_()
+    m, d = cfg.num_heads, cfg.head_dim
+    e = torch.randn(2, m, 16, d, dtype=torch.float64, requires_grad=True)
+    e_hat = torch.randn(2, m, 16, d, dtype=torch.float64, requires_grad=True)
+    out, kept = saved_for_backward(lambda: upd.after_attention(e, e_hat),
+                                   exclude=(e, e_hat, upd.w_pa))
+    assert kept == 0  # Ê (the fused kernel's own output) is saved in place
+    ref = e + torch.einsum("mk,bknd->bmnd", upd.w_pa, e_hat)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (e, e_hat, upd.w_pa), g),
+                    torch.autograd.grad(ref, (e, e_hat, upd.w_pa), g)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # Negative control: the einsum form keeps a permuted copy of Ê.
+    _, einsum_kept = saved_for_backward(
+        lambda: e + torch.einsum("mk,bknd->bmnd", upd.w_pa, e_hat), exclude=(e, e_hat, upd.w_pa))
+    assert einsum_kept >= e_hat.numel() * e_hat.element_size()

@@ -181,22 +181,47 @@ def flash_attention(q, k, v, scale=None, alibi_slopes=None) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
+def value_widths(v) -> tuple[int, ...] | None:
+    """The last-dim widths of a value given in parts (TAPE's (v, E⁰, E¹)), None for one tensor."""
+    return tuple(t.shape[-1] for t in v) if isinstance(v, (tuple, list)) else None
+
+
+def join_value(v) -> torch.Tensor:
+    """One value tensor from parts (concatenated on the last dim); a tensor is returned as is."""
+    return torch.cat(tuple(v), dim=-1) if isinstance(v, (tuple, list)) else v
+
+
+def split_like(out: torch.Tensor, widths: tuple[int, ...] | None):
+    """The output of a joined value cut back into its parts (views), or ``out`` itself."""
+    return out if widths is None else out.split(widths, dim=-1)
+
+
 class AttentionCore(nn.Module):
     """softmax(q̃k̃ᵀ/√D + bias)·V on already-modulated inputs; the backend is chosen per call.
 
-    Backend ``triton`` is TAPE's fused kernel: there q and k arrive *unmodulated* and the value
-    is [v | E⁰ | E¹] (the kernel modulates in registers). Every backend returns one tensor
-    (b, H, Nq, Dv), so sequence parallelism can replace this module on every layer
-    (``tape_train.parallel``) whatever the backend.
+    ``v`` is one tensor (b, Hkv, Nk, Dv) or TAPE's value in parts (v, E⁰, E¹); the output is
+    one tensor (b, H, Nq, Dv) or the matching parts. Backend ``triton`` is TAPE's fused kernel:
+    there q and k arrive *unmodulated* and the parts go to it as they are (no concatenation in
+    or out: Ê⁰, Ê¹ come back as the kernel's own contiguous outputs). Every other backend
+    attends to the concatenated [v | E⁰ | E¹] with one softmax and returns views of its output.
+    Sequence parallelism replaces this module on every layer (``tape_train.parallel``) with the
+    same contract, whatever the backend.
     """
 
-    def forward(self, q, k, v, *, backend: str, bias=None, alibi_slopes=None) -> torch.Tensor:
+    def forward(self, q, k, v, *, backend: str, bias=None, alibi_slopes=None):
         if backend == "triton":
             from tape_train.kernels import tape_attention_triton
 
-            d = q.shape[-1]
-            v, e0, e1 = v.split((v.shape[-1] - 2 * d, d, d), dim=-1)
-            return torch.cat(tape_attention_triton(q, k, v, e0, e1), dim=-1)
+            if value_widths(v) is None:       # one [v | E⁰ | E¹] tensor (sequence parallel)
+                d = q.shape[-1]
+                return torch.cat(tape_attention_triton(
+                    q, k, *v.split((v.shape[-1] - 2 * d, d, d), dim=-1)), dim=-1)
+            return tape_attention_triton(q, k, *v)
+        widths = value_widths(v)
+        return split_like(self._joined(q, k, join_value(v), backend, bias, alibi_slopes), widths)
+
+    @staticmethod
+    def _joined(q, k, v, backend, bias, alibi_slopes) -> torch.Tensor:
         if backend == "eager":
             return eager_attention(q, k, v, bias)
         if backend == "blocked":
@@ -255,9 +280,7 @@ class Attention(nn.Module):
                 q, k = apply_rotary(q, e0, e1), apply_rotary(k, e0, e1)
             if cache is not None:
                 k, v, e0, e1 = _extend(cache, k=k, v=v, e0=e0, e1=e1)
-            d = v.shape[-1]
-            out = self.core(q, k, torch.cat((v, e0, e1), dim=-1), backend=backend)
-            o, e0_hat, e1_hat = out.split((d, e0.shape[-1], e1.shape[-1]), dim=-1)
+            o, e0_hat, e1_hat = self.core(q, k, (v, e0, e1), backend=backend)
             e_hat = (e0_hat, e1_hat)
         else:
             if ctx.q_tables is not None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tape_train.model.attention import join_value, split_like, value_widths
 from tape_train.parallel.collectives import (group_size, heads_to_sequence, scatter_heads,
                                              sequence_to_heads)
 
@@ -27,7 +28,8 @@ class ParallelAttentionCore(nn.Module):
     """Drop-in replacement of ``Attention.core`` under SP and/or TP (no parameters).
 
     forward(q (b, H_l, n, D), k (b, H_kv,l, n, D), v (b, H_kv,l, n, Dv), *, backend, bias,
-    alibi_slopes) → (b, H_l, n, Dv), where H_l = heads on this TP rank, n = N/sp.
+    alibi_slopes) → (b, H_l, n, Dv), where H_l = heads on this TP rank, n = N/sp; ``v`` may be
+    given in parts (TAPE's v, E⁰, E¹), and the output then comes in the same parts.
 
     * sp > 1: Ulysses exchange around the wrapped core (see module docstring).
     * tp > 1: a dense bias / ALiBi slopes built for all M heads are cut to this TP rank's heads;
@@ -40,7 +42,7 @@ class ParallelAttentionCore(nn.Module):
         self.sp_group = sp_group
         self.tp_group = tp_group
 
-    def forward(self, q, k, v, *, backend: str, bias=None, alibi_slopes=None) -> torch.Tensor:
+    def forward(self, q, k, v, *, backend: str, bias=None, alibi_slopes=None):
         tp = group_size(self.tp_group)
         if tp > 1:
             if bias is not None and bias.shape[1] == q.shape[1] * tp:  # per-head bias
@@ -55,6 +57,10 @@ class ParallelAttentionCore(nn.Module):
         if q.shape[2] != k.shape[2]:
             raise ValueError("KV-cache decoding is not sequence-parallel: generate with "
                              "parallel.sp=1 (the cache would hold only this rank's chunk)")
+        # A value in parts (TAPE's v, E⁰, E¹) is exchanged and attended as one [v | E⁰ | E¹]
+        # tensor; the output is cut back into the parts.
+        widths = value_widths(v)
+        v = join_value(v)
         if q.shape[1] == k.shape[1]:
             # One exchange for everything: [q̃ | k̃ | v (| E⁰ | E¹)] share the head split.
             dq, dk = q.shape[-1], k.shape[-1]
@@ -66,7 +72,7 @@ class ParallelAttentionCore(nn.Module):
             kv = sequence_to_heads(torch.cat((k, v), dim=-1), self.sp_group)
             k, v = kv.split((dk, v.shape[-1]), dim=-1)
         out = self.inner(q, k, v, backend=backend)
-        return heads_to_sequence(out, self.sp_group)
+        return split_like(heads_to_sequence(out, self.sp_group), widths)
 
 
 def sequence_chunk(length: int, grid) -> slice:

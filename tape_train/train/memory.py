@@ -56,15 +56,17 @@ GIB = 2**30
 CPU_RUNTIME_BYTES = int(0.25 * GIB)
 CUDA_CONTEXT_BYTES = int(0.5 * GIB)
 # What a CPU process grows by during set-up and the first steps beyond the run's tensors:
-# thread pools, gloo buffers, DeepSpeed's engine (measured on `tiny`, where the model is small).
-CPU_STARTUP_GROWTH_BYTES = int(0.3 * GIB)
+# thread pools, gloo buffers, DeepSpeed's engine (measured on `tiny`, where the model is small;
+# refitted 2026-11-24, benchmarks/memory_estimate.py).
+CPU_STARTUP_GROWTH_BYTES = int(0.235 * GIB)
 # DeepSpeed's working copies on CPU beyond the table (the flattened copy of the weights while
 # it partitions them, the flattened gradient partition of the step, AdamW's temporaries over a
 # flat partition), retained by glibc with train.keep_freed_memory: in fp32 copies of the
-# rank's parameters, fitted to the measured peaks of `125m` on one rank (docs/training.md).
-# ZeRO-2 is taken as ZeRO-1 (not measured). Unpartitioned: measured so at dp=2 (125m, ZeRO-3),
-# an upper bound for larger dp·sp.
-CPU_DEEPSPEED_COPIES = {0: 0.55, 1: 4.15, 2: 4.15, 3: 6.6}
+# rank's parameters, fitted to the measured peaks of `125m` on one rank (docs/training.md;
+# refitted 2026-11-24: ZeRO-1/3 peaked 1.4-1.6 GiB lower than when first fitted, with the same
+# model-state code). ZeRO-2 is taken as ZeRO-1 (not measured). Unpartitioned: measured so at
+# dp=2 (125m, ZeRO-3), an upper bound for larger dp·sp.
+CPU_DEEPSPEED_COPIES = {0: 0.55, 1: 1.65, 2: 1.65, 3: 4.5}
 
 
 @dataclass
@@ -133,19 +135,23 @@ def _memory_efficient_core():
 
     class _Core(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v):
-            out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        def forward(ctx, q, k, *values):
+            outs = tuple(q.new_empty(*q.shape[:-1], v.shape[-1]) for v in values)
             lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-            ctx.save_for_backward(q, k, v, out, lse)
-            return out
+            ctx.save_for_backward(q, k, *values, *outs, lse)
+            return outs
 
         @staticmethod
-        def backward(ctx, grad):  # never run: the trace does no backward
+        def backward(ctx, *grads):  # never run: the trace does no backward
             raise NotImplementedError
 
     class Core(torch.nn.Module):
+        # A value in parts (TAPE's v, E⁰, E¹) is kept in parts, with one output per part,
+        # as the fused kernel does.
         def forward(self, q, k, v, *, backend=None, bias=None, alibi_slopes=None):
-            return _Core.apply(q, k, v)
+            if isinstance(v, (tuple, list)):
+                return _Core.apply(q, k, *v)
+            return _Core.apply(q, k, v)[0]
 
     return Core()
 
@@ -364,10 +370,11 @@ def estimate_memory(cfg, world_size: int, *, device_type: str = "cpu") -> Memory
 def loss_chunk_bytes(vocab_size: int, tokens: int, elem: int) -> int:
     """Peak of the chunked loss (``tape_train.model.lm_head``): one chunk's logits in the run
     dtype, their fp32 copy (turned into the gradient in place) and that gradient in the run
-    dtype."""
+    dtype; in fp32 the three are one tensor."""
     from tape_train.model.lm_head import chunk_tokens
 
-    return min(tokens, chunk_tokens(vocab_size)) * vocab_size * (2 * elem + 4)
+    per_logit = 4 if elem == 4 else 2 * elem + 4
+    return min(tokens, chunk_tokens(vocab_size)) * vocab_size * per_logit
 
 
 def _offloaded(parts: dict[str, int], parallel, fp32_partition: int) -> dict[str, int]:

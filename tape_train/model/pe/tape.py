@@ -63,11 +63,18 @@ class TapeStateUpdate(nn.Module):
         nn.init.zeros_(self.w_pa)
 
     def after_attention(self, e: torch.Tensor, e_hat: torch.Tensor) -> torch.Tensor:
-        """E^c ← E^c + W_pa ×_heads Ê^c. e (b|1, M, N, D), e_hat (b, M, N, D)."""
+        """E^c ← E^c + W_pa ×_heads Ê^c. e (b|1, M, N, D), e_hat (b, M, N, D).
+
+        The head mixing is one batched GEMM over Ê viewed as (b, M, N·D) with W_pa broadcast
+        (stride 0): a contiguous Ê (the fused kernel's output) is used in place, not copied
+        for the backward (an einsum would keep a permuted copy).
+        """
         if self.cfg.tape_post_attn == "rowsum":
             gate = self.w_pa.sum(dim=1).to(e_hat.dtype)           # s_m = Σ_m' W_pa[m, m']
             return e + gate[:, None, None] * e_hat
-        return e + torch.einsum("mk,bknd->bmnd", self.w_pa.to(e_hat.dtype), e_hat)
+        b, m = e_hat.shape[:2]
+        w = self.w_pa.to(e_hat.dtype).expand(b, m, m)
+        return e + torch.bmm(w, e_hat.reshape(b, m, -1)).view(e_hat.shape)
 
     def mixing_matrices(self, y: torch.Tensor) -> torch.Tensor:
         """K_n = W_dn·diag(g_n)·W_up with g = silu(y·W_x): y (b, N, C) → (b, N, M, M).
