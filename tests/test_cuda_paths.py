@@ -363,6 +363,21 @@ def test_attention_backend_on_a_gpu(fake_cuda, monkeypatch):
     bf16, fp32 = torch.bfloat16, torch.float32
     assert attention.resolve_backend("auto", tape, cuda, bf16, False) == "triton"
     assert attention.resolve_backend("auto", tape, cuda, bf16, True) == "sdpa"   # decoding
+    # D = 128 on sm_90: SDPA in key-width parts measured faster than the fused kernel; a
+    # deterministic run keeps the fused kernel (atomic-free dq), sm_80 (unmeasured) too.
+    wide = TransformerLM(small_config("tape", hidden_size=256, num_heads=2)).pe
+    assert wide.cfg.head_dim == 128 and tape.cfg.head_dim != 128
+    assert attention.resolve_backend("auto", wide, cuda, bf16, False) == "sdpa"
+    assert attention.resolve_backend("triton", wide, cuda, bf16, False) == "triton"
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert attention.resolve_backend("auto", wide, cuda, bf16, False) == "triton"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert attention.resolve_backend("auto", wide, cuda, bf16, False) == "triton"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert attention.resolve_backend("auto", wide, cuda, bf16, False) == "sdpa"
     assert attention.resolve_backend("auto", tape, cuda, bf16, False, plain_value=True) == "flash"
     assert attention.resolve_backend("auto", rope, cuda, bf16, False) == "flash"
     assert attention.resolve_backend("auto", rope, cuda, fp32, False) == "sdpa"

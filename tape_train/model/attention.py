@@ -42,9 +42,11 @@ def resolve_backend(requested: str, pe, device: torch.device, dtype: torch.dtype
     wider (TAPE's last block): it may use flash-attn like RoPE, and no fused kernel is needed.
     ``has_bias``: the encoding adds a dense logit bias (ALiBi, FIRE, T5).
 
-    On CPU, ``auto`` picks ``blocked`` for TAPE's 3D-wide value in any dtype and for every
-    bias-free encoding in fp16/bf16 (PyTorch's CPU flash kernel is slower there, measured in
-    docs/model.md), else ``sdpa``; decoding with a cache always uses ``sdpa``.
+    On CUDA, ``auto`` picks the fused kernel for TAPE's 3D-wide value where it measured
+    fastest (``fused_kernel_preferred``; SDPA elsewhere), flash-attn for flash-capable encodings
+    in fp16/bf16. On CPU, ``auto`` picks ``blocked`` for TAPE's 3D-wide value in any dtype and
+    for every bias-free encoding in fp16/bf16 (PyTorch's CPU flash kernel is slower there,
+    measured in docs/model.md), else ``sdpa``; decoding with a cache always uses ``sdpa``.
     """
     spec = pe.spec
     wide_value = spec.value_width > 1 and not plain_value  # [v | E⁰ | E¹]: the fused kernel
@@ -52,7 +54,8 @@ def resolve_backend(requested: str, pe, device: torch.device, dtype: torch.dtype
     on_cuda = device.type == "cuda"
     flash_here = on_cuda and dtype in _HALF_DTYPES and flash_attn_installed()
     if requested == "auto":
-        if on_cuda and wide_value and not has_cache and _triton_ok(device):
+        if (on_cuda and wide_value and not has_cache and _triton_ok(device)
+                and fused_kernel_preferred(device, pe.cfg.head_dim)):
             return "triton"
         if flash_ok and flash_here:
             return "flash"
@@ -83,6 +86,26 @@ def resolve_backend(requested: str, pe, device: torch.device, dtype: torch.dtype
         if not _triton_ok(device):
             raise RuntimeError("model.attn_backend=triton needs CUDA (or TRITON_INTERPRET=1)")
     return requested
+
+
+# (compute capability major, head dim) where `auto` gives TAPE's attention to SDPA (the value
+# in key-width parts: flash/cuDNN) rather than the fused kernel, by side-by-side measurement.
+# H100, bf16, causal, forward+backward (docs/kernel.md, "Measured on an H100"): at D = 128 three
+# SDPA calls took 6.42 / 8.86 / 24.1 ms at N = 2k / 4k / 16k where the fused kernel took 11.9 /
+# 21.6 / 80.9 (static tiles) and its tuned tiles' summed kernel times project ≈ 11.6 ms at 4k.
+# At D = 64 the tuned kernel projects faster than SDPA (≈ 8.4 vs 10.4 ms at 4k). Architectures
+# not measured keep the fused kernel; sm_90 stands for every newer one (as its tile table).
+SDPA_PREFERRED = {(9, 128)}
+
+
+def fused_kernel_preferred(device: torch.device, head_dim: int) -> bool:
+    """Whether ``auto`` runs TAPE's attention on the fused kernel on CUDA ``device`` at
+    ``head_dim`` (else SDPA). Deterministic runs always do: its dq has an atomic-free mode,
+    SDPA's flash/cuDNN backward has none."""
+    if torch.are_deterministic_algorithms_enabled():
+        return True
+    major = torch.cuda.get_device_capability(device)[0]
+    return (min(major, 9), head_dim) not in SDPA_PREFERRED
 
 
 def _triton_ok(device: torch.device) -> bool:
