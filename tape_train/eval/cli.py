@@ -25,7 +25,7 @@ from typing import Any
 
 from tape_train.files import FileWriteError
 from tape_train.hints import example_on_missing
-from tape_train.progress import MODES, exit_flushed, setup_cli_logging, show_progress
+from tape_train.progress import MODES, exit_without_finalizing, setup_cli_logging, show_progress
 
 log = logging.getLogger("tape_train.eval")
 
@@ -408,21 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         if grouped:
             dist.destroy_process_group()
     if grouped:
-        _exit_without_finalizing(code)
+        exit_without_finalizing(code)
     return code
-
-
-def _exit_without_finalizing(code: int) -> None:
-    """Ends a rank of a process group with ``code`` once its atexit handlers ran, skipping the
-    interpreter's finalization: a gloo worker thread that still releases its last collective's
-    tensors then needs the GIL, and Python ends such a thread in a way that aborts the process
-    ("terminate called without an active exception", exit -6), after which torchrun ends the
-    other ranks, rank 0 perhaps before its report is written (measured: 2 of 16 two-rank CPU
-    runs; ``destroy_process_group`` does not stop those threads)."""
-    import atexit
-
-    atexit._run_exitfuncs()  # logging's flush, the data loader's prefetch stop
-    exit_flushed(code)
 
 
 if __name__ == "__main__":

@@ -75,10 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     # Before torch and DeepSpeed are imported (seconds): a stop signal from here on is
     # remembered and ends the start-up at its next phase with exit 75, never a bare SIGTERM death.
     stop = StopRequest().install()
+    from tape_train.train.distributed import end_rank
     from tape_train.train.loop import Trainer
 
-    return Trainer(cfg, resume_from=args.resume_from,
-                   allow_config_change=args.allow_config_change, stop=stop).run()
+    return end_rank(Trainer(cfg, resume_from=args.resume_from,
+                            allow_config_change=args.allow_config_change, stop=stop).run())
 
 
 def dry_run(cfg, args: argparse.Namespace) -> int:

@@ -158,6 +158,23 @@ def all_reduce_max_int(value: int) -> int:
     return int(tensor.item())
 
 
+def end_rank(code: int) -> int:
+    """How a training process ends with exit ``code``: returned as is where no process group
+    was set up; otherwise the process ends here, without the interpreter's finalization
+    (``tape_train.progress.exit_without_finalizing``: gloo's worker threads could abort it at
+    exit, and torchrun would count a finished run as a failed attempt). A cleanly finished
+    group is destroyed first; after a failure it is left alone (a dead peer must not hold up
+    the exit)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return code
+    if code == 0:
+        dist.destroy_process_group()
+    from tape_train.progress import exit_without_finalizing
+
+    exit_without_finalizing(code)
+    return code  # not reached
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
