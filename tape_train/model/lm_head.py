@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 IGNORE_INDEX = -100
-# Logit elements per chunk (fp32: 256 MiB): a 32 k vocabulary gives 2048-token GEMMs.
+# Logit elements per chunk (fp32: 256 MiB): a 32 000 vocabulary gives 2097-token GEMMs.
 LOGITS_CHUNK_ELEMENTS = 1 << 26
 
 
