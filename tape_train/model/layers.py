@@ -66,11 +66,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return _RMSNormFunction.apply(x, self.weight, self.eps)
-        xf = x.to(_stat_dtype(x))
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-                              ).to(x.dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)  # no grad: nothing is kept
 
 
 class _SiluMulFunction(torch.autograd.Function):
@@ -94,9 +90,7 @@ class _SiluMulFunction(torch.autograd.Function):
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) ⊙ up, saving only gate and up for the backward."""
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return _SiluMulFunction.apply(gate, up)
-    return F.silu(gate) * up
+    return _SiluMulFunction.apply(gate, up)
 
 
 class SwiGLU(nn.Module):

@@ -77,7 +77,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad.mul_(valid[:, None])
             grad = grad.to(h.dtype)
             if want_h:
-                torch.mm(grad, weight.to(h.dtype), out=dh[start:start + chunk])
+                torch.mm(grad, weight, out=dh[start:start + chunk])
             if want_w:
                 dw += torch.mm(grad.t(), h_c).to(acc)
         ctx.save_for_backward(dh, dw)
