@@ -73,8 +73,7 @@ class DecoderBlock(nn.Module):
         x = x + attn_out
         y = self.mlp(self.mlp_norm(x))
         if self.pos_update is not None:
-            state = tuple(self.pos_update.after_attention(e, eh) for e, eh in zip(state, e_hat))
-            state = self.pos_update.after_mlp(state, y)
+            state = self.pos_update(state, e_hat, y)
         else:
             state = None
         return x + y, state

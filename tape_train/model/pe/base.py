@@ -85,7 +85,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x̃ = x ⊙ cos + rot(x) ⊙ sin; x (b, H, N, D), tables broadcastable to it.
 
     With RoPE the tables are constants; with TAPE they are the state E⁰, E¹ (gradients flow).
+    Under ``torch.compile`` the plain expression: Inductor fuses it into one kernel and
+    chooses what its backward keeps (``_Modulate``'s in-place slices would break the graph).
     """
+    if torch.compiler.is_compiling():
+        return x * cos + rotate_half(x) * sin
     if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
         return _Modulate.apply(x, cos, sin)
     return x * cos + rotate_half(x) * sin
@@ -144,8 +148,8 @@ class PositionalEncoding(nn.Module):
     def state_update(self) -> nn.Module:
         """A new per-block module updating the state (``spec.carries_state`` encodings).
 
-        The block calls its ``after_attention(e, e_hat)`` per state tensor, then
-        ``after_mlp(state, y)`` with the MLP output y; see ``TapeStateUpdate``.
+        The block calls it as ``pos_update(state, e_hat, y)`` (y: the MLP output): the update
+        after attention per state tensor, then the one after the MLP; see ``TapeStateUpdate``.
         """
         raise NotImplementedError(f"pe={self.cfg.pe} carries no positional state")
 

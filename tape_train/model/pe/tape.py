@@ -62,6 +62,18 @@ class TapeStateUpdate(nn.Module):
         nn.init.zeros_(self.w_up)
         nn.init.zeros_(self.w_pa)
 
+    def forward(self, state: tuple[torch.Tensor, ...], e_hat: tuple[torch.Tensor, ...],
+                y: torch.Tensor) -> tuple:
+        """Both updates of one block: ``after_attention`` per table, then ``after_mlp``.
+
+        The block calls the module, not the methods: DeepSpeed ZeRO-3 gathers a module's
+        partitioned parameters in its forward hooks, and under ``torch.compile`` nothing else
+        does (eagerly, ZeRO-3 also gathers a parameter on attribute access; a compiled graph
+        reads the attribute without that).
+        """
+        state = tuple(self.after_attention(e, eh) for e, eh in zip(state, e_hat))
+        return self.after_mlp(state, y)
+
     def after_attention(self, e: torch.Tensor, e_hat: torch.Tensor) -> torch.Tensor:
         """E^c ← E^c + W_pa ×_heads Ê^c. e (b|1, M, N, D), e_hat (b, M, N, D).
 
