@@ -75,6 +75,13 @@ class TrainConfig:
             bfloat16, fp32 master weights) or ``fp32``. A run records the resolved value in its
             ``config.yaml``; a resumed ``auto`` run keeps its checkpoint's dtype.
         activation_checkpointing: recompute each decoder layer in the backward pass.
+        compile: ``torch.compile`` each decoder layer (TorchInductor fuses the norms, SwiGLU,
+            rotary/TAPE updates and residual adds around the GEMMs; the attention kernel stays
+            as it is): fewer kernels and less memory traffic per step. The first step, and the
+            first evaluation at each new length, compile (a minute or more). Values match the
+            eager model to rounding, not bit for bit; a resume may switch it (the run goes on
+            to rounding, like a change of ``model.attn_backend``). On CPU it needs a C++
+            compiler (``CXX``, or g++ / clang++ on PATH).
         seed: seeds Python, NumPy and torch on every rank (rank-specific streams derive from it).
         max_bad_steps: stop (with a checkpoint) after this many consecutive steps whose loss
             was NaN/inf; such steps are skipped, not applied.
@@ -111,6 +118,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.0
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     activation_checkpointing: bool = False
+    compile: bool = False
     seed: int = 1234
     max_bad_steps: int = 5
     device: Literal["auto", "cpu", "cuda"] = "auto"

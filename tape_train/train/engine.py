@@ -1,7 +1,9 @@
-"""The DeepSpeed engine: config dict, activation checkpointing, and the token-weighted step.
+"""The DeepSpeed engine: config dict, activation checkpointing, compilation, and the
+token-weighted step.
 
-Order (data flows one way): build the plain model → apply activation checkpointing from the
-outside → AdamW groups → ``deepspeed.initialize``.
+Order (data flows one way): build the plain model → ``torch.compile`` each decoder block,
+then activation checkpointing around it, from the outside → AdamW groups →
+``deepspeed.initialize``.
 """
 
 from __future__ import annotations
@@ -85,6 +87,37 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     return len(model.layers)
 
 
+COMPILE_RECOMPILE_LIMIT = 32
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """``torch.compile`` the forward of every decoder layer, on the instance (parameter names,
+    and thus checkpoints, are unchanged); returns the number of layers compiled.
+
+    What a block compiles to: its norms, rotary modulation, SwiGLU, residual adds and TAPE's
+    state updates fused by TorchInductor around the GEMMs. The attention core stays outside
+    the graph (``torch.compiler.disable`` on each layer's core, whatever module sits there:
+    the plain core or the sequence-parallel wrapper): it is one fused kernel already (flash,
+    cuDNN, the fused TAPE kernel) or a collective exchange. DeepSpeed's ZeRO-3 hooks are
+    compile-disabled by DeepSpeed itself (a graph break around each gather). The layers share
+    one compiled code object: the first and last layers (layer-0 state broadcast over the
+    batch; no state update) compile once more, and so does each new sequence length until
+    lengths turn dynamic. Runs before ``apply_activation_checkpointing``, so a checkpointed
+    layer recomputes the compiled forward (the checkpoint wraps the compiled code, not the
+    other way round: a graph break cannot sit inside a checkpoint region).
+    """
+    # Every layer shares the code objects; train/eval, the first/last layer and static then
+    # dynamic lengths are separate entries: more than Dynamo's default 8 (it would silently
+    # run the rest eagerly).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               COMPILE_RECOMPILE_LIMIT)
+    for layer in model.layers:
+        core = layer.attn.core
+        core.forward = torch.compiler.disable(core.forward, recursive=True)
+        layer.forward = torch.compile(layer.forward)
+    return len(model.layers)
+
+
 def build_engine(cfg: RunConfig, model: nn.Module, grid, *, load_universal: bool = False):
     """``(engine, optimizer)``; the optimizer is our ``SkippableAdamW`` inside ZeRO.
 
@@ -100,6 +133,10 @@ def build_engine(cfg: RunConfig, model: nn.Module, grid, *, load_universal: bool
 
     from tape_train.parallel import deepspeed_config_updates, verify_engine
 
+    if cfg.train.compile:
+        log.info("train.compile: %d decoder layers compiled with torch.compile (the first "
+                 "step and each new sequence length compile; attention stays eager)",
+                 compile_blocks(model))
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     optimizer = build_optimizer(model, cfg.optim, cfg.train, cpu_adam=use_cpu_adam(cfg))

@@ -90,6 +90,8 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
     if grid is not None and per_node and world_size > per_node:
         _check_node_span(grid, per_node, report)
     _check_attention_backend(cfg, _target_device(cfg, gpus_per_node), report)
+    if cfg.train.compile:
+        _check_compiler(_target_device(cfg, gpus_per_node), report)
     lengths_ok = _check_lengths(cfg, report)
     synthetic = cfg.train.synthetic_data
     tokenizer = None
@@ -161,6 +163,24 @@ def _check_attention_backend(cfg, device_type: str, report: Report) -> None:
     elif backend == "flash" and cfg.train.dtype == "fp32":
         report.problem(f"{key} needs fp16/bf16 and train.dtype is fp32; use bf16, or "
                        f"attn_backend=auto")
+
+
+def _check_compiler(device_type: str, report: Report) -> None:
+    """``train.compile`` generates code at the first step: C++ on CPU (the compiler TorchInductor
+    runs: ``$CXX``, else g++), Triton kernels on CUDA."""
+    if device_type == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            report.problem("train.compile=true needs Triton on CUDA (TorchInductor generates "
+                           "Triton kernels); pip install triton, or set train.compile=false")
+        return
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        where = f"CXX={cxx}" if "CXX" in os.environ else "g++ (CXX is not set)"
+        report.problem(f"train.compile=true on CPU needs a C++ compiler and {where} was not "
+                       f"found on PATH: install g++ (apt install g++), point CXX at one, or set "
+                       f"train.compile=false")
 
 
 def _check_grid(cfg, world_size: int, report: Report):
