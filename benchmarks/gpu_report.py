@@ -52,8 +52,10 @@ FULL = {
               "warmup": 3, "reps": 10},
     "sweep": {"head_configs": [(64, 16), (128, 8)], "length": 4096, "tokens": 32768,
               "dtype": "bfloat16", "check_len": 300, "warmup": 2, "reps": 5, "extra": False},
+    # compile: [false, true] adds a train.compile row after each eager one (side by side).
     "e2e": {"sizes": ["350m", "1b", "125m"], "encodings": ["tape", "rope"], "seq_len": 2048,
-            "max_micro_batch": 64, "warmup": 2, "steps": 3, "profile_steps": 1,
+            "compile": [False], "max_micro_batch": 64, "warmup": 2, "steps": 3,
+            "profile_steps": 1,
             "overrides": ["train.device=auto", "train.dtype=bf16", "parallel.zero_stage=1"]},
 }
 _TINY_TRAIN = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=2",
@@ -71,7 +73,7 @@ SMOKE = {
               "warmup": 0, "reps": 1},
     "sweep": {"head_configs": [(32, 2)], "length": 32, "tokens": 32, "dtype": "float32",
               "check_len": 24, "warmup": 0, "reps": 1, "extra": False, "max_per_kernel": 1},
-    "e2e": {"sizes": ["tiny"], "encodings": ["tape", "rope"], "seq_len": 32,
+    "e2e": {"sizes": ["tiny"], "encodings": ["tape", "rope"], "seq_len": 32, "compile": [False],
             "max_micro_batch": 2, "warmup": 1, "steps": 1, "profile_steps": 1,
             "overrides": ["train.device=cpu", "train.dtype=bf16", "parallel.zero_stage=1",
                           *_TINY_TRAIN]},

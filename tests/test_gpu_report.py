@@ -120,6 +120,36 @@ def test_targets_met_missed_and_not_measured():
     assert {v["status"] for v in empty.values()} == {"not measured"}
 
 
+def test_end_to_end_targets_judge_the_better_setting_and_show_both():
+    """With ``train.compile`` rows beside the eager ones, TAPE/RoPE and RoPE's MFU are each
+    compared like with like (eager with eager, compiled with compiled) and judged on the
+    better setting; the report names both and marks compiled rows."""
+    from gpu.render import target_lines
+
+    e2e = [{"size": "350m", "pe": "tape", "tokens_per_s": 80.0, "status": "done"},
+           {"size": "350m", "pe": "tape", "compile": True, "tokens_per_s": 99.0,
+            "status": "done"},
+           {"size": "350m", "pe": "rope", "tokens_per_s": 100.0, "status": "done"},
+           {"size": "350m", "pe": "rope", "compile": True, "tokens_per_s": 120.0,
+            "status": "done"},
+           {"size": "1b", "pe": "rope", "tokens_per_s": 1.0, "mfu": 0.30, "status": "done"},
+           {"size": "1b", "pe": "rope", "compile": True, "tokens_per_s": 1.0, "mfu": 0.42,
+            "status": "done"}]
+    t = evaluate_targets(_report([], e2e))
+    # eager 0.80, compiled 0.825: neither mixes a compiled TAPE with an eager RoPE (0.99).
+    assert t["e2e_ratio"]["status"] == "missed"
+    assert t["e2e_ratio"]["worst"] == pytest.approx(99 / 120)
+    assert t["e2e_ratio"]["all"] == {"350m N=2048": pytest.approx(0.8),
+                                     "350m N=2048 compiled": pytest.approx(99 / 120)}
+    assert t["rope_mfu"]["status"] == "met" and t["rope_mfu"]["worst_at"] == "1b N=2048 compiled"
+    line = next(x for x in target_lines(t) if x.startswith("target e2e_ratio"))
+    assert "best" in line and "350m N=2048: 0.800" in line
+    data = _report([], e2e)
+    data["targets"] = t
+    md = markdown(data)
+    assert "| 350m | tape +compile |" in md and "| 350m | tape |" in md
+
+
 def test_partial_report_is_marked():
     data = _report([], [], complete=False)
     data["targets"] = evaluate_targets(data)
@@ -128,7 +158,7 @@ def test_partial_report_is_marked():
 
 def test_lease_command_fits_the_device_tool():
     """One line per device call; together they run every section (end to end in two calls:
-    350m/125m, then 1b), each inside the tool's 600 s per-command limit."""
+    350m eager and compiled, then 1b/125m), each inside the tool's 600 s per-command limit."""
     import gpu_report
 
     cmds = (REPO / "benchmarks/gpu/lease_command.txt").read_text().strip().splitlines()
@@ -301,3 +331,52 @@ def test_a_stuck_child_gives_up_with_its_stack(tmp_path):
     quick = Child("quick", tmp_path / "quick.log", _Slow, 0.0)
     assert quick.result(timeout=120.0) is None
     quick.close()
+
+
+def test_compiled_end_to_end_rows_follow_their_eager_row(monkeypatch, tmp_path):
+    """``e2e.compile=[false, true]``: after each eager row the same model runs with
+    ``train.compile=true`` (and only then), its micro-batch search starting where the eager
+    one ended; a compiled row that fits more goes on doubling."""
+    import time as _time
+
+    import trainer_process
+    from gpu import end_to_end
+    from gpu.common import Budget
+
+    fits = {False: 4, True: 8}   # the largest micro-batch that fits, eager / compiled
+    built = []
+
+    class FakeChild:
+        def __init__(self, name, log, factory, recipe, overrides):
+            self.compiled = "train.compile=true" in overrides
+            assert ("train.compile=false" in overrides) != self.compiled
+            built.append((name, self.compiled))
+
+        def result(self, timeout=None):
+            return None
+
+        def call(self, method, *args, timeout=None):
+            if method == "profile":
+                return {"device": "cpu", "categories": {}, "step_ms": 1.0, "top": []}
+            mb = args[0]
+            if mb > fits[self.compiled]:
+                return {"micro_batch": mb, "oom": True}
+            return {"micro_batch": mb, "oom": False, "step_s": 1.0, "tokens_per_s": mb * 32.0,
+                    "loss": 1.0, "finite": True, "flops_per_token": 1.0, "peak_mem_gib": 1.0}
+
+        def close(self, timeout=None):
+            return None
+
+    monkeypatch.setattr(trainer_process, "Child", FakeChild)
+    plan = {"sizes": ["tiny"], "encodings": ["tape"], "seq_len": 32, "compile": [False, True],
+            "max_micro_batch": 64, "warmup": 0, "steps": 1, "profile_steps": 1,
+            "overrides": []}
+    rows = []
+    end_to_end.end_to_end(REPO / "configs/train/demo.yaml", tmp_path, plan, None,
+                          Budget(60.0, _time.monotonic() + 60.0), rows, lambda: None)
+    assert built == [("tiny_tape", False), ("tiny_tape_compiled", True)]
+    eager, compiled = rows
+    assert [p["micro_batch"] for p in eager["probes"]] == [1, 2, 4, 8]
+    assert [p["micro_batch"] for p in compiled["probes"]] == [4, 8, 16]
+    assert (eager["compile"], eager["micro_batch"]) == (False, 4)
+    assert (compiled["compile"], compiled["micro_batch"]) == (True, 8)

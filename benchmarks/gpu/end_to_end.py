@@ -30,6 +30,8 @@ CATEGORIES = (
                 "aten::addmm", "aten::bmm", "aten::baddbmm")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("memory copies", ("memcpy", "memset", "copy")),
+    # TorchInductor's generated kernels (train.compile): fused pointwise/reduction code.
+    ("compiled (Inductor) kernels", ("triton_poi", "triton_red", "triton_per", "cpp_fused")),
 )
 OTHER = "other (elementwise, norms, TAPE state updates, ...)"
 TOP_KERNELS = 8
@@ -167,27 +169,36 @@ class TrainerProbe:
 
 def end_to_end(recipe: Path, work: Path, plan: dict, peak_tflops: float | None,
                budget: Budget, sink: list, flush) -> None:
-    """For each (size, encoding) of ``plan``: micro-batch 1, 2, 4, ... until OOM, the cap or the
-    time budget; the last fitting one is the row's result (all probes are kept)."""
+    """For each (size, encoding, compile) of ``plan``: micro-batch 1, 2, 4, ... until OOM, the
+    cap or the time budget; the last fitting one is the row's result (all probes are kept).
+
+    ``plan["compile"]`` (default ``[False]``): with ``True`` as well, each (size, encoding)
+    also runs with ``train.compile=true`` right after its eager row, side by side; that search
+    starts at the eager row's micro-batch (compiling each new shape costs a minute)."""
     from trainer_process import BenchmarkError, Child, trainer_overrides
 
     n = plan["seq_len"]
     work.mkdir(parents=True, exist_ok=True)
-    for size, pe in itertools.product(plan["sizes"], plan["encodings"]):
-        budget.check(f"end-to-end {size} {pe}")
-        row = {"size": size, "pe": pe, "seq_len": n, "probes": [], "status": "running"}
+    eager_best: dict = {}
+    for size, pe, compiled in itertools.product(plan["sizes"], plan["encodings"],
+                                                plan.get("compile", [False])):
+        name = f"{size} {pe}" + (" compiled" if compiled else "")
+        budget.check(f"end-to-end {name}")
+        row = {"size": size, "pe": pe, "compile": bool(compiled), "seq_len": n, "probes": [],
+               "status": "running"}
         sink.append(row)
-        overrides = [*trainer_overrides(size, pe, n, 1, work / f"{size}_{pe}"),
-                     *plan["overrides"]]
-        child = Child(f"{size}_{pe}", work / f"{size}_{pe}.log", TrainerProbe, recipe, overrides)
+        tag = name.replace(" ", "_")
+        overrides = [*trainer_overrides(size, pe, n, 1, work / tag), *plan["overrides"],
+                     f"train.compile={str(bool(compiled)).lower()}"]
+        child = Child(tag, work / f"{tag}.log", TrainerProbe, recipe, overrides)
         t0 = time.monotonic()
         try:
             # Bounded waits: a stuck run fails with its stacks instead of holding the lease.
             child.result(timeout=max(budget.left(), 60.0))
             row["setup_s"] = time.monotonic() - t0
-            mb = 1
+            mb = eager_best.get((size, pe), 1) if compiled else 1
             while mb <= plan["max_micro_batch"]:
-                budget.check(f"{size} {pe} micro-batch {mb}")
+                budget.check(f"{name} micro-batch {mb}")
                 probe = child.call("measure", mb, plan["warmup"], plan["steps"],
                                    timeout=max(budget.left(), 60.0))
                 row["probes"].append(probe)
@@ -209,6 +220,8 @@ def end_to_end(recipe: Path, work: Path, plan: dict, peak_tflops: float | None,
         fits = [p for p in row["probes"] if not p["oom"]]
         if fits:
             best = fits[-1]
+            if not compiled:
+                eager_best[(size, pe)] = best["micro_batch"]
             row.update(micro_batch=best["micro_batch"], tokens_per_s=best["tokens_per_s"],
                        peak_mem_gib=best["peak_mem_gib"], finite=best["finite"],
                        flops_per_token=best["flops_per_token"])

@@ -25,30 +25,35 @@ def evaluate_targets(data: dict) -> dict:
             ratios.append((m["tape_fused"]["fwd_bwd_tflops"] / m["rope_flash"]["fwd_bwd_tflops"],
                            f"D={row['D']} H={row['heads']} N={row['N']}"))
     out["kernel"] = _verdict(ratios, 0.60, "fused/flash TFLOP/s")
-    e2e = {(r["size"], r["pe"]): r for r in data["sections"].get("end_to_end", {}).get("results", [])}
-    tape, rope = e2e.get(("350m", "tape"), {}), e2e.get(("350m", "rope"), {})
-    if "tokens_per_s" in tape and "tokens_per_s" in rope:
-        out["e2e_ratio"] = _verdict([(tape["tokens_per_s"] / rope["tokens_per_s"], "350m N=2048")],
-                                    0.90, "TAPE/RoPE tokens/s")
-    else:
-        out["e2e_ratio"] = {"status": "not measured"}
-    rope1b = e2e.get(("1b", "rope"), {})
-    if "mfu" in rope1b:
-        out["rope_mfu"] = _verdict([(rope1b["mfu"], "1b N=2048")], 0.40, "RoPE MFU")
-    else:
-        out["rope_mfu"] = {"status": "not measured"}
+    # End to end: each setting (eager; train.compile) compared like with like, the target
+    # judged on the better one (the way a user would run).
+    e2e = {(r["size"], r["pe"], bool(r.get("compile"))): r
+           for r in data["sections"].get("end_to_end", {}).get("results", [])}
+    ratios, mfus = [], []
+    for compiled in (False, True):
+        how = " compiled" if compiled else ""
+        tape, rope = e2e.get(("350m", "tape", compiled), {}), e2e.get(("350m", "rope", compiled), {})
+        if "tokens_per_s" in tape and "tokens_per_s" in rope:
+            ratios.append((tape["tokens_per_s"] / rope["tokens_per_s"], "350m N=2048" + how))
+        if "mfu" in e2e.get(("1b", "rope", compiled), {}):
+            mfus.append((e2e[("1b", "rope", compiled)]["mfu"], "1b N=2048" + how))
+    out["e2e_ratio"] = _verdict(ratios, 0.90, "TAPE/RoPE tokens/s", best=True)
+    out["rope_mfu"] = _verdict(mfus, 0.40, "RoPE MFU", best=True)
     for key, text in TARGETS.items():
         out[key]["target"] = text
     return out
 
 
-def _verdict(values: list[tuple[float, str]], threshold: float, what: str) -> dict:
+def _verdict(values: list[tuple[float, str]], threshold: float, what: str,
+             best: bool = False) -> dict:
+    """Met when the worst of ``values`` (``best``: the best, for alternative settings of one
+    measurement) reaches ``threshold``; the judged value is reported as ``worst``."""
     if not values:
         return {"status": "not measured"}
-    worst, where = min(values)
+    worst, where = max(values) if best else min(values)
     res = {"status": "met" if worst >= threshold else "missed", "what": what,
            "threshold": threshold, "worst": worst, "worst_at": where,
-           "all": {w: v for v, w in values}}
+           "judged": "best" if best else "worst", "all": {w: v for v, w in values}}
     if worst < threshold:
         res["gap"] = threshold - worst
     return res
@@ -61,8 +66,11 @@ def target_lines(targets: dict) -> list[str]:
             lines.append(f"target {key}: NOT MEASURED ({t['target']})")
         else:
             gap = f", gap {t['gap']:.3f}" if "gap" in t else ""
-            lines.append(f"target {key}: {t['status'].upper()}: worst {t['what']} "
-                         f"{t['worst']:.3f} at {t['worst_at']} vs {t['threshold']:.2f}{gap}")
+            others = "".join(f"; {w}: {v:.3f}" for w, v in t["all"].items()
+                             if w != t["worst_at"]) if t.get("judged") == "best" else ""
+            lines.append(f"target {key}: {t['status'].upper()}: {t.get('judged', 'worst')} "
+                         f"{t['what']} {t['worst']:.3f} at {t['worst_at']} vs "
+                         f"{t['threshold']:.2f}{gap}{others}")
     return lines
 
 
@@ -174,10 +182,15 @@ def _e2e(results: list) -> list[str]:
     lines = ["| size | pe | micro-batch | tokens/s | MFU | peak mem (GiB) | status |",
              "|---" * 7 + "|"]
     for r in results:
-        lines.append(f"| {r['size']} | {r['pe']} | {_f(r.get('micro_batch'))} | "
+        lines.append(f"| {r['size']} | {_pe(r)} | {_f(r.get('micro_batch'))} | "
                      f"{_f(r.get('tokens_per_s'), '.0f')} | {_f(r.get('mfu'), '.1%')} | "
                      f"{_f(r.get('peak_mem_gib'), '.1f')} | {r['status']} |")
     return lines + _breakdown([r for r in results if r.get("profile")])
+
+
+def _pe(row: dict) -> str:
+    """The encoding of an end-to-end row, with ``+compile`` for a ``train.compile`` run."""
+    return row["pe"] + (" +compile" if row.get("compile") else "")
 
 
 def _breakdown(rows: list) -> list[str]:
@@ -190,7 +203,7 @@ def _breakdown(rows: list) -> list[str]:
              + ("ms of device kernels per step, share of the step in brackets; idle = the "
                 "device waited for the host" if on_device else
                 "ms of the operators' own CPU time per step") + "):", "",
-             "| | " + " | ".join(f"{r['size']} {r['pe']}" for r in rows) + " |",
+             "| | " + " | ".join(f"{r['size']} {_pe(r)}" for r in rows) + " |",
              "|---" * (len(rows) + 1) + "|"]
 
     def cell(r, ms):
@@ -207,11 +220,11 @@ def _breakdown(rows: list) -> list[str]:
                                                for r in rows) + " |")
     for r in rows:
         top = ", ".join(f"{k['name'][:60]} {k['ms']:.1f} ms" for k in r["profile"]["top"][:5])
-        lines.append(f"- {r['size']} {r['pe']}, largest: {top}")
+        lines.append(f"- {r['size']} {_pe(r)}, largest: {top}")
         host = ", ".join(f"{t['name'][:60]} {t['ms']:.1f} ms"
                          for t in r["profile"].get("host_top", [])[:5])
         if host:
-            lines.append(f"- {r['size']} {r['pe']}, host (own CPU time per step): {host}")
+            lines.append(f"- {r['size']} {_pe(r)}, host (own CPU time per step): {host}")
     return lines
 
 
@@ -250,7 +263,7 @@ def plots(data: dict, out_dir: Path) -> list[str]:
            if "tokens_per_s" in r]
     if e2e:
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        labels = [f"{r['size']}\n{r['pe']} mb{r['micro_batch']}" for r in e2e]
+        labels = [f"{r['size']}\n{_pe(r)} mb{r['micro_batch']}" for r in e2e]
         ax.bar(labels, [r["tokens_per_s"] for r in e2e])
         ax.set(ylabel="tokens/s", title="end-to-end training, N=%d" % e2e[0]["seq_len"])
         fig.tight_layout()
