@@ -149,7 +149,9 @@ class Trainer:
         self.grid = RankGrid.from_sizes(world, dp=cfg.parallel.dp, sp=cfg.parallel.sp,
                                         tp=cfg.parallel.tp,
                                         rank=int(os.environ.get("RANK", "0")))
-        self.dist = tdist.init_distributed(cfg.train.device, cfg.train.startup_timeout_s)
+        # The CUDA allocator's setting is made in there, as soon as the device is chosen.
+        self.dist = tdist.init_distributed(cfg.train.device, cfg.train.startup_timeout_s,
+                                           cfg.train.cuda_expandable_segments)
         self.rank = self.dist.rank
         setup_logging(self.rank, cfg.logging.all_ranks)
         self.profiler = RunProfiler(cfg.profile, self.run_dir, self.rank, self.dist.device,
@@ -163,6 +165,10 @@ class Trainer:
         self.dp_size, self.dp_rank = self.grid.dp_size, self.grid.dp_rank
         requeues = os.environ.get("SLURM_RESTART_COUNT", "0")
         log.info("%s", self._preflight_summary)
+        allocator = self.dist.cuda_allocator
+        if allocator is not None:
+            (log.warning if allocator.reserved_before_gib else log.info)(
+                "%s", allocator.describe())
         if cfg.train.deterministic:
             log.info("deterministic algorithms on (train.deterministic): CUBLAS_WORKSPACE_CONFIG=%s, "
                      "cuDNN without autotuning, atomic-free attention backward",
