@@ -130,3 +130,56 @@ def set_allocator_settings(settings: str) -> None:
     """torch's run-time call (the one place it is made; tests replace it)."""
     torch._C._accelerator_setAllocatorSettings(settings)
 
+
+class RetryWatch:
+    """Warns when the caching allocator's cumulative retry count has grown: one line per
+    growth, naming the steps it grew in. While it keeps growing, the next line comes no sooner
+    than ``first_gap`` steps later, then twice as many each time, and sums up the steps in
+    between (a run that retries every step warns about log2(steps) times;
+    ``mem/cuda_alloc_retries`` in metrics.jsonl has every count).
+
+    Args:
+        retries: the count when training starts (set-up's retries are no step's); ``None``
+            off CUDA, where the watch says nothing.
+        step: the last step done then.
+        setting: the allocator setting in force (its remedy goes into the line).
+        checkpointing: ``train.activation_checkpointing`` is on (not suggested then).
+    """
+
+    def __init__(self, retries: int | None, step: int, setting: AllocatorSetting | None,
+                 checkpointing: bool = False, first_gap: int = 10) -> None:
+        self.setting, self.checkpointing = setting, checkpointing
+        self.reported = self.seen = retries  # counted in a warning / at the last check
+        self.step = step                       # the last step checked
+        self.grew: tuple[int, int] | None = None  # (first, last) step of unreported growth
+        self.quiet_until, self.gap = step, first_gap
+
+    def check(self, step: int, retries: int | None) -> str | None:
+        """The warning for a logged ``step`` whose cumulative count is ``retries`` (``None``
+        off CUDA); ``None`` when there is nothing (new) to say."""
+        if retries is None or self.seen is None:
+            return None
+        if retries < self.seen:  # the counters were reset (reset_accumulated_memory_stats)
+            self.reported = min(self.reported, retries)
+        elif retries > self.seen:
+            self.grew = (self.grew[0] if self.grew else self.step + 1, step)
+        self.seen, self.step = retries, step
+        if self.grew is None or step < self.quiet_until:
+            return None
+        (first, last), grown = self.grew, retries - self.reported
+        steps = f"step {last}" if first == last else f"steps {first}-{last}"
+        self.reported, self.grew = retries, None
+        self.quiet_until, self.gap = step + self.gap, 2 * self.gap
+        remedies = ["lower train.micro_batch_size"]
+        if not self.checkpointing:
+            remedies.append("set train.activation_checkpointing=true")
+        extra = self.setting.remedy() if self.setting is not None else None
+        if extra:
+            remedies.append(extra)
+        todo = (f"{', '.join(remedies[:-1])}, or {remedies[-1]}" if len(remedies) > 1
+                else remedies[0])
+        return (f"CUDA allocator: {grown} allocation retr{'y' if grown == 1 else 'ies'} in "
+                f"{steps} ({retries} in this process): each freed the allocator's cached "
+                f"memory and retried cudaMalloc, a device-wide synchronisation that idles the "
+                f"device. The step is near the device's memory capacity: "
+                f"{todo}. Next such warning at step {self.quiet_until} at the earliest")
