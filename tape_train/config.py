@@ -88,6 +88,12 @@ class TrainConfig:
         device: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``.
         keep_freed_memory: on CPU, set glibc's malloc to reuse freed memory instead of
             returning large buffers to the OS every step (``tape_train.host_memory``; faster).
+        cuda_expandable_segments: on CUDA, PyTorch's caching allocator grows its segments
+            (``expandable_segments:True``) instead of reserving fixed-size ones that fragment
+            and, near capacity, make it free its cache and retry a failed ``cudaMalloc`` (a
+            device-wide sync). Set on every rank before anything is allocated
+            (``tape_train.train.cuda_allocator``); a ``PYTORCH_CUDA_ALLOC_CONF`` or
+            ``PYTORCH_ALLOC_CONF`` in the environment wins over it. No effect on CPU.
         synthetic_data: train (and evaluate) on deterministic random tokens instead of the
             ``data`` section: no corpus or tokenizer needed (benchmarks, smoke tests).
         synthetic_mask_fraction: with ``synthetic_data``, mask a random prefix of up to this
@@ -123,6 +129,7 @@ class TrainConfig:
     max_bad_steps: int = 5
     device: Literal["auto", "cpu", "cuda"] = "auto"
     keep_freed_memory: bool = True
+    cuda_expandable_segments: bool = True
     synthetic_data: bool = False
     synthetic_mask_fraction: float = 0.0
     collective_timeout_s: float = 600.0

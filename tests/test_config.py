@@ -83,6 +83,10 @@ def test_unknown_section_and_nested_model_key(tmp_path):
     ("optim.eps=.nan", r"optim\.eps: expected a finite number, got nan"),
     ("optim.betas=[0.9, .inf]", r"optim\.betas: expected a list of a finite number"),
     ("train.micro_batch_size=true", r"train\.micro_batch_size: expected int, got True"),
+    ("train.cuda_expandable_segments=maybe", r"train\.cuda_expandable_segments: expected "
+                                             r"bool, got 'maybe'"),
+    ("train.cuda_expandable_segments=1", r"train\.cuda_expandable_segments: expected bool, "
+                                         r"got 1"),
     ("checkpoint.keep=1", r"checkpoint\.keep must be >= 2"),
     ("optim.betas=[0.9]", r"optim\.betas must be two numbers"),
     ("parallel.tp=0", r"parallel\.tp must be >= 1"),

@@ -312,6 +312,44 @@ def test_the_trainer_starts_nccl_on_cuda_and_gloo_on_cpu(fake_cuda, monkeypatch)
     assert fake_cuda.set_device == [5]
 
 
+def test_the_cuda_allocator_is_set_before_nccl_starts(fake_cuda, monkeypatch):
+    """``train.cuda_expandable_segments`` is applied right after the device is chosen, before
+    the process group (NCCL allocates on the device); not on CPU, not over the user's
+    PYTORCH_CUDA_ALLOC_CONF, not when the caller does not ask (``None``)."""
+    import deepspeed
+
+    from tape_train.train import cuda_allocator
+    from tape_train.train import distributed as tdist
+
+    events = []
+
+    class Stop(Exception):
+        pass
+
+    def init_distributed(dist_backend, **kwargs):
+        events.append(dist_backend)
+        raise Stop
+
+    monkeypatch.setattr(deepspeed, "init_distributed", init_distributed)
+    monkeypatch.setattr(cuda_allocator, "set_allocator_settings", events.append)
+    for name in cuda_allocator.ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "9")  # else init_distributed sets a 1-rank world's variables
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for device, expandable, expected in (("auto", True, [cuda_allocator.EXPANDABLE, "nccl"]),
+                                         ("auto", False, ["nccl"]), ("auto", None, ["nccl"]),
+                                         ("cpu", True, ["gloo"])):
+        events.clear()
+        with pytest.raises(Stop):
+            tdist.init_distributed(device, cuda_expandable_segments=expandable)
+        assert events == expected, (device, expandable)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    events.clear()
+    with pytest.raises(Stop):
+        tdist.init_distributed("auto", cuda_expandable_segments=True)
+    assert events == ["nccl"]
+
+
 def test_collectives_of_nccl_live_on_the_current_gpu(fake_cuda, monkeypatch):
     from tape_train.train import distributed as tdist
 

@@ -380,3 +380,76 @@ def test_compiled_end_to_end_rows_follow_their_eager_row(monkeypatch, tmp_path):
     assert [p["micro_batch"] for p in compiled["probes"]] == [4, 8, 16]
     assert (eager["compile"], eager["micro_batch"]) == (False, 4)
     assert (compiled["compile"], compiled["micro_batch"]) == (True, 8)
+
+
+class _RetryingTrainer:
+    """What ``TrainerProbe.measure`` uses of a trainer, on a faked CUDA rank whose allocator
+    retries twice in every step."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        from tape_train.train.cuda_allocator import choose_allocator_setting
+
+        self.cfg = SimpleNamespace(model=SimpleNamespace(vocab_size=50),
+                                   train=SimpleNamespace(seq_len=8))
+        self.dist = SimpleNamespace(cuda_allocator=choose_allocator_setting(True, {}))
+        self.retries = 3  # before the probe: set-up's and an earlier micro-batch's
+
+    def train_step(self):
+        self.retries += 2
+        return {"step_time_s": 0.5, "loss": 1.0}
+
+
+def test_a_cuda_probe_records_the_allocators_retries_of_the_timed_steps(monkeypatch):
+    import torch
+
+    from gpu.end_to_end import TrainerProbe
+
+    device = torch.device("cuda", 0)
+    probe = TrainerProbe.__new__(TrainerProbe)  # its trainer faked, not built
+    probe.trainer, probe.device, probe.flops_per_token = _RetryingTrainer(), device, 1.0
+    segments = [{"device": 0, "is_expandable": True}, {"device": 1, "is_expandable": False}]
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: 2**30)
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(cuda, "memory_stats",
+                        lambda device=None: {"num_alloc_retries": probe.trainer.retries})
+    monkeypatch.setattr(cuda.memory, "_snapshot", lambda device=None: {"segments": segments})
+    res = probe.measure(2, warmup=3, steps=4)
+    assert res["alloc_retries"] == 8  # the 4 timed steps' retries, not the warm-up's
+    assert res["reserved_gib"] == 3.0 and res["peak_mem_gib"] == 1.0
+    assert res["expandable_segments"] is True
+    assert res["allocator"].startswith("CUDA caching allocator: expandable_segments:True")
+    segments[0]["is_expandable"] = False  # control: this device's segments are fixed-size
+    assert probe.measure(2, warmup=1, steps=1)["expandable_segments"] is False
+    segments.clear()
+    assert probe.measure(2, warmup=1, steps=1)["expandable_segments"] is None
+
+
+def test_the_end_to_end_table_shows_the_allocator():
+    rows = [{"size": "350m", "pe": "rope", "status": "done", "micro_batch": 16,
+             "tokens_per_s": 74000.0, "peak_mem_gib": 70.2, "reserved_gib": 77.51,
+             "alloc_retries": 12, "expandable_segments": False,
+             "allocator": "CUDA caching allocator: torch's defaults (off)"},
+            {"size": "350m", "pe": "tape", "status": "done", "micro_batch": 16,
+             "tokens_per_s": 70000.0, "peak_mem_gib": 71.0, "reserved_gib": 72.0,
+             "alloc_retries": 0, "expandable_segments": True,
+             "allocator": "CUDA caching allocator: expandable_segments:True (on)"},
+            {"size": "1b", "pe": "rope", "status": "failed"}]
+    data = _report([], rows)
+    data["targets"] = evaluate_targets(data)
+    md = markdown(data)
+    assert ("| size | pe | micro-batch | tokens/s | MFU | peak mem (GiB) | peak reserved (GiB) "
+            "| alloc retries | expandable segments | status |") in md
+    assert "| 350m | rope | 16 | 74000 | – | 70.2 | 77.5 | 12 | off | done |" in md
+    assert "| 350m | tape | 16 | 70000 | – | 71.0 | 72.0 | 0 | on | done |" in md
+    assert "| 1b | rope | – | – | – | – | – | – | – | failed |" in md
+    assert "- CUDA caching allocator: torch's defaults (off)\n" in md
+    # A CPU run records no allocator: its cells are empty and no allocator line is written.
+    cpu = markdown(_report([], [{"size": "tiny", "pe": "tape", "status": "done",
+                                 "micro_batch": 2, "tokens_per_s": 10.0, "peak_mem_gib": 0.5}]))
+    assert "| tiny | tape | 2 | 10 | – | 0.5 | – | – | – | done |" in cpu
+    assert "CUDA caching allocator" not in cpu

@@ -36,6 +36,7 @@ if [[ "$*" == *tape_train.cluster.preflight* ]]; then
     exit "${FAKE_PREFLIGHT_RC:-0}"
 fi
 echo $$ > "$FAKE_DIR/step.pid"
+echo "${PYTORCH_CUDA_ALLOC_CONF-<unset>} ${PYTORCH_ALLOC_CONF-<unset>}" > "$FAKE_DIR/step.alloc_conf"
 trap 'echo "step got USR1" >> "$FAKE_DIR/calls"; exit 1' USR1
 trap 'echo "step got TERM" >> "$FAKE_DIR/calls"; exit 1' TERM
 if [[ -n ${FAKE_TRAIN_RC:-} ]]; then exit "$FAKE_TRAIN_RC"; fi
@@ -148,6 +149,31 @@ def test_finished_training_exits_0_without_requeue(fake_slurm):
         "python -m torch.distributed.run", "python -m tape_train.cluster.requeue_guard"], asked
     assert "OMP_NUM_THREADS=4" in out        # 8 CPUs shared by 2 processes
     assert "training finished (exit 0)" in out
+
+
+def test_the_cuda_allocator_setting_is_left_to_the_trainer_or_the_user(tmp_path):
+    """On GPU nodes the script exports no allocator setting (each rank applies
+    train.cuda_expandable_segments itself); one exported at submission reaches the training
+    step unchanged (and then wins over that key)."""
+    bin_dir = _fake_slurm_bin(tmp_path)
+    opts = ClusterOptions(nodes=2, gpus_per_node=4, cpus_per_task=8,
+                          python=str(bin_dir / "fakepython"), log_dir=str(tmp_path),
+                          workdir=str(tmp_path), max_stalled_requeues=0)
+    script = tmp_path / "train.sbatch"
+    script.write_text(render_train_script((default_template_dir() / "train.sbatch").read_text(),
+                                          opts, ["--config", "run.yaml"]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FAKE_"))
+           and k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", FAKE_DIR=str(tmp_path),
+               SLURM_JOB_ID=str(JOB_ID), SLURM_NNODES="2", SLURM_JOB_NODELIST="node[A-B]",
+               SLURM_CPUS_PER_TASK="8")
+    for exported, seen in ((None, "<unset> <unset>"),
+                           ("max_split_size_mb:64", "max_split_size_mb:64 <unset>")):
+        extra = {} if exported is None else {"PYTORCH_CUDA_ALLOC_CONF": exported}
+        rc, calls, out = run_script((tmp_path, script, env), FAKE_TRAIN_RC=0, **extra)
+        assert rc == 0, out
+        assert "--nproc_per_node=4" in [c for c in calls if c.startswith("srun")][-1]
+        assert (tmp_path / "step.alloc_conf").read_text().strip() == seen
 
 
 def test_usr1_is_forwarded_then_the_job_requeues(fake_slurm):

@@ -34,6 +34,8 @@ CATEGORIES = (
     ("compiled (Inductor) kernels", ("triton_poi", "triton_red", "triton_per", "cpp_fused")),
 )
 OTHER = "other (elementwise, norms, TAPE state updates, ...)"
+# What a CUDA probe records of the caching allocator; a row takes them from its micro-batch.
+ALLOCATOR_KEYS = ("reserved_gib", "alloc_retries", "expandable_segments", "allocator")
 TOP_KERNELS = 8
 
 
@@ -128,7 +130,12 @@ class TrainerProbe:
 
     def measure(self, micro_batch: int, warmup: int, steps: int) -> dict:
         """Median step of ``micro_batch`` × seq_len random tokens; ``{"oom": True}`` if it
-        does not fit (the trainer is unusable afterwards: search upward, stop at the first)."""
+        does not fit (the trainer is unusable afterwards: search upward, stop at the first).
+
+        On CUDA also the caching allocator's side: its retries during the timed steps (each a
+        device-wide sync: ``tape_train.train.cuda_allocator``), the peak reserved memory, and
+        whether its segments are expandable (what the allocator reports of the segments it
+        holds, so a platform that ignores the setting shows as off)."""
         cfg = self.trainer.cfg
         gen = torch.Generator().manual_seed(micro_batch)
         ids = torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.train.seq_len + 1),
@@ -139,8 +146,11 @@ class TrainerProbe:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
         times, losses = [], []
+        retries = None
         try:
             for i in range(warmup + steps):
+                if i == warmup and self.device.type == "cuda":
+                    retries = self._alloc_retries()
                 m = self.trainer.train_step()
                 if i >= warmup:
                     times.append(m["step_time_s"])
@@ -157,11 +167,25 @@ class TrainerProbe:
         if self.device.type == "cuda":
             res["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             res["reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+            res["alloc_retries"] = self._alloc_retries() - retries
+            res["expandable_segments"] = self._expandable_segments()
+            setting = self.trainer.dist.cuda_allocator
+            res["allocator"] = setting.describe() if setting is not None else None
         else:
             import resource
 
             res["peak_mem_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         return res
+
+    def _alloc_retries(self) -> int:
+        return torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+
+    def _expandable_segments(self) -> bool | None:
+        """Whether the allocator holds expandable segments on this device, from its snapshot
+        (the segments' own flag); ``None`` where it holds no segment."""
+        segments = [s for s in torch.cuda.memory._snapshot(self.device)["segments"]
+                    if s.get("device", self.device.index) == self.device.index]
+        return any(s.get("is_expandable", False) for s in segments) if segments else None
 
     def close(self) -> None:
         self.trainer.close()
@@ -225,6 +249,7 @@ def end_to_end(recipe: Path, work: Path, plan: dict, peak_tflops: float | None,
             row.update(micro_batch=best["micro_batch"], tokens_per_s=best["tokens_per_s"],
                        peak_mem_gib=best["peak_mem_gib"], finite=best["finite"],
                        flops_per_token=best["flops_per_token"])
+            row.update({k: best[k] for k in ALLOCATOR_KEYS if k in best})
             if "profile" in best:
                 row["profile"] = best["profile"]
             if peak_tflops:

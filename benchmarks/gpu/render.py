@@ -179,12 +179,20 @@ def _sweep(results: list) -> list[str]:
 
 
 def _e2e(results: list) -> list[str]:
-    lines = ["| size | pe | micro-batch | tokens/s | MFU | peak mem (GiB) | status |",
-             "|---" * 7 + "|"]
+    lines = ["| size | pe | micro-batch | tokens/s | MFU | peak mem (GiB) | peak reserved (GiB) "
+             "| alloc retries | expandable segments | status |", "|---" * 10 + "|"]
     for r in results:
+        expandable = {True: "on", False: "off"}.get(r.get("expandable_segments"), "–")
         lines.append(f"| {r['size']} | {_pe(r)} | {_f(r.get('micro_batch'))} | "
                      f"{_f(r.get('tokens_per_s'), '.0f')} | {_f(r.get('mfu'), '.1%')} | "
-                     f"{_f(r.get('peak_mem_gib'), '.1f')} | {r['status']} |")
+                     f"{_f(r.get('peak_mem_gib'), '.1f')} | {_f(r.get('reserved_gib'), '.1f')} | "
+                     f"{_f(r.get('alloc_retries'), 'd')} | {expandable} | {r['status']} |")
+    settings = list(dict.fromkeys(r["allocator"] for r in results if r.get("allocator")))
+    if any("alloc_retries" in r for r in results):
+        lines += ["", "CUDA caching allocator at that micro-batch: alloc retries = failed "
+                  "cudaMalloc calls retried after freeing the cache (each a device-wide sync) "
+                  "during the timed steps; expandable segments as the allocator reports its "
+                  "segments."] + [f"- {line}" for line in settings]
     return lines + _breakdown([r for r in results if r.get("profile")])
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tape_train.devices import pick_device, process_group_backend
+from tape_train.train.cuda_allocator import AllocatorSetting, configure_cuda_allocator
 
 log = logging.getLogger("tape_train.train")
 
@@ -37,6 +38,7 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    cuda_allocator: AllocatorSetting | None = None  # on CUDA, when init_distributed set it
 
     @property
     def is_main(self) -> bool:
@@ -50,18 +52,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_distributed(requested_device: str = "auto", timeout_s: float | None = None) -> DistInfo:
+def init_distributed(requested_device: str = "auto", timeout_s: float | None = None,
+                     cuda_expandable_segments: bool | None = None) -> DistInfo:
     """Initialise (or reuse) the default process group; gloo on CPU, NCCL on CUDA.
 
     ``timeout_s``: how long a collective may wait for the other ranks (``None``: DeepSpeed's
     default, 10 min or ``$DEEPSPEED_TIMEOUT`` minutes); also applied to a group that exists
-    already."""
+    already. ``cuda_expandable_segments``: ``train.cuda_expandable_segments``, applied to the
+    CUDA caching allocator as soon as the device is chosen, before NCCL or anything else
+    allocates on it (``tape_train.train.cuda_allocator``); ``None`` leaves the allocator as
+    it is."""
     if "RANK" not in os.environ:  # plain single process: give DeepSpeed a 1-rank group
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(requested_device, local_rank)
+    allocator = (None if cuda_expandable_segments is None
+                 else configure_cuda_allocator(cuda_expandable_segments, device))
     extensions = use_venv_extensions_dir()
     report_build_locks(extensions)
     import deepspeed
@@ -73,7 +81,7 @@ def init_distributed(requested_device: str = "auto", timeout_s: float | None = N
                                    **extra)
     if timeout_s is not None:
         set_collective_timeout(timeout_s)
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, allocator)
 
 
 def use_venv_extensions_dir() -> Path:

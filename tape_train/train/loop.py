@@ -33,6 +33,7 @@ from tape_train.train import restarts
 from tape_train.train.relayout import protected_differences
 from tape_train.train.engine import build_engine, count_target_tokens, forward_backward
 from tape_train.host_memory import keep_freed_memory
+from tape_train.train.cuda_allocator import RetryWatch
 from tape_train.train.metrics import (MetricsWriter, format_summary, memory_metrics, read_metrics,
                                       setup_logging)
 from tape_train.train.optim import LRSchedule
@@ -122,6 +123,7 @@ class Trainer:
         self._in_train = False     # inside train(): a phase lasts until the next one starts
         self._attempt: int | None = None  # in-job restart attempt (restarts.guarded() only)
         self.profiler = RunProfiler()  # off until set-up knows the rank and the device
+        self._retries = RetryWatch(None, 0, None)  # watches from the start of train()
 
     # ------------------------------------------------------------------------------------------
     # Set-up
@@ -149,7 +151,9 @@ class Trainer:
         self.grid = RankGrid.from_sizes(world, dp=cfg.parallel.dp, sp=cfg.parallel.sp,
                                         tp=cfg.parallel.tp,
                                         rank=int(os.environ.get("RANK", "0")))
-        self.dist = tdist.init_distributed(cfg.train.device, cfg.train.startup_timeout_s)
+        # The CUDA allocator's setting is made in there, as soon as the device is chosen.
+        self.dist = tdist.init_distributed(cfg.train.device, cfg.train.startup_timeout_s,
+                                           cfg.train.cuda_expandable_segments)
         self.rank = self.dist.rank
         setup_logging(self.rank, cfg.logging.all_ranks)
         self.profiler = RunProfiler(cfg.profile, self.run_dir, self.rank, self.dist.device,
@@ -163,6 +167,10 @@ class Trainer:
         self.dp_size, self.dp_rank = self.grid.dp_size, self.grid.dp_rank
         requeues = os.environ.get("SLURM_RESTART_COUNT", "0")
         log.info("%s", self._preflight_summary)
+        allocator = self.dist.cuda_allocator
+        if allocator is not None:
+            (log.warning if allocator.reserved_before_gib else log.info)(
+                "%s", allocator.describe())
         if cfg.train.deterministic:
             log.info("deterministic algorithms on (train.deterministic): CUBLAS_WORKSPACE_CONFIG=%s, "
                      "cuDNN without autotuning, atomic-free attention backward",
@@ -604,6 +612,7 @@ class Trainer:
             return EXIT_OK
         bar = self._progress_bar()
         exit_code = EXIT_OK
+        self._watch_retries()
         self._in_train = True
         self.profiler.start(self.state.step + 1)
         try:
@@ -615,8 +624,7 @@ class Trainer:
                     bar.update(1)
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
                 if step % cfg.logging.interval == 0 or step == max_steps:
-                    self.writer.write("train", step, {**metrics, **memory_metrics(
-                        self.dist.device)})
+                    self._log_step(step, metrics)
                 if step % cfg.logging.console_interval == 0 or step == max_steps:
                     self._console(format_summary(step, max_steps, metrics), bar)
                 if cfg.eval.enabled and step % cfg.eval.interval == 0 and step < max_steps:
@@ -650,6 +658,23 @@ class Trainer:
                 self.watchdog.disarm()
             if bar is not None:
                 bar.close()
+
+    def _watch_retries(self) -> None:
+        """From now on, warn when the CUDA allocator retries (``_log_step``); the retries of
+        set-up so far are not counted. Nothing to watch off CUDA."""
+        retries = memory_metrics(self.dist.device).get("mem/cuda_alloc_retries")
+        self._retries = RetryWatch(retries, self.state.step, self.dist.cuda_allocator,
+                                   self.cfg.train.activation_checkpointing)
+
+    def _log_step(self, step: int, metrics: dict) -> None:
+        """A logged step's metrics with this rank's memory figures (written on rank 0), and on
+        every rank the warning when its CUDA allocator's retry count has grown
+        (``tape_train.train.cuda_allocator.RetryWatch``)."""
+        memory = memory_metrics(self.dist.device)
+        self.writer.write("train", step, {**metrics, **memory})
+        warning = self._retries.check(step, memory.get("mem/cuda_alloc_retries"))
+        if warning is not None:
+            log.warning("%s", warning)
 
     def _profile_before_step(self) -> None:
         """Profiling before the next step (``tape_train.train.profiling``): writing a window's

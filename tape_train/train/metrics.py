@@ -23,7 +23,11 @@ log = logging.getLogger("tape_train.train")
 
 
 def memory_metrics(device: torch.device) -> dict[str, float]:
-    """Resident set size (GiB; peak too) and, on CUDA, allocated/reserved memory (GiB)."""
+    """Resident set size (GiB; peak too) and, on CUDA, the caching allocator's figures for
+    this rank's device: allocated and reserved memory and their peaks (GiB), and the
+    cumulative counts of allocation retries (a failed ``cudaMalloc`` after which the allocator
+    freed its cache, a device-wide sync, and tried again) and of out-of-memory errors
+    (``tape_train.train.cuda_allocator``)."""
     out = {}
     try:
         with open("/proc/self/statm") as fh:
@@ -32,9 +36,13 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
         pass
     out["mem/peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     if device.type == "cuda":
-        out["mem/cuda_allocated_gib"] = torch.cuda.memory_allocated(device) / 2**30
-        out["mem/cuda_reserved_gib"] = torch.cuda.memory_reserved(device) / 2**30
-        out["mem/cuda_peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        stats = torch.cuda.memory_stats(device)  # one read: the figures are of one moment
+        out["mem/cuda_allocated_gib"] = stats.get("allocated_bytes.all.current", 0) / 2**30
+        out["mem/cuda_reserved_gib"] = stats.get("reserved_bytes.all.current", 0) / 2**30
+        out["mem/cuda_peak_allocated_gib"] = stats.get("allocated_bytes.all.peak", 0) / 2**30
+        out["mem/cuda_peak_reserved_gib"] = stats.get("reserved_bytes.all.peak", 0) / 2**30
+        out["mem/cuda_alloc_retries"] = stats.get("num_alloc_retries", 0)
+        out["mem/cuda_ooms"] = stats.get("num_ooms", 0)
     return out
 
 
