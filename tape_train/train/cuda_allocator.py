@@ -10,8 +10,7 @@ growing virtual range instead, so freed memory stays usable for any size.
 
 When the setting takes effect (torch 2.13, c10's ``AcceleratorAllocatorConfig`` and
 ``CUDACachingAllocator``): the allocator reads it each time it creates a segment, so a setting
-made at run time (``torch._C._accelerator_setAllocatorSettings``, what
-``torch.cuda.memory._set_allocator_settings`` now forwards to) governs every segment created
+made at run time (``torch.cuda.memory._set_allocator_settings``) governs every segment created
 after it, and segments that exist keep their kind. ``PYTORCH_CUDA_ALLOC_CONF`` (then
 ``PYTORCH_ALLOC_CONF``) is read once, when the configuration is first used, which in a process
 that has imported torch may have happened already. So the trainer does not go through the
@@ -127,8 +126,10 @@ def configure_cuda_allocator(expandable_segments: bool, device: torch.device,
 
 
 def set_allocator_settings(settings: str) -> None:
-    """torch's run-time call (the one place it is made; tests replace it)."""
-    torch._C._accelerator_setAllocatorSettings(settings)
+    """torch's run-time call (the one place it is made; tests replace it). Through
+    ``torch.cuda.memory._set_allocator_settings``, which every torch since 2.1 has (the C
+    function it forwards to was renamed in between; GPU images carry older torch builds)."""
+    torch.cuda.memory._set_allocator_settings(settings)
 
 
 class RetryWatch:

@@ -109,8 +109,9 @@ def compile_blocks(model: nn.Module) -> int:
     # Every layer shares the code objects; train/eval, the first/last layer and static then
     # dynamic lengths are separate entries: more than Dynamo's default 8 (it would silently
     # run the rest eagerly).
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                               COMPILE_RECOMPILE_LIMIT)
+    dynamo = torch._dynamo.config  # `cache_size_limit` before torch 2.7
+    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo, name, max(getattr(dynamo, name), COMPILE_RECOMPILE_LIMIT))
     for layer in model.layers:
         core = layer.attn.core
         core.forward = torch.compiler.disable(core.forward, recursive=True)
