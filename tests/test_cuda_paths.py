@@ -288,25 +288,30 @@ def test_no_cuda_is_one_line_naming_the_setting(monkeypatch):
     assert pick_device("auto", 3) == torch.device("cpu")
 
 
-def test_the_trainer_starts_nccl_on_cuda_and_gloo_on_cpu(fake_cuda, monkeypatch):
+class _Stop(Exception):
+    """Raised where the process group would start (``deepspeed.init_distributed``)."""
+
+
+def _stop_at_process_group(monkeypatch, events: list) -> None:
+    """DeepSpeed's ``init_distributed`` records its backend in ``events`` and raises _Stop."""
     import deepspeed
 
+    def init_distributed(dist_backend, **kwargs):
+        events.append(dist_backend)
+        raise _Stop
+
+    monkeypatch.setattr(deepspeed, "init_distributed", init_distributed)
+
+
+def test_the_trainer_starts_nccl_on_cuda_and_gloo_on_cpu(fake_cuda, monkeypatch):
     from tape_train.train import distributed as tdist
 
     chosen = []
-
-    class Stop(Exception):
-        pass
-
-    def init_distributed(dist_backend, **kwargs):
-        chosen.append(dist_backend)
-        raise Stop
-
-    monkeypatch.setattr(deepspeed, "init_distributed", init_distributed)
+    _stop_at_process_group(monkeypatch, chosen)
     monkeypatch.setenv("RANK", "13")
     monkeypatch.setenv("LOCAL_RANK", "5")
     for device, backend in (("auto", "nccl"), ("cpu", "gloo")):
-        with pytest.raises(Stop):
+        with pytest.raises(_Stop):
             tdist.init_distributed(device)
         assert chosen[-1] == backend
     assert fake_cuda.set_device == [5]
@@ -316,21 +321,11 @@ def test_the_cuda_allocator_is_set_before_nccl_starts(fake_cuda, monkeypatch):
     """``train.cuda_expandable_segments`` is applied right after the device is chosen, before
     the process group (NCCL allocates on the device); not on CPU, not over the user's
     PYTORCH_CUDA_ALLOC_CONF, not when the caller does not ask (``None``)."""
-    import deepspeed
-
     from tape_train.train import cuda_allocator
     from tape_train.train import distributed as tdist
 
     events = []
-
-    class Stop(Exception):
-        pass
-
-    def init_distributed(dist_backend, **kwargs):
-        events.append(dist_backend)
-        raise Stop
-
-    monkeypatch.setattr(deepspeed, "init_distributed", init_distributed)
+    _stop_at_process_group(monkeypatch, events)
     monkeypatch.setattr(cuda_allocator, "set_allocator_settings", events.append)
     for name in cuda_allocator.ENV_VARS:
         monkeypatch.delenv(name, raising=False)
@@ -340,12 +335,12 @@ def test_the_cuda_allocator_is_set_before_nccl_starts(fake_cuda, monkeypatch):
                                          ("auto", False, ["nccl"]), ("auto", None, ["nccl"]),
                                          ("cpu", True, ["gloo"])):
         events.clear()
-        with pytest.raises(Stop):
+        with pytest.raises(_Stop):
             tdist.init_distributed(device, cuda_expandable_segments=expandable)
         assert events == expected, (device, expandable)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
     events.clear()
-    with pytest.raises(Stop):
+    with pytest.raises(_Stop):
         tdist.init_distributed("auto", cuda_expandable_segments=True)
     assert events == ["nccl"]
 
