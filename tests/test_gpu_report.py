@@ -148,6 +148,12 @@ def test_end_to_end_targets_judge_the_better_setting_and_show_both():
     data["targets"] = t
     md = markdown(data)
     assert "| 350m | tape +compile |" in md and "| 350m | tape |" in md
+    assert "Graph breaks" not in md                      # no compiled row recorded any
+    e2e[1]["graph_breaks"] = {"Skip calling `torch.compiler.disable()`d function": 4,
+                              "Unsupported: call_function get_device_capability": 2}
+    md = markdown(data)
+    assert ("- 350m tape +compile: Skip calling `torch.compiler.disable()`d function ×4; "
+            "Unsupported: call_function get_device_capability ×2") in md
 
 
 def test_partial_report_is_marked():
@@ -392,7 +398,7 @@ class _RetryingTrainer:
         from tape_train.train.cuda_allocator import choose_allocator_setting
 
         self.cfg = SimpleNamespace(model=SimpleNamespace(vocab_size=50),
-                                   train=SimpleNamespace(seq_len=8))
+                                   train=SimpleNamespace(seq_len=8, compile=False))
         self.dist = SimpleNamespace(cuda_allocator=choose_allocator_setting(True, {}))
         self.retries = 3  # before the probe: set-up's and an earlier micro-batch's
 

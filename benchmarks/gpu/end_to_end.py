@@ -83,6 +83,19 @@ def time_breakdown(prof, steps: int, step_ms: float) -> dict:
                      "calls": calls} for name, ms, calls in top]}
 
 
+def graph_breaks() -> dict[str, int]:
+    """Dynamo's graph breaks in this process so far, by reason (its first line): with
+    ``train.compile`` the attention core is the only expected one (plus DeepSpeed ZeRO-3's
+    hooks); any other is fusion lost on this device, worth a look."""
+    from torch._dynamo.utils import counters
+
+    out: dict[str, int] = {}
+    for reason, count in counters["graph_break"].items():
+        key = str(reason).strip().splitlines()[0][:160] if str(reason).strip() else "?"
+        out[key] = out.get(key, 0) + count
+    return out
+
+
 class TrainerProbe:
     """A set-up ``Trainer`` (built in the child process) that the parent drives step by step."""
 
@@ -164,6 +177,8 @@ class TrainerProbe:
                "tokens_per_s": micro_batch * cfg.train.seq_len / step,
                "loss": losses[-1], "finite": all(x == x for x in losses),
                "flops_per_token": self.flops_per_token}
+        if cfg.train.compile:
+            res["graph_breaks"] = graph_breaks()
         if self.device.type == "cuda":
             res["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             res["reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
@@ -249,7 +264,7 @@ def end_to_end(recipe: Path, work: Path, plan: dict, peak_tflops: float | None,
             row.update(micro_batch=best["micro_batch"], tokens_per_s=best["tokens_per_s"],
                        peak_mem_gib=best["peak_mem_gib"], finite=best["finite"],
                        flops_per_token=best["flops_per_token"])
-            row.update({k: best[k] for k in ALLOCATOR_KEYS if k in best})
+            row.update({k: best[k] for k in (*ALLOCATOR_KEYS, "graph_breaks") if k in best})
             if "profile" in best:
                 row["profile"] = best["profile"]
             if peak_tflops:

@@ -193,6 +193,14 @@ def _e2e(results: list) -> list[str]:
                   "cudaMalloc calls retried after freeing the cache (each a device-wide sync) "
                   "during the timed steps; expandable segments as the allocator reports its "
                   "segments."] + [f"- {line}" for line in settings]
+    compiled = [r for r in results if "graph_breaks" in r]
+    if compiled:
+        lines += ["", "Graph breaks of the compiled rows (Dynamo's reasons and counts; the "
+                  "attention core is kept eager on purpose, ZeRO-3's hooks break too):"]
+        lines += [f"- {r['size']} {_pe(r)}: " + ("; ".join(
+            f"{reason} ×{n}" for reason, n in sorted(r["graph_breaks"].items(),
+                                                    key=lambda kv: -kv[1])[:4]) or "none")
+                  for r in compiled]
     return lines + _breakdown([r for r in results if r.get("profile")])
 
 
