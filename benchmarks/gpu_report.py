@@ -44,7 +44,7 @@ FULL = {
     "model": {"model": MODEL_SMALL, "seq": 1000, "batch": 2, "prompt": 300, "new": 8},
     "trainer": {"overrides": ["model.base=tiny", "model.pe=tape", "train.seq_len=256",
                               "train.micro_batch_size=4", "train.grad_accum_steps=2"],
-                "steps": 4},
+                "steps": 4, "compile": True},
     # (D, heads): the 350m, 1b and 125m configs at D=64 and the same widths at D=128,
     # alternating D so that a run cut short still has both head dims.
     "speed": {"head_configs": [(64, 16), (128, 8), (64, 32), (128, 16), (64, 12), (128, 6)],
@@ -66,9 +66,11 @@ SMOKE = {
     "model": {"model": dict(MODEL_SMALL, vocab_size=97, hidden_size=64, num_heads=2,
                             intermediate_size=96, max_seq_len=64), "seq": 24, "batch": 2,
               "prompt": 16, "new": 4},
+    # No train.compile run here: the suite tests compiling (tests/test_train_compile.py);
+    # on a busy 2-core machine it would double this smoke's time.
     "trainer": {"overrides": ["model.base=tiny", "model.pe=tape", "train.seq_len=32",
                               "train.micro_batch_size=2", "train.grad_accum_steps=2",
-                              *_TINY_TRAIN], "steps": 2},
+                              *_TINY_TRAIN], "steps": 2, "compile": False},
     "speed": {"head_configs": [(32, 2)], "lengths": [32], "tokens": 64, "dtype": "float32",
               "warmup": 0, "reps": 1},
     "sweep": {"head_configs": [(32, 2)], "length": 32, "tokens": 32, "dtype": "float32",
@@ -167,7 +169,8 @@ def run_section(name: str, args, plan: dict, report: Report, device, deadline: f
                          "eval.interval=0", "logging.tensorboard=false",
                          "logging.progress_bar=false", "logging.peak_tflops=1.0"]
             trainers = correctness.start_trainers(ROOT / "configs/train/demo.yaml",
-                                                  work / "trainer", overrides)
+                                                  work / "trainer", overrides,
+                                                  compile_run=tp.get("compile", True))
             # Model and KV-cache checks while the trainers set up; the many kernel cases last,
             # so that a short budget cuts kernel cases, not whole kinds of check.
             try:

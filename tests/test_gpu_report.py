@@ -459,3 +459,48 @@ def test_the_end_to_end_table_shows_the_allocator():
                                  "micro_batch": 2, "tokens_per_s": 10.0, "peak_mem_gib": 0.5}]))
     assert "| tiny | tape | 2 | 10 | – | 0.5 | – | – | – | done |" in cpu
     assert "CUDA caching allocator" not in cpu
+
+
+def test_the_trainer_checks_compare_the_compiled_run_with_its_eager_one():
+    """The ``train.compile`` run (ZeRO-3 fp32) is compared with the eager ZeRO-3 fp32 run at the
+    fp32 tolerance, and counts towards a judged result only where it was started."""
+    import time as _time
+
+    from gpu import correctness
+    from gpu.common import Budget
+
+    class Run:
+        def __init__(self, losses):
+            self._losses = losses
+
+        def result(self, timeout=None):
+            return None
+
+        def call(self, method, *args, timeout=None):
+            if method == "host_syncs":
+                return {"steps": 1, "micro_batches": 2, "per_step": 0, "sites": {},
+                        "per_micro_batch": {}}
+            return list(self._losses)
+
+        def close(self, timeout=None):
+            return None
+
+    base = [5.0, 4.9, 4.8]
+    names = ["zero1_fp32", "zero1_bf16", "zero3_fp32", "zero3_bf16",
+             *correctness.DETERMINISTIC_RUNS, correctness.OFFLOAD_RUN]
+
+    def check(compiled_losses):
+        runs = {name: Run(base) for name in names}
+        if compiled_losses is not None:
+            runs[correctness.COMPILE_RUN] = Run(compiled_losses)
+        sink = []
+        correctness.trainer_checks(runs, 3, Budget(60.0, _time.monotonic() + 60.0), sink,
+                                   lambda: None)
+        return next(r for r in sink if r["check"] == "trainer")
+
+    good = check([5.0, 4.9, 4.8 * (1 + 1e-4)])
+    assert good["ok"] is True
+    assert good["comparisons"][correctness.COMPILE_KEY] == pytest.approx(1e-4)
+    bad = check([5.0, 4.9, 4.8 * (1 + 1e-2)])               # beyond the fp32 tolerance
+    assert bad["ok"] is False
+    assert check(None)["ok"] is True                        # not started: not required

@@ -203,11 +203,13 @@ def kv_cache_check(device, model_kw: dict, prompt: int, new: int) -> dict:
             "ok": err <= 10 * FP32_TOL}
 
 
-def start_trainers(recipe: Path, work: Path, common_overrides: list[str]) -> dict:
+def start_trainers(recipe: Path, work: Path, common_overrides: list[str],
+                   compile_run: bool = True) -> dict:
     """Spawn the trainer processes — ZeRO-1/3 × fp32/bf16, ZeRO-3 bf16 twice with
-    ``train.deterministic``, and ZeRO-3 fp32 with the optimizer and parameters offloaded to
-    the host (pinned memory, DeepSpeed's CPU Adam) — which set up in the background while the kernel checks run.
-    Finish with ``trainer_checks``."""
+    ``train.deterministic``, ZeRO-3 fp32 with the optimizer and parameters offloaded to
+    the host (pinned memory, DeepSpeed's CPU Adam), and ZeRO-3 fp32 with ``train.compile`` —
+    which set up in the background while the kernel checks run (``compile_run=False``: not
+    the compiled one). Finish with ``trainer_checks``."""
     from trainer_process import Child
 
     from gpu.end_to_end import TrainerProbe
@@ -219,6 +221,8 @@ def start_trainers(recipe: Path, work: Path, common_overrides: list[str]) -> dic
     variants += [(name, 3, "bf16", ["train.deterministic=true"]) for name in DETERMINISTIC_RUNS]
     variants += [(OFFLOAD_RUN, 3, "fp32", ["parallel.offload_optimizer=cpu",
                                            "parallel.offload_params=cpu"])]
+    # Last: compiling takes the longest, so it is what a short budget skips.
+    variants += [(COMPILE_RUN, 3, "fp32", ["train.compile=true"])] if compile_run else []
     for name, zero, dtype, extra in variants:
         overrides = [*common_overrides, f"parallel.zero_stage={zero}", f"train.dtype={dtype}",
                      f"train.run_dir={work / name}", *extra]
@@ -229,6 +233,8 @@ def start_trainers(recipe: Path, work: Path, common_overrides: list[str]) -> dic
 DETERMINISTIC_RUNS = ("zero3_bf16_deterministic", "zero3_bf16_deterministic_again")
 OFFLOAD_RUN = "zero3_fp32_offload"
 OFFLOAD_KEY = "fp32: zero3 offloaded vs on the device"
+COMPILE_RUN = "zero3_fp32_compiled"
+COMPILE_KEY = "fp32: zero3 compiled (train.compile) vs eager"
 DETERMINISTIC_KEY = "bf16 deterministic: run vs the same run again"
 SYNC_RUNS = ("zero1_bf16", "zero3_bf16")  # host syncs counted after their loss steps
 
@@ -290,6 +296,9 @@ def trainer_checks(runs: dict, steps: int, budget: Budget, sink: list, flush) ->
     a, b = losses.get(OFFLOAD_RUN), losses.get("zero3_fp32")
     if a and b:  # ZeRO-Offload: the same AdamW update on the host (CPU Adam rounds differently)
         res["comparisons"][OFFLOAD_KEY] = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    a, b = losses.get(COMPILE_RUN), losses.get("zero3_fp32")
+    if a and b:  # train.compile: the same model to rounding, ZeRO-3's hooks around the graphs
+        res["comparisons"][COMPILE_KEY] = max(abs(x - y) / abs(y) for x, y in zip(a, b))
     a, b = (losses.get(name) for name in DETERMINISTIC_RUNS)
     if a and b:  # train.deterministic: the same run twice gives the same losses, bit for bit
         res["comparisons"][DETERMINISTIC_KEY] = max(abs(x - y) / abs(y) for x, y in zip(a, b))
@@ -299,7 +308,7 @@ def trainer_checks(runs: dict, steps: int, budget: Budget, sink: list, flush) ->
               for k in res["comparisons"]}
     res["ok"] = (not failures and finite
                  and all(v <= limits[k] for k, v in res["comparisons"].items()))
-    if res["ok"] and len(res["comparisons"]) < 6:
+    if res["ok"] and len(res["comparisons"]) < 6 + (COMPILE_RUN in runs):
         res["ok"] = None  # not judged: runs skipped for time
     sink.append(res)
     flush()
