@@ -237,6 +237,11 @@ class ParallelConfig:
         zero_stage: DeepSpeed ZeRO stage 0–3 (3 shards parameters, gradients and optimizer).
         zero3_param_persistence_threshold: ZeRO-3 keeps parameters with fewer elements than
             this unpartitioned (fewer gathers for small tensors such as norms and TAPE gates).
+        zero3_gather_blocks: ZeRO-3 gathers (and releases) each decoder block's parameters
+            at once, with one pair of hooks per block, instead of per Linear/norm/gate module
+            (DeepSpeed's "z3 leaf modules"): the same values and memory plan (the estimate
+            already counts whole blocks), far less host work per step (docs/training.md,
+            "Compiling the blocks"). ``false``: per module (a block wider than GPU memory).
         offload_optimizer: ZeRO-Offload: ``cpu`` keeps the fp32 master weights and the AdamW
             moments of each rank's partition in host memory and runs the AdamW update there
             (DeepSpeed's CPU Adam); ``none`` keeps them on the device. Needs ZeRO >= 1.
@@ -250,6 +255,7 @@ class ParallelConfig:
     tp: int = 1
     zero_stage: int = 3
     zero3_param_persistence_threshold: int = 100_000
+    zero3_gather_blocks: bool = True
     offload_optimizer: Literal["none", "cpu"] = "none"
     offload_params: Literal["none", "cpu"] = "none"
 

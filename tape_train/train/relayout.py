@@ -27,10 +27,12 @@ PROTECTED_KEYS = ("model.", "data.", "parallel.", "train.seq_len", "train.micro_
                   "train.grad_accum_steps", "train.seed", "train.dtype", "train.synthetic")
 # Keys under a protected prefix that are safe to change. ZeRO-Offload moves states between
 # device and host and changes the AdamW kernel (DeepSpeed's CPU Adam: the same update to the
-# last bits; docs/training.md, "ZeRO-Offload"); the checkpoint format is the same.
+# last bits; docs/training.md, "ZeRO-Offload"); the checkpoint format is the same. Gathering
+# whole blocks under ZeRO-3 changes when parameters are fetched, not what is computed.
 HARMLESS_KEYS = ("model.name", "model.attn_backend", "data.prefetch", "data.eval_sources",
                  "data.eval_max_documents", "data.eval_min_tokens",
-                 "data.skip_bad_records", "parallel.offload_optimizer", "parallel.offload_params")
+                 "data.skip_bad_records", "parallel.offload_optimizer", "parallel.offload_params",
+                 "parallel.zero3_gather_blocks")
 
 
 def protected_differences(diffs: list[tuple[str, object, object]]) -> list[str]:
