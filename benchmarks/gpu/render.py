@@ -196,7 +196,8 @@ def _e2e(results: list) -> list[str]:
     compiled = [r for r in results if "graph_breaks" in r]
     if compiled:
         lines += ["", "Graph breaks of the compiled rows (Dynamo's reasons and counts; the "
-                  "attention core is kept eager on purpose, ZeRO-3's hooks break too):"]
+                  "attention core is kept eager on purpose; ZeRO-3's hooks break too where they sit "
+                  "inside blocks, parallel.zero3_gather_blocks=false):"]
         lines += [f"- {r['size']} {_pe(r)}: " + ("; ".join(
             f"{reason} ×{n}" for reason, n in sorted(r["graph_breaks"].items(),
                                                     key=lambda kv: -kv[1])[:4]) or "none")

@@ -89,9 +89,10 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
     per_node = ranks_per_node or gpus_per_node
     if grid is not None and per_node and world_size > per_node:
         _check_node_span(grid, per_node, report)
-    _check_attention_backend(cfg, _target_device(cfg, gpus_per_node), report)
+    device_type = _target_device(cfg, gpus_per_node)
+    _check_attention_backend(cfg, device_type, report)
     if cfg.train.compile:
-        _check_compiler(_target_device(cfg, gpus_per_node), report)
+        _check_compiler(device_type, report)
     lengths_ok = _check_lengths(cfg, report)
     synthetic = cfg.train.synthetic_data
     tokenizer = None
@@ -112,7 +113,6 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
         _check_held_out(cfg, tokenizer, report, limits)
     # The plan (checkpoint size, memory, time) is for the dtype the run will resolve; the
     # resume check keeps `auto` (a resumed run keeps its checkpoint's dtype).
-    device_type = _target_device(cfg, gpus_per_node)
     planned = cfg
     if plan and cfg.train.dtype == "auto":
         planned = copy.deepcopy(cfg)

@@ -88,9 +88,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     Under ``torch.compile`` the plain expression: Inductor fuses it into one kernel and
     chooses what its backward keeps (``_Modulate``'s in-place slices would break the graph).
     """
-    if torch.compiler.is_compiling():
-        return x * cos + rotate_half(x) * sin
-    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
+    if (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and (x.requires_grad or cos.requires_grad or sin.requires_grad)):
         return _Modulate.apply(x, cos, sin)
     return x * cos + rotate_half(x) * sin
 
