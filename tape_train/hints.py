@@ -66,6 +66,9 @@ def read_yaml(path: Path, error: type[Exception]) -> tuple[str, object]:
     try:
         return text, yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
+        for mark in (getattr(exc, "context_mark", None), getattr(exc, "problem_mark", None)):
+            if mark is not None:  # PyYAML names a string "<unicode string>": name the file
+                mark.name = str(path)
         raise error(f"{path}: not valid YAML: {exc}") from None
 
 

@@ -20,6 +20,10 @@ def test_config_file_with_a_repeated_section_or_binary_bytes_is_refused(tmp_path
     path = _base_yaml(tmp_path, "train:\n  lr: 0.1\n")
     with pytest.raises(ConfigError, match=r"run.yaml: .*key 'train' given twice \(first on line 2\)"):
         load_run_config(path)
+    path.write_text("model: tiny\ntrain: {seq_len: 16\n")  # the mark names the file, not "<unicode string>"
+    with pytest.raises(ConfigError, match=r'not valid YAML: .*\n  in "[^"]*run.yaml", line 2, column 8') as err:
+        load_run_config(path)
+    assert "<unicode string>" not in str(err.value)
     path.write_bytes(b"\xffmodel: tiny\n")
     with pytest.raises(ConfigError, match=r"run.yaml: not a UTF-8 text file \(byte 0"):
         load_run_config(path)

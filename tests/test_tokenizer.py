@@ -114,6 +114,13 @@ def test_cli_rejects_bad_spec_and_missing_input(tmp_path, capsys):
     assert tokenizer_cli.main(["train", "--input", str(tmp_path), "--spec", str(spec),
                                "--out", str(tmp_path / "t")]) == 1
     assert "vocab_sise" in capsys.readouterr().err
+    for text, message in (("vocab_size: [500\n", 'in "' + str(spec) + '", line 1, column 13'),
+                          ("- 500\n", "must be a mapping of keys to values")):
+        spec.write_text(text)
+        assert tokenizer_cli.main(["train", "--input", str(tmp_path), "--spec", str(spec),
+                                   "--out", str(tmp_path / "t")]) == 1
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
     assert tokenizer_cli.main(["train", "--input", str(tmp_path / "nope.jsonl"),
                                "--out", str(tmp_path / "t")]) == 1
     assert "nope.jsonl" in capsys.readouterr().err

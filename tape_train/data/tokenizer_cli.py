@@ -20,13 +20,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import yaml
-
 from tape_train.data.config import DataError, SourceConfig
 from tape_train.data.formats import SkipLog
 from tape_train.data.sources import SourceCursor
 from tape_train.files import write_atomic
-from tape_train.hints import example_on_missing
+from tape_train.hints import example_on_missing, read_yaml
 from tape_train.progress import setup_cli_logging
 from tape_train.data.tokenizer import (MODEL_TYPES, TokenizerTrainSpec, load_tokenizer,
                                        train_tokenizer)
@@ -88,10 +86,9 @@ def _spec_path(value: str) -> Path:
 def _spec_from_args(args: argparse.Namespace) -> TokenizerTrainSpec:
     values: dict = {}
     if args.spec is not None:
-        try:
-            loaded = yaml.safe_load(args.spec.read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise DataError(f"--spec {args.spec}: cannot read: {exc}") from None
+        loaded = read_yaml(args.spec, DataError)[1] or {}
+        if not isinstance(loaded, dict):
+            raise DataError(f"--spec {args.spec}: must be a mapping of keys to values")
         known = {f.name for f in dataclasses.fields(TokenizerTrainSpec)}
         unknown = sorted(set(loaded) - known)
         if unknown:
