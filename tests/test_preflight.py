@@ -350,3 +350,21 @@ def test_gpus_per_node_alone_plans_one_full_node():
     assert grid("--gpus-per-node", "8", "--nodes", "2").startswith("rank grid: world=16 ")
     assert grid("--gpus-per-node", "8", "--world-size", "4").startswith("rank grid: world=4 ")
     assert grid().startswith("rank grid: world=1 ")                       # this machine
+
+
+@pytest.mark.parametrize("args,hinted", [
+    (["--gpus-per-node", "1"], True),                                    # ZeRO-3 (125m's) on 1 rank
+    (["--gpus-per-node", "2", "parallel.tp=2"], True),                   # dp×sp is still 1
+    (["--gpus-per-node", "2"], False),                                   # controls: dp 2,
+    (["--gpus-per-node", "1", "parallel.zero_stage=1"], False),          # already ZeRO-1,
+    (["--gpus-per-node", "1", "parallel.offload_params=cpu"], False)])   # offload needs ZeRO-3
+def test_zero3_over_one_data_parallel_rank_gets_a_hint(args, hinted):
+    """ZeRO-3 over dp×sp = 1 shards nothing yet gathers every block's parameters each step:
+    the plan says so (a hint among its lines, not a warning: the run is legal)."""
+    rc, out, err = dry_run(["--config", "125m", "--dry-run", "train.synthetic_data=true",
+                            "--gpu-name", "H100", *args])
+    assert rc == 0 and "preflight: ok" in out, err
+    hints = [ln for ln in out.splitlines() if ln.startswith("hint: ZeRO-3 over one rank")]
+    assert len(hints) == int(hinted) and "warning" not in err, (out, err)
+    if hinted:
+        assert "parallel.zero_stage=1 needs about the same memory per rank" in hints[0]

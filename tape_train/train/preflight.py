@@ -196,6 +196,11 @@ def _check_grid(cfg, world_size: int, report: Report):
     report.info(f"rank grid: world={world_size} dp={grid.dp} sp={grid.sp} tp={grid.tp}; "
                 f"ZeRO-{p.zero_stage} partitions over dp×sp={grid.dp * grid.sp}; global batch "
                 f"{global_batch(cfg, grid.dp)} sequences × {cfg.train.seq_len} tokens")
+    if p.zero_stage > 1 and grid.dp * grid.sp == 1 and p.offload_params == "none":
+        report.info(f"hint: ZeRO-{p.zero_stage} over one rank partitions nothing; "
+                    f"parallel.zero_stage=1 needs about the same memory per rank without "
+                    f"ZeRO-{p.zero_stage}'s per-block parameter gathers and partitioning "
+                    f"(less work per step)")
     return grid
 
 
