@@ -13,6 +13,10 @@ process name. Teardown is robust: `stop()` runs from `__exit__` whatever the tes
 the cluster runs, SIGTERM becomes KeyboardInterrupt (so pytest still tears down); and each
 daemon asks the kernel for SIGTERM should the test process die outright (PR_SET_PDEATHSIG).
 /etc/hosts lines left by such a death carry a marker and are removed at the next start.
+One cluster at a time per machine: a second (another pytest on the same machine) would share
+/etc/hosts and the node names; it finds the machine-wide lock (`LOCK_PATH`) held and raises
+`SlurmUnavailable`. /etc/hosts is rewritten in place without truncating it first (our lines
+follow the original bytes, which stay where they are), so no reader ever sees it empty.
 Facts this relies on are recorded in `shared/notes/slurm.md`.
 
 Usage::
@@ -49,9 +53,21 @@ FINAL_JOB_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NO
                               "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
 # Marks our /etc/hosts lines, so lines left by a crashed earlier run can be recognised.
 HOSTS_MARKER = "# tape-train slurm test fixture"
+# Held (flock) while a cluster runs: one per machine.
+LOCK_PATH = Path("/tmp/tape-train-slurm-cluster.lock")
 # Ports for the daemons are drawn from this range; train.sbatch derives MASTER_PORT from the
 # job id in 15000-29999 and the kernel's ephemeral range starts at 32768, so none collide.
 PORT_RANGE = (12000, 14900)
+
+
+def _rewrite_in_place(path: Path, data: bytes) -> None:
+    """Overwrite ``path`` with ``data`` in place (/etc/hosts is often a bind mount: no rename),
+    writing before truncating the rest: the unchanged prefix stays readable throughout."""
+    with open(path, "r+b") as f:
+        f.write(data)
+        f.truncate()
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _load_prctl():
@@ -188,6 +204,7 @@ class SlurmCluster:
         self._hosts_path = Path("/etc/hosts")
         self._started = False
         self._previous_sigterm = None
+        self._lock_file = None
 
     # ----------------------------------------------------------------------------- lifecycle
     def __enter__(self) -> SlurmCluster:
@@ -203,6 +220,7 @@ class SlurmCluster:
             raise SlurmUnavailable("the local Slurm cluster needs root (munged, slurmd run as "
                                    "root and /etc/hosts gets the node names)")
         ensure_slurm_installed(log=self._log)
+        self._take_machine_lock()
         self._started = True
         self._catch_sigterm()
         try:
@@ -234,6 +252,7 @@ class SlurmCluster:
             self._procs.clear()
             self._restore_hosts()
             self._release_sigterm()
+            self._release_machine_lock()
 
     # ----------------------------------------------------------------------------- commands
     @property
@@ -380,10 +399,8 @@ class SlurmCluster:
             base += "\n"
         ours = "".join(f"127.0.1.{k} {name} {HOSTS_MARKER}\n"
                        for k, name in enumerate(self.node_names, start=1))
-        # Write in place (not rename): /etc/hosts is often a bind mount.
         try:
-            with open(self._hosts_path, "w") as f:
-                f.write(base + ours)
+            _rewrite_in_place(self._hosts_path, (base + ours).encode())
         except OSError as exc:
             self._hosts_original = None
             raise SlurmUnavailable(f"cannot add the node names to {self._hosts_path}: {exc}")
@@ -391,9 +408,32 @@ class SlurmCluster:
     def _restore_hosts(self) -> None:
         if self._hosts_original is None:
             return
-        with open(self._hosts_path, "wb") as f:
-            f.write(self._hosts_original)
+        _rewrite_in_place(self._hosts_path, self._hosts_original)
         self._hosts_original = None
+
+    def _take_machine_lock(self) -> None:
+        import fcntl
+
+        f = open(LOCK_PATH, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise SlurmUnavailable(f"another local test cluster runs on this machine ({holder} "
+                                   f"holds {LOCK_PATH}); one at a time: they would share "
+                                   f"/etc/hosts and the node names") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}\n")
+        f.flush()
+        self._lock_file = f
+
+    def _release_machine_lock(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()  # closing releases the flock
+            self._lock_file = None
 
     def _start_munged(self) -> None:
         key = self.workdir / "munge" / "munge.key"
