@@ -202,7 +202,9 @@ def test_a_trainer_that_holds_the_gil_is_not_taken_for_a_stopped_one(tmp_path, c
     (a long C call); that thread ran, so it was not stopped: its phase gets no time back and
     ends at its first wake past the allowance. Without reading the trainer's CPU time (the
     negative control) each late wake counted as a stop, and three 3.5 s calls against a 1 s
-    allowance ran to the end."""
+    allowance ran to the end (on a busy machine a wake may also land in the 10 ms between
+    calls and end it: the control asserts the misreading itself, a late wake taken for a
+    stop)."""
     script = tmp_path / "holds_the_gil.py"
     script.write_text(_HOLDS_THE_GIL)
     proc = subprocess.run([sys.executable, str(script), "on" if cpu_time else "off"],
@@ -212,8 +214,7 @@ def test_a_trainer_that_holds_the_gil_is_not_taken_for_a_stopped_one(tmp_path, c
         assert "did not run" not in proc.stderr, proc.stderr
         assert re.search(r"rank 4 is stuck: step 7 made no progress for [2-9] s", proc.stderr)
     else:
-        assert proc.returncode == 0 and "finished" in proc.stdout, proc.stderr
-        assert "rank 4: this process did not run for" in proc.stderr
+        assert "rank 4: this process did not run for" in proc.stderr, proc.stdout + proc.stderr
 
 
 _MOVING = """
