@@ -355,6 +355,7 @@ def test_gpus_per_node_alone_plans_one_full_node():
 @pytest.mark.parametrize("args,hinted", [
     (["--gpus-per-node", "1"], True),                                    # ZeRO-3 (125m's) on 1 rank
     (["--gpus-per-node", "2", "parallel.tp=2"], True),                   # dp×sp is still 1
+    (["--gpus-per-node", "1", "parallel.zero_stage=2"], True),
     (["--gpus-per-node", "2"], False),                                   # controls: dp 2,
     (["--gpus-per-node", "1", "parallel.zero_stage=1"], False),          # already ZeRO-1,
     (["--gpus-per-node", "1", "parallel.offload_params=cpu"], False)])   # offload needs ZeRO-3
@@ -364,7 +365,10 @@ def test_zero3_over_one_data_parallel_rank_gets_a_hint(args, hinted):
     rc, out, err = dry_run(["--config", "125m", "--dry-run", "train.synthetic_data=true",
                             "--gpu-name", "H100", *args])
     assert rc == 0 and "preflight: ok" in out, err
-    hints = [ln for ln in out.splitlines() if ln.startswith("hint: ZeRO-3 over one rank")]
+    hints = [ln for ln in out.splitlines() if ln.startswith("hint: ZeRO-")]
     assert len(hints) == int(hinted) and "warning" not in err, (out, err)
     if hinted:
         assert "parallel.zero_stage=1 needs about the same memory per rank" in hints[0]
+        stage2 = "parallel.zero_stage=2" in args  # ZeRO-2 gathers no parameters
+        assert ("ZeRO-2's gradient partitioning" if stage2
+                else "ZeRO-3's per-block parameter gathers") in hints[0], hints[0]

@@ -197,10 +197,10 @@ def _check_grid(cfg, world_size: int, report: Report):
                 f"ZeRO-{p.zero_stage} partitions over dp×sp={grid.dp * grid.sp}; global batch "
                 f"{global_batch(cfg, grid.dp)} sequences × {cfg.train.seq_len} tokens")
     if p.zero_stage > 1 and grid.dp * grid.sp == 1 and p.offload_params == "none":
+        work = "per-block parameter gathers" if p.zero_stage == 3 else "gradient partitioning"
         report.info(f"hint: ZeRO-{p.zero_stage} over one rank partitions nothing; "
                     f"parallel.zero_stage=1 needs about the same memory per rank without "
-                    f"ZeRO-{p.zero_stage}'s per-block parameter gathers and partitioning "
-                    f"(less work per step)")
+                    f"ZeRO-{p.zero_stage}'s {work} (less work per step)")
     return grid
 
 
