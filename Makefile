@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Two pytest workers, a module at a time each, longest modules first (tests/conftest.py): the
+# modules that mostly wait out timeouts run beside the ones that compute. TEST_WORKERS=0: one
+# process, as plain `pytest` runs.
+TEST_WORKERS ?= 2
 
 .PHONY: install test demo bench gpu-report extrapolation clean
 
@@ -17,7 +21,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	bash launch/demo.sh

@@ -7,6 +7,24 @@ import pytest
 from tape_train.data.testing import train_small_tokenizer
 
 
+def pytest_collection_modifyitems(items):
+    """Order whole modules longest first, so that ``make test``'s two workers (pytest-xdist,
+    ``--dist loadfile``: one module at a time per worker, taken in this order) end close
+    together: modules marked ``waits`` (most of their time spent waiting out timeouts, beside
+    which the other worker computes), then those with a ``slow`` test, then the rest. Each group
+    keeps the collection order, and each module the order of its tests."""
+    modules: dict = {}
+    for item in items:
+        modules.setdefault(item.module, []).append(item)
+
+    def rank(tests) -> int:
+        if any(test.get_closest_marker("waits") for test in tests):
+            return 0
+        return 1 if any(test.get_closest_marker("slow") for test in tests) else 2
+
+    items[:] = [test for tests in sorted(modules.values(), key=rank) for test in tests]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _temp_files_inside_pytest_basetemp(tmp_path_factory):
     """Point TMPDIR (this process's and every child's) into pytest's own temporary directory,

@@ -65,7 +65,7 @@ from tape_train.train.run_lock import LOCK_NAME  # noqa: E402
 
 REPO_ROOT = Path(tape_train.__file__).resolve().parents[1]
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.waits, pytest.mark.timeout(300)]
 
 NUM_NODES = 4
 CPUS_PER_NODE = 2

@@ -42,6 +42,7 @@ from test_train_faults import OVERRIDES as FAULTS_OVERRIDES  # the tiny 2-rank m
 from test_train_resume import _descendants
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.waits
 
 
 def _env(*first: Path, **extra: str) -> dict[str, str]:
