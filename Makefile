@@ -5,9 +5,11 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# Two pytest workers, a module at a time each, longest modules first (tests/conftest.py): the
-# modules that mostly wait out timeouts run beside the ones that compute. TEST_WORKERS=0: one
-# process, as plain `pytest` runs.
+# `make test`: the suite in two pytest workers (pytest-xdist, a module at a time each, longest
+# first: tests/conftest.py), the modules that mostly wait out timeouts beside the ones that
+# compute; then the modules marked `alone` (timing tests with seconds-long allowances) in one
+# process, with the machine to themselves. Fails if either part fails; one part that selects
+# no test (exit 5) is not a failure, both are. TEST_WORKERS=0: the first part in one process.
 TEST_WORKERS ?= 2
 
 .PHONY: install test demo bench gpu-report extrapolation clean
@@ -21,7 +23,12 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	@rc=0; none=0; echo "== the suite, $(TEST_WORKERS) workers (the tests marked 'alone' follow) =="; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m 'not alone' \
+		$(PYTEST_ARGS) || { code=$$?; [ $$code -eq 5 ] && none=1 || rc=$$code; }; \
+	echo "== the tests that run alone (marked 'alone') =="; \
+	$(PY) -m pytest -m alone $(PYTEST_ARGS) || { code=$$?; [ $$code -eq 5 ] && [ $$none -eq 0 ] || rc=$$code; }; \
+	exit $$rc
 
 demo: $(STAMP)
 	bash launch/demo.sh

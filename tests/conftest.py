@@ -12,7 +12,8 @@ def pytest_collection_modifyitems(items):
     ``--dist loadfile``: one module at a time per worker, taken in this order) end close
     together: modules marked ``waits`` (most of their time spent waiting out timeouts, beside
     which the other worker computes), then those with a ``slow`` test, then the rest. Each group
-    keeps the collection order, and each module the order of its tests."""
+    keeps the collection order, and each module the order of its tests. (Modules marked
+    ``alone`` are not in that part: ``make test`` runs them afterwards in one process.)"""
     modules: dict = {}
     for item in items:
         modules.setdefault(item.module, []).append(item)
