@@ -95,6 +95,34 @@ def test_partial_output_is_never_taken_as_complete(tmp_path):
     assert read_complete_manifest(out) is None  # size mismatch
 
 
+def test_a_prepared_shard_cut_short_is_refused_not_read_in_part(tmp_path):
+    """A prepared directory whose shard is not its listed size (a copy cut short) is refused
+    where its shards are resolved — training, held-out reading — naming the shard, instead of
+    training on what is left of it (an empty or frame-aligned cut reads as valid zstd)."""
+    from tape_train.data.config import DataError
+
+    write_jsonl(tmp_path / "in" / "a.jsonl", real_text_documents(60))
+    out = tmp_path / "out"
+    assert _prepare_input(tmp_path, None, out) == 0
+    tok = train_small_tokenizer(tmp_path / "tok", vocab_size=500, max_bytes=200_000)
+    cfg = DataConfig(sources=[str(out)], prefetch=0)
+    # negative control: the directory as written trains and yields its held-out split
+    assert next(build_train_loader(cfg, tok, 32, 2))["input_ids"].shape == (2, 32)
+    assert next(iter_eval_documents(cfg, tok))
+    for name in ("train-00002-of-00004.jsonl.zst", "eval-00000-of-00001.jsonl.zst"):
+        shard = out / name
+        intact = shard.read_bytes()
+        shard.write_bytes(b"")
+        pattern = (rf"manifest.json: shard '{name}' is 0 bytes, but the manifest lists "
+                   rf"{len(intact)}: the directory is incomplete or damaged")
+        with pytest.raises(DataError, match=pattern):
+            if name.startswith("train"):
+                build_train_loader(cfg, tok, 32, 2)
+            else:
+                next(iter_eval_documents(cfg, tok))
+        shard.write_bytes(intact)
+
+
 def test_a_prepare_killed_before_its_manifest_is_refused_not_read_as_raw_text(tmp_path,
                                                                                monkeypatch):
     from tape_train.data import corpus

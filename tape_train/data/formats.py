@@ -160,19 +160,27 @@ def _missing_hint(path: Path) -> str:
 def manifest_shard_paths(directory: Path, split: str,
                          frames: dict | None = None) -> list[Path]:
     """Shard files of one split listed in ``directory/manifest.json``; their zstd frame
-    indexes (where the manifest has them) are added to ``frames`` by path."""
+    indexes (where the manifest has them) are added to ``frames`` by path. A listed shard
+    that is missing or not of its listed size (an interrupted copy, a truncated file) is an
+    error: the completeness rule of ``read_complete_manifest``, naming the shard."""
     manifest_path = directory / MANIFEST_NAME
     try:
         manifest = json.loads(manifest_path.read_text())
         entries = [s for s in manifest["shards"] if s["split"] == split]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        listed = [int(entry["file_bytes"]) for entry in entries]
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise DataError(f"{manifest_path}: not a valid tape-data manifest ({exc})") from None
     paths = []
-    for entry in entries:
+    for entry, size in zip(entries, listed):
         path = directory / entry["path"]
         if not path.is_file():
             raise DataError(f"{manifest_path}: listed shard {entry['path']!r} is missing; "
                             f"re-run `tape-data prepare`")
+        if path.stat().st_size != size:
+            raise DataError(f"{manifest_path}: shard {entry['path']!r} is "
+                            f"{path.stat().st_size} bytes, but the manifest lists {size}: the "
+                            f"directory is incomplete or damaged (a copy cut short?); copy it "
+                            f"again or re-run `tape-data prepare`")
         paths.append(path)
         if frames is not None and entry.get("frames"):
             frames[path] = tuple((int(o), int(r)) for o, r in entry["frames"])
