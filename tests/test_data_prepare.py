@@ -483,3 +483,39 @@ def test_prepare_hub_without_network_says_what_to_do(tmp_path, monkeypatch, caps
     assert err.startswith("tape-data: error: --hub: cannot open dataset 'org/corpus'")
     assert "No connection to the Hub" in err and "HF_HUB_OFFLINE=1" in err
     assert not (tmp_path / "o" / "manifest.json").exists()
+
+
+def test_out_inside_an_input_directory_is_refused(tmp_path, capsys):
+    """`--out` that is, or lies inside, an `--input` directory is refused before anything is
+    written: a later prepare of that input would read the shards (the held-out split too)."""
+    write_jsonl(tmp_path / "in" / "a.jsonl", real_text_documents(30))
+    for out, where in ((tmp_path / "in", "is"), (tmp_path / "in" / "sub" / "prep", "lies inside")):
+        assert _prepare_input(tmp_path, None, out) == 1
+        err = capsys.readouterr().err
+        assert f"tape-data: error: --out {out} {where} the --input directory" in err
+        assert "write --out outside" in err
+    assert sorted(p.name for p in (tmp_path / "in").rglob("*")) == ["a.jsonl"]
+    # negative control: beside the input, the same prepare is written
+    assert _prepare_input(tmp_path, None, tmp_path / "out") == 0
+    assert read_complete_manifest(tmp_path / "out") is not None
+
+
+def test_a_prepared_directory_inside_a_raw_source_directory_is_refused(tmp_path):
+    """A source directory holding a prepared directory would read its shards as raw files, the
+    held-out split as training text: refused, naming the prepared directory."""
+    from tape_train.data.config import DataError, SourceConfig
+    from tape_train.data.formats import resolve_local_shards
+
+    write_jsonl(tmp_path / "in" / "a.jsonl", real_text_documents(30))
+    prepared = tmp_path / "corpora" / "mine"
+    assert _prepare_input(tmp_path, None, prepared) == 0
+    write_jsonl(tmp_path / "corpora" / "raw.jsonl", ["a raw document"])
+    source = SourceConfig(path=str(tmp_path / "corpora"), key="data.sources[0]")
+    with pytest.raises(DataError, match=rf"data.sources\[0\].path: directory '.*corpora' holds "
+                                        rf"the prepared directory '{prepared}', which would be "
+                                        rf"read as raw files, its held-out eval split"):
+        resolve_local_shards(source)
+    # negative control: the prepared directory named itself gives its training shards
+    shards = resolve_local_shards(SourceConfig(path=str(prepared), key="data.sources[0]"))
+    assert sorted(Path(s.path).name for s in shards) == [
+        f"train-0000{i}-of-00004.jsonl.zst" for i in range(4)]

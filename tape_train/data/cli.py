@@ -134,6 +134,23 @@ def _local_documents(inputs: list[str], text_field: str,
     return documents, identity
 
 
+def _check_out_outside_inputs(inputs: list[str], out: Path) -> None:
+    """``--out`` may not be, or lie inside, an ``--input`` directory: a later run (``--force``,
+    other options) would read what this one writes there as its input — the held-out split
+    as training text, or the manifest's training shards in place of the raw files."""
+    target = out.resolve()
+    for pattern in inputs:
+        directory = Path(pattern)
+        if not directory.is_dir():
+            continue
+        if target == directory.resolve() or directory.resolve() in target.parents:
+            where = "is" if target == directory.resolve() else "lies inside"
+            raise DataError(f"--out {out} {where} the --input directory {pattern!r}: a later "
+                            f"prepare of that input (--force, other options) would read what "
+                            f"this one writes there, held-out split included, in place of or "
+                            f"beside the raw files; write --out outside {pattern!r}")
+
+
 def _hub_source(args: argparse.Namespace) -> SourceConfig | None:
     """The source of ``--hub`` and its flags (None without ``--hub``)."""
     if args.hub is None:
@@ -196,6 +213,8 @@ def _hub_records(source: SourceConfig, dataset, shards, skip_bad: bool, bar,
 def _prepare(args: argparse.Namespace) -> int:
     out = Path(args.out)
     hub = _hub_source(args)
+    if args.input:
+        _check_out_outside_inputs(args.input, out)
     if args.demo:
         config = {"demo": True}
     elif hub is not None:

@@ -118,6 +118,14 @@ def resolve_local_shards(source: SourceConfig, split: str = "train") -> list[Sha
                 continue
             files = sorted(f for f in p.rglob("*") if f.is_file() and classify(f)
                            and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            nested = sorted({f.parent for f in files if (f.parent / MANIFEST_NAME).is_file()})
+            if nested:
+                raise DataError(
+                    f"{key}: directory {pattern!r} holds the prepared directory "
+                    f"{str(nested[0])!r}{' (and more)' if len(nested) > 1 else ''}, which would "
+                    f"be read as raw files, its held-out eval split and any unfinished shards "
+                    f"included; name the prepared directory itself as the path (its training "
+                    f"shards), and keep it outside directories given as raw input")
             unfinished = [f.name for f in files if PREPARED_SHARD.fullmatch(f.name)]
             if unfinished:
                 raise DataError(
