@@ -519,3 +519,26 @@ def test_a_prepared_directory_inside_a_raw_source_directory_is_refused(tmp_path)
     shards = resolve_local_shards(SourceConfig(path=str(prepared), key="data.sources[0]"))
     assert sorted(Path(s.path).name for s in shards) == [
         f"train-0000{i}-of-00004.jsonl.zst" for i in range(4)]
+
+
+def test_the_held_out_split_named_as_training_files_is_refused(tmp_path):
+    """A glob or file naming a prepared directory's eval shard as training text (the held-out
+    documents evaluation scores) is refused; as an eval source it is read."""
+    from tape_train.data.config import DataError
+
+    write_jsonl(tmp_path / "in" / "a.jsonl", real_text_documents(60))
+    out = tmp_path / "out"
+    assert _prepare_input(tmp_path, None, out) == 0
+    tok = train_small_tokenizer(tmp_path / "tok", vocab_size=500, max_bytes=200_000)
+    eval_shard = out / "eval-00000-of-00001.jsonl.zst"
+    for path in (str(out / "*.jsonl.zst"), str(eval_shard)):
+        with pytest.raises(DataError, match=rf"data.sources\[0\].path: '{eval_shard}' is the "
+                                            rf"held-out \(eval\) split of the prepared directory"):
+            build_train_loader(DataConfig(sources=[path], prefetch=0), tok, 32, 2)
+    # negative controls: its train-* shards train; its eval shard is a valid eval source
+    cfg = DataConfig(sources=[str(out / "train-*.jsonl.zst")], eval_sources=[str(eval_shard)],
+                     prefetch=0)
+    assert next(build_train_loader(cfg, tok, 32, 2))["input_ids"].shape == (2, 32)
+    held = list(iter_eval_documents(cfg, tok))
+    assert held and len(held) == json.loads((out / "manifest.json").read_text())[
+        "splits"]["eval"]["documents"]

@@ -145,12 +145,26 @@ def resolve_local_shards(source: SourceConfig, split: str = "train") -> list[Sha
             found.append(p)
         else:
             raise DataError(f"{key}: no such file or directory {pattern!r}{_missing_hint(p)}")
+    if split == "train":
+        held_out = [f for f in found if _is_held_out_shard(f)]
+        if held_out:
+            raise DataError(
+                f"{key}: {str(held_out[0])!r} is the held-out (eval) split of the prepared "
+                f"directory {str(held_out[0].parent)!r}; reading it as training text would "
+                f"train on the documents evaluation scores. Name the directory itself (its "
+                f"training shards), or select only its train-* shards")
     shards = []
     for f in found:
         kind, compression = classify(f)
         shards.append(Shard(kind, str(f), compression, f.stat().st_size,
                             frames=frames.get(f, ())))
     return shards
+
+
+def _is_held_out_shard(path: Path) -> bool:
+    """An eval shard of a prepared directory (named so, beside its manifest)."""
+    return (path.name.startswith("eval-") and bool(PREPARED_SHARD.fullmatch(path.name))
+            and (path.parent / MANIFEST_NAME).is_file())
 
 
 def _missing_hint(path: Path) -> str:
