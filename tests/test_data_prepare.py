@@ -93,6 +93,9 @@ def test_partial_output_is_never_taken_as_complete(tmp_path):
     (out / "manifest.json").write_text('{"format": "tape-data/1", "shards": [{"path": '
                                        '"train-00000-of-00004.jsonl.zst", "file_bytes": 999}]}')
     assert read_complete_manifest(out) is None  # size mismatch
+    for damaged in ("[]", '{"format": "tape-data/1", "shards": [], "tokens": [1]}'):
+        (out / "manifest.json").write_text(damaged)  # valid JSON, not a manifest: no traceback
+        assert read_complete_manifest(out) is None
 
 
 def test_a_prepared_shard_cut_short_is_refused_not_read_in_part(tmp_path):

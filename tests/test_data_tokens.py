@@ -217,6 +217,32 @@ def test_token_loader_mismatches_are_errors(prepared, tok, tmp_path):
         DataConfig(format="tokenz")
 
 
+@pytest.mark.parametrize("edit, match", [
+    (lambda t: t.update(dtype="int8"), r"tokens.dtype 'int8' is not a token dtype"),
+    (lambda t: t.update(dtype="foo"), r"tokens.dtype 'foo' is not a token dtype"),
+    (lambda t: t.update(vocab_size=100_000), r"tokens.vocab_size 100000 does not go with"),
+    (lambda t: t["shards"][1].update(tokens=t["shards"][1]["tokens"] + 7),
+     r"tokens.shards\[1\] \('train-00001-of-00003.tokens'\) lists \d+ tokens of 2 bytes but "
+     r"file_bytes \d+"),
+    (lambda t: t["shards"][0].update(tokens=None), r"tokens.shards\[0\] .* lists None tokens"),
+])
+def test_an_edited_token_index_is_refused_naming_the_entry(prepared, tok, tmp_path, edit, match):
+    """A manifest whose `tokens` section disagrees with itself (edited by hand, damaged) is a
+    one-line error naming the source, the manifest and the entry, before any block is read —
+    not a numpy traceback, ids read in the wrong width, or blocks cut at shifted offsets."""
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(prepared["out"], out)
+    cfg = DataConfig(sources=[str(out)], tokenizer=tok.path, format="tokens")
+    next(build_train_loader(cfg, tok, SEQ, 2))  # negative control: the copy as written
+    manifest = json.loads((out / "manifest.json").read_text())
+    edit(manifest["tokens"])
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=rf"data.sources\[0\].path: .*manifest.json: {match}"):
+        build_train_loader(cfg, tok, SEQ, 2)
+
+
 def test_trainer_allows_a_dp_change_with_token_data():
     """The trainer's layout check (train/relayout.py) accepts a data-parallel change for
     data.format=tokens, whose stream is independent of dp, and still refuses it for text

@@ -530,6 +530,6 @@ def read_complete_manifest(out_dir: Path) -> dict | None:
             f = Path(out_dir) / shard["path"]
             if not f.is_file() or f.stat().st_size != shard["file_bytes"]:
                 return None
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
         return None
     return manifest

@@ -110,6 +110,7 @@ def read_token_manifest(directory: Path, key: str) -> dict:
         raise DataError(f"{key}: {directory} was prepared without --tokenize (no token shards); "
                         f"re-run `tape-data prepare ... --tokenize --tokenizer MODEL`, or use "
                         f"data.format=text")
+    _check_token_index(tokens, Path(directory) / MANIFEST_NAME, key)
     for shard in tokens["shards"]:
         path = Path(directory) / shard["path"]
         if not path.is_file() or path.stat().st_size != shard["file_bytes"]:
@@ -117,6 +118,31 @@ def read_token_manifest(directory: Path, key: str) -> dict:
                             f"missing or not {shard['file_bytes']} bytes; re-run `tape-data "
                             f"prepare --tokenize`")
     return tokens
+
+
+def _check_token_index(tokens: dict, manifest: Path, key: str) -> None:
+    """The ``tokens`` section agrees with itself as ``TokenShardWriter.close`` writes it: a
+    dtype it writes, wide enough for the vocabulary, and per shard ``tokens × itemsize ==
+    file_bytes`` (else blocks would be cut at the wrong offsets or ids misread). A manifest
+    edited by hand or damaged is a ``DataError`` naming the manifest and the entry."""
+    fix = "re-run `tape-data prepare --tokenize` (the manifest was edited or damaged)"
+    where = f"{key}: {manifest}"
+    dtype, vocab = tokens.get("dtype"), tokens.get("vocab_size")
+    if dtype not in ("<u2", "<u4"):
+        raise DataError(f"{where}: tokens.dtype {dtype!r} is not a token dtype `tape-data "
+                        f"prepare` writes ('<u2' or '<u4'); {fix}")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) \
+            or np.dtype(dtype) != token_dtype(max(vocab, 1)):
+        raise DataError(f"{where}: tokens.vocab_size {vocab!r} does not go with tokens.dtype "
+                        f"{dtype!r}; {fix}")
+    itemsize = np.dtype(dtype).itemsize
+    for i, shard in enumerate(tokens.get("shards") or []):
+        count, size = shard.get("tokens"), shard.get("file_bytes")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                   for v in (count, size)) or count * itemsize != size:
+            raise DataError(f"{where}: tokens.shards[{i}] ({shard.get('path')!r}) lists "
+                            f"{count!r} tokens of {itemsize} bytes but file_bytes {size!r}; "
+                            f"{fix}")
 
 
 _M64 = (1 << 64) - 1
