@@ -170,6 +170,45 @@ def test_prepare_bad_input_is_an_error(tmp_path, capsys):
                           "--out", str(tmp_path / "o")]) == 0
 
 
+def test_bad_input_errors_of_the_commands_name_their_flags(tmp_path, capsys):
+    """`tape-data prepare` and `tape-tokenizer train` have flags, not config keys: their
+    bad-record errors say `--skip-bad-records` / `--text-field`; the training loader's still
+    say `data.skip_bad_records` (negative control)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tape_train.data.config import DataError
+
+    bad = tmp_path / "in" / "a.jsonl"
+    bad.parent.mkdir()
+    bad.write_text('{"text": "a fine document"}\n{"text": "unterminated\n')
+    no_column = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"body": ["x"]}), no_column)
+    runs = [(data_cli.main, ["prepare", "--input", str(bad), "--out", str(tmp_path / "o")]),
+            (tokenizer_cli.main, ["train", "--input", str(bad), "--out", str(tmp_path / "t")])]
+    for main, args in runs:
+        capsys.readouterr()
+        assert main(args) == 1
+        err = capsys.readouterr().err
+        assert (f"{bad}:2: malformed JSON: Unterminated string starting at: column 10 (add "
+                f"--skip-bad-records to skip and count such records instead)") in err
+        assert "data.skip_bad_records" not in err
+    assert data_cli.main(["prepare", "--input", str(no_column), "--out",
+                          str(tmp_path / "o2")]) == 1
+    assert ("Parquet file has no column 'text' (columns: body); pass --text-field NAME"
+            in capsys.readouterr().err)
+    tok = train_small_tokenizer(tmp_path / "tok", vocab_size=500, max_bytes=200_000)
+    with pytest.raises(DataError, match=r"a.jsonl:2: malformed JSON: .*\(set "
+                                        r"data.skip_bad_records=true to skip"):
+        next(build_train_loader(DataConfig(sources=[str(bad)], prefetch=0), tok, 32, 1))
+    listed = write_jsonl(tmp_path / "l.jsonl", ["a fine document"])
+    with open(listed, "a") as fh:
+        fh.write("[1, 2]\n")
+    with pytest.raises(DataError, match=r"l.jsonl:2: missing text field: record is a JSON "
+                                        r"list, not an object with field 'text'"):
+        next(build_train_loader(DataConfig(sources=[str(listed)], prefetch=0), tok, 32, 1))
+
+
 def _apt_reaches_archive() -> str | None:
     if not all(shutil.which(t) for t in ("apt-get", "apt-cache", "dpkg-deb")):
         return "apt-get/apt-cache/dpkg-deb not installed (not a Debian/Ubuntu machine)"

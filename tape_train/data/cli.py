@@ -119,7 +119,7 @@ def _local_documents(inputs: list[str], text_field: str,
 
     def documents(position: list | None) -> Iterator[tuple[dict, list]]:
         first, start = position or (0, 0)
-        skips = SkipLog()
+        skips = SkipLog(flags=True)
         log.info("prepare: reading %d file(s)%s", len(shards),
                  f", from record {start} of {shards[first].path}" if position else "")
         for i in range(first, len(shards)):
@@ -175,7 +175,7 @@ def _hub_documents(source: SourceConfig, dataset, skip_bad: bool, bar) -> Docume
 def _hub_records(source: SourceConfig, dataset, shards, skip_bad: bool, bar,
                  position: list | None) -> Iterator[tuple[dict, list]]:
     first, start = position or (0, 0)
-    skips = SkipLog()
+    skips = SkipLog(flags=True)
     started = time.monotonic()
     documents = text_bytes = 0
     log.info("prepare: streaming %s: %d file(s)%s", source.hub, len(shards),

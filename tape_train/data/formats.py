@@ -45,12 +45,18 @@ def prepared_shard_name(split: str, index: int, count: int) -> str:
 
 class SkipLog:
     """Counts skipped records per reason and logs them (the first few in full with file:line,
-    then every 1000th), so skipping is never silent."""
+    then every 1000th), so skipping is never silent. ``flags``: the records come from a
+    command line (``tape-data``, ``tape-tokenizer``), so errors name its flags
+    (``--skip-bad-records``, ``--text-field``) instead of the config keys."""
 
     FULL_LOGS_PER_REASON = 10
 
-    def __init__(self) -> None:
+    def __init__(self, flags: bool = False) -> None:
         self.counts: Counter[str] = Counter()
+        self.skip_option = ("add --skip-bad-records" if flags
+                            else "set data.skip_bad_records=true")
+        self.text_field_option = ("pass --text-field NAME" if flags
+                                  else "set the source's text_field")
 
     def skip(self, reason: str, where: str, detail: str = "") -> None:
         self.counts[reason] += 1
@@ -300,17 +306,20 @@ def read_documents(shard: Shard, start: int, text_field: str, skip_bad: bool,
 
 def _bad(skip_bad: bool, skips: SkipLog, reason: str, where: str, detail: str) -> None:
     if not skip_bad:
-        raise DataError(f"{where}: {reason}: {detail} (set data.skip_bad_records=true to skip "
-                        f"and count such records instead)")
+        raise DataError(f"{where}: {reason}: {detail} ({skips.skip_option} to skip and "
+                        f"count such records instead)")
     skips.skip(reason, where, detail)
 
 
 def _check_text(text: object, where: str, text_field: str, record: object, skip_bad: bool,
                 skips: SkipLog) -> str | None:
     if text is _MISSING:
-        fields = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
-        _bad(skip_bad, skips, "missing text field", where,
-             f"record has no field {text_field!r} (it has: {fields})")
+        if isinstance(record, dict):
+            detail = f"record has no field {text_field!r} (it has: {', '.join(sorted(record))})"
+        else:
+            detail = (f"record is a JSON {type(record).__name__}, not an object with field "
+                      f"{text_field!r}")
+        _bad(skip_bad, skips, "missing text field", where, detail)
         return None
     if not isinstance(text, str):
         _bad(skip_bad, skips, "text not a string", where,
@@ -351,7 +360,7 @@ def _read_jsonl(shard: Shard, start: int, text_field: str, skip_bad: bool,
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 _bad(skip_bad, skips, "malformed JSON", where,
-                     f"{exc.msg} at column {exc.colno}")
+                     f"{exc.msg}: column {exc.colno}")
                 continue
             value = record.get(text_field, _MISSING) if isinstance(record, dict) else _MISSING
             text = _check_text(value, where, text_field, record, skip_bad, skips)
@@ -397,7 +406,7 @@ def _read_parquet(shard: Shard, start: int, text_field: str, skip_bad: bool,
     names = pf.schema_arrow.names
     if text_field not in names:
         raise DataError(f"{shard.path}: Parquet file has no column {text_field!r} "
-                        f"(columns: {', '.join(names)}); set the source's text_field")
+                        f"(columns: {', '.join(names)}); {skips.text_field_option}")
     if pf.metadata.num_rows == 0:
         skips.skip("empty file", shard.path)
         return

@@ -107,7 +107,7 @@ def one_pass_documents(inputs: list[str], text_field: str, seed: int,
     """One seeded pass (shard order shuffled, 1024-document windows shuffled) over inputs."""
     cursor = SourceCursor(SourceConfig(path=inputs, text_field=text_field, key="--input"),
                           index=0, seed=seed, shuffle=True, window_size=1024,
-                          eval_fraction=0.0, skip_bad=skip_bad, skips=SkipLog())
+                          eval_fraction=0.0, skip_bad=skip_bad, skips=SkipLog(flags=True))
     while True:
         text = cursor.next_document()
         if cursor.epoch > 0:
