@@ -445,3 +445,37 @@ def test_a_checkpoint_that_fails_to_save_is_not_named_as_the_one_to_resume(
     if failing > 1:
         assert f"checkpoint {failing - 1}\n" in caplog.text + "\n"
     assert _files(out) == reference
+
+
+def test_training_on_an_unfinished_prepare_names_it(tmp_path, corpus, tok):
+    """A directory whose prepare was killed (or is still running) is refused as a corpus, in
+    both formats, with what is going on in it — not only "holds no supported files"."""
+    import json
+
+    from tape_train.data import DataConfig, DataError, build_train_loader
+    from tape_train.data.prepare_scratch import OWNER_NAME
+    from tape_train.data.tokens import read_token_manifest
+    from tape_train.files import process_start
+
+    out = tmp_path / "out"
+    _killed(_prepare(out, "--input", str(corpus), *OPTIONS, kill_at="checkpoint-1"))
+    scratch, = out.glob(f"{RESUME_PREFIX}*")
+    note = (rf"it holds the scratch of an unfinished `tape-data prepare` \({scratch.name}, "
+            rf"interrupted at checkpoint 1: re-running it with its options resumes it\)")
+    with pytest.raises(DataError, match=rf"holds no supported files .*; {note}"):
+        build_train_loader(DataConfig(sources=[str(out)], prefetch=0), tok, 32, 2)
+    with pytest.raises(DataError, match=rf"not a complete prepared directory .*; {note}"):
+        read_token_manifest(out, "data.sources[0].path")
+    owner = json.loads((scratch / OWNER_NAME).read_text())
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (scratch / OWNER_NAME).write_text(json.dumps(
+            {**owner, "pid": alive.pid, "pid_start": process_start(alive.pid)}))
+        with pytest.raises(DataError, match=rf"still running \(pid {alive.pid}\)"):
+            build_train_loader(DataConfig(sources=[str(out)], prefetch=0), tok, 32, 2)
+    finally:
+        alive.kill()
+        alive.wait()
+    # negative control: finished, the directory is a corpus
+    _finished(_prepare(out, "--input", str(corpus), *OPTIONS))
+    assert next(build_train_loader(DataConfig(sources=[str(out)], prefetch=0), tok, 32, 2))

@@ -141,8 +141,11 @@ def resolve_local_shards(source: SourceConfig, split: str = "train") -> list[Sha
                     f"eval split would be read as training data; re-run the `tape-data "
                     f"prepare` that writes it")
             if not files:
+                from tape_train.data.prepare_scratch import unfinished_prepare_note
+
                 raise DataError(f"{key}: directory {pattern!r} holds no supported files "
-                                f"(.jsonl/.ndjson[.gz|.zst], .parquet, .txt/.md/.rst[.gz|.zst])")
+                                f"(.jsonl/.ndjson[.gz|.zst], .parquet, .txt/.md/.rst[.gz|.zst])"
+                                f"{unfinished_prepare_note(p)}")
             found.extend(files)
         elif p.is_file():
             if not classify(p):

@@ -325,3 +325,23 @@ def _live_owner(directory: Path) -> int | None:
     if recorded is not None and process_start(pid) not in (None, recorded):
         return None  # the pid was reused (the owner died, perhaps before a reboot)
     return pid
+
+
+def unfinished_prepare_note(out: Path) -> str:
+    """For a directory read as a corpus that has no manifest: what an unfinished prepare left
+    in it (its scratch), or "" if none — the error then says to finish that prepare rather
+    than that the directory holds no data."""
+    scratch = sorted(p for p in Path(out).glob(f"{SCRATCH_PREFIX}*") if p.is_dir())
+    if not scratch:
+        return ""
+    owner = _live_owner(scratch[0])
+    state = _checkpointed(scratch[0])
+    if owner is not None:
+        status = f"still running (pid {owner})"
+    elif state is not None:
+        status = (f"interrupted at checkpoint {state.get('checkpoint')}: re-running it with its "
+                  f"options resumes it")
+    else:
+        status = "interrupted before its first checkpoint: re-running it starts it over"
+    return (f"; it holds the scratch of an unfinished `tape-data prepare` ({scratch[0].name}, "
+            f"{status}); use the directory once that prepare has finished")

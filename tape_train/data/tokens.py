@@ -102,9 +102,11 @@ def read_token_manifest(directory: Path, key: str) -> dict:
 
     manifest = read_complete_manifest(directory)
     if manifest is None:
+        from tape_train.data.prepare_scratch import unfinished_prepare_note
+
         raise DataError(f"{key}: {directory} is not a complete prepared directory (no valid "
                         f"{MANIFEST_NAME}, or a listed shard is missing or has the wrong size); "
-                        f"run `tape-data prepare --tokenize`")
+                        f"run `tape-data prepare --tokenize`{unfinished_prepare_note(directory)}")
     tokens = manifest.get("tokens")
     if not tokens:
         raise DataError(f"{key}: {directory} was prepared without --tokenize (no token shards); "
