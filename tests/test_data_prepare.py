@@ -525,6 +525,13 @@ def test_prepare_hub_without_network_says_what_to_do(tmp_path, monkeypatch, caps
     assert err.startswith("tape-data: error: --hub: cannot open dataset 'org/corpus'")
     assert "No connection to the Hub" in err and "HF_HUB_OFFLINE=1" in err
     assert not (tmp_path / "o" / "manifest.json").exists()
+    # Already offline (HF_HUB_OFFLINE set): the cache lacks it; not "set HF_HUB_OFFLINE=1" again.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert data_cli.main(["prepare", "--hub", "org/corpus", "--out", str(tmp_path / "o"),
+                          "--progress", "off"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ("HF_HUB_OFFLINE is set and the Hugging Face cache holds no copy of 'org/corpus'"
+            in err) and "set HF_HUB_OFFLINE=1" not in err
 
 
 def test_out_inside_an_input_directory_is_refused(tmp_path, capsys):

@@ -19,6 +19,7 @@ import glob
 import gzip
 import json
 import logging
+import os
 import re
 from collections import Counter
 from collections.abc import Iterator
@@ -461,10 +462,7 @@ def open_hub_dataset(source: SourceConfig):
         raise DataError(f"{source.field_key('hub')}: cannot open dataset {source.hub!r} "
                         f"(config={source.config!r}, split={source.split!r}): "
                         f"{type(exc).__name__}: {str(exc)[:300]}"
-                        + (". No connection to the Hub: prepare the corpus where the Hub is "
-                           "reachable (`tape-data prepare --hub`, docs/data.md) and train from "
-                           "the prepared directory, or set HF_HUB_OFFLINE=1 to read what the "
-                           "Hugging Face cache already holds" if offline else "")) from None
+                        + (_offline_hint(source) if offline else "")) from None
     fields = list(ds.features) if ds.features is not None else None
     if fields is not None and source.text_field not in fields:
         raise DataError(f"{source.field_key('text_field')}: dataset {source.hub!r} has no field "
@@ -473,6 +471,19 @@ def open_hub_dataset(source: SourceConfig):
              "revision": builder.hash if getattr(builder, "repo_id", None) else None,
              "fingerprint": builder.config_id, "files": ds.n_shards, "fields": fields}
     return ds, facts
+
+
+def _offline_hint(source: SourceConfig) -> str:
+    """What to do when the Hub cannot be reached: with HF_HUB_OFFLINE already set, the cache
+    simply lacks the dataset (suggesting the variable again would send the user in a circle)."""
+    prepare = ("prepare the corpus where the Hub is reachable (`tape-data prepare --hub`, "
+               "docs/data.md) and train from the prepared directory")
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+        return (f". HF_HUB_OFFLINE is set and the Hugging Face cache holds no copy of "
+                f"{source.hub!r} with this config and split: {prepare}, or fill the cache "
+                f"where the Hub is reachable (same HF_HOME)")
+    return (f". No connection to the Hub: {prepare}, or set HF_HUB_OFFLINE=1 to read what the "
+            f"Hugging Face cache already holds")
 
 
 def hub_shards(source: SourceConfig, min_shards: int = 1, row_groups: bool = True,
