@@ -125,3 +125,23 @@ def test_cli_rejects_bad_spec_and_missing_input(tmp_path, capsys):
                                "--out", str(tmp_path / "t")]) == 1
     assert "nope.jsonl" in capsys.readouterr().err
     assert tokenizer_cli.main(["info", str(tmp_path / "missing.model")]) == 1
+
+
+def test_a_vocabulary_size_the_text_cannot_fill_is_one_line_naming_the_option(tmp_path, capsys):
+    """sentencepiece refuses a vocabulary larger than the text yields, or smaller than its
+    alphabet, in C++ check text; the CLI says which option, the bound and what to change."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", real_text_documents(20))
+    base = ["train", "--input", str(corpus), "--num-threads", "1", "--out", str(tmp_path / "t")]
+    assert tokenizer_cli.main([*base, "--vocab-size", "100000"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("tape-tokenizer: error: tokenizer vocab_size 100000 is more pieces "
+                          "than the text read (")
+    assert "; lower vocab_size (--vocab-size) or give it more text" in err
+    assert "trainer_spec_" not in err
+    assert tokenizer_cli.main([*base, "--vocab-size", "10"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "tokenizer vocab_size 10 is smaller than the " in err
+    assert "raise vocab_size (--vocab-size) or lower character_coverage" in err
+    # negative control: a size the text can fill trains
+    assert tokenizer_cli.main([*base, "--vocab-size", "400"]) == 0
+    assert load_tokenizer(tmp_path / "t.model").vocab_size == 400

@@ -16,6 +16,7 @@ import hashlib
 import io
 import logging
 import os
+import re
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -179,6 +180,24 @@ def _sentences(documents: Iterable[str], spec: TokenizerTrainSpec, stats: dict,
                      stats["documents"], stats["sentences"], stats["bytes"] / 1e6)
 
 
+def _vocabulary_problem(message: str, spec: TokenizerTrainSpec, read: str) -> str | None:
+    """sentencepiece's refusals of the vocabulary size (C++ check text) as one line naming
+    the option and the bound it reports; None for any other failure."""
+    high = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)",
+                     message)
+    if high:
+        return (f"tokenizer vocab_size {spec.vocab_size} is more pieces than the text read "
+                f"({read}) yields: at most {high.group(2)}; lower vocab_size (--vocab-size) "
+                f"or give it more text (--max-bytes, more --input)")
+    low = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", message)
+    if low:
+        return (f"tokenizer vocab_size {spec.vocab_size} is smaller than the {low.group(2)} "
+                f"pieces that the alphabet plus the special and byte pieces need (character_coverage "
+                f"{spec.character_coverage}, text read: {read}); raise vocab_size "
+                f"(--vocab-size) or lower character_coverage (--character-coverage)")
+    return None
+
+
 def train_tokenizer(documents: Iterable[str], out_prefix: str | os.PathLike,
                     spec: TokenizerTrainSpec) -> Tokenizer:
     """Train a sentencepiece model on ``documents``; writes ``<out_prefix>.model`` and
@@ -214,9 +233,9 @@ def train_tokenizer(documents: Iterable[str], out_prefix: str | os.PathLike,
             minloglevel=1,
         )
     except RuntimeError as exc:
-        raise TokenizerError(f"tokenizer training failed after {stats.get('sentences', 0)} "
-                             f"sentences ({stats.get('bytes', 0) / 1e6:.1f} MB): "
-                             f"{str(exc).strip()[:300]}") from None
+        read = f"{stats.get('sentences', 0)} sentences, {stats.get('bytes', 0) / 1e6:.1f} MB"
+        raise TokenizerError(_vocabulary_problem(str(exc), spec, read) or (
+            f"tokenizer training failed after {read}: {str(exc).strip()[:300]}")) from None
     if not stats.get("sentences"):
         raise TokenizerError("tokenizer training got no text (all inputs empty?)")
     processor = spm.SentencePieceProcessor(model_proto=writer.getvalue())
