@@ -99,6 +99,10 @@ BAD_INPUTS = {
                                  "eval.lengths: no held-out document is longer than L=100000"),
     "unwritable run dir": (["train.run_dir={d}/afile/run"],
                            "train.run_dir={d}/afile/run: not writable"),
+    "Hub source in token format": (["data.sources=[{{hub: some/corpus}}]", "data.format=tokens"],
+                                   "data.sources[0]: data.format=tokens needs prepared "
+                                   "directories (from `tape-data prepare --tokenize`), got hub "
+                                   "'some/corpus'"),
     "bad layout": (["parallel.tp=2", "--world-size", "3"],
                    "parallel layout: world size 3 is not divisible by parallel.sp × parallel.tp"),
 }

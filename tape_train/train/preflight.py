@@ -103,7 +103,10 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
     sources_ok = True
     if check_data and not synthetic:
         before = len(report.problems)
-        _check_sources(cfg, tokenizer, report, limits, grid.dp if grid is not None else None)
+        if cfg.data.format == "tokens":  # Hub sources refused before anything opens them
+            _check_token_layout(cfg, report)
+        if len(report.problems) == before:
+            _check_sources(cfg, tokenizer, report, limits, grid.dp if grid is not None else None)
         if cfg.data.format == "tokens" and tokenizer is not None \
                 and len(report.problems) == before:
             _check_token_sources(cfg, tokenizer, grid, report)
@@ -331,6 +334,18 @@ def _check_sources(cfg, tokenizer, report: Report, limits: Limits, dp: int | Non
             if empty:
                 report.warn(f"{key}: {len(empty)} file(s) without usable documents, e.g. "
                             f"{empty[0]} (skipped during training)")
+
+
+def _check_token_layout(cfg, report: Report) -> None:
+    """``data.format: tokens`` reads prepared directories only: a Hub source is named at once,
+    not streamed first (which without a network waits out the Hub's retries)."""
+    from tape_train.data import DataError
+    from tape_train.data.token_loader import token_directories
+
+    try:
+        token_directories(cfg.data)
+    except DataError as exc:
+        report.problem(str(exc))
 
 
 def _check_token_sources(cfg, tokenizer, grid, report: Report) -> None:
