@@ -121,6 +121,20 @@ def test_cli_rejects_bad_spec_and_missing_input(tmp_path, capsys):
                                    "--out", str(tmp_path / "t")]) == 1
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
+    # A bad value of the spec file names the file; the same bad value given as a flag does not
+    # (negative control), nor a spec value a flag overrides.
+    spec.write_text("vocab_size: abc\nmodel_type: wordpiece\n")
+    base = ["train", "--input", str(tmp_path), "--out", str(tmp_path / "t")]
+    assert tokenizer_cli.main([*base, "--spec", str(spec), "--model-type", "bpe"]) == 1
+    assert (f"tape-tokenizer: error: --spec {spec}: tokenizer vocab_size must be an integer > 4, "
+            f"got 'abc'") in capsys.readouterr().err
+    assert tokenizer_cli.main([*base, "--spec", str(spec), "--vocab-size", "500"]) == 1
+    assert (f"error: --spec {spec}: tokenizer model_type='wordpiece' is not one of"
+            in capsys.readouterr().err)
+    assert tokenizer_cli.main([*base, "--spec", str(spec), "--vocab-size", "3",
+                               "--model-type", "bpe"]) == 1
+    assert ("tape-tokenizer: error: tokenizer vocab_size must be an integer > 4, got 3"
+            in capsys.readouterr().err)
     assert tokenizer_cli.main(["train", "--input", str(tmp_path / "nope.jsonl"),
                                "--out", str(tmp_path / "t")]) == 1
     assert "nope.jsonl" in capsys.readouterr().err

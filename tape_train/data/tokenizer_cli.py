@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,8 +27,8 @@ from tape_train.data.sources import SourceCursor
 from tape_train.files import write_atomic
 from tape_train.hints import example_on_missing, read_yaml
 from tape_train.progress import setup_cli_logging
-from tape_train.data.tokenizer import (MODEL_TYPES, TokenizerTrainSpec, load_tokenizer,
-                                       train_tokenizer)
+from tape_train.data.tokenizer import (MODEL_TYPES, TokenizerError, TokenizerTrainSpec,
+                                       load_tokenizer, train_tokenizer)
 from tape_train.resources import named_file
 
 log = logging.getLogger("tape_train.data")
@@ -95,11 +96,19 @@ def _spec_from_args(args: argparse.Namespace) -> TokenizerTrainSpec:
             raise DataError(f"--spec {args.spec}: unknown key(s) {', '.join(unknown)}; "
                             f"known: {', '.join(sorted(known))}")
         values.update(loaded)
+    flags = {}
     for key in ("vocab_size", "model_type", "byte_fallback", "character_coverage", "max_bytes",
                 "max_lines", "seed", "num_threads"):
         if getattr(args, key) is not None:
-            values[key] = getattr(args, key)
-    return TokenizerTrainSpec(**values)
+            flags[key] = getattr(args, key)
+    try:
+        return TokenizerTrainSpec(**{**values, **flags})
+    except TokenizerError as exc:  # a bad value the spec file gave: name the file
+        from_spec = [k for k in values
+                     if k not in flags and re.search(rf"^tokenizer {k}\b", str(exc))]
+        if from_spec:
+            raise TokenizerError(f"--spec {args.spec}: {exc}") from None
+        raise
 
 
 def one_pass_documents(inputs: list[str], text_field: str, seed: int,
