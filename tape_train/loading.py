@@ -314,7 +314,11 @@ def checkpoint_model_config(tag_dir: Path, meta: dict):
     CUDA-only attention backend replaced by ``auto``); read without touching the weights."""
     from tape_train.model.config import ModelConfig
 
-    return ModelConfig.from_dict(dict(meta["config"]["model"]),
+    model = (meta.get("config") or {}).get("model")
+    if not isinstance(model, dict):
+        raise CheckpointError(f"{tag_dir / MARKER} records no model config (config.model); "
+                              f"the weights cannot be rebuilt from it")
+    return ModelConfig.from_dict(dict(model),
                                  source=f"{tag_dir / MARKER} [model]").for_any_device()
 
 

@@ -122,6 +122,53 @@ def test_no_checkpoint_at_all(tmp_path):
         ckpt.resolve_checkpoint(tmp_path / "missing")
 
 
+GARBLED_MARKERS = {
+    "a list": lambda m: [m],
+    "files null": lambda m: {**m, "files": None},
+    "files a list": lambda m: {**m, "files": list(m["files"])},
+    "a size as text": lambda m: {**m, "files": {k: str(v) for k, v in m["files"].items()}},
+    "checksums a list": lambda m: {**m, "checksums": list(m["checksums"])},
+    "config a string": lambda m: {**m, "config": "model: tiny"},
+}
+
+
+@pytest.mark.parametrize("garble", list(GARBLED_MARKERS))
+def test_a_marker_that_parses_but_is_garbled_is_skipped_and_refused(tmp_path, caplog, garble):
+    """Valid JSON of the wrong shape (edited by hand, damaged on disk) is skipped like a marker
+    that does not parse, naming what is wrong, instead of an AttributeError in whichever
+    reader meets it first (resume, tape-export, tape-eval)."""
+    engine = FakeEngine()
+    older, newer = _save(engine, tmp_path, 1, keep=3), _save(engine, tmp_path, 2, keep=3)
+    assert ckpt.find_latest_intact(tmp_path) == newer  # negative control: the marker as saved
+    marker = ckpt.read_marker(newer)
+    (newer / ckpt.MARKER).write_text(json.dumps(GARBLED_MARKERS[garble](marker)))
+    with caplog.at_level("WARNING", logger="tape_train.train"):
+        assert ckpt.find_latest_intact(tmp_path) == older
+        assert ckpt.find_latest_complete(tmp_path) == older
+    assert f"skipping checkpoint {newer}: unreadable {ckpt.MARKER} (" in caplog.text
+    with pytest.raises(ckpt.CheckpointError, match="is not complete: unreadable COMPLETE.json"):
+        ckpt.resolve_checkpoint(newer)
+    assert ckpt.resolve_checkpoint(tmp_path) == older
+
+
+def test_a_marker_without_a_model_config_is_named_when_loading(tmp_path):
+    tag = _save(FakeEngine(), tmp_path, 3)  # meta's config is {}: no model section
+    with pytest.raises(ckpt.CheckpointError, match="records no model config") as err:
+        ckpt.load_model_from_checkpoint(tmp_path)
+    assert str(tag / ckpt.MARKER) in str(err.value)
+
+
+def test_a_file_given_as_a_checkpoint_is_named_as_a_file(tmp_path):
+    _save(FakeEngine(), tmp_path / "run", 3)
+    config = tmp_path / "run.yaml"
+    config.write_text("model: tiny\n")
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.resolve_checkpoint(config)
+    assert f"checkpoint path {config} is a file, not a directory" in str(err.value)
+    assert "no complete checkpoint under" not in str(err.value)  # not "under run.yaml/..."
+    assert ckpt.resolve_checkpoint(tmp_path / "run").name == "step_00000003"  # control
+
+
 def test_rng_state_round_trip():
     import random
 

@@ -140,6 +140,27 @@ def test_export_refuses_a_missing_or_too_large_tokenizer(run_and_tokenizers, tmp
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def test_export_names_a_model_config_it_cannot_build_in_one_line(tmp_path, capsys):
+    """A checkpoint whose recorded model config this code cannot build (a key of another
+    version): one line naming the marker and the key, exit 2, no traceback."""
+    import json
+
+    from tape_train.inference.export import main
+    from tape_train.train import checkpoint as ckpt
+
+    make_checkpoint(tmp_path / "run", "tape", seed=1)
+    tag = ckpt.find_latest_complete(tmp_path / "run")
+    assert main([str(tag), "--out", str(tmp_path / "good")]) == 0  # negative control
+    marker = ckpt.read_marker(tag)
+    marker["config"]["model"]["new_knob"] = 3
+    (tag / ckpt.MARKER).write_text(json.dumps(marker))
+    capsys.readouterr()
+    assert main([str(tag), "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert f"tape-export: error: {tag / ckpt.MARKER} [model]: unknown model key(s) 'new_knob'" in err
+    assert "Traceback" not in err and not (tmp_path / "bad").exists()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),

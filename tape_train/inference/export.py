@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.tokenizer:
             load_tokenizer(args.tokenizer)
         cfg, state, meta = load_model_from_checkpoint(args.checkpoint)
-    except (CheckpointError, FileNotFoundError, FileExistsError, TokenizerError) as exc:
+    except (CheckpointError, OSError, ValueError) as exc:  # a bad --tokenizer included
         print(f"tape-export: error: {'--tokenizer: ' if isinstance(exc, TokenizerError) else ''}"
               f"{exc}",
               file=sys.stderr)
