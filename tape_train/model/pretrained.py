@@ -50,9 +50,21 @@ def umask_mode(mode: int = 0o666) -> int:
 def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
     """safetensors file of ``state``; safetensors creates it 0600, we give it the umask's mode
     so others can read an export on a shared cluster as they can any file."""
+    import re
+
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    save_file(state, str(path), metadata={"format": "pt"})
+    try:
+        save_file(state, str(path), metadata={"format": "pt"})
+    except SafetensorError as exc:
+        # Its I/O errors are strings ("... No space left on device (os error 28)"): give them
+        # back their errno, so that a full disk or a file-size limit is named like any other.
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        number = int(code.group(1))
+        raise OSError(number, os.strerror(number), str(path)) from exc
     os.chmod(path, umask_mode())
 
 
@@ -62,14 +74,36 @@ def check_export_target(out_dir: str | os.PathLike) -> None:
     be deleted by the replacement."""
     out_dir = Path(out_dir)
     if not out_dir.exists() and not out_dir.is_symlink():
+        _check_export_parent(out_dir)
         return
     if not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a directory; choose another --out")
     if (out_dir / PROVENANCE).is_file() or not any(out_dir.iterdir()):
+        _check_export_parent(out_dir)
         return
     raise FileExistsError(f"{out_dir} is a non-empty directory that is not an export (no "
                           f"{PROVENANCE}); an export replaces its directory, so choose an "
                           f"empty or new --out")
+
+
+def _check_export_parent(out_dir: Path) -> None:
+    """Raise ``OSError`` naming the path unless the export's scratch sibling can be made
+    beside ``out_dir``: its nearest existing ancestor must be a directory this process can
+    write in (probed with a temporary file, removed at once)."""
+    import tempfile
+
+    existing = out_dir.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NotADirectoryError(f"{existing} is a file, so --out {out_dir} cannot be created "
+                                 f"under it; choose another --out")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=f".{out_dir.name}.probe-"):
+            pass
+    except OSError as exc:
+        raise OSError(f"cannot write in {existing}, where --out {out_dir} goes: "
+                      f"{exc.strerror or exc}") from exc
 
 
 def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
