@@ -256,6 +256,74 @@ def test_disk_full_during_a_save_says_so_with_bytes_needed_and_free(tmp_path, mo
     assert "no space left" not in str(err.value) and "unexpected pos" in str(err.value)
 
 
+class TorchSaveLikeEngine(FakeEngine):
+    """Like DeepSpeed: the tag directory is made elsewhere (or not), and torch.save into a
+    directory that does not exist says only "Parent directory ... does not exist"."""
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        tag_dir = ckpt.Path(save_dir) / tag
+        if not tag_dir.is_dir():
+            raise RuntimeError(f"Parent directory {tag_dir} does not exist.")
+        return super().save_checkpoint(save_dir, tag, client_state, save_latest)
+
+
+def test_an_unwritable_checkpoint_directory_is_named_with_its_error(tmp_path, monkeypatch):
+    """A checkpoints directory that became read-only (root ignores permissions: the mkdir is
+    made to fail as on a read-only mount): the error names the tag and the OS's reason, not
+    torch's "Parent directory ... does not exist", and what a re-run resumes from."""
+    engine = TorchSaveLikeEngine()
+    previous = _save(engine, tmp_path, 4)  # negative control: saves as usual
+    real_mkdir = ckpt.Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if self.name.startswith("step_"):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.Path, "mkdir", read_only)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        _save(engine, tmp_path, 5)
+    tag = tmp_path / "checkpoints" / "step_00000005"
+    assert f"cannot create checkpoint {tag}: {tag}: Read-only file system" in str(err.value)
+    assert f"previous complete checkpoint: {previous} (a re-run resumes from it)" in str(err.value)
+    assert "does not exist" not in str(err.value)
+    assert ckpt.find_latest_intact(tmp_path) == previous
+
+
+def test_a_failed_first_save_says_a_rerun_starts_at_step_0_and_needs_at_least(tmp_path,
+                                                                             monkeypatch):
+    engine = FakeEngine()
+    engine.fail_with = OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(ckpt, "free_bytes", lambda path: 5)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        _save(engine, tmp_path, 1)
+    msg = str(err.value)
+    # What the failed save had written (64 + 10 bytes) is only a lower bound of its size.
+    assert "a checkpoint needs at least 74 B (74 bytes), 5 B (5 bytes) free" in msg
+    assert msg.endswith("no previous complete checkpoint (a re-run starts at step 0)"), msg
+    assert "none (a re-run resumes from it)" not in msg
+
+
+def test_a_file_size_limit_is_named_with_the_limit(tmp_path, monkeypatch):
+    import resource
+
+    engine = FakeEngine()
+    _save(engine, tmp_path, 1)
+    engine.fail_with = OSError(errno.EFBIG, "File too large")
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (
+        (2048, hard) if which == resource.RLIMIT_FSIZE else (-1, -1)))
+    with pytest.raises(ckpt.CheckpointError) as err:
+        _save(engine, tmp_path, 2)
+    assert ("reached this process's file-size limit of 2.0 KiB (2048 bytes; `ulimit -f`)"
+            in str(err.value))
+    # Negative control: without a limit, the same error is only the OS's.
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY,) * 2)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        _save(engine, tmp_path, 2)
+    assert "file-size limit" not in str(err.value) and "File too large" in str(err.value)
+
+
 def test_enospc_from_the_marker_write_names_the_path(tmp_path, monkeypatch):
     from tape_train import files
 

@@ -48,7 +48,8 @@ from tape_train.checkpoint_layout import (  # noqa: F401 - re-exported
     CHECKSUM, LATEST, MARKER, UNIVERSAL, CheckpointError, checkpoint_root,
     checksum_bytes, describe_size, file_checksum, find_latest_complete, find_newest, list_tags, rank_state_name,
     read_marker, resolve_checkpoint, step_of_tag, tag_for_step, verify_files, why_incomplete)
-from tape_train.files import describe_os_error, free_bytes, human_bytes, is_disk_full, write_atomic
+from tape_train.files import (describe_os_error, file_size_limit_hit, free_bytes, human_bytes,
+                              is_disk_full, write_atomic)
 from tape_train.loading import (ensure_universal,  # noqa: F401 - re-exported
                                 load_model_from_checkpoint, saved_layout)
 from tape_train.train import distributed as tdist
@@ -190,10 +191,19 @@ def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
         if existing is None:
             log.info("checkpoint %s already complete; not rewriting it", tag_dir)
             return tag_dir
-    if rank == 0 and tag_dir.exists():
-        _check_owner(owner, f"delete the partial checkpoint {tag_dir}")
-        shutil.rmtree(tag_dir, ignore_errors=True)  # leftover of an interrupted save
-    tdist.barrier()
+    if rank == 0:
+        if tag_dir.exists():
+            _check_owner(owner, f"delete the partial checkpoint {tag_dir}")
+            shutil.rmtree(tag_dir, ignore_errors=True)  # leftover of an interrupted save
+        try:  # made here, so that an unwritable root is named (DeepSpeed says "does not exist")
+            tag_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            error = exc
+    if tdist.all_reduce_max_int(1 if error is not None else 0):
+        raise CheckpointError(
+            f"cannot create checkpoint {tag_dir}: "
+            f"{describe_os_error(error, tag_dir) if error else 'see rank 0'}; "
+            f"{_what_survives(root)}")
 
     start = time.perf_counter()
     checksums: dict[str, str] = {}
@@ -228,15 +238,13 @@ def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
             error = exc
         failed_ranks = tdist.all_reduce_max_int(1 if error is not None else 0)
     if failed_ranks:
-        needed = _expected_bytes(root, tag_dir)
+        needed, at_least = _expected_bytes(root, tag_dir)
         if rank == 0 and _still_owner(owner):
             shutil.rmtree(tag_dir, ignore_errors=True)  # this save's own partial tag
         tdist.barrier()
-        previous = find_latest_complete(root, warn=False)
-        raise CheckpointError(
-            f"writing checkpoint {tag_dir} failed: {_describe_save_error(error, tag_dir, needed)}"
-            f"; the partial checkpoint was removed. Previous complete checkpoint: "
-            f"{previous if previous else 'none'} (a re-run resumes from it)") from error
+        why = _describe_save_error(error, tag_dir, needed, at_least)
+        raise CheckpointError(f"writing checkpoint {tag_dir} failed: {why}; the partial "
+                              f"checkpoint was removed; {_what_survives(root)}") from error
     checksums = _gather_dicts(checksums)
 
     if rank == 0:
@@ -264,6 +272,14 @@ def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
         log.info("saved checkpoint %s in %.1f s", tag_dir, time.perf_counter() - start)
     tdist.barrier()
     return tag_dir
+
+
+def _what_survives(root: Path) -> str:
+    """What a re-run after a failed save starts from, for the end of its error."""
+    previous = find_latest_complete(root, warn=False)
+    if previous is None:
+        return "no previous complete checkpoint (a re-run starts at step 0)"
+    return f"previous complete checkpoint: {previous} (a re-run resumes from it)"
 
 
 def _check_owner(owner, action: str) -> None:
@@ -297,29 +313,38 @@ def _gather_dicts(local: dict) -> dict:
     return merged
 
 
-def _expected_bytes(root: Path, tag_dir: Path) -> int | None:
-    """What a checkpoint needs on disk: the size of the newest complete one (the model and
-    optimizer do not change size), else what this save had written when it failed."""
+def _expected_bytes(root: Path, tag_dir: Path) -> tuple[int | None, bool]:
+    """What a checkpoint needs on disk, and whether that is only a lower bound: the size of
+    the newest complete one (the model and optimizer do not change size), else what this save
+    had written when it failed (a lower bound)."""
     previous = find_latest_complete(root, warn=False)
     try:
         if previous is not None:
-            return sum(read_marker(previous)["files"].values())
-        return sum(p.stat().st_size for p in tag_dir.rglob("*") if p.is_file()) or None
+            return sum(read_marker(previous)["files"].values()), False
+        return sum(p.stat().st_size for p in tag_dir.rglob("*") if p.is_file()) or None, True
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+        return None, False
 
 
-def _describe_save_error(error: BaseException | None, tag_dir: Path, needed: int | None) -> str:
+def _describe_save_error(error: BaseException | None, tag_dir: Path, needed: int | None,
+                         at_least: bool = False) -> str:
     """One line for a failed save. A full disk says "no space left on device" with bytes
-    needed and free even when the writer hid the errno (torch.save's "unexpected pos")."""
+    needed and free even when the writer hid the errno (torch.save's "unexpected pos");
+    ``at_least``: ``needed`` is only what the failed save had written."""
     if error is None:
         return "another rank failed (see its log)"
     free = free_bytes(tag_dir)
     full = is_disk_full(error) or (needed is not None and free is not None and free < needed)
+    limit = None if full else file_size_limit_hit(error)
+    if limit is not None:
+        return (f"a file under {tag_dir} reached this process's file-size limit of "
+                f"{human_bytes(limit)} ({limit} bytes; `ulimit -f`): raise or remove the limit "
+                f"[{type(error).__name__}: {error}]")
     if full:
         parts = [f"no space left on device under {tag_dir.parent}"]
         if needed is not None:
-            parts.append(f"a checkpoint needs about {human_bytes(needed)} ({needed} bytes)")
+            parts.append(f"a checkpoint needs {'at least' if at_least else 'about'} "
+                         f"{human_bytes(needed)} ({needed} bytes)")
         if free is not None:
             parts.append(f"{human_bytes(free)} ({free} bytes) free")
         return ", ".join(parts) + f" [{type(error).__name__}: {error}]"
