@@ -226,6 +226,49 @@ def test_flipped_bytes_skip_the_checkpoint_and_tools_refuse_it(tmp_path, caplog)
     assert ckpt.resolve_checkpoint(tmp_path) == newer
 
 
+def test_a_damaged_newer_tag_never_takes_the_place_of_an_intact_one(tmp_path):
+    """keep=2, the newest tag damaged (its sizes still right): the resume takes the older one
+    and records the damaged one; the next save keeps two intact checkpoints besides it, where
+    it used to count the damaged tag among the two and delete the older intact one."""
+    def scenario(run_dir, known: bool) -> list[str]:
+        engine = FakeEngine()
+        _save(engine, run_dir, 3), _save(engine, run_dir, 4)
+        _flip_byte(run_dir / "checkpoints" / "step_00000004" /
+                   "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        damaged: set[str] = set()
+        assert ckpt.find_latest_intact(run_dir, warn=False, damaged=damaged).name == \
+            "step_00000003"
+        assert damaged == {"step_00000004"}
+        ckpt.save_checkpoint(engine, run_dir, 5, rank=0, meta={"step": 5, "config": {}},
+                             rank_state={}, keep=2, damaged=damaged if known else set())
+        return [t.name for t in ckpt.list_tags(run_dir / "checkpoints")]
+
+    assert scenario(tmp_path / "a", known=True) == ["step_00000003", "step_00000004",
+                                                    "step_00000005"]
+    # Negative control: rotation without the knowledge keeps one intact checkpoint of two.
+    assert scenario(tmp_path / "b", known=False) == ["step_00000004", "step_00000005"]
+    # Later saves delete the damaged tag once it is older than the oldest kept intact one.
+    engine, damaged = FakeEngine(), {"step_00000004"}
+    ckpt.save_checkpoint(engine, tmp_path / "a", 10, rank=0, meta={"step": 10}, rank_state={},
+                         keep=2, damaged=damaged)
+    assert [t.name for t in ckpt.list_tags(tmp_path / "a" / "checkpoints")] == [
+        "step_00000005", "step_00000010"]
+
+
+def test_a_damaged_tag_rewritten_by_the_replay_counts_again(tmp_path):
+    engine = FakeEngine()
+    _save(engine, tmp_path, 3), _save(engine, tmp_path, 4)
+    tag4 = tmp_path / "checkpoints" / "step_00000004"
+    _flip_byte(tag4 / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    damaged: set[str] = set()
+    ckpt.find_latest_intact(tmp_path, warn=False, damaged=damaged)
+    ckpt.save_checkpoint(engine, tmp_path, 4, rank=0, meta={"step": 4}, rank_state={}, keep=2,
+                         damaged=damaged)  # the replay reaches the damaged step: rewritten
+    assert ckpt.verify_files(tag4) is None
+    assert [t.name for t in ckpt.list_tags(tmp_path / "checkpoints")] == [
+        "step_00000003", "step_00000004"]
+
+
 def test_a_marker_without_checksums_still_loads(tmp_path):
     """Checkpoints written before checksums existed: sizes are all there is to check."""
     tag = _save(FakeEngine(), tmp_path, 4)

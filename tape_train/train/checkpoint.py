@@ -94,10 +94,20 @@ def verify_checkpoint(tag_dir: Path) -> str | None:
     return next(reasons[r] for r in sorted(reasons) if reasons[r] is not None)
 
 
-def find_latest_intact(path: str | Path, warn: bool = True) -> Path | None:
+def find_latest_intact(path: str | Path, warn: bool = True,
+                       damaged: set[str] | None = None) -> Path | None:
     """Newest tag that is complete and passes ``verify_checkpoint``. Collective when a process
-    group exists (every rank must call it); damaged tags are skipped with one warning each."""
-    return find_newest(path, verify_checkpoint, warn)
+    group exists (every rank must call it); damaged tags are skipped with one warning each.
+
+    ``damaged``: gets the names of the skipped tags that are complete by their sizes but fail
+    their checksums (``rotate_checkpoints`` does not count them as kept checkpoints)."""
+    def why_not(tag_dir: Path) -> str | None:
+        reason = verify_checkpoint(tag_dir)
+        if reason is not None and damaged is not None and why_incomplete(tag_dir) is None:
+            damaged.add(tag_dir.name)
+        return reason
+
+    return find_newest(path, why_not, warn)
 
 
 # RNG and code version
@@ -156,7 +166,8 @@ def code_version() -> dict:
 
 
 def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
-                    rank_state: dict, keep: int, owner=None) -> Path:
+                    rank_state: dict, keep: int, owner=None,
+                    damaged: set[str] | frozenset[str] = frozenset()) -> Path:
     """Write tag ``step_<step>`` on all ranks, then mark it complete and rotate. Collective.
 
     Args:
@@ -168,6 +179,8 @@ def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
         owner: on rank 0, the ``RunLock`` of the run directory (``None``: no lock, e.g. tests
             and tools); every deletion (a leftover partial tag, rotation) first checks that the
             lock is still this process's, so a save never deletes a tag another run started.
+        damaged: names of complete tags known to fail their checksums (``find_latest_intact``);
+            rotation keeps ``keep`` intact checkpoints besides them.
 
     Raises ``CheckpointError`` on every rank if any rank failed to write; the partial tag is
     removed and the previous complete checkpoint is untouched. A full disk is named as such,
@@ -268,7 +281,7 @@ def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
                               f"complete checkpoint is untouched")
     if rank == 0:
         _check_owner(owner, f"rotate the checkpoints in {root}")
-        rotate_checkpoints(root, keep)
+        rotate_checkpoints(root, keep, damaged=set(damaged) - {tag})
         log.info("saved checkpoint %s in %.1f s", tag_dir, time.perf_counter() - start)
     tdist.barrier()
     return tag_dir
@@ -361,16 +374,24 @@ def _serialize(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def rotate_checkpoints(root: Path, keep: int) -> list[Path]:
+def rotate_checkpoints(root: Path, keep: int,
+                       damaged: set[str] | frozenset[str] = frozenset()) -> list[Path]:
     """Delete all but the newest ``keep`` complete tags, and incomplete tags older than the
-    newest complete one. Returns what was deleted."""
+    newest complete one. Returns what was deleted.
+
+    ``damaged`` (names of complete tags that failed their checksums) do not count among the
+    ``keep``: a damaged newer tag never pushes out an intact one. They are deleted once older
+    than the oldest kept intact tag, and kept while newer (the replay rewrites them)."""
     tags = list_tags(root)
     complete = [t for t in tags if why_incomplete(t) is None]
     if not complete:
         return []
     newest = step_of_tag(complete[-1].name)
-    doomed = complete[:-keep] + [t for t in tags if t not in complete
-                                 and step_of_tag(t.name) < newest]
+    intact = [t for t in complete if t.name not in damaged]
+    oldest_kept = step_of_tag(intact[-keep:][0].name) if intact else newest
+    doomed = intact[:-keep] + [t for t in complete if t.name in damaged
+                               and step_of_tag(t.name) < oldest_kept]
+    doomed += [t for t in tags if t not in complete and step_of_tag(t.name) < newest]
     for tag_dir in doomed:
         # Remove the marker first: a half-deleted tag must never look complete.
         (tag_dir / MARKER).unlink(missing_ok=True)
