@@ -25,6 +25,9 @@ UNIVERSAL = "universal"
 LATEST = "latest"
 _TAG_RE = re.compile(r"^step_(\d{8,})$")
 CHECKSUM = "xxh3_64"
+# What marks a tape-export directory (``tape_train.model.pretrained.PROVENANCE``; not imported:
+# this module stays torch-free).
+EXPORT_PROVENANCE = "export.json"
 _CHUNK = 8 << 20  # bytes read per call while checksumming
 
 
@@ -212,6 +215,10 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
         raise CheckpointError(f"checkpoint path {path} is a file, not a directory: give a run "
                               f"directory (its latest complete checkpoint), its checkpoints "
                               f"directory or one checkpoint's step_* directory")
+    if (path / EXPORT_PROVENANCE).is_file() and not list_tags(checkpoint_root(path)):
+        raise CheckpointError(f"{path} is a model export (it holds {EXPORT_PROVENANCE}), not a "
+                              f"training checkpoint: give the run directory or checkpoint it "
+                              f"was exported from (its source is in {EXPORT_PROVENANCE})")
     if step_of_tag(path.name) is not None or (path / MARKER).exists():
         reason = why_incomplete(path)
         if reason is not None:

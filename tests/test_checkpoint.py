@@ -169,6 +169,21 @@ def test_a_file_given_as_a_checkpoint_is_named_as_a_file(tmp_path):
     assert ckpt.resolve_checkpoint(tmp_path / "run").name == "step_00000003"  # control
 
 
+def test_an_export_given_as_a_checkpoint_is_named_as_an_export(tmp_path):
+    from tape_train.model.pretrained import PROVENANCE
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / PROVENANCE).write_text(json.dumps({"source": "runs/demo", "step": 3}))
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.resolve_checkpoint(export)
+    assert f"{export} is a model export (it holds export.json), not a training checkpoint" in \
+        str(err.value)
+    # Negative control: a run directory is still searched for its checkpoints.
+    with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint under"):
+        ckpt.resolve_checkpoint(tmp_path)
+
+
 def test_rng_state_round_trip():
     import random
 
