@@ -25,6 +25,9 @@ UNIVERSAL = "universal"
 LATEST = "latest"
 _TAG_RE = re.compile(r"^step_(\d{8,})$")
 CHECKSUM = "xxh3_64"
+# What marks a tape-export directory (``tape_train.model.pretrained.PROVENANCE``; not imported:
+# this module stays torch-free).
+EXPORT_PROVENANCE = "export.json"
 _CHUNK = 8 << 20  # bytes read per call while checksumming
 
 
@@ -62,6 +65,30 @@ def read_marker(tag_dir: Path) -> dict:
     return json.loads((Path(tag_dir) / MARKER).read_text())
 
 
+def marker_problem(marker) -> str | None:
+    """``None`` if a parsed marker has the shape every reader relies on, else what is wrong: a
+    JSON object whose ``files`` maps names to sizes, whose ``checksums`` (when recorded) map
+    names to digests and whose ``config`` (when recorded) is an object. A marker that parses
+    but is garbled otherwise (edited by hand, damaged on disk) is then skipped like one that
+    does not parse, instead of failing later in whichever reader meets the bad value."""
+    if not isinstance(marker, dict):
+        return f"a JSON {type(marker).__name__}, not an object"
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        return "no 'files' object" if files is None else (
+            f"'files' is a {type(files).__name__}, not an object")
+    for name, size in files.items():
+        if type(size) is not int or size < 0:
+            return f"'files' gives {name} the size {size!r}, not a byte count"
+    sums = marker.get("checksums")
+    if sums is not None and not (isinstance(sums, dict)
+                                 and all(isinstance(v, str) for v in sums.values())):
+        return "'checksums' is not an object of hex digests"
+    if "config" in marker and not isinstance(marker["config"], dict):
+        return f"'config' is a {type(marker['config']).__name__}, not an object"
+    return None
+
+
 def why_incomplete(tag_dir: Path) -> str | None:
     """``None`` if ``tag_dir`` is a complete checkpoint, else the reason it is not."""
     tag_dir = Path(tag_dir)
@@ -70,10 +97,12 @@ def why_incomplete(tag_dir: Path) -> str | None:
         return f"no {MARKER} (the save was interrupted or failed)"
     try:
         marker = read_marker(tag_dir)
-        files = marker["files"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError) as exc:
         return f"unreadable {MARKER} ({exc})"
-    for name, size in files.items():
+    problem = marker_problem(marker)
+    if problem is not None:
+        return f"unreadable {MARKER} ({problem})"
+    for name, size in marker["files"].items():
         path = tag_dir / name
         if not path.is_file():
             return f"missing file {name}"
@@ -182,6 +211,14 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint path {path} is a file, not a directory: give a run "
+                              f"directory (its latest complete checkpoint), its checkpoints "
+                              f"directory or one checkpoint's step_* directory")
+    if (path / EXPORT_PROVENANCE).is_file() and not list_tags(checkpoint_root(path)):
+        raise CheckpointError(f"{path} is a model export (it holds {EXPORT_PROVENANCE}), not a "
+                              f"training checkpoint: give the run directory or checkpoint it "
+                              f"was exported from (its source is in {EXPORT_PROVENANCE})")
     if step_of_tag(path.name) is not None or (path / MARKER).exists():
         reason = why_incomplete(path)
         if reason is not None:

@@ -129,6 +129,29 @@ def is_disk_full(exc: BaseException) -> bool:
     return False
 
 
+def file_size_limit_hit(exc: BaseException) -> int | None:
+    """This process's file-size limit (``RLIMIT_FSIZE``, ``ulimit -f``) in bytes when ``exc``
+    is a write stopped by it: EFBIG in the cause chain, or torch.save's "unexpected pos" (its
+    writer hides the errno) while such a limit is set. ``None`` otherwise."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    if limit == resource.RLIM_INFINITY:
+        return None
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
+            return limit
+        if "unexpected pos" in str(exc):
+            return limit
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -156,6 +179,10 @@ def describe_os_error(exc: BaseException, path: str | os.PathLike, *,
             parts.append(f"{human_bytes(free)} ({free} bytes) free")
         return ", ".join(parts)
     reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    limit = file_size_limit_hit(exc)
+    if limit is not None:
+        reason += (f" (this process's file-size limit, `ulimit -f`, is {human_bytes(limit)}: "
+                   f"raise or remove it)")
     return f"{path}: {reason}"
 
 

@@ -314,7 +314,11 @@ def checkpoint_model_config(tag_dir: Path, meta: dict):
     CUDA-only attention backend replaced by ``auto``); read without touching the weights."""
     from tape_train.model.config import ModelConfig
 
-    return ModelConfig.from_dict(dict(meta["config"]["model"]),
+    model = (meta.get("config") or {}).get("model")
+    if not isinstance(model, dict):
+        raise CheckpointError(f"{tag_dir / MARKER} records no model config (config.model); "
+                              f"the weights cannot be rebuilt from it")
+    return ModelConfig.from_dict(dict(model),
                                  source=f"{tag_dir / MARKER} [model]").for_any_device()
 
 
@@ -435,11 +439,13 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None):
 
     ``dtype``: cast the model (default: the export's stored dtype, fp32 for checkpoints).
     """
-    from tape_train.model.pretrained import TOKENIZER, from_pretrained
+    from tape_train.model.pretrained import PROVENANCE, TOKENIZER, from_pretrained
     from tape_train.model.transformer import TransformerLM
 
     path = Path(path)
-    if is_export_dir(path):
+    # An export missing a file is named as such (from_pretrained says which), not searched
+    # for checkpoints.
+    if is_export_dir(path) or (path / PROVENANCE).is_file():
         tok = path / TOKENIZER
         return (from_pretrained(path, dtype=dtype), str(tok) if tok.is_file() else None,
                 {"source": str(path)})

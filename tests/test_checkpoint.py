@@ -122,6 +122,68 @@ def test_no_checkpoint_at_all(tmp_path):
         ckpt.resolve_checkpoint(tmp_path / "missing")
 
 
+GARBLED_MARKERS = {
+    "a list": lambda m: [m],
+    "files null": lambda m: {**m, "files": None},
+    "files a list": lambda m: {**m, "files": list(m["files"])},
+    "a size as text": lambda m: {**m, "files": {k: str(v) for k, v in m["files"].items()}},
+    "checksums a list": lambda m: {**m, "checksums": list(m["checksums"])},
+    "config a string": lambda m: {**m, "config": "model: tiny"},
+}
+
+
+@pytest.mark.parametrize("garble", list(GARBLED_MARKERS))
+def test_a_marker_that_parses_but_is_garbled_is_skipped_and_refused(tmp_path, caplog, garble):
+    """Valid JSON of the wrong shape (edited by hand, damaged on disk) is skipped like a marker
+    that does not parse, naming what is wrong, instead of an AttributeError in whichever
+    reader meets it first (resume, tape-export, tape-eval)."""
+    engine = FakeEngine()
+    older, newer = _save(engine, tmp_path, 1, keep=3), _save(engine, tmp_path, 2, keep=3)
+    assert ckpt.find_latest_intact(tmp_path) == newer  # negative control: the marker as saved
+    marker = ckpt.read_marker(newer)
+    (newer / ckpt.MARKER).write_text(json.dumps(GARBLED_MARKERS[garble](marker)))
+    with caplog.at_level("WARNING", logger="tape_train.train"):
+        assert ckpt.find_latest_intact(tmp_path) == older
+        assert ckpt.find_latest_complete(tmp_path) == older
+    assert f"skipping checkpoint {newer}: unreadable {ckpt.MARKER} (" in caplog.text
+    with pytest.raises(ckpt.CheckpointError, match="is not complete: unreadable COMPLETE.json"):
+        ckpt.resolve_checkpoint(newer)
+    assert ckpt.resolve_checkpoint(tmp_path) == older
+
+
+def test_a_marker_without_a_model_config_is_named_when_loading(tmp_path):
+    tag = _save(FakeEngine(), tmp_path, 3)  # meta's config is {}: no model section
+    with pytest.raises(ckpt.CheckpointError, match="records no model config") as err:
+        ckpt.load_model_from_checkpoint(tmp_path)
+    assert str(tag / ckpt.MARKER) in str(err.value)
+
+
+def test_a_file_given_as_a_checkpoint_is_named_as_a_file(tmp_path):
+    _save(FakeEngine(), tmp_path / "run", 3)
+    config = tmp_path / "run.yaml"
+    config.write_text("model: tiny\n")
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.resolve_checkpoint(config)
+    assert f"checkpoint path {config} is a file, not a directory" in str(err.value)
+    assert "no complete checkpoint under" not in str(err.value)  # not "under run.yaml/..."
+    assert ckpt.resolve_checkpoint(tmp_path / "run").name == "step_00000003"  # control
+
+
+def test_an_export_given_as_a_checkpoint_is_named_as_an_export(tmp_path):
+    from tape_train.model.pretrained import PROVENANCE
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / PROVENANCE).write_text(json.dumps({"source": "runs/demo", "step": 3}))
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.resolve_checkpoint(export)
+    assert f"{export} is a model export (it holds export.json), not a training checkpoint" in \
+        str(err.value)
+    # Negative control: a run directory is still searched for its checkpoints.
+    with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint under"):
+        ckpt.resolve_checkpoint(tmp_path)
+
+
 def test_rng_state_round_trip():
     import random
 
@@ -179,6 +241,49 @@ def test_flipped_bytes_skip_the_checkpoint_and_tools_refuse_it(tmp_path, caplog)
     assert ckpt.resolve_checkpoint(tmp_path) == newer
 
 
+def test_a_damaged_newer_tag_never_takes_the_place_of_an_intact_one(tmp_path):
+    """keep=2, the newest tag damaged (its sizes still right): the resume takes the older one
+    and records the damaged one; the next save keeps two intact checkpoints besides it, where
+    it used to count the damaged tag among the two and delete the older intact one."""
+    def scenario(run_dir, known: bool) -> list[str]:
+        engine = FakeEngine()
+        _save(engine, run_dir, 3), _save(engine, run_dir, 4)
+        _flip_byte(run_dir / "checkpoints" / "step_00000004" /
+                   "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        damaged: set[str] = set()
+        assert ckpt.find_latest_intact(run_dir, warn=False, damaged=damaged).name == \
+            "step_00000003"
+        assert damaged == {"step_00000004"}
+        ckpt.save_checkpoint(engine, run_dir, 5, rank=0, meta={"step": 5, "config": {}},
+                             rank_state={}, keep=2, damaged=damaged if known else set())
+        return [t.name for t in ckpt.list_tags(run_dir / "checkpoints")]
+
+    assert scenario(tmp_path / "a", known=True) == ["step_00000003", "step_00000004",
+                                                    "step_00000005"]
+    # Negative control: rotation without the knowledge keeps one intact checkpoint of two.
+    assert scenario(tmp_path / "b", known=False) == ["step_00000004", "step_00000005"]
+    # Later saves delete the damaged tag once it is older than the oldest kept intact one.
+    engine, damaged = FakeEngine(), {"step_00000004"}
+    ckpt.save_checkpoint(engine, tmp_path / "a", 10, rank=0, meta={"step": 10}, rank_state={},
+                         keep=2, damaged=damaged)
+    assert [t.name for t in ckpt.list_tags(tmp_path / "a" / "checkpoints")] == [
+        "step_00000005", "step_00000010"]
+
+
+def test_a_damaged_tag_rewritten_by_the_replay_counts_again(tmp_path):
+    engine = FakeEngine()
+    _save(engine, tmp_path, 3), _save(engine, tmp_path, 4)
+    tag4 = tmp_path / "checkpoints" / "step_00000004"
+    _flip_byte(tag4 / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    damaged: set[str] = set()
+    ckpt.find_latest_intact(tmp_path, warn=False, damaged=damaged)
+    ckpt.save_checkpoint(engine, tmp_path, 4, rank=0, meta={"step": 4}, rank_state={}, keep=2,
+                         damaged=damaged)  # the replay reaches the damaged step: rewritten
+    assert ckpt.verify_files(tag4) is None
+    assert [t.name for t in ckpt.list_tags(tmp_path / "checkpoints")] == [
+        "step_00000003", "step_00000004"]
+
+
 def test_a_marker_without_checksums_still_loads(tmp_path):
     """Checkpoints written before checksums existed: sizes are all there is to check."""
     tag = _save(FakeEngine(), tmp_path, 4)
@@ -207,6 +312,74 @@ def test_disk_full_during_a_save_says_so_with_bytes_needed_and_free(tmp_path, mo
     with pytest.raises(ckpt.CheckpointError) as err:
         _save(engine, tmp_path, 6)
     assert "no space left" not in str(err.value) and "unexpected pos" in str(err.value)
+
+
+class TorchSaveLikeEngine(FakeEngine):
+    """Like DeepSpeed: the tag directory is made elsewhere (or not), and torch.save into a
+    directory that does not exist says only "Parent directory ... does not exist"."""
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        tag_dir = ckpt.Path(save_dir) / tag
+        if not tag_dir.is_dir():
+            raise RuntimeError(f"Parent directory {tag_dir} does not exist.")
+        return super().save_checkpoint(save_dir, tag, client_state, save_latest)
+
+
+def test_an_unwritable_checkpoint_directory_is_named_with_its_error(tmp_path, monkeypatch):
+    """A checkpoints directory that became read-only (root ignores permissions: the mkdir is
+    made to fail as on a read-only mount): the error names the tag and the OS's reason, not
+    torch's "Parent directory ... does not exist", and what a re-run resumes from."""
+    engine = TorchSaveLikeEngine()
+    previous = _save(engine, tmp_path, 4)  # negative control: saves as usual
+    real_mkdir = ckpt.Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if self.name.startswith("step_"):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.Path, "mkdir", read_only)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        _save(engine, tmp_path, 5)
+    tag = tmp_path / "checkpoints" / "step_00000005"
+    assert f"cannot create checkpoint {tag}: {tag}: Read-only file system" in str(err.value)
+    assert f"previous complete checkpoint: {previous} (a re-run resumes from it)" in str(err.value)
+    assert "does not exist" not in str(err.value)
+    assert ckpt.find_latest_intact(tmp_path) == previous
+
+
+def test_a_failed_first_save_says_a_rerun_starts_at_step_0_and_needs_at_least(tmp_path,
+                                                                             monkeypatch):
+    engine = FakeEngine()
+    engine.fail_with = OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(ckpt, "free_bytes", lambda path: 5)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        _save(engine, tmp_path, 1)
+    msg = str(err.value)
+    # What the failed save had written (64 + 10 bytes) is only a lower bound of its size.
+    assert "a checkpoint needs at least 74 B (74 bytes), 5 B (5 bytes) free" in msg
+    assert msg.endswith("no previous complete checkpoint (a re-run starts at step 0)"), msg
+    assert "none (a re-run resumes from it)" not in msg
+
+
+def test_a_file_size_limit_is_named_with_the_limit(tmp_path, monkeypatch):
+    import resource
+
+    engine = FakeEngine()
+    _save(engine, tmp_path, 1)
+    engine.fail_with = OSError(errno.EFBIG, "File too large")
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (
+        (2048, hard) if which == resource.RLIMIT_FSIZE else (-1, -1)))
+    with pytest.raises(ckpt.CheckpointError) as err:
+        _save(engine, tmp_path, 2)
+    assert ("reached this process's file-size limit of 2.0 KiB (2048 bytes; `ulimit -f`)"
+            in str(err.value))
+    # Negative control: without a limit, the same error is only the OS's.
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY,) * 2)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        _save(engine, tmp_path, 2)
+    assert "file-size limit" not in str(err.value) and "File too large" in str(err.value)
 
 
 def test_enospc_from_the_marker_write_names_the_path(tmp_path, monkeypatch):

@@ -3,6 +3,8 @@ no traceback, and nothing of the user's lost. Each case has a positive control."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from test_eval_reports_cli import make_checkpoint
@@ -138,6 +140,95 @@ def test_export_refuses_a_missing_or_too_large_tokenizer(run_and_tokenizers, tmp
     assert main([str(run / "run"), "--out", str(tmp_path / "b"), "--tokenizer", large]) == 2
     assert "has 600 tokens but the model's vocabulary is 512" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_export_checks_where_it_writes_before_reading_the_checkpoint(run_and_tokenizers,
+                                                                    tmp_path, capsys,
+                                                                    monkeypatch):
+    """An --out under a regular file, or in a directory this process cannot write in, is
+    refused before the (possibly long) consolidation, naming the path; it used to fail after
+    it with "File exists" or with the errno of a scratch directory."""
+    import errno
+    import tempfile
+
+    from tape_train import loading
+    from tape_train.inference.export import main
+
+    run, tok, _ = run_and_tokenizers
+    (tmp_path / "afile").write_text("x")
+    real_load, real_tmp = loading.load_model_from_checkpoint, tempfile.NamedTemporaryFile
+    loads = []
+    monkeypatch.setattr(loading, "load_model_from_checkpoint",
+                        lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    assert main([str(run / "run"), "--out", str(tmp_path / "afile" / "sub" / "x")]) == 2
+    err = capsys.readouterr().err
+    assert (f"tape-export: error: {tmp_path / 'afile'} is a file, so --out "
+            f"{tmp_path / 'afile' / 'sub' / 'x'} cannot be created under it") in err
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+
+    def unwritable(*args, dir=None, **kwargs):  # root ignores permissions: a read-only mount
+        if dir is not None and Path(dir) == readonly:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_tmp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", unwritable)
+    assert main([str(run / "run"), "--out", str(readonly / "new" / "x")]) == 2
+    err = capsys.readouterr().err
+    assert (f"tape-export: error: cannot write in {readonly}, where --out {readonly / 'new' / 'x'}"
+            f" goes: Read-only file system") in err
+    assert loads == [] and "Traceback" not in err
+    assert list(readonly.iterdir()) == []
+    # Negative control: a writable place is exported to.
+    assert main([str(run / "run"), "--out", str(tmp_path / "ok" / "x"), "--tokenizer", tok]) == 0
+    assert len(loads) == 1 and (tmp_path / "ok" / "x" / "model.safetensors").is_file()
+
+
+def test_export_past_a_file_size_limit_is_one_line_and_leaves_nothing(run_and_tokenizers,
+                                                                     tmp_path, capsys):
+    """A write that fails inside safetensors (a full disk, a file-size limit: its errors are
+    strings) is named like any OSError, with the limit, instead of a SafetensorError
+    traceback; the scratch directory is removed."""
+    import resource
+
+    from tape_train.inference.export import main
+
+    run, tok, _ = run_and_tokenizers
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, hard))  # Python ignores SIGXFSZ: EFBIG
+    try:
+        rc = main([str(run / "run"), "--out", str(tmp_path / "x"), "--tokenizer", tok])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    line = next(ln for ln in err.splitlines() if ln.startswith("tape-export: error: "))
+    assert f"{tmp_path / 'x'}" in line and "model.safetensors): File too large" in line
+    assert "file-size limit, `ulimit -f`, is 48.8 KiB" in line
+    assert list(tmp_path.iterdir()) == []
+    # Negative control: without the limit the same export is written.
+    assert main([str(run / "run"), "--out", str(tmp_path / "x"), "--tokenizer", tok]) == 0
+
+
+def test_export_names_a_model_config_it_cannot_build_in_one_line(tmp_path, capsys):
+    """A checkpoint whose recorded model config this code cannot build (a key of another
+    version): one line naming the marker and the key, exit 2, no traceback."""
+    import json
+
+    from tape_train.inference.export import main
+    from tape_train.train import checkpoint as ckpt
+
+    make_checkpoint(tmp_path / "run", "tape", seed=1)
+    tag = ckpt.find_latest_complete(tmp_path / "run")
+    assert main([str(tag), "--out", str(tmp_path / "good")]) == 0  # negative control
+    marker = ckpt.read_marker(tag)
+    marker["config"]["model"]["new_knob"] = 3
+    (tag / ckpt.MARKER).write_text(json.dumps(marker))
+    capsys.readouterr()
+    assert main([str(tag), "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert f"tape-export: error: {tag / ckpt.MARKER} [model]: unknown model key(s) 'new_knob'" in err
+    assert "Traceback" not in err and not (tmp_path / "bad").exists()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -128,3 +128,71 @@ def test_scratch_of_a_killed_export_is_removed_by_the_next_one(tmp_path):
     finally:
         alive.kill()
         alive.wait()
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "flipped weights": (lambda d: _flip(d / "model.safetensors"),
+                        "model.safetensors is damaged: xxh3_64"),
+    "flipped tokenizer": (lambda d: _flip(d / "tokenizer.model"),
+                          "tokenizer.model is damaged: xxh3_64"),
+    "truncated weights": (lambda d: (d / "model.safetensors").write_bytes(
+        (d / "model.safetensors").read_bytes()[:5000]), "model.safetensors is damaged"),
+    "garbled config": (lambda d: (d / "config.json").write_text("{"),
+                       "config.json: not valid JSON"),
+    "config a list": (lambda d: (d / "config.json").write_text("[1]"),
+                      "config.json: a JSON list, not an object"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_export_is_named_instead_of_loaded(tmp_path, damage):
+    """export.json records the xxh3 of the weights and the tokenizer: bytes changed on disk
+    are refused naming the file (they used to load and generate silently); a garbled config
+    or a cut safetensors file is one line naming it, not a traceback."""
+    from tape_train.inference.generate import main as generate
+    from tape_train.loading import load_model
+
+    model = small_model("tape", dtype=torch.float32)
+    tokenizer = tmp_path / "tok.model"
+    tokenizer.write_bytes(b"sentencepiece model")
+    out = save_pretrained(model.state_dict(), model.cfg, tmp_path / "export",
+                          tokenizer=tokenizer)
+    from_pretrained(out)  # negative control: as exported
+    change, message = DAMAGE[damage]
+    change(out)
+    with pytest.raises(ValueError, match=message) as err:
+        load_model(out)
+    assert str(out) in str(err.value)
+    assert generate([str(out), "--prompt", "x", "--device", "cpu"]) == 2
+
+
+def test_exports_without_checksums_still_load_and_a_cut_one_is_named(tmp_path):
+    """Exports written before checksums: nothing to compare, they load; a safetensors file cut
+    short is then named by its parse error (safetensors' own error type, not a traceback)."""
+    model = small_model("rope", dtype=torch.float32)
+    out = save_pretrained(model.state_dict(), model.cfg, tmp_path / "export")
+    info = json.loads((out / "export.json").read_text())
+    assert set(info["checksums"]) == {"model.safetensors"}  # no tokenizer given
+    del info["checksums"], info["checksum"]
+    (out / "export.json").write_text(json.dumps(info))
+    from_pretrained(out)
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file"):
+        from_pretrained(out)
+
+
+def test_an_export_missing_its_weights_is_named_as_an_export(tmp_path):
+    from tape_train.loading import load_model
+
+    model = small_model("rope", dtype=torch.float32)
+    out = save_pretrained(model.state_dict(), model.cfg, tmp_path / "export")
+    (out / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="not an exported model .missing model.safetensors"):
+        load_model(out)  # not "no complete checkpoint under export/checkpoints"

@@ -121,6 +121,36 @@ def test_each_bad_input_is_one_line_and_exit_1(corpus, name):
     assert "nothing was started" in err
 
 
+def test_an_unwritable_checkpoints_directory_is_refused_by_the_dry_run(corpus, tmp_path,
+                                                                       monkeypatch):
+    """A run dir that is writable but whose checkpoints directory is not (read-only mount,
+    permissions) would fail only at the first save, a checkpoint interval later: refused up
+    front, naming the directory. Root ignores permissions, so the probe is made to fail as on a
+    read-only mount."""
+    import errno
+    import tempfile
+
+    from tape_train.train import preflight
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    args = ["--config", str(corpus / "run.yaml"), "--dry-run", f"train.run_dir={run_dir}"]
+    rc, out, err = dry_run(args)
+    assert rc == 0, err  # negative control
+    real = tempfile.NamedTemporaryFile
+
+    def read_only(*a, dir=None, **k):
+        if dir is not None and Path(dir).name == "checkpoints":
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(*a, dir=dir, **k)
+
+    monkeypatch.setattr(preflight.tempfile, "NamedTemporaryFile", read_only)
+    rc, out, err = dry_run(args)
+    assert rc == 1
+    assert error_lines(err) == [f"tape-train: preflight: error: train.run_dir={run_dir}: not "
+                                f"writable ({run_dir / 'checkpoints'}: Read-only file system)"]
+
+
 def test_ranks_outnumbering_shards_is_a_warning_not_an_error(corpus):
     """One file for 4 data-parallel ranks: they share it, each reading all of it for a quarter
     (documents sharding). The dry run warns, names the fix, and still passes; with one rank

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.tokenizer:
             load_tokenizer(args.tokenizer)
         cfg, state, meta = load_model_from_checkpoint(args.checkpoint)
-    except (CheckpointError, FileNotFoundError, FileExistsError, TokenizerError) as exc:
+    except (CheckpointError, OSError, ValueError) as exc:  # a bad --tokenizer included
         print(f"tape-export: error: {'--tokenizer: ' if isinstance(exc, TokenizerError) else ''}"
               f"{exc}",
               file=sys.stderr)
@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # disk full, permissions: name the path (the old export is kept)
         from tape_train.files import describe_os_error
 
-        print(f"tape-export: error: {describe_os_error(exc, args.out)}", file=sys.stderr)
+        print(f"tape-export: error: "
+              f"{describe_os_error(exc, args.out, needed=n_params * dtype.itemsize)}",
+              file=sys.stderr)
         return 2
     log.info("exported %s (step %s, %.2fM parameters, %s) to %s", cfg.pe, meta.get("step"),
              n_params / 1e6, dtype_name, out)

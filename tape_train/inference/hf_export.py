@@ -18,7 +18,8 @@ import torch
 
 from tape_train.model.config import ModelConfig
 from tape_train.model.pretrained import (CONFIG, PROVENANCE, TOKENIZER, WEIGHTS, cast_state,
-                                         save_weights, write_dir_atomically)
+                                         export_checksums, save_weights,
+                                         write_dir_atomically)
 
 REMOTE_CODE_DIR = Path(__file__).resolve().parent / "hf_remote"
 REMOTE_FILES = ("configuration_tape.py", "modeling_tape.py")
@@ -97,7 +98,8 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Pat
             for name in REMOTE_FILES:
                 shutil.copyfile(REMOTE_CODE_DIR / name, tmp / name)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / PROVENANCE).write_text(json.dumps({"format": f"hf-{arch}", **(provenance or {})},
+        (tmp / PROVENANCE).write_text(json.dumps({"format": f"hf-{arch}", **(provenance or {}),
+                                                  **export_checksums(tmp)},
                                                  indent=2, default=str) + "\n")
 
     return write_dir_atomically(Path(out_dir), write)

@@ -50,9 +50,21 @@ def umask_mode(mode: int = 0o666) -> int:
 def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
     """safetensors file of ``state``; safetensors creates it 0600, we give it the umask's mode
     so others can read an export on a shared cluster as they can any file."""
+    import re
+
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    save_file(state, str(path), metadata={"format": "pt"})
+    try:
+        save_file(state, str(path), metadata={"format": "pt"})
+    except SafetensorError as exc:
+        # Its I/O errors are strings ("... No space left on device (os error 28)"): give them
+        # back their errno, so that a full disk or a file-size limit is named like any other.
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        number = int(code.group(1))
+        raise OSError(number, os.strerror(number), str(path)) from exc
     os.chmod(path, umask_mode())
 
 
@@ -62,14 +74,36 @@ def check_export_target(out_dir: str | os.PathLike) -> None:
     be deleted by the replacement."""
     out_dir = Path(out_dir)
     if not out_dir.exists() and not out_dir.is_symlink():
+        _check_export_parent(out_dir)
         return
     if not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a directory; choose another --out")
     if (out_dir / PROVENANCE).is_file() or not any(out_dir.iterdir()):
+        _check_export_parent(out_dir)
         return
     raise FileExistsError(f"{out_dir} is a non-empty directory that is not an export (no "
                           f"{PROVENANCE}); an export replaces its directory, so choose an "
                           f"empty or new --out")
+
+
+def _check_export_parent(out_dir: Path) -> None:
+    """Raise ``OSError`` naming the path unless the export's scratch sibling can be made
+    beside ``out_dir``: its nearest existing ancestor must be a directory this process can
+    write in (probed with a temporary file, removed at once)."""
+    import tempfile
+
+    existing = out_dir.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NotADirectoryError(f"{existing} is a file, so --out {out_dir} cannot be created "
+                                 f"under it; choose another --out")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=f".{out_dir.name}.probe-"):
+            pass
+    except OSError as exc:
+        raise OSError(f"cannot write in {existing}, where --out {out_dir} goes: "
+                      f"{exc.strerror or exc}") from exc
 
 
 def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
@@ -105,6 +139,44 @@ def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
     return out_dir
 
 
+def export_checksums(out_dir: Path) -> dict:
+    """``{"checksum": "xxh3_64", "checksums": {name: digest}}`` of the weights and the
+    sentencepiece model in ``out_dir``, for ``export.json``: ``from_pretrained`` compares them
+    before loading, so bytes changed on disk or in transit are named instead of generating
+    from damaged weights."""
+    from tape_train.checkpoint_layout import CHECKSUM, file_checksum
+
+    names = [n for n in (WEIGHTS, TOKENIZER) if (Path(out_dir) / n).is_file()]
+    return {"checksum": CHECKSUM,
+            "checksums": {n: file_checksum(Path(out_dir) / n) for n in names}}
+
+
+def verify_export(path: Path) -> None:
+    """Raise ``ValueError`` naming the first file of an export that does not match the
+    checksum in its ``export.json`` (exports written before checksums: nothing to compare; a
+    listed file that is absent is left to whoever needs it)."""
+    from tape_train.checkpoint_layout import CHECKSUM, file_checksum
+
+    try:
+        info = json.loads((path / PROVENANCE).read_text())
+    except FileNotFoundError:
+        return
+    except ValueError as exc:
+        raise ValueError(f"{path / PROVENANCE}: not valid JSON ({exc}); re-export the "
+                         f"model") from exc
+    sums = info.get("checksums") if isinstance(info, dict) else None
+    if not isinstance(sums, dict):
+        return
+    for name, expected in sorted(sums.items()):
+        if not (path / name).is_file():  # left out on purpose (--tokenizer given instead)
+            continue
+        actual = file_checksum(path / name)
+        if actual != expected:
+            raise ValueError(f"{path / name} is damaged: {info.get('checksum', CHECKSUM)} "
+                             f"{actual}, {expected} was exported (bytes changed on disk or in "
+                             f"transit); re-export the model")
+
+
 def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     # safetensors refuses shared storage (tied embeddings): store contiguous copies.
     return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().clone()
@@ -130,7 +202,8 @@ def save_pretrained(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: s
         (tmp / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / TOKENIZER)
-        info = {"dtype": str(dtype).removeprefix("torch."), **(provenance or {})}
+        info = {"dtype": str(dtype).removeprefix("torch."), **(provenance or {}),
+                **export_checksums(tmp)}
         (tmp / PROVENANCE).write_text(json.dumps(info, indent=2, default=str) + "\n")
         if extra is not None:
             extra(tmp)
@@ -147,6 +220,7 @@ def parameter_names(cfg: ModelConfig) -> list[str]:
 def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
                     device: str | torch.device = "cpu") -> TransformerLM:
     """Load an export directory written by :func:`save_pretrained` (or ``tape-export``)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -154,9 +228,20 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
         if not (path / name).is_file():
             raise FileNotFoundError(f"{path}: not an exported model (missing {name}); "
                                     f"create one with `tape-export <checkpoint> --out {path}`")
-    cfg = ModelConfig.from_dict(json.loads((path / CONFIG).read_text()),
-                                source=str(path / CONFIG)).for_any_device()
-    state = load_file(str(path / WEIGHTS), device=str(device))
+    try:
+        data = json.loads((path / CONFIG).read_text())
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise ValueError(f"{path / CONFIG}: not valid JSON ({exc}); re-export the model") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path / CONFIG}: a JSON {type(data).__name__}, not an object; "
+                         f"re-export the model")
+    cfg = ModelConfig.from_dict(data, source=str(path / CONFIG)).for_any_device()
+    verify_export(path)
+    try:
+        state = load_file(str(path / WEIGHTS), device=str(device))
+    except SafetensorError as exc:
+        raise ValueError(f"{path / WEIGHTS}: not a readable safetensors file, damaged or cut "
+                         f"short ({type(exc).__name__}: {exc}); re-export the model") from exc
     with torch.device(device):
         model = TransformerLM(cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)

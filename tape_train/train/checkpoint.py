@@ -48,7 +48,8 @@ from tape_train.checkpoint_layout import (  # noqa: F401 - re-exported
     CHECKSUM, LATEST, MARKER, UNIVERSAL, CheckpointError, checkpoint_root,
     checksum_bytes, describe_size, file_checksum, find_latest_complete, find_newest, list_tags, rank_state_name,
     read_marker, resolve_checkpoint, step_of_tag, tag_for_step, verify_files, why_incomplete)
-from tape_train.files import describe_os_error, free_bytes, human_bytes, is_disk_full, write_atomic
+from tape_train.files import (describe_os_error, file_size_limit_hit, free_bytes, human_bytes,
+                              is_disk_full, write_atomic)
 from tape_train.loading import (ensure_universal,  # noqa: F401 - re-exported
                                 load_model_from_checkpoint, saved_layout)
 from tape_train.train import distributed as tdist
@@ -93,10 +94,20 @@ def verify_checkpoint(tag_dir: Path) -> str | None:
     return next(reasons[r] for r in sorted(reasons) if reasons[r] is not None)
 
 
-def find_latest_intact(path: str | Path, warn: bool = True) -> Path | None:
+def find_latest_intact(path: str | Path, warn: bool = True,
+                       damaged: set[str] | None = None) -> Path | None:
     """Newest tag that is complete and passes ``verify_checkpoint``. Collective when a process
-    group exists (every rank must call it); damaged tags are skipped with one warning each."""
-    return find_newest(path, verify_checkpoint, warn)
+    group exists (every rank must call it); damaged tags are skipped with one warning each.
+
+    ``damaged``: gets the names of the skipped tags that are complete by their sizes but fail
+    their checksums (``rotate_checkpoints`` does not count them as kept checkpoints)."""
+    def why_not(tag_dir: Path) -> str | None:
+        reason = verify_checkpoint(tag_dir)
+        if reason is not None and damaged is not None and why_incomplete(tag_dir) is None:
+            damaged.add(tag_dir.name)
+        return reason
+
+    return find_newest(path, why_not, warn)
 
 
 # RNG and code version
@@ -155,7 +166,8 @@ def code_version() -> dict:
 
 
 def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
-                    rank_state: dict, keep: int, owner=None) -> Path:
+                    rank_state: dict, keep: int, owner=None,
+                    damaged: set[str] | frozenset[str] = frozenset()) -> Path:
     """Write tag ``step_<step>`` on all ranks, then mark it complete and rotate. Collective.
 
     Args:
@@ -167,6 +179,8 @@ def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
         owner: on rank 0, the ``RunLock`` of the run directory (``None``: no lock, e.g. tests
             and tools); every deletion (a leftover partial tag, rotation) first checks that the
             lock is still this process's, so a save never deletes a tag another run started.
+        damaged: names of complete tags known to fail their checksums (``find_latest_intact``);
+            rotation keeps ``keep`` intact checkpoints besides them.
 
     Raises ``CheckpointError`` on every rank if any rank failed to write; the partial tag is
     removed and the previous complete checkpoint is untouched. A full disk is named as such,
@@ -190,10 +204,19 @@ def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
         if existing is None:
             log.info("checkpoint %s already complete; not rewriting it", tag_dir)
             return tag_dir
-    if rank == 0 and tag_dir.exists():
-        _check_owner(owner, f"delete the partial checkpoint {tag_dir}")
-        shutil.rmtree(tag_dir, ignore_errors=True)  # leftover of an interrupted save
-    tdist.barrier()
+    if rank == 0:
+        if tag_dir.exists():
+            _check_owner(owner, f"delete the partial checkpoint {tag_dir}")
+            shutil.rmtree(tag_dir, ignore_errors=True)  # leftover of an interrupted save
+        try:  # made here, so that an unwritable root is named (DeepSpeed says "does not exist")
+            tag_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            error = exc
+    if tdist.all_reduce_max_int(1 if error is not None else 0):
+        raise CheckpointError(
+            f"cannot create checkpoint {tag_dir}: "
+            f"{describe_os_error(error, tag_dir) if error else 'see rank 0'}; "
+            f"{_what_survives(root)}")
 
     start = time.perf_counter()
     checksums: dict[str, str] = {}
@@ -228,15 +251,13 @@ def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
             error = exc
         failed_ranks = tdist.all_reduce_max_int(1 if error is not None else 0)
     if failed_ranks:
-        needed = _expected_bytes(root, tag_dir)
+        needed, at_least = _expected_bytes(root, tag_dir)
         if rank == 0 and _still_owner(owner):
             shutil.rmtree(tag_dir, ignore_errors=True)  # this save's own partial tag
         tdist.barrier()
-        previous = find_latest_complete(root, warn=False)
-        raise CheckpointError(
-            f"writing checkpoint {tag_dir} failed: {_describe_save_error(error, tag_dir, needed)}"
-            f"; the partial checkpoint was removed. Previous complete checkpoint: "
-            f"{previous if previous else 'none'} (a re-run resumes from it)") from error
+        why = _describe_save_error(error, tag_dir, needed, at_least)
+        raise CheckpointError(f"writing checkpoint {tag_dir} failed: {why}; the partial "
+                              f"checkpoint was removed; {_what_survives(root)}") from error
     checksums = _gather_dicts(checksums)
 
     if rank == 0:
@@ -260,10 +281,18 @@ def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
                               f"complete checkpoint is untouched")
     if rank == 0:
         _check_owner(owner, f"rotate the checkpoints in {root}")
-        rotate_checkpoints(root, keep)
+        rotate_checkpoints(root, keep, damaged=set(damaged) - {tag})
         log.info("saved checkpoint %s in %.1f s", tag_dir, time.perf_counter() - start)
     tdist.barrier()
     return tag_dir
+
+
+def _what_survives(root: Path) -> str:
+    """What a re-run after a failed save starts from, for the end of its error."""
+    previous = find_latest_complete(root, warn=False)
+    if previous is None:
+        return "no previous complete checkpoint (a re-run starts at step 0)"
+    return f"previous complete checkpoint: {previous} (a re-run resumes from it)"
 
 
 def _check_owner(owner, action: str) -> None:
@@ -297,29 +326,38 @@ def _gather_dicts(local: dict) -> dict:
     return merged
 
 
-def _expected_bytes(root: Path, tag_dir: Path) -> int | None:
-    """What a checkpoint needs on disk: the size of the newest complete one (the model and
-    optimizer do not change size), else what this save had written when it failed."""
+def _expected_bytes(root: Path, tag_dir: Path) -> tuple[int | None, bool]:
+    """What a checkpoint needs on disk, and whether that is only a lower bound: the size of
+    the newest complete one (the model and optimizer do not change size), else what this save
+    had written when it failed (a lower bound)."""
     previous = find_latest_complete(root, warn=False)
     try:
         if previous is not None:
-            return sum(read_marker(previous)["files"].values())
-        return sum(p.stat().st_size for p in tag_dir.rglob("*") if p.is_file()) or None
+            return sum(read_marker(previous)["files"].values()), False
+        return sum(p.stat().st_size for p in tag_dir.rglob("*") if p.is_file()) or None, True
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+        return None, False
 
 
-def _describe_save_error(error: BaseException | None, tag_dir: Path, needed: int | None) -> str:
+def _describe_save_error(error: BaseException | None, tag_dir: Path, needed: int | None,
+                         at_least: bool = False) -> str:
     """One line for a failed save. A full disk says "no space left on device" with bytes
-    needed and free even when the writer hid the errno (torch.save's "unexpected pos")."""
+    needed and free even when the writer hid the errno (torch.save's "unexpected pos");
+    ``at_least``: ``needed`` is only what the failed save had written."""
     if error is None:
         return "another rank failed (see its log)"
     free = free_bytes(tag_dir)
     full = is_disk_full(error) or (needed is not None and free is not None and free < needed)
+    limit = None if full else file_size_limit_hit(error)
+    if limit is not None:
+        return (f"a file under {tag_dir} reached this process's file-size limit of "
+                f"{human_bytes(limit)} ({limit} bytes; `ulimit -f`): raise or remove the limit "
+                f"[{type(error).__name__}: {error}]")
     if full:
         parts = [f"no space left on device under {tag_dir.parent}"]
         if needed is not None:
-            parts.append(f"a checkpoint needs about {human_bytes(needed)} ({needed} bytes)")
+            parts.append(f"a checkpoint needs {'at least' if at_least else 'about'} "
+                         f"{human_bytes(needed)} ({needed} bytes)")
         if free is not None:
             parts.append(f"{human_bytes(free)} ({free} bytes) free")
         return ", ".join(parts) + f" [{type(error).__name__}: {error}]"
@@ -336,16 +374,24 @@ def _serialize(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def rotate_checkpoints(root: Path, keep: int) -> list[Path]:
+def rotate_checkpoints(root: Path, keep: int,
+                       damaged: set[str] | frozenset[str] = frozenset()) -> list[Path]:
     """Delete all but the newest ``keep`` complete tags, and incomplete tags older than the
-    newest complete one. Returns what was deleted."""
+    newest complete one. Returns what was deleted.
+
+    ``damaged`` (names of complete tags that failed their checksums) do not count among the
+    ``keep``: a damaged newer tag never pushes out an intact one. They are deleted once older
+    than the oldest kept intact tag, and kept while newer (the replay rewrites them)."""
     tags = list_tags(root)
     complete = [t for t in tags if why_incomplete(t) is None]
     if not complete:
         return []
     newest = step_of_tag(complete[-1].name)
-    doomed = complete[:-keep] + [t for t in tags if t not in complete
-                                 and step_of_tag(t.name) < newest]
+    intact = [t for t in complete if t.name not in damaged]
+    oldest_kept = step_of_tag(intact[-keep:][0].name) if intact else newest
+    doomed = intact[:-keep] + [t for t in complete if t.name in damaged
+                               and step_of_tag(t.name) < oldest_kept]
+    doomed += [t for t in tags if t not in complete and step_of_tag(t.name) < newest]
     for tag_dir in doomed:
         # Remove the marker first: a half-deleted tag must never look complete.
         (tag_dir / MARKER).unlink(missing_ok=True)

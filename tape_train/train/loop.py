@@ -115,6 +115,9 @@ class Trainer:
         self.writer: MetricsWriter | None = None
         self._eval_docs = None
         self._last_saved_step = -1
+        # Tags skipped at resume because a file failed its checksum: rotation keeps
+        # checkpoint.keep intact ones besides them (they are rewritten when the replay gets there).
+        self._damaged_tags: set[str] = set()
         self.lock: RunLock | None = None
         self.watchdog: Watchdog | None = None
         self._restore_algorithms = None
@@ -365,7 +368,8 @@ class Trainer:
                 raise ckpt.CheckpointError(f"checkpoint {tag_dir}: {reason}; "
                                            f"refusing to resume from it")
             return tag_dir
-        return ckpt.find_latest_intact(self.run_dir, warn=self.rank == 0)
+        return ckpt.find_latest_intact(self.run_dir, warn=self.rank == 0,
+                                       damaged=self._damaged_tags)
 
     def _maybe_resume(self) -> str | None:
         tag_dir = self._resume_tag
@@ -818,7 +822,9 @@ class Trainer:
                       else None}
         path = ckpt.save_checkpoint(self.engine, self.run_dir, self.state.step, rank=self.rank,
                                     meta=meta, rank_state=rank_state,
-                                    keep=self.cfg.checkpoint.keep, owner=self.lock)
+                                    keep=self.cfg.checkpoint.keep, owner=self.lock,
+                                    damaged=self._damaged_tags)
+        self._damaged_tags.discard(path.name)  # rewritten, if it was one
         self._last_saved_step = self.state.step
         self.writer.write("event", self.state.step, {"event": "checkpoint", "path": str(path)})
         return path

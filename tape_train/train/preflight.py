@@ -443,15 +443,20 @@ def _check_run_dir(cfg, report: Report) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         report.problem(f"train.run_dir={run_dir}: exists and is not a directory")
         return
-    try:
-        with tempfile.NamedTemporaryFile(dir=existing, prefix=".preflight-"):
-            pass
-    except OSError as exc:
-        report.problem(f"train.run_dir={run_dir}: not writable ({existing}: "
-                       f"{exc.strerror or exc})")
-        return
     from tape_train.checkpoint_layout import checkpoint_root, list_tags, why_incomplete
     from tape_train.files import human_bytes
+
+    # Its checkpoints directory too, when there is one: a save there fails only after a
+    # checkpoint interval's work.
+    root = checkpoint_root(run_dir)
+    for probe in (existing, root) if root.is_dir() else (existing,):
+        try:
+            with tempfile.NamedTemporaryFile(dir=probe, prefix=".preflight-"):
+                pass
+        except OSError as exc:
+            report.problem(f"train.run_dir={run_dir}: not writable ({probe}: "
+                           f"{exc.strerror or exc})")
+            return
 
     keep = cfg.checkpoint.keep
     one = checkpoint_bytes(cfg)
