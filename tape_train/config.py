@@ -40,6 +40,10 @@ SECTIONS = ("model", "data", "eval", "train", "optim", "checkpoint", "parallel",
 # The longest collective/start-up timeout: faulthandler's timer (the watchdog's backstop) and
 # threading's waits overflow at about 9.2e9 s; a year is far beyond any job's time limit.
 MAX_TIMEOUT_S = 365 * 86400
+# The largest seed: NumPy's generators take no negative seed, torch's none past 64 bits, and
+# the per-rank and per-sample streams derive their seeds from it by multiplying (train.seed,
+# tape-generate --seed).
+MAX_SEED = 2**32 - 1
 
 
 class ConfigError(ValueError):
@@ -82,7 +86,8 @@ class TrainConfig:
             eager model to rounding, not bit for bit; a resume may switch it (the run goes on
             to rounding, like a change of ``model.attn_backend``). On CPU it needs a C++
             compiler (``CXX``, or g++ / clang++ on PATH).
-        seed: seeds Python, NumPy and torch on every rank (rank-specific streams derive from it).
+        seed: seeds Python, NumPy and torch on every rank (rank-specific streams derive from
+            it); an integer from 0 to ``MAX_SEED`` (2**32 - 1).
         max_bad_steps: stop (with a checkpoint) after this many consecutive steps whose loss
             was NaN/inf; such steps are skipped, not applied.
         device: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``.
@@ -142,6 +147,8 @@ class TrainConfig:
                     "max_bad_steps"):
             _require(getattr(self, key) > 0, f"train.{key} must be > 0, got {getattr(self, key)}")
         _require(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+        _require(0 <= self.seed <= MAX_SEED,
+                 f"train.seed must be in [0, {MAX_SEED}] (2**32 - 1), got {self.seed}")
         _require(0.0 <= self.warmup_fraction < 1.0,
                  f"train.warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
         if self.warmup_steps is not None:

@@ -6,8 +6,8 @@ import textwrap
 
 import pytest
 
-from tape_train.config import (ConfigError, RunConfig, diff_configs, load_run_config,
-                               parse_override)
+from tape_train.config import (ConfigError, RunConfig, TrainConfig, diff_configs,
+                               load_run_config, parse_override)
 
 BASE = """\
 model: tiny
@@ -88,6 +88,8 @@ def test_unknown_section_and_nested_model_key(tmp_path):
     ("train.cuda_expandable_segments=1", r"train\.cuda_expandable_segments: expected bool, "
                                          r"got 1"),
     ("checkpoint.keep=1", r"checkpoint\.keep must be >= 2"),
+    ("train.seed=-1", r"train\.seed must be in \[0, 4294967295\] \(2\*\*32 - 1\), got -1"),
+    ("train.seed=18446744073709551616", r"train\.seed must be in \[0, 4294967295\]"),
     ("optim.betas=[0.9]", r"optim\.betas must be two numbers"),
     ("parallel.tp=0", r"parallel\.tp must be >= 1"),
     ("parallel.offload_optimizer=gpu", r"parallel\.offload_optimizer: expected one of 'none', "
@@ -105,6 +107,30 @@ def test_invalid_values_name_the_key(tmp_path, override, pattern):
     with pytest.raises(ConfigError, match=pattern) as err:
         load_run_config(_write(tmp_path, BASE), [override])
     assert f"override '{override}'" in str(err.value)
+
+
+def test_every_seed_in_range_seeds_each_generator_the_run_derives():
+    """train.seed's bounds are those the trainer's generators take: seeded at both ends, with
+    the per-rank and per-sample offsets the run adds (a seed past them failed with a traceback
+    after start-up: NumPy takes no negative seed, torch nothing past 64 bits)."""
+    import numpy as np
+    import torch
+
+    from tape_train.config import MAX_SEED
+    from tape_train.data.synthetic import synthetic_eval_documents, synthetic_sample
+    from tape_train.train.loop import seed_everything
+
+    for seed in (0, MAX_SEED):
+        assert TrainConfig(seed=seed).seed == seed
+        seed_everything(seed + 1_000_003 * 1023)         # rank 1023's stream
+        np.random.default_rng([seed, 7, 1023])           # the data loaders' keys
+        synthetic_sample(10**9, seed, 16, 8, 0.0)
+        synthetic_eval_documents(16, 1, 8, seed)
+    with pytest.raises(ValueError):                     # negative control: one past the range
+        np.random.default_rng([-1])
+    with pytest.raises((ValueError, RuntimeError)):
+        torch.Generator().manual_seed(2**64)
+    torch.manual_seed(0)
 
 
 def test_bad_value_in_file_names_the_line(tmp_path):

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="nucleus sampling: the smallest set of tokens with this total "
                              "probability (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the sampling (default: %(default)s)")
+                        help="seed of the sampling, 0 to 2**32 - 1 (default: %(default)s)")
     parser.add_argument("--tokenizer", help="sentencepiece .model (default: the model's own)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to decode: auto (the GPU at LOCAL_RANK, default 0, where "
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from tape_train.config import MAX_SEED
     from tape_train.data import TokenizerError, load_model_tokenizer, load_tokenizer
     from tape_train.devices import DeviceError, pick_device
     from tape_train.inference.loading import load_for_inference
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the options first: nothing is loaded for a run that cannot sample
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                        name=lambda key: "--" + key.replace("_", "-"))
+        if not 0 <= args.seed <= MAX_SEED:  # the same range as train.seed
+            raise ValueError(f"--seed must be in [0, {MAX_SEED}] (2**32 - 1), got {args.seed}")
         if args.tokenizer:
             load_tokenizer(args.tokenizer)
         device = pick_device(args.device, int(os.environ.get("LOCAL_RANK", "0")), "--device")
