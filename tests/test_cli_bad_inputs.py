@@ -71,6 +71,78 @@ def test_dry_run_names_a_mistyped_field_or_a_timeout_beyond_a_year(tmp_path, cap
     assert f"override '{override}': {message}" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--device-memory-gb", "nan"], "--device-memory-gb must be a finite number > 0, got nan"),
+    (["--device-memory-gb", "inf"], "--device-memory-gb must be a finite number > 0, got inf"),
+    (["--device-memory-gb", "0"], "--device-memory-gb must be a finite number > 0, got 0.0"),
+    (["--nodes", "3", "--gpus-per-node", "2", "--world-size", "7"],
+     "--world-size 7 is more ranks than --nodes 3 x --gpus-per-node 2 = 6 GPUs"),
+    (["--nodes", "3", "--gpus-per-node", "2", "--world-size", "4"],
+     "--world-size 4 ranks do not split evenly over --nodes 3"),
+])
+def test_dry_run_refuses_planning_flags_it_cannot_plan_for(tmp_path, capsys, flags, message):
+    """A NaN or infinite --device-memory-gb ended the dry run with a traceback, zero or a
+    negative amount planned against nonsense; a --world-size beyond the GPUs of --nodes x
+    --gpus-per-node, or not a whole number of ranks per node, was planned as it came."""
+    from tape_train.train.cli import main
+
+    path = _base_yaml(tmp_path, f"  run_dir: {tmp_path / 'run'}\n  device: cpu\n"
+                                "  synthetic_data: true\n")
+    assert main(["--config", str(path), "--dry-run", *flags]) == 1
+    err = capsys.readouterr().err
+    assert err == f"tape-train: {message}\n"
+    # positive controls: memory given, and fewer ranks than GPUs (4 of each 8-GPU node)
+    assert main(["--config", str(path), "--dry-run", "--device-memory-gb", "80", "--nodes", "2",
+                 "--gpus-per-node", "8", "--world-size", "8"]) == 0
+    assert "rank grid: world=8 " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK is not: this process was not started by "
+                          "torchrun and cannot be 2 ranks alone; launch them with "
+                          "`launch/local.sh 2 ...` (torchrun), or unset WORLD_SIZE"),
+    ({"WORLD_SIZE": ""}, "WORLD_SIZE='' in the environment is not an integer >= 1"),
+    ({"RANK": "x"}, "RANK='x' in the environment is not an integer >= 0"),
+    ({"RANK": "3", "WORLD_SIZE": "2"}, "RANK=3 is not below WORLD_SIZE=2"),
+    ({"LOCAL_RANK": "-1"}, "LOCAL_RANK='-1' in the environment is not an integer >= 0"),
+])
+def test_torchrun_variables_that_cannot_be_are_named_before_start_up(tmp_path, capsys,
+                                                                      monkeypatch, env, message):
+    """A WORLD_SIZE left in the shell (the dry run plans for it) made a plain `tape-train`
+    expect ranks that never started (a RankGrid traceback after DeepSpeed's import); a
+    mistyped RANK or LOCAL_RANK was int()'s traceback. tape-eval and tape-generate read the
+    same variables."""
+    from tape_train.eval.cli import main as eval_main
+    from tape_train.inference.generate import main as generate_main
+    from tape_train.train import loop
+    from tape_train.train.cli import main
+
+    class Started(Exception):
+        pass
+
+    def trainer(*_args, stop=None, **_kw):
+        stop.close()  # give the test process its signal handlers back
+        raise Started
+
+    monkeypatch.setattr(loop, "Trainer", trainer)
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    path = _base_yaml(tmp_path, f"  run_dir: {tmp_path / 'run'}\n  device: cpu\n"
+                                "  synthetic_data: true\n")
+    with pytest.raises(Started):  # positive control: a lone process starts
+        main(["--config", str(path)])
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"tape-train: error: {message}") and err.count("\n") == 1
+    assert eval_main(["--checkpoint", str(tmp_path / "nowhere"), "--no-progress"]) == 1
+    assert capsys.readouterr().err.startswith(f"tape-eval: error: {message}")
+    if list(env) == ["LOCAL_RANK"]:  # all tape-generate reads
+        assert generate_main([str(tmp_path / "nowhere"), "--prompt", "x"]) == 2
+        assert capsys.readouterr().err.startswith(f"tape-generate: error: {message}")
+
+
 def test_exponent_floats_are_numbers_in_the_model_and_data_sections(tmp_path, capsys):
     """YAML 1.1 reads `1e-6` as a string: accepted for float fields in every section (it was a
     TypeError traceback in the dry-run's memory trace for model.norm_eps, and a refusal of
