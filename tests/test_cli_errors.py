@@ -24,6 +24,11 @@ def test_tape_model_info_names_an_unknown_size_in_one_line(capsys):
         main(["info", "tiny", "--seq-len", "0"])
     assert exc.value.code == 2
     assert "--seq-len: expected a positive number of tokens, got '0'" in capsys.readouterr().err
+    for flag in ("--pe", "--seq-len"):  # given without a value: it printed nothing, exit 0
+        with pytest.raises(SystemExit) as exc:
+            main(["info", "tiny", flag])
+        assert exc.value.code == 2
+        assert f"argument {flag}: expected at least one argument" in capsys.readouterr().err
 
 
 def test_a_missing_demo_corpus_says_how_to_build_it(tmp_path, monkeypatch):
