@@ -643,11 +643,16 @@ def _where(source: str, lines: dict, key: str) -> str:
 
 
 def _where_of_message(source: str, lines: dict, exc: Exception) -> str:
-    """Locate the first dotted key (``section.key``) a validation message mentions."""
+    """Locate a validation message by the dotted keys (``section.key``) it mentions: the first
+    one given itself in the file or an override, else the first one (by its section's line).
+    ``model.hidden_size (256) must be divisible by model.num_heads (5)`` from ``model: tiny``
+    and the override ``model.num_heads=5`` is the override's fault, not ``model``'s line."""
     import re
 
-    match = re.search(r"\b(" + "|".join(SECTIONS) + r")\.([A-Za-z_][A-Za-z0-9_]*)", str(exc))
-    return _where(source, lines, match.group(0)) if match else source
+    keys = [m.group(0) for m in re.finditer(
+        r"\b(?:" + "|".join(SECTIONS) + r")\.[A-Za-z_][A-Za-z0-9_]*", str(exc))]
+    given = [key for key in keys if key in lines]
+    return _where(source, lines, (given or keys)[0]) if keys else source
 
 
 def _key_lines(node: yaml.Node, prefix: str = "") -> dict[str, int]:

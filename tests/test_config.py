@@ -158,6 +158,24 @@ def test_bad_data_or_eval_value_names_the_file_once(tmp_path, text, line, messag
     assert str(tmp_path) not in str(err.value)
 
 
+@pytest.mark.parametrize("override", ["model.num_heads=5", "parallel.tp=3"])
+def test_a_check_across_keys_blames_the_key_that_was_given(tmp_path, override):
+    """`model.hidden_size (256) must be divisible by model.num_heads (5)` names the key of
+    the base size first; the override that broke it was blamed as the file's `model:` line."""
+    path = _write(tmp_path, BASE)
+    with pytest.raises(ConfigError) as err:
+        load_run_config(path, [override])
+    assert str(err.value).startswith(f"override '{override}': ")
+    # in the file: the line of the key given there, not the section's
+    path = _write(tmp_path, BASE.replace("model: tiny", "model:\n  base: tiny\n  num_heads: 5"))
+    with pytest.raises(ConfigError, match=rf"^{path}:3: model\.hidden_size \(256\) must be "
+                                          rf"divisible by model\.num_heads \(5\)"):
+        load_run_config(path)
+    # control: a key the message names first and that was given keeps the blame
+    with pytest.raises(ConfigError, match=r"^override 'model\.hidden_size=250': "):
+        load_run_config(_write(tmp_path, BASE), ["model.hidden_size=250"])
+
+
 def test_malformed_override_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="not of the form"):
         parse_override("train.lr")
