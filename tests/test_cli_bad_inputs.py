@@ -200,6 +200,37 @@ def test_export_keeps_a_directory_that_is_not_an_export(run_and_tokenizers, tmp_
     assert main([str(run / "run"), "--out", str(tmp_path / "exp"), "--tokenizer", tok]) == 0
 
 
+@pytest.mark.parametrize("out, cwd, message", [
+    ("", "here", "'' is the current directory or holds it"),
+    (".", "here", ". is the current directory or holds it"),
+    ("..", "here/sub", ".. is the current directory or holds it"),
+    ("here/sub/..", ".", "here/sub/..: name the directory itself"),
+])
+def test_export_refuses_the_current_directory_before_loading(run_and_tokenizers, tmp_path,
+                                                             monkeypatch, capsys, out, cwd,
+                                                             message):
+    """`--out .` (or an empty --out) in an empty directory got through the checks, loaded the
+    checkpoint, then failed to rename the current directory: `error: .: Device or resource
+    busy`. It is refused first, in words; the directory is left as it was."""
+    from tape_train.inference import export
+
+    run, tok, _ = run_and_tokenizers
+    (tmp_path / "here" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / cwd)
+    monkeypatch.setattr("tape_train.loading.load_model_from_checkpoint",
+                        lambda *_: pytest.fail("the checkpoint was loaded"))
+    assert export.main([str(run / "run"), "--out", out, "--tokenizer", tok]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tape-export: error: {message}") and err.count("\n") == 1
+    assert [p.name for p in (tmp_path / "here").iterdir()] == ["sub"]
+    assert not any((tmp_path / "here" / "sub").iterdir())
+    monkeypatch.undo()
+    # control: a new directory below the current one is written
+    monkeypatch.chdir(tmp_path / "here")
+    assert export.main([str(run / "run"), "--out", "exp", "--tokenizer", tok]) == 0
+    assert (tmp_path / "here" / "exp" / "export.json").is_file()
+
+
 def test_export_refuses_a_missing_or_too_large_tokenizer(run_and_tokenizers, tmp_path, capsys):
     from tape_train.inference.export import main
 
