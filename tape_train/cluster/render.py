@@ -145,8 +145,12 @@ class ClusterOptions:
         if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
                         self.train_module):
             raise RenderError(f"--train-module {self.train_module!r} is not a module name")
-        if not self.min_free_gb >= 0:
-            raise RenderError(f"--min-free-gb must be >= 0, got {self.min_free_gb}")
+        if not 0 <= self.min_free_gb < float("inf"):
+            raise RenderError(f"--min-free-gb must be a finite number >= 0, got "
+                              f"{self.min_free_gb}")
+        if not self.python.strip():
+            raise RenderError("--python is empty: give the interpreter with tape_train "
+                              "installed on the nodes")
         for line in self.extra_sbatch:
             if not line.startswith("--") or "\n" in line:
                 raise RenderError(f"--sbatch-arg {line!r} must be one long option like "
