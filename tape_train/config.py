@@ -30,7 +30,8 @@ import yaml
 
 from tape_train import hints
 from tape_train.hints import did_you_mean, read_yaml
-from tape_train.model.config import ModelConfig, load_model_config
+from tape_train.model.config import (MODEL_CONFIG_DIR, SHAPE_FIELDS, ModelConfig,
+                                     load_model_config)
 from tape_train.resources import named_file, resource_dir
 
 SECTIONS = ("model", "data", "eval", "train", "optim", "checkpoint", "parallel", "logging",
@@ -609,6 +610,12 @@ def _build_model(raw: Any, source: str, lines: dict) -> ModelConfig:
     known = [f.name for f in dataclasses.fields(ModelConfig)] + ["base"]
     _check_unknown(raw, known, "model.", source, lines)
     base = raw.pop("base", None)
+    missing = [f"model.{key}" for key in SHAPE_FIELDS if key not in raw]
+    if base is None and missing:
+        sizes = ", ".join(sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.yaml")))
+        raise ConfigError(f"{where}: 'model' without 'base' gives the whole shape itself; "
+                          f"missing {', '.join(missing)} (or start from a size: base: one of "
+                          f"{sizes})")
     try:
         if base is not None:
             return load_model_config(str(base), **raw)

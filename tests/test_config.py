@@ -44,6 +44,21 @@ def test_model_mapping_with_base_and_field_overrides(tmp_path):
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.vocab_size) == (2, 64, 8000)
 
 
+def test_a_model_mapping_without_base_gives_the_whole_shape(tmp_path):
+    """`model: {pe: rope}` (base forgotten) trained the fields' default 125M shape without a
+    word: the section's line, the missing keys and the sizes to start from."""
+    path = _write(tmp_path, "train: {seq_len: 8}\nmodel:\n  pe: rope\n  hidden_size: 64\n")
+    with pytest.raises(ConfigError) as err:
+        load_run_config(path)
+    assert str(err.value) == (
+        f"{path}:2: 'model' without 'base' gives the whole shape itself; missing "
+        f"model.vocab_size, model.num_layers, model.num_heads, model.intermediate_size (or "
+        f"start from a size: base: one of 125m, 1b, 350m, 7b, tiny)")
+    cfg = load_run_config(path, ["model.vocab_size=97", "model.num_layers=2",  # control
+                                 "model.num_heads=4", "model.intermediate_size=96"])
+    assert (cfg.model.hidden_size, cfg.model.pe) == (64, "rope")
+
+
 def test_round_trip_through_dict_and_yaml(tmp_path):
     import yaml
 
