@@ -527,6 +527,9 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
     if path is not None:
         path = named_file(path, "configs/train")  # `demo` -> the shipped configs/train/demo.yaml
         source = str(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a directory; give the run config YAML "
+                              f"in it")
         if not path.is_file():
             shipped = ", ".join(sorted(p.stem for p in resource_dir("configs/train").glob("*.yaml")))
             raise ConfigError(f"config file {path} does not exist (shipped configs, usable by "

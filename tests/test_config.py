@@ -196,6 +196,8 @@ def test_malformed_override_and_missing_file(tmp_path):
         parse_override("train.lr")
     with pytest.raises(ConfigError, match="does not exist"):
         load_run_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=rf"config file {tmp_path} is a directory"):
+        load_run_config(tmp_path)  # it said "does not exist"
     with pytest.raises(ConfigError, match="section 'model' is required"):
         load_run_config(_write(tmp_path, "train: {seq_len: 8}\n"))
 
