@@ -22,6 +22,7 @@ override) and the full dotted key, with a did-you-mean suggestion.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -62,7 +63,8 @@ class TrainConfig:
 
     Attributes:
         run_dir: directory of the run: ``config.yaml``, ``metrics.jsonl``, ``tensorboard/``,
-            ``checkpoints/``. Re-running with the same run_dir resumes.
+            ``checkpoints/``. Re-running with the same run_dir resumes. A leading ``~`` is the
+            home directory (the shell leaves it alone in ``train.run_dir=~/runs/x``).
         seq_len: L, tokens per training sequence.
         micro_batch_size: sequences per rank per forward/backward.
         grad_accum_steps: micro-batches per optimizer step; the global batch is
@@ -161,6 +163,9 @@ class TrainConfig:
         _require(0.0 <= self.min_lr_ratio <= 1.0,
                  f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         _require(bool(self.run_dir), "train.run_dir must not be empty")
+        # `train.run_dir=~/runs/x` on a command line reaches us unexpanded (no shell expands a
+        # ~ after `=` in an argument): it would create a directory named `~` here.
+        self.run_dir = os.path.expanduser(self.run_dir)
         _require(0.0 <= self.synthetic_mask_fraction < 1.0,
                  f"train.synthetic_mask_fraction must be in [0, 1), got "
                  f"{self.synthetic_mask_fraction}")

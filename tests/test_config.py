@@ -148,6 +148,15 @@ def test_every_seed_in_range_seeds_each_generator_the_run_derives():
     torch.manual_seed(0)
 
 
+def test_a_run_dir_under_home_is_expanded(tmp_path, monkeypatch):
+    """`train.run_dir=~/runs/x`: no shell expands a `~` after `=` in an argument, and the run
+    went into a directory named `~` under the current one."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = load_run_config(_write(tmp_path, BASE), ["train.run_dir=~/runs/x"])
+    assert cfg.train.run_dir == str(tmp_path / "home" / "runs" / "x")
+    assert load_run_config(_write(tmp_path, BASE)).train.run_dir == "runs/x"  # control
+
+
 def test_bad_value_in_file_names_the_line(tmp_path):
     path = _write(tmp_path, BASE.replace("seq_len: 64", "seq_len: -4"))
     with pytest.raises(ConfigError, match=rf"{path}:4: train\.seq_len must be > 0"):
