@@ -565,7 +565,12 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from None
+        value = raw.strip()
+        cut = value[:1] in ("[", "{") and value[-1:] in (",", ":")  # `[256,` of `[256, 512]`
+        closer = "]" if value[:1] == "[" else "}"
+        hint = (f"; the shell splits an unquoted override at its spaces: quote the whole of it, "
+                f"e.g. '{key.strip()}={value} ...{closer}'" if cut else "")
+        raise ConfigError(f"override {item!r}: value is not valid YAML{hint} ({exc})") from None
     return parts, value
 
 
@@ -641,6 +646,10 @@ def _check_unknown(mapping: dict, known: Any, prefix: str, source: str, lines: d
             continue
         full = f"{prefix}{key}"
         hint = did_you_mean(key, known, prefix, cutoff=0.5)
+        head, dot, tail = str(key).partition(".")
+        if dot and head in known and tail:  # `train.lr: 1` in a YAML file
+            hint = (f" (dotted keys are for command-line overrides; in YAML write "
+                    f"'{head}:' and '{tail}:' indented under it)")
         raise ConfigError(f"{_where(source, lines, full)}: unknown key '{full}'{hint}; valid "
                           f"keys{' under ' + prefix.rstrip('.') if prefix else ''}: "
                           f"{', '.join(known)}")

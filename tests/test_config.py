@@ -211,6 +211,26 @@ def test_malformed_override_and_missing_file(tmp_path):
         load_run_config(_write(tmp_path, "train: {seq_len: 8}\n"))
 
 
+def test_a_key_or_override_mistaken_for_the_other_gets_its_fix(tmp_path):
+    """A dotted key in the YAML file, and a flow list the shell split at its space."""
+    path = _write(tmp_path, "model: tiny\ntrain.lr: 1\n")
+    with pytest.raises(ConfigError, match=rf"{path}:2: unknown key 'train\.lr' \(dotted keys are "
+                                          r"for command-line overrides; in YAML write 'train:' "
+                                          r"and 'lr:' indented under it\)"):
+        load_run_config(path)
+    with pytest.raises(ConfigError, match=r"override 'eval\.lengths=\[256,': value is not valid "
+                                          r"YAML; the shell splits an unquoted override at its "
+                                          r"spaces: quote the whole of it, e.g. "
+                                          r"'eval\.lengths=\[256, \.\.\.\]'"):
+        load_run_config(_write(tmp_path, BASE), ["eval.lengths=[256,", "512]"])
+    with pytest.raises(ConfigError) as err:  # control: a list that is wrong, not split
+        load_run_config(_write(tmp_path, BASE), ["eval.lengths=[256, 512"])
+    assert "value is not valid YAML (" in str(err.value) and "shell" not in str(err.value)
+    with pytest.raises(ConfigError) as err:  # control: a misspelt key keeps did-you-mean
+        load_run_config(_write(tmp_path, "model: tiny\ntrian: {lr: 1}\n"))
+    assert "did you mean 'train'" in str(err.value)
+
+
 def test_parse_override_values_are_yaml_scalars():
     assert parse_override("a.b=3") == (["a", "b"], 3)
     assert parse_override("a.b=null") == (["a", "b"], None)
