@@ -143,6 +143,29 @@ def test_torchrun_variables_that_cannot_be_are_named_before_start_up(tmp_path, c
         assert capsys.readouterr().err.startswith(f"tape-generate: error: {message}")
 
 
+def test_local_launcher_refuses_a_tmpdir_it_cannot_write_the_exit_code_into(tmp_path):
+    """launch/local.sh keeps the trainer's exit code (75: stopped for a requeue) in a file
+    under TMPDIR; a TMPDIR that does not exist lost it (`line 63: : No such file or directory`,
+    the 75 became 1 under torchrun) after the whole run."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "launch" / "local.sh"
+    python = tmp_path / "python"  # stands in for the trainer: stopped for a requeue
+    python.write_text('#!/bin/bash\necho 75 > "$TAPE_TRAIN_EXIT_FILE"; exit 1\n')
+    python.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(python), "TMPDIR": str(tmp_path / "missing")}
+    proc = subprocess.run(["bash", str(script), "1", "--config", "x.yaml"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"cannot create a file in {tmp_path / 'missing'} (TMPDIR)" in proc.stderr
+    env["TMPDIR"] = str(tmp_path)  # control: the trainer's 75 comes through
+    proc = subprocess.run(["bash", str(script), "1", "--config", "x.yaml"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 75, proc.stderr
+
+
 def test_exponent_floats_are_numbers_in_the_model_and_data_sections(tmp_path, capsys):
     """YAML 1.1 reads `1e-6` as a string: accepted for float fields in every section (it was a
     TypeError traceback in the dry-run's memory trace for model.norm_eps, and a refusal of
