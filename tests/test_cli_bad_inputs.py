@@ -30,6 +30,21 @@ def test_config_file_with_a_repeated_section_or_binary_bytes_is_refused(tmp_path
     assert load_run_config(_base_yaml(tmp_path)).train.seq_len == 16
 
 
+def test_yaml_merge_keys_work_with_the_repeated_key_check(tmp_path):
+    """`<<: *anchor` (YAML's merge key) failed with "could not determine a constructor for the
+    tag 'tag:yaml.org,2002:merge'" once the loader refused repeated keys; a key given after the
+    merge overrides it, a key given twice is still refused."""
+    path = tmp_path / "run.yaml"
+    text = ("model: tiny\ntrain: {seq_len: 16}\n"
+            "optim:\n  <<: {eps: 1.0e-6, weight_decay: 0.5}\n  weight_decay: 0.25\n")
+    path.write_text(text)
+    cfg = load_run_config(path)
+    assert (cfg.optim.eps, cfg.optim.weight_decay) == (1e-6, 0.25)
+    path.write_text(text + "  weight_decay: 0.125\n")  # control: twice besides the merge
+    with pytest.raises(ConfigError, match=r"key 'weight_decay' given twice \(first on line 5\)"):
+        load_run_config(path)
+
+
 @pytest.mark.parametrize("override, message", [
     ("model.attn_backend=triton", "model.attn_backend=triton needs a CUDA device"),
     ("model.attn_backend=flash", "model.attn_backend=flash does not support pe=tape"),
