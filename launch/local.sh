@@ -27,7 +27,12 @@ if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
     export OMP_NUM_THREADS=$(( cores / nproc > 0 ? cores / nproc : 1 ))
 fi
 
-exit_file="$(mktemp "${TMPDIR:-/tmp}/tape-train-exit.XXXXXX")"
+if ! exit_file="$(mktemp "${TMPDIR:-/tmp}/tape-train-exit.XXXXXX")"; then
+    # Without it a worker's exit code (75: stopped for a requeue) would be torchrun's 1.
+    echo "$0: cannot create a file in ${TMPDIR:-/tmp} (TMPDIR) for the trainer's exit code;" \
+         "point TMPDIR at a writable directory" >&2
+    exit 2
+fi
 trap 'rm -f "$exit_file"' EXIT
 export TAPE_TRAIN_EXIT_FILE="$exit_file"
 

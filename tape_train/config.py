@@ -22,6 +22,7 @@ override) and the full dotted key, with a did-you-mean suggestion.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -30,7 +31,8 @@ import yaml
 
 from tape_train import hints
 from tape_train.hints import did_you_mean, read_yaml
-from tape_train.model.config import ModelConfig, load_model_config
+from tape_train.model.config import (MODEL_CONFIG_DIR, SHAPE_FIELDS, ModelConfig,
+                                     load_model_config)
 from tape_train.resources import named_file, resource_dir
 
 SECTIONS = ("model", "data", "eval", "train", "optim", "checkpoint", "parallel", "logging",
@@ -40,6 +42,10 @@ SECTIONS = ("model", "data", "eval", "train", "optim", "checkpoint", "parallel",
 # The longest collective/start-up timeout: faulthandler's timer (the watchdog's backstop) and
 # threading's waits overflow at about 9.2e9 s; a year is far beyond any job's time limit.
 MAX_TIMEOUT_S = 365 * 86400
+# The largest seed: NumPy's generators take no negative seed, torch's none past 64 bits, and
+# the per-rank and per-sample streams derive their seeds from it by multiplying (train.seed,
+# tape-generate --seed).
+MAX_SEED = 2**32 - 1
 
 
 class ConfigError(ValueError):
@@ -57,7 +63,8 @@ class TrainConfig:
 
     Attributes:
         run_dir: directory of the run: ``config.yaml``, ``metrics.jsonl``, ``tensorboard/``,
-            ``checkpoints/``. Re-running with the same run_dir resumes.
+            ``checkpoints/``. Re-running with the same run_dir resumes. A leading ``~`` is the
+            home directory (the shell leaves it alone in ``train.run_dir=~/runs/x``).
         seq_len: L, tokens per training sequence.
         micro_batch_size: sequences per rank per forward/backward.
         grad_accum_steps: micro-batches per optimizer step; the global batch is
@@ -82,7 +89,8 @@ class TrainConfig:
             eager model to rounding, not bit for bit; a resume may switch it (the run goes on
             to rounding, like a change of ``model.attn_backend``). On CPU it needs a C++
             compiler (``CXX``, or g++ / clang++ on PATH).
-        seed: seeds Python, NumPy and torch on every rank (rank-specific streams derive from it).
+        seed: seeds Python, NumPy and torch on every rank (rank-specific streams derive from
+            it); an integer from 0 to ``MAX_SEED`` (2**32 - 1).
         max_bad_steps: stop (with a checkpoint) after this many consecutive steps whose loss
             was NaN/inf; such steps are skipped, not applied.
         device: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``.
@@ -142,6 +150,8 @@ class TrainConfig:
                     "max_bad_steps"):
             _require(getattr(self, key) > 0, f"train.{key} must be > 0, got {getattr(self, key)}")
         _require(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+        _require(0 <= self.seed <= MAX_SEED,
+                 f"train.seed must be in [0, {MAX_SEED}] (2**32 - 1), got {self.seed}")
         _require(0.0 <= self.warmup_fraction < 1.0,
                  f"train.warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
         if self.warmup_steps is not None:
@@ -153,6 +163,9 @@ class TrainConfig:
         _require(0.0 <= self.min_lr_ratio <= 1.0,
                  f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         _require(bool(self.run_dir), "train.run_dir must not be empty")
+        # `train.run_dir=~/runs/x` on a command line reaches us unexpanded (no shell expands a
+        # ~ after `=` in an argument): it would create a directory named `~` here.
+        self.run_dir = os.path.expanduser(self.run_dir)
         _require(0.0 <= self.synthetic_mask_fraction < 1.0,
                  f"train.synthetic_mask_fraction must be in [0, 1), got "
                  f"{self.synthetic_mask_fraction}")
@@ -519,6 +532,9 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
     if path is not None:
         path = named_file(path, "configs/train")  # `demo` -> the shipped configs/train/demo.yaml
         source = str(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a directory; give the run config YAML "
+                              f"in it")
         if not path.is_file():
             shipped = ", ".join(sorted(p.stem for p in resource_dir("configs/train").glob("*.yaml")))
             raise ConfigError(f"config file {path} does not exist (shipped configs, usable by "
@@ -549,7 +565,12 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from None
+        value = raw.strip()
+        cut = value[:1] in ("[", "{") and value[-1:] in (",", ":")  # `[256,` of `[256, 512]`
+        closer = "]" if value[:1] == "[" else "}"
+        hint = (f"; the shell splits an unquoted override at its spaces: quote the whole of it, "
+                f"e.g. '{key.strip()}={value} ...{closer}'" if cut else "")
+        raise ConfigError(f"override {item!r}: value is not valid YAML{hint} ({exc})") from None
     return parts, value
 
 
@@ -602,6 +623,12 @@ def _build_model(raw: Any, source: str, lines: dict) -> ModelConfig:
     known = [f.name for f in dataclasses.fields(ModelConfig)] + ["base"]
     _check_unknown(raw, known, "model.", source, lines)
     base = raw.pop("base", None)
+    missing = [f"model.{key}" for key in SHAPE_FIELDS if key not in raw]
+    if base is None and missing:
+        sizes = ", ".join(sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.yaml")))
+        raise ConfigError(f"{where}: 'model' without 'base' gives the whole shape itself; "
+                          f"missing {', '.join(missing)} (or start from a size: base: one of "
+                          f"{sizes})")
     try:
         if base is not None:
             return load_model_config(str(base), **raw)
@@ -619,6 +646,10 @@ def _check_unknown(mapping: dict, known: Any, prefix: str, source: str, lines: d
             continue
         full = f"{prefix}{key}"
         hint = did_you_mean(key, known, prefix, cutoff=0.5)
+        head, dot, tail = str(key).partition(".")
+        if dot and head in known and tail:  # `train.lr: 1` in a YAML file
+            hint = (f" (dotted keys are for command-line overrides; in YAML write "
+                    f"'{head}:' and '{tail}:' indented under it)")
         raise ConfigError(f"{_where(source, lines, full)}: unknown key '{full}'{hint}; valid "
                           f"keys{' under ' + prefix.rstrip('.') if prefix else ''}: "
                           f"{', '.join(known)}")
@@ -636,11 +667,16 @@ def _where(source: str, lines: dict, key: str) -> str:
 
 
 def _where_of_message(source: str, lines: dict, exc: Exception) -> str:
-    """Locate the first dotted key (``section.key``) a validation message mentions."""
+    """Locate a validation message by the dotted keys (``section.key``) it mentions: the first
+    one given itself in the file or an override, else the first one (by its section's line).
+    ``model.hidden_size (256) must be divisible by model.num_heads (5)`` from ``model: tiny``
+    and the override ``model.num_heads=5`` is the override's fault, not ``model``'s line."""
     import re
 
-    match = re.search(r"\b(" + "|".join(SECTIONS) + r")\.([A-Za-z_][A-Za-z0-9_]*)", str(exc))
-    return _where(source, lines, match.group(0)) if match else source
+    keys = [m.group(0) for m in re.finditer(
+        r"\b(?:" + "|".join(SECTIONS) + r")\.[A-Za-z_][A-Za-z0-9_]*", str(exc))]
+    given = [key for key in keys if key in lines]
+    return _where(source, lines, (given or keys)[0]) if keys else source
 
 
 def _key_lines(node: yaml.Node, prefix: str = "") -> dict[str, int]:

@@ -1,6 +1,7 @@
 """Which device a process computes on: the one place that turns ``auto``/``cpu``/``cuda`` and
 ``LOCAL_RANK`` into a ``torch.device``, and the process-group backend that goes with it (the
-trainer and ``tape-eval`` both call them)."""
+trainer and ``tape-eval`` both call them); and the one reader of the variables torchrun sets
+for each process it starts (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,51 @@ import os
 
 class DeviceError(RuntimeError):
     """The requested device cannot be used here; the message says why in one line."""
+
+
+class LaunchError(ValueError):
+    """A variable of torchrun's environment is unusable; the message names it in one line."""
+
+
+# torchrun's variables, each with its value for a process started alone and its least value.
+LAUNCH_VARIABLES = {"WORLD_SIZE": (1, 1), "RANK": (0, 0), "LOCAL_RANK": (0, 0),
+                    "LOCAL_WORLD_SIZE": (1, 1)}
+
+
+def launch_int(name: str) -> int:
+    """The integer torchrun put in ``name`` (one of ``LAUNCH_VARIABLES``), or a lone
+    process's value when it is unset. Raises ``LaunchError`` naming the variable when it is
+    set to anything else (empty, text, below its least value)."""
+    alone, least = LAUNCH_VARIABLES[name]
+    raw = os.environ.get(name)
+    if raw is None:
+        return alone
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise LaunchError(f"{name}={raw!r} in the environment is not an integer >= {least} "
+                          f"(torchrun sets it for each process it starts; unset it to run one "
+                          f"process)")
+    return value
+
+
+def check_launch_environment() -> None:
+    """Before any start-up work: torchrun's variables are integers, and a ``WORLD_SIZE`` above
+    1 comes with the ``RANK`` below it that torchrun gives each process. A ``WORLD_SIZE`` left
+    in the shell (``tape-train --dry-run`` plans for it) would otherwise make one plain process
+    expect ranks that never start."""
+    values = {name: launch_int(name) for name in LAUNCH_VARIABLES}
+    world = values["WORLD_SIZE"]
+    if world > 1 and "RANK" not in os.environ:
+        raise LaunchError(f"WORLD_SIZE={world} is set but RANK is not: this process was not "
+                          f"started by torchrun and cannot be {world} ranks alone; launch them "
+                          f"with `launch/local.sh {world} ...` (torchrun), or unset WORLD_SIZE "
+                          f"to run one process")
+    if values["RANK"] >= world:
+        raise LaunchError(f"RANK={values['RANK']} is not below WORLD_SIZE={world}"
+                          f"{'' if 'WORLD_SIZE' in os.environ else ' (WORLD_SIZE is unset)'}")
 
 
 def pick_device(requested: str, local_rank: int, setting: str = "train.device"):

@@ -32,6 +32,21 @@ def test_config_file_with_a_repeated_section_or_binary_bytes_is_refused(tmp_path
     assert load_run_config(_base_yaml(tmp_path)).train.seq_len == 16
 
 
+def test_yaml_merge_keys_work_with_the_repeated_key_check(tmp_path):
+    """`<<: *anchor` (YAML's merge key) failed with "could not determine a constructor for the
+    tag 'tag:yaml.org,2002:merge'" once the loader refused repeated keys; a key given after the
+    merge overrides it, a key given twice is still refused."""
+    path = tmp_path / "run.yaml"
+    text = ("model: tiny\ntrain: {seq_len: 16}\n"
+            "optim:\n  <<: {eps: 1.0e-6, weight_decay: 0.5}\n  weight_decay: 0.25\n")
+    path.write_text(text)
+    cfg = load_run_config(path)
+    assert (cfg.optim.eps, cfg.optim.weight_decay) == (1e-6, 0.25)
+    path.write_text(text + "  weight_decay: 0.125\n")  # control: twice besides the merge
+    with pytest.raises(ConfigError, match=r"key 'weight_decay' given twice \(first on line 5\)"):
+        load_run_config(path)
+
+
 @pytest.mark.parametrize("override, message", [
     ("model.attn_backend=triton", "model.attn_backend=triton needs a CUDA device"),
     ("model.attn_backend=flash", "model.attn_backend=flash does not support pe=tape"),
@@ -71,6 +86,101 @@ def test_dry_run_names_a_mistyped_field_or_a_timeout_beyond_a_year(tmp_path, cap
     assert main(["--config", str(path), "--dry-run", override]) == 1
     err = capsys.readouterr().err
     assert f"override '{override}': {message}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--device-memory-gb", "nan"], "--device-memory-gb must be a finite number > 0, got nan"),
+    (["--device-memory-gb", "inf"], "--device-memory-gb must be a finite number > 0, got inf"),
+    (["--device-memory-gb", "0"], "--device-memory-gb must be a finite number > 0, got 0.0"),
+    (["--nodes", "3", "--gpus-per-node", "2", "--world-size", "7"],
+     "--world-size 7 is more ranks than --nodes 3 x --gpus-per-node 2 = 6 GPUs"),
+    (["--nodes", "3", "--gpus-per-node", "2", "--world-size", "4"],
+     "--world-size 4 ranks do not split evenly over --nodes 3"),
+])
+def test_dry_run_refuses_planning_flags_it_cannot_plan_for(tmp_path, capsys, flags, message):
+    """A NaN or infinite --device-memory-gb ended the dry run with a traceback, zero or a
+    negative amount planned against nonsense; a --world-size beyond the GPUs of --nodes x
+    --gpus-per-node, or not a whole number of ranks per node, was planned as it came."""
+    from tape_train.train.cli import main
+
+    path = _base_yaml(tmp_path, f"  run_dir: {tmp_path / 'run'}\n  device: cpu\n"
+                                "  synthetic_data: true\n")
+    assert main(["--config", str(path), "--dry-run", *flags]) == 1
+    err = capsys.readouterr().err
+    assert err == f"tape-train: {message}\n"
+    # positive controls: memory given, and fewer ranks than GPUs (4 of each 8-GPU node)
+    assert main(["--config", str(path), "--dry-run", "--device-memory-gb", "80", "--nodes", "2",
+                 "--gpus-per-node", "8", "--world-size", "8"]) == 0
+    assert "rank grid: world=8 " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK is not: this process was not started by "
+                          "torchrun and cannot be 2 ranks alone; launch them with "
+                          "`launch/local.sh 2 ...` (torchrun), or unset WORLD_SIZE"),
+    ({"WORLD_SIZE": ""}, "WORLD_SIZE='' in the environment is not an integer >= 1"),
+    ({"RANK": "x"}, "RANK='x' in the environment is not an integer >= 0"),
+    ({"RANK": "3", "WORLD_SIZE": "2"}, "RANK=3 is not below WORLD_SIZE=2"),
+    ({"LOCAL_RANK": "-1"}, "LOCAL_RANK='-1' in the environment is not an integer >= 0"),
+])
+def test_torchrun_variables_that_cannot_be_are_named_before_start_up(tmp_path, capsys,
+                                                                      monkeypatch, env, message):
+    """A WORLD_SIZE left in the shell (the dry run plans for it) made a plain `tape-train`
+    expect ranks that never started (a RankGrid traceback after DeepSpeed's import); a
+    mistyped RANK or LOCAL_RANK was int()'s traceback. tape-eval and tape-generate read the
+    same variables."""
+    from tape_train.eval.cli import main as eval_main
+    from tape_train.inference.generate import main as generate_main
+    from tape_train.train import loop
+    from tape_train.train.cli import main
+
+    class Started(Exception):
+        pass
+
+    def trainer(*_args, stop=None, **_kw):
+        stop.close()  # give the test process its signal handlers back
+        raise Started
+
+    monkeypatch.setattr(loop, "Trainer", trainer)
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    path = _base_yaml(tmp_path, f"  run_dir: {tmp_path / 'run'}\n  device: cpu\n"
+                                "  synthetic_data: true\n")
+    with pytest.raises(Started):  # positive control: a lone process starts
+        main(["--config", str(path)])
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"tape-train: error: {message}") and err.count("\n") == 1
+    assert eval_main(["--checkpoint", str(tmp_path / "nowhere"), "--no-progress"]) == 1
+    assert capsys.readouterr().err.startswith(f"tape-eval: error: {message}")
+    if list(env) == ["LOCAL_RANK"]:  # all tape-generate reads
+        assert generate_main([str(tmp_path / "nowhere"), "--prompt", "x"]) == 2
+        assert capsys.readouterr().err.startswith(f"tape-generate: error: {message}")
+
+
+def test_local_launcher_refuses_a_tmpdir_it_cannot_write_the_exit_code_into(tmp_path):
+    """launch/local.sh keeps the trainer's exit code (75: stopped for a requeue) in a file
+    under TMPDIR; a TMPDIR that does not exist lost it (`line 63: : No such file or directory`,
+    the 75 became 1 under torchrun) after the whole run."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "launch" / "local.sh"
+    python = tmp_path / "python"  # stands in for the trainer: stopped for a requeue
+    python.write_text('#!/bin/bash\necho 75 > "$TAPE_TRAIN_EXIT_FILE"; exit 1\n')
+    python.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(python), "TMPDIR": str(tmp_path / "missing")}
+    proc = subprocess.run(["bash", str(script), "1", "--config", "x.yaml"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"cannot create a file in {tmp_path / 'missing'} (TMPDIR)" in proc.stderr
+    env["TMPDIR"] = str(tmp_path)  # control: the trainer's 75 comes through
+    proc = subprocess.run(["bash", str(script), "1", "--config", "x.yaml"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 75, proc.stderr
 
 
 def test_exponent_floats_are_numbers_in_the_model_and_data_sections(tmp_path, capsys):
@@ -128,6 +238,37 @@ def test_export_keeps_a_directory_that_is_not_an_export(run_and_tokenizers, tmp_
     # An earlier export is replaced.
     assert main([str(run / "run"), "--out", str(tmp_path / "exp"), "--tokenizer", tok]) == 0
     assert main([str(run / "run"), "--out", str(tmp_path / "exp"), "--tokenizer", tok]) == 0
+
+
+@pytest.mark.parametrize("out, cwd, message", [
+    ("", "here", "'' is the current directory or holds it"),
+    (".", "here", ". is the current directory or holds it"),
+    ("..", "here/sub", ".. is the current directory or holds it"),
+    ("here/sub/..", ".", "here/sub/..: name the directory itself"),
+])
+def test_export_refuses_the_current_directory_before_loading(run_and_tokenizers, tmp_path,
+                                                             monkeypatch, capsys, out, cwd,
+                                                             message):
+    """`--out .` (or an empty --out) in an empty directory got through the checks, loaded the
+    checkpoint, then failed to rename the current directory: `error: .: Device or resource
+    busy`. It is refused first, in words; the directory is left as it was."""
+    from tape_train.inference import export
+
+    run, tok, _ = run_and_tokenizers
+    (tmp_path / "here" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / cwd)
+    monkeypatch.setattr("tape_train.loading.load_model_from_checkpoint",
+                        lambda *_: pytest.fail("the checkpoint was loaded"))
+    assert export.main([str(run / "run"), "--out", out, "--tokenizer", tok]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tape-export: error: {message}") and err.count("\n") == 1
+    assert [p.name for p in (tmp_path / "here").iterdir()] == ["sub"]
+    assert not any((tmp_path / "here" / "sub").iterdir())
+    monkeypatch.undo()
+    # control: a new directory below the current one is written
+    monkeypatch.chdir(tmp_path / "here")
+    assert export.main([str(run / "run"), "--out", "exp", "--tokenizer", tok]) == 0
+    assert (tmp_path / "here" / "exp" / "export.json").is_file()
 
 
 def test_export_refuses_a_missing_or_too_large_tokenizer(run_and_tokenizers, tmp_path, capsys):

@@ -24,6 +24,11 @@ def test_tape_model_info_names_an_unknown_size_in_one_line(capsys):
         main(["info", "tiny", "--seq-len", "0"])
     assert exc.value.code == 2
     assert "--seq-len: expected a positive number of tokens, got '0'" in capsys.readouterr().err
+    for flag in ("--pe", "--seq-len"):  # given without a value: it printed nothing, exit 0
+        with pytest.raises(SystemExit) as exc:
+            main(["info", "tiny", flag])
+        assert exc.value.code == 2
+        assert f"argument {flag}: expected at least one argument" in capsys.readouterr().err
 
 
 def test_a_missing_demo_corpus_says_how_to_build_it(tmp_path, monkeypatch):
@@ -105,6 +110,8 @@ def test_other_usage_errors_keep_argparse_s_message(capsys):
     (["--top-p", "0"], "--top-p must be in (0, 1] (1 = off), got 0.0"),
     (["--temperature", "-1"], "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
     (["--top-k", "-2"], "--top-k must be >= 0 (0 = off), got -2"),
+    (["--seed", str(2**64)], f"--seed must be in [0, 4294967295] (2**32 - 1), got {2**64}"),
+    (["--seed", "-1"], "--seed must be in [0, 4294967295] (2**32 - 1), got -1"),
     (["--tokenizer", "nope.model"], "tokenizer nope.model: no such file"),
 ])
 def test_tape_generate_refuses_bad_options_before_loading(flags, message, tmp_path, capsys):

@@ -6,8 +6,8 @@ import textwrap
 
 import pytest
 
-from tape_train.config import (ConfigError, RunConfig, diff_configs, load_run_config,
-                               parse_override)
+from tape_train.config import (ConfigError, RunConfig, TrainConfig, diff_configs,
+                               load_run_config, parse_override)
 
 BASE = """\
 model: tiny
@@ -42,6 +42,21 @@ def test_model_mapping_with_base_and_field_overrides(tmp_path):
         model: {base: tiny, num_layers: 2}
         """), ["model.hidden_size=64"])
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.vocab_size) == (2, 64, 8000)
+
+
+def test_a_model_mapping_without_base_gives_the_whole_shape(tmp_path):
+    """`model: {pe: rope}` (base forgotten) trained the fields' default 125M shape without a
+    word: the section's line, the missing keys and the sizes to start from."""
+    path = _write(tmp_path, "train: {seq_len: 8}\nmodel:\n  pe: rope\n  hidden_size: 64\n")
+    with pytest.raises(ConfigError) as err:
+        load_run_config(path)
+    assert str(err.value) == (
+        f"{path}:2: 'model' without 'base' gives the whole shape itself; missing "
+        f"model.vocab_size, model.num_layers, model.num_heads, model.intermediate_size (or "
+        f"start from a size: base: one of 125m, 1b, 350m, 7b, tiny)")
+    cfg = load_run_config(path, ["model.vocab_size=97", "model.num_layers=2",  # control
+                                 "model.num_heads=4", "model.intermediate_size=96"])
+    assert (cfg.model.hidden_size, cfg.model.pe) == (64, "rope")
 
 
 def test_round_trip_through_dict_and_yaml(tmp_path):
@@ -88,6 +103,8 @@ def test_unknown_section_and_nested_model_key(tmp_path):
     ("train.cuda_expandable_segments=1", r"train\.cuda_expandable_segments: expected bool, "
                                          r"got 1"),
     ("checkpoint.keep=1", r"checkpoint\.keep must be >= 2"),
+    ("train.seed=-1", r"train\.seed must be in \[0, 4294967295\] \(2\*\*32 - 1\), got -1"),
+    ("train.seed=18446744073709551616", r"train\.seed must be in \[0, 4294967295\]"),
     ("optim.betas=[0.9]", r"optim\.betas must be two numbers"),
     ("parallel.tp=0", r"parallel\.tp must be >= 1"),
     ("parallel.offload_optimizer=gpu", r"parallel\.offload_optimizer: expected one of 'none', "
@@ -105,6 +122,39 @@ def test_invalid_values_name_the_key(tmp_path, override, pattern):
     with pytest.raises(ConfigError, match=pattern) as err:
         load_run_config(_write(tmp_path, BASE), [override])
     assert f"override '{override}'" in str(err.value)
+
+
+def test_every_seed_in_range_seeds_each_generator_the_run_derives():
+    """train.seed's bounds are those the trainer's generators take: seeded at both ends, with
+    the per-rank and per-sample offsets the run adds (a seed past them failed with a traceback
+    after start-up: NumPy takes no negative seed, torch nothing past 64 bits)."""
+    import numpy as np
+    import torch
+
+    from tape_train.config import MAX_SEED
+    from tape_train.data.synthetic import synthetic_eval_documents, synthetic_sample
+    from tape_train.train.loop import seed_everything
+
+    for seed in (0, MAX_SEED):
+        assert TrainConfig(seed=seed).seed == seed
+        seed_everything(seed + 1_000_003 * 1023)         # rank 1023's stream
+        np.random.default_rng([seed, 7, 1023])           # the data loaders' keys
+        synthetic_sample(10**9, seed, 16, 8, 0.0)
+        synthetic_eval_documents(16, 1, 8, seed)
+    with pytest.raises(ValueError):                     # negative control: one past the range
+        np.random.default_rng([-1])
+    with pytest.raises((ValueError, RuntimeError)):
+        torch.Generator().manual_seed(2**64)
+    torch.manual_seed(0)
+
+
+def test_a_run_dir_under_home_is_expanded(tmp_path, monkeypatch):
+    """`train.run_dir=~/runs/x`: no shell expands a `~` after `=` in an argument, and the run
+    went into a directory named `~` under the current one."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = load_run_config(_write(tmp_path, BASE), ["train.run_dir=~/runs/x"])
+    assert cfg.train.run_dir == str(tmp_path / "home" / "runs" / "x")
+    assert load_run_config(_write(tmp_path, BASE)).train.run_dir == "runs/x"  # control
 
 
 def test_bad_value_in_file_names_the_line(tmp_path):
@@ -132,13 +182,53 @@ def test_bad_data_or_eval_value_names_the_file_once(tmp_path, text, line, messag
     assert str(tmp_path) not in str(err.value)
 
 
+@pytest.mark.parametrize("override", ["model.num_heads=5", "parallel.tp=3"])
+def test_a_check_across_keys_blames_the_key_that_was_given(tmp_path, override):
+    """`model.hidden_size (256) must be divisible by model.num_heads (5)` names the key of
+    the base size first; the override that broke it was blamed as the file's `model:` line."""
+    path = _write(tmp_path, BASE)
+    with pytest.raises(ConfigError) as err:
+        load_run_config(path, [override])
+    assert str(err.value).startswith(f"override '{override}': ")
+    # in the file: the line of the key given there, not the section's
+    path = _write(tmp_path, BASE.replace("model: tiny", "model:\n  base: tiny\n  num_heads: 5"))
+    with pytest.raises(ConfigError, match=rf"^{path}:3: model\.hidden_size \(256\) must be "
+                                          rf"divisible by model\.num_heads \(5\)"):
+        load_run_config(path)
+    # control: a key the message names first and that was given keeps the blame
+    with pytest.raises(ConfigError, match=r"^override 'model\.hidden_size=250': "):
+        load_run_config(_write(tmp_path, BASE), ["model.hidden_size=250"])
+
+
 def test_malformed_override_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="not of the form"):
         parse_override("train.lr")
     with pytest.raises(ConfigError, match="does not exist"):
         load_run_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=rf"config file {tmp_path} is a directory"):
+        load_run_config(tmp_path)  # it said "does not exist"
     with pytest.raises(ConfigError, match="section 'model' is required"):
         load_run_config(_write(tmp_path, "train: {seq_len: 8}\n"))
+
+
+def test_a_key_or_override_mistaken_for_the_other_gets_its_fix(tmp_path):
+    """A dotted key in the YAML file, and a flow list the shell split at its space."""
+    path = _write(tmp_path, "model: tiny\ntrain.lr: 1\n")
+    with pytest.raises(ConfigError, match=rf"{path}:2: unknown key 'train\.lr' \(dotted keys are "
+                                          r"for command-line overrides; in YAML write 'train:' "
+                                          r"and 'lr:' indented under it\)"):
+        load_run_config(path)
+    with pytest.raises(ConfigError, match=r"override 'eval\.lengths=\[256,': value is not valid "
+                                          r"YAML; the shell splits an unquoted override at its "
+                                          r"spaces: quote the whole of it, e.g. "
+                                          r"'eval\.lengths=\[256, \.\.\.\]'"):
+        load_run_config(_write(tmp_path, BASE), ["eval.lengths=[256,", "512]"])
+    with pytest.raises(ConfigError) as err:  # control: a list that is wrong, not split
+        load_run_config(_write(tmp_path, BASE), ["eval.lengths=[256, 512"])
+    assert "value is not valid YAML (" in str(err.value) and "shell" not in str(err.value)
+    with pytest.raises(ConfigError) as err:  # control: a misspelt key keeps did-you-mean
+        load_run_config(_write(tmp_path, "model: tiny\ntrian: {lr: 1}\n"))
+    assert "did you mean 'train'" in str(err.value)
 
 
 def test_parse_override_values_are_yaml_scalars():

@@ -133,6 +133,17 @@ def test_unknown_yaml_key_and_missing_size(tmp_path):
         load_model_config(str(bad))
     with pytest.raises(FileNotFoundError, match="named model configs: .*tiny"):
         load_model_config("13b")
+    # an empty or partial size file was a 125M-shaped model from the fields' defaults
+    bad.write_text("# nothing yet\n")
+    with pytest.raises(ValueError, match=r"m.yaml: a model config gives the model's shape; "
+                                         r"missing vocab_size, hidden_size, num_layers, "
+                                         r"num_heads, intermediate_size$"):
+        load_model_config(str(bad))
+    bad.write_text("vocab_size: 97\nhidden_size: 64\nnum_layers: 2\nnum_heads: 4\n")
+    with pytest.raises(ValueError, match=r"missing intermediate_size$"):
+        load_model_config(str(bad))
+    bad.write_text(bad.read_text() + "intermediate_size: 96\n")  # control: the whole shape
+    assert load_model_config(str(bad)).intermediate_size == 96
 
 
 def test_gqa_for_encodings_that_allow_it():

@@ -121,6 +121,9 @@ def test_gpu_peaks_come_from_the_table_by_model_and_dtype():
     assert gpu_table_peak("NVIDIA A10G", torch.bfloat16, tf32=False) == 125.0
     assert gpu_table_peak("Tesla V100-SXM2-16GB", torch.bfloat16, tf32=False) is None
     assert gpu_table_peak("Some Future GPU", torch.bfloat16, tf32=False) is None
+    # typed by a user (--gpu-name): any case, as the memory table takes it
+    assert gpu_table_peak("h100", torch.bfloat16, tf32=False) == 989.4
+    assert gpu_table_peak("nvidia l40s", torch.bfloat16, tf32=False) == 362.0
 
 
 def test_cpu_peak_measurement_is_time_bounded_and_cached():

@@ -252,3 +252,9 @@ def test_outside_slurm_and_without_arguments_it_says_so(tmp_path):
     assert proc.returncode == 2 and "not inside a Slurm job" in proc.stderr
     rc, log = run_job(tmp_path, [])
     assert rc == 2 and "ERROR: no arguments; usage: sbatch prepare.sbatch" in log
+    # a requeue limit from the environment that is no number: said now, not at the first
+    # requeue hours later (`abc: unbound variable`); nothing is prepared
+    rc, log = run_job(tmp_path, ["--input", "x", "--out", str(tmp_path / "y")],
+                      TAPE_MAX_REQUEUES="abc")
+    assert rc == 2 and ("ERROR: TAPE_MAX_REQUEUES=abc is not a whole number >= 0" in log), log
+    assert "tape-data prepare" not in log and not (tmp_path / "y").exists()

@@ -248,6 +248,46 @@ def test_outside_slurm_the_script_refuses_to_run(fake_slurm):
     assert proc.returncode == 2 and "not inside a Slurm job" in proc.stderr
 
 
+@pytest.mark.parametrize("setting, value, message", [
+    ("TAPE_GPUS_PER_NODE", "abc", "TAPE_GPUS_PER_NODE=abc is not a whole number >= 0"),
+    ("TAPE_GPUS_PER_NODE", "08", "TAPE_GPUS_PER_NODE=08 is not a whole number >= 0"),
+    ("TAPE_PROCS_PER_NODE", "0", "TAPE_PROCS_PER_NODE=0 is not a whole number >= 1"),
+    ("TAPE_SIGNAL_GRACE", "5m", "TAPE_SIGNAL_GRACE=5m is not a whole number >= 1"),
+    ("TAPE_MAX_RESTARTS", "-1", "TAPE_MAX_RESTARTS=-1 is not a whole number >= 0"),
+    ("TAPE_MAX_STALLED_REQUEUES", "x", "TAPE_MAX_STALLED_REQUEUES=x is not a whole number"),
+    ("TAPE_MIN_FREE_GB", "lots", "TAPE_MIN_FREE_GB=lots is not a number of GB >= 0"),
+    ("TAPE_MASTER_PORT", "70000", "TAPE_MASTER_PORT=70000 is not a port number (1-65535)"),
+])
+def test_the_script_used_as_is_checks_its_settings_from_the_environment(tmp_path, setting,
+                                                                        value, message):
+    """`sbatch launch/slurm/train.sbatch ...` takes its run settings from the environment. A
+    word where bash does arithmetic failed mid-job (`abc: unbound variable` after the start-up
+    checks had run on every node; TAPE_PROCS_PER_NODE=0 divided by zero): now one line, exit
+    2, before any step."""
+    bin_dir = _fake_slurm_bin(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FAKE_", "TAPE_"))}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", FAKE_DIR=str(tmp_path),
+               SLURM_JOB_ID=str(JOB_ID), SLURM_NNODES="2", SLURM_JOB_NODELIST="node[A-B]",
+               SLURM_CPUS_PER_TASK="8", TAPE_PYTHON=str(bin_dir / "fakepython"),
+               FAKE_TRAIN_RC="0", TAPE_MAX_STALLED_REQUEUES="0")
+    script = default_template_dir() / "train.sbatch"
+
+    def run(**extra):
+        proc = subprocess.run(["bash", str(script), "--config", "run.yaml"],
+                              env={**env, **extra}, capture_output=True, text=True, timeout=60)
+        calls = (tmp_path / "calls").read_text() if (tmp_path / "calls").exists() else ""
+        (tmp_path / "calls").unlink(missing_ok=True)
+        return proc.returncode, proc.stdout + proc.stderr, calls
+
+    rc, out, calls = run(**{setting: value})
+    assert rc == 2 and f"ERROR: {message}" in out, out
+    assert "srun" not in calls and "unbound variable" not in out
+    # control: the defaults (and a port in range) run the job to its end
+    rc, out, calls = run(TAPE_MASTER_PORT="29500")
+    assert rc == 0 and "training finished (exit 0)" in out, out
+    assert "srun" in calls and "nodeA:29500" in out
+
+
 # ----------------------------------------------------------------------------------------------
 # Requeue without progress (tape_train.cluster.requeue_guard, run for real by the script)
 # ----------------------------------------------------------------------------------------------

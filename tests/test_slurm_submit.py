@@ -85,7 +85,13 @@ def test_parse_time_limit_rejects_other_text_naming_the_option(text):
     (dict(log_dir="my logs"), "whitespace"),
     (dict(train_module="tape_train/train"), "--train-module"),
     (dict(extra_sbatch=["constraint=a100"]), "--sbatch-arg"),
+    (dict(extra_sbatch=["--time=10"]), r"--sbatch-arg '--time=10': --time is set by --time; "
+                                       r"a second #SBATCH line would override it unchecked"),
+    (dict(extra_sbatch=["--signal=B:USR1@5"]), r"--signal is set by --signal-grace"),
     (dict(max_restarts=-1), "--max-restarts must be an integer >= 0"),
+    (dict(min_free_gb=float("inf")), "--min-free-gb must be a finite number >= 0, got inf"),
+    (dict(min_free_gb=float("nan")), "--min-free-gb must be a finite number >= 0, got nan"),
+    (dict(python=""), "--python is empty"),
 ])
 def test_cluster_options_reject_bad_values_naming_them(kwargs, match):
     with pytest.raises(RenderError, match=match):

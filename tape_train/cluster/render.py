@@ -34,6 +34,14 @@ _TIME_FORMATS = tuple(re.compile(p) for p in (
     r"^(?P<d>\d+)-(?P<h>\d+):(?P<m>\d+)$",
     r"^(?P<d>\d+)-(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)$",
 ))
+# The sbatch options tape-submit renders itself, and what sets each: an --sbatch-arg giving one
+# again would win over it unseen (the later #SBATCH line counts), past the checks on its flag.
+RENDERED_SBATCH_OPTIONS = {
+    "job-name": "--job-name", "nodes": "--nodes", "cpus-per-task": "--cpus-per-task",
+    "time": "--time", "gpus-per-node": "--gpus-per-node", "partition": "--partition",
+    "account": "--account", "qos": "--qos", "signal": "--signal-grace", "output": "--log-dir",
+    "chdir": "the directory tape-submit runs in", "ntasks-per-node": "the script (one task "
+    "per node)", "requeue": "the script", "open-mode": "the script"}
 # Values that end up on an `#SBATCH --key=value` line: no whitespace, no shell/sbatch quoting.
 _SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.,:+@%/=-]+$")
 
@@ -145,12 +153,21 @@ class ClusterOptions:
         if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
                         self.train_module):
             raise RenderError(f"--train-module {self.train_module!r} is not a module name")
-        if not self.min_free_gb >= 0:
-            raise RenderError(f"--min-free-gb must be >= 0, got {self.min_free_gb}")
+        if not 0 <= self.min_free_gb < float("inf"):
+            raise RenderError(f"--min-free-gb must be a finite number >= 0, got "
+                              f"{self.min_free_gb}")
+        if not self.python.strip():
+            raise RenderError("--python is empty: give the interpreter with tape_train "
+                              "installed on the nodes")
         for line in self.extra_sbatch:
             if not line.startswith("--") or "\n" in line:
                 raise RenderError(f"--sbatch-arg {line!r} must be one long option like "
                                   "--constraint=a100")
+            option = line[2:].split("=", 1)[0]
+            if option in RENDERED_SBATCH_OPTIONS:
+                raise RenderError(f"--sbatch-arg {line!r}: --{option} is set by "
+                                  f"{RENDERED_SBATCH_OPTIONS[option]}; a second #SBATCH line "
+                                  f"would override it unchecked")
 
     @property
     def procs(self) -> int:

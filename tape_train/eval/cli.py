@@ -23,6 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from tape_train.devices import LaunchError, check_launch_environment, launch_int
 from tape_train.files import FileWriteError
 from tape_train.hints import example_on_missing
 from tape_train.progress import MODES, exit_without_finalizing, setup_cli_logging, show_progress
@@ -133,8 +134,8 @@ def _init_distributed(device_arg: str):
 
     from tape_train.devices import pick_device, process_group_backend
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = pick_device(device_arg, int(os.environ.get("LOCAL_RANK", "0")), "--device")
+    world = launch_int("WORLD_SIZE")
+    device = pick_device(device_arg, launch_int("LOCAL_RANK"), "--device")
     if world == 1:
         return 0, 1, device, None
     if not dist.is_initialized():
@@ -311,7 +312,7 @@ def run(args) -> int:
         max_tokens, settings = _checked_settings(args)
         _check_out(args.out)
         if alone:  # the device before the checkpoints (a large one's checksums take minutes)
-            pick_device(args.device, int(os.environ.get("LOCAL_RANK", "0")), "--device")
+            pick_device(args.device, launch_int("LOCAL_RANK"), "--device")
         # Which checkpoints (a missing, incomplete or damaged one fails here).
         tag_dirs = [resolve_checkpoint(p) for p in args.checkpoint]
         checkpoints = _read_checkpoints(args, tag_dirs, settings)
@@ -320,7 +321,7 @@ def run(args) -> int:
                  sum(t.numel() - 1 for t, _ in docs))
         return max_tokens, settings, checkpoints, docs, description
 
-    alone = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    alone = launch_int("WORLD_SIZE") == 1
     if alone:  # all of it before any start-up work
         inputs = read_inputs()
     rank, world, device, reduce = _init_distributed(args.device)
@@ -387,7 +388,12 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
+    try:  # torchrun's variables, before anything is read or started
+        check_launch_environment()
+    except LaunchError as err:
+        print(f"tape-eval: error: {err}", file=sys.stderr)
+        return 1
+    rank = launch_int("RANK")
     # Under torchrun: rank 0 logs progress; the others only warnings and errors, tagged.
     setup_cli_logging(logging.INFO if rank == 0 else logging.WARNING,
                       tag="" if rank == 0 else f"rank{rank}")

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="nucleus sampling: the smallest set of tokens with this total "
                              "probability (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the sampling (default: %(default)s)")
+                        help="seed of the sampling, 0 to 2**32 - 1 (default: %(default)s)")
     parser.add_argument("--tokenizer", help="sentencepiece .model (default: the model's own)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to decode: auto (the GPU at LOCAL_RANK, default 0, where "
@@ -54,12 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     example_on_missing(parser, 'tape-generate exports/demo --prompt "The Python interpreter"')
     args = parser.parse_args(argv)
 
-    import os
-
     import torch
 
+    from tape_train.config import MAX_SEED
     from tape_train.data import TokenizerError, load_model_tokenizer, load_tokenizer
-    from tape_train.devices import DeviceError, pick_device
+    from tape_train.devices import DeviceError, launch_int, pick_device
     from tape_train.inference.loading import load_for_inference
     from tape_train.model.generate import check_sampling
     from tape_train.precision import resolve_dtype
@@ -67,9 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the options first: nothing is loaded for a run that cannot sample
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                        name=lambda key: "--" + key.replace("_", "-"))
+        if not 0 <= args.seed <= MAX_SEED:  # the same range as train.seed
+            raise ValueError(f"--seed must be in [0, {MAX_SEED}] (2**32 - 1), got {args.seed}")
         if args.tokenizer:
             load_tokenizer(args.tokenizer)
-        device = pick_device(args.device, int(os.environ.get("LOCAL_RANK", "0")), "--device")
+        device = pick_device(args.device, launch_int("LOCAL_RANK"), "--device")
     except (ValueError, DeviceError) as exc:  # a bad --tokenizer (TokenizerError) included
         print(f"tape-generate: error: {exc}", file=sys.stderr)
         return 2

@@ -17,6 +17,9 @@ ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "blocked", "flash", "triton")
 # Backends that run only on CUDA (flash also needs flash-attn): a choice for one machine.
 CUDA_ONLY_BACKENDS = ("flash", "triton")
 MODEL_CONFIG_DIR = resource_dir("configs/model")
+# What a model config without a base size must give itself: the fields' defaults are a 125M
+# shape, so one left out would silently come from there (``model: {pe: rope}``).
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size")
 
 
 @dataclass
@@ -146,9 +149,15 @@ class ModelConfig:
 
 
 def load_model_config(name_or_path: str, **overrides) -> ModelConfig:
-    """A named size from ``configs/model/<name>.yaml`` or a YAML file path, plus overrides."""
+    """A named size from ``configs/model/<name>.yaml`` or a YAML file path, plus overrides.
+    The file gives the shape (``SHAPE_FIELDS``); an empty or partial one is refused."""
     path, data = read_named_yaml(name_or_path, MODEL_CONFIG_DIR, "model", ValueError,
                                  missing=FileNotFoundError)
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    missing = [key for key in SHAPE_FIELDS if key not in data]
+    if missing and not set(data) - known:  # an unknown key is the clearer message
+        raise ValueError(f"{path}: a model config gives the model's shape; missing "
+                         f"{', '.join(missing)}")
     data.setdefault("name", path.stem)
     data.update(overrides)
     return ModelConfig.from_dict(data, source=str(path))

@@ -109,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sizes", nargs="*", default=["tiny", "125m", "350m", "1b", "7b"],
                         help="named sizes (configs/model/*.yaml) or YAML paths (default: "
                              "tiny 125m 350m 1b 7b)")
-    parser.add_argument("--pe", nargs="*", default=["tape", "rope"], choices=POSITIONAL_ENCODINGS,
+    parser.add_argument("--pe", nargs="+", default=["tape", "rope"], choices=POSITIONAL_ENCODINGS,
                         help="positional encodings to compare (default: tape rope)")
-    parser.add_argument("--seq-len", type=_length, nargs="*", default=[1024],
+    parser.add_argument("--seq-len", type=_length, nargs="+", default=[1024],
                         help="sequence lengths of the FLOP count (default: 1024)")
     args = parser.parse_args(argv)
     for size in args.sizes:

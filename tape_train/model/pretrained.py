@@ -71,8 +71,18 @@ def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
 def check_export_target(out_dir: str | os.PathLike) -> None:
     """Raise ``FileExistsError`` unless ``out_dir`` may be replaced by an export: it is absent,
     an empty directory, or an earlier export (it holds ``export.json``). Anything else would
-    be deleted by the replacement."""
+    be deleted by the replacement. The current directory, one that holds it, and a path that
+    ends in ``.`` or ``..`` cannot be renamed into place (or out of it) at all."""
+    given = str(out_dir)
     out_dir = Path(out_dir)
+    resolved = Path(os.path.abspath(out_dir))
+    if resolved == Path.cwd() or resolved in Path.cwd().parents:
+        raise FileExistsError(f"{given or repr(given)} is the current directory or holds it; an "
+                              f"export replaces its directory, so choose a new or empty one "
+                              f"below it, e.g. --out exports/<name>")
+    if out_dir.name in ("", ".", ".."):
+        raise FileExistsError(f"{given}: name the directory itself ({resolved}), not a path "
+                              f"ending in {out_dir.name or '.'}")
     if not out_dir.exists() and not out_dir.is_symlink():
         _check_export_parent(out_dir)
         return

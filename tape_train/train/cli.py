@@ -70,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.dry_run:
         return dry_run(cfg, args)
+    from tape_train.devices import LaunchError, check_launch_environment
+
+    try:  # before anything starts: a WORLD_SIZE left in the shell, a mistyped RANK
+        check_launch_environment()
+    except LaunchError as exc:
+        print(f"tape-train: error: {exc}", file=sys.stderr)
+        return 1
     from tape_train.train.signals import StopRequest
 
     # Before torch and DeepSpeed are imported (seconds): a stop signal from here on is
@@ -84,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def dry_run(cfg, args: argparse.Namespace) -> int:
     """``--dry-run``: the resolved config, then the preflight plan; 1 if anything is wrong."""
-    import os
-
+    from tape_train.devices import LaunchError, launch_int
     from tape_train.train.preflight import (DEFAULT_ASSUMED_MFU, format_report,
                                             run_preflight)
 
@@ -95,16 +101,34 @@ def dry_run(cfg, args: argparse.Namespace) -> int:
             print(f"tape-train: {flag} must be >= {least}, got {value}", file=sys.stderr)
             return 1
     world = args.world_size
-    if world is None and args.gpus_per_node:  # one node unless --nodes says more
-        world = (args.nodes or 1) * args.gpus_per_node
+    if args.gpus_per_node:  # one node unless --nodes says more
+        gpus = (args.nodes or 1) * args.gpus_per_node
+        if world is not None and world > gpus:
+            print(f"tape-train: --world-size {world} is more ranks than --nodes {args.nodes or 1}"
+                  f" x --gpus-per-node {args.gpus_per_node} = {gpus} GPUs", file=sys.stderr)
+            return 1
+        world = gpus if world is None else world  # fewer ranks than GPUs: --world-size wins
+    if world is not None and args.nodes and world % args.nodes:
+        print(f"tape-train: --world-size {world} ranks do not split evenly over --nodes "
+              f"{args.nodes}", file=sys.stderr)
+        return 1
     if world is None:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        try:
+            world = launch_int("WORLD_SIZE")
+        except LaunchError as exc:
+            print(f"tape-train: {exc}", file=sys.stderr)
+            return 1
     if world < 1:
         print(f"tape-train: --world-size must be >= 1, got {world}", file=sys.stderr)
         return 1
     mfu = DEFAULT_ASSUMED_MFU if args.assume_mfu is None else args.assume_mfu
     if not 0 < mfu <= 1:
         print(f"tape-train: --assume-mfu must be in (0, 1], got {mfu}", file=sys.stderr)
+        return 1
+    memory = args.device_memory_gb
+    if memory is not None and not 0 < memory < float("inf"):
+        print(f"tape-train: --device-memory-gb must be a finite number > 0, got {memory}",
+              file=sys.stderr)
         return 1
     print("# resolved config")
     print(cfg.to_yaml(), end="")

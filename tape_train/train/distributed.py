@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tape_train.devices import pick_device, process_group_backend
+from tape_train.devices import launch_int, pick_device, process_group_backend
 from tape_train.train.cuda_allocator import AllocatorSetting, configure_cuda_allocator
 
 log = logging.getLogger("tape_train.train")
@@ -66,7 +66,7 @@ def init_distributed(requested_device: str = "auto", timeout_s: float | None = N
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = launch_int("LOCAL_RANK")
     device = pick_device(requested_device, local_rank)
     allocator = (None if cuda_expandable_segments is None
                  else configure_cuda_allocator(cuda_expandable_segments, device))

@@ -23,7 +23,7 @@ import torch
 
 from tape_train.config import RunConfig, diff_configs
 from tape_train.data.config import DataError
-from tape_train.devices import DeviceError
+from tape_train.devices import DeviceError, LaunchError, launch_int
 from tape_train.eval.perplexity import UnmeasuredLengthError
 from tape_train.files import FileWriteError, write_atomic
 from tape_train.train import checkpoint as ckpt
@@ -134,7 +134,7 @@ class Trainer:
 
     def setup(self) -> None:
         self.stop.install()  # early: a stop signal during set-up ends it at the next phase
-        self.watchdog = Watchdog(int(os.environ.get("RANK", "0")), before_exit=self._hung_exit)
+        self.watchdog = Watchdog(launch_int("RANK"), before_exit=self._hung_exit)
         try:
             self._setup()
         finally:  # start-up is over (or failed): whatever the caller does next is not in it
@@ -150,10 +150,9 @@ class Trainer:
 
         # The rank grid is validated before any process group exists (bad layouts fail here);
         # the model's fit to sp/tp was checked once, when RunConfig was built.
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = launch_int("WORLD_SIZE")
         self.grid = RankGrid.from_sizes(world, dp=cfg.parallel.dp, sp=cfg.parallel.sp,
-                                        tp=cfg.parallel.tp,
-                                        rank=int(os.environ.get("RANK", "0")))
+                                        tp=cfg.parallel.tp, rank=launch_int("RANK"))
         # The CUDA allocator's setting is made in there, as soon as the device is chosen.
         self.dist = tdist.init_distributed(cfg.train.device, cfg.train.startup_timeout_s,
                                            cfg.train.cuda_expandable_segments)
@@ -239,7 +238,7 @@ class Trainer:
         from tape_train.train.preflight import RUN_START_LIMITS, PreflightError, run_preflight
 
         start = time.perf_counter()
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = launch_int("WORLD_SIZE")
         report = run_preflight(
             self.cfg, world_size=world,
             ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)),  # torchrun's
@@ -860,7 +859,7 @@ class Trainer:
                 log.error("%s", refused)
             code, reason = EXIT_OK, ""
         except (ckpt.CheckpointError, RunLockError, UnmeasuredLengthError, FileWriteError,
-                DataError, DeviceError) as exc:  # their messages name the file, key or value
+                DataError, DeviceError, LaunchError) as exc:  # they name the file, key or value
             log.error("%s", exc)
             code, reason = EXIT_ERROR, str(exc)
         except PreflightError as exc:

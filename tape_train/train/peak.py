@@ -89,9 +89,10 @@ def cpu_peak_tflops(dtype: torch.dtype) -> tuple[float, str]:
 
 
 def gpu_table_peak(name: str, dtype: torch.dtype, tf32: bool) -> float | None:
-    """The table's dense peak of GPU ``name`` for ``dtype`` (None: not listed / not native)."""
+    """The table's dense peak of GPU ``name`` for ``dtype`` (None: not listed / not native).
+    Any case matches (``--gpu-name h100``), as in the memory table of the dry run's plan."""
     for key, (bf16, tf32_peak, fp32) in GPU_PEAK_TFLOPS:
-        if key in name:
+        if key.lower() in name.lower():
             if dtype == torch.bfloat16:
                 return bf16
             return tf32_peak if tf32 else fp32

@@ -648,7 +648,3 @@ def format_report(report: Report, prefix: str = "tape-train") -> tuple[str, str]
     err += "".join(f"{prefix}: preflight: error: {p}\n" for p in report.problems)
     return out, err
 
-
-def local_world() -> tuple[int, int]:
-    """(world size, rank) from torchrun's environment (1, 0 for a plain process)."""
-    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
