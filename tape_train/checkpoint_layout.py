@@ -7,8 +7,10 @@ itself is described there.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -63,6 +65,82 @@ def checkpoint_root(path: str | Path) -> Path:
 
 def read_marker(tag_dir: Path) -> dict:
     return json.loads((Path(tag_dir) / MARKER).read_text())
+
+
+def launch_dirs(tag_dir: Path, meta: dict) -> list[Path]:
+    """Directories the relative paths of a run's config (its data and tokenizer) may be
+    relative to, other than the working directory, most likely first: the directory the run
+    was started from as the checkpoint's place tells it (a relative ``train.run_dir`` that ends
+    the path the run lies at: found also when the whole project moved), then the one the run
+    recorded when it saved (``launch_dir`` in the marker)."""
+    found: list[Path] = []
+    train = (meta.get("config") or {}).get("train")
+    run_dir = train.get("run_dir") if isinstance(train, dict) else None
+    if isinstance(run_dir, str) and run_dir and not os.path.isabs(os.path.expanduser(run_dir)):
+        here = Path(os.path.abspath(tag_dir)).parent.parent  # <run_dir>/checkpoints/<tag>
+        parts = [p for p in Path(run_dir).parts if p != "."]
+        if parts and ".." not in parts and len(parts) < len(here.parts) \
+                and list(here.parts[-len(parts):]) == parts:
+            found.append(Path(*here.parts[:-len(parts)]))
+    recorded = meta.get("launch_dir")
+    if isinstance(recorded, str) and os.path.isabs(recorded) and Path(recorded) not in found:
+        found.append(Path(recorded))
+    return found
+
+
+def _exists(path: str) -> bool:
+    return bool(glob.glob(path, recursive=True)) if glob.has_magic(path) else os.path.exists(path)
+
+
+def with_run_paths(meta: dict, tag_dir: Path) -> dict:
+    """``meta`` (a marker) with the relative paths of its ``config.data`` section — the
+    tokenizer, each training and held-out source's ``path`` — rewritten to where they exist
+    when this process runs from another directory than the run did (``launch_dirs``). A path
+    that exists as written, relative to the working directory or absolute, is kept, as is one
+    found nowhere (its reader names it as missing). Returns a copy; the marker on disk is
+    left as it is."""
+    data = (meta.get("config") or {}).get("data")
+    if not isinstance(data, dict):
+        return meta
+    bases = launch_dirs(tag_dir, meta)
+
+    def moved(path, key: str):
+        if not isinstance(path, str) or not path:
+            return path
+        expanded = os.path.expanduser(path)
+        if os.path.isabs(expanded) or _exists(expanded):
+            return path
+        for base in bases:
+            candidate = str(base / expanded)
+            if _exists(candidate):
+                log.info("%s %s is not under the working directory; using %s (relative to the "
+                         "directory the run was started from)", key, path, candidate)
+                return candidate
+        return path
+
+    def sources(entries, key: str):
+        if not isinstance(entries, list):
+            return entries
+        out = []
+        for i, entry in enumerate(entries):
+            k = f"data.{key}[{i}].path"
+            if isinstance(entry, str):
+                out.append(moved(entry, k))
+            elif isinstance(entry, dict) and isinstance(entry.get("path"), list):
+                out.append({**entry, "path": [moved(p, k) for p in entry["path"]]})
+            elif isinstance(entry, dict) and "path" in entry:
+                out.append({**entry, "path": moved(entry["path"], k)})
+            else:
+                out.append(entry)
+        return out
+
+    data = dict(data)
+    if "tokenizer" in data:
+        data["tokenizer"] = moved(data["tokenizer"], "data.tokenizer")
+    for key in ("sources", "eval_sources"):
+        if key in data:
+            data[key] = sources(data[key], key)
+    return {**meta, "config": {**meta["config"], "data": data}}
 
 
 def marker_problem(marker) -> str | None:

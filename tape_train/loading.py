@@ -30,7 +30,7 @@ import torch
 
 from tape_train.checkpoint_layout import (  # noqa: F401 - find_latest_complete: public API
     MARKER, UNIVERSAL, CheckpointError, find_latest_complete, read_marker, resolve_checkpoint,
-    why_incomplete)
+    why_incomplete, with_run_paths)
 from tape_train.files import write_atomic
 from tape_train.machine_cache import usable_cpus
 
@@ -282,7 +282,7 @@ def load_model_from_checkpoint(path: str | Path, map_dtype: torch.dtype | None =
         code_version, ...).
     """
     tag_dir = resolve_checkpoint(path, verify=verify)
-    meta = read_marker(tag_dir)
+    meta = with_run_paths(read_marker(tag_dir), tag_dir)
     model_cfg = checkpoint_model_config(tag_dir, meta)
     if meta.get("zero_stage", 3) >= 1 and saved_layout(meta)["tp"] > 1:
         # zero_to_fp32 cannot merge tensor-parallel shards: go through the universal form.

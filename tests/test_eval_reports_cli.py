@@ -8,7 +8,9 @@ stage 0, so ``load_model_from_checkpoint`` reads them without DeepSpeed start-up
 from __future__ import annotations
 
 import json
+import logging
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,7 +107,7 @@ class StateDictEngine:
 
 
 def make_checkpoint(run_dir, pe, seed, step=5, vocab_size=50, data=None, seq_len=8,
-                    **model_overrides):
+                    train=None, meta=None, **model_overrides):
     torch.manual_seed(seed)
     cfg = load_model_config("tiny", **{"num_layers": 1, "hidden_size": 32, "num_heads": 2,
                                        "intermediate_size": 64, "vocab_size": vocab_size,
@@ -116,12 +118,12 @@ def make_checkpoint(run_dir, pe, seed, step=5, vocab_size=50, data=None, seq_len
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
     config = {"model": cfg.to_dict(), "train": {"seq_len": seq_len, "seed": 7,
-                                                "synthetic_data": data is None}}
+                                                "synthetic_data": data is None, **(train or {})}}
     if data is not None:
         config["data"] = data
     ckpt.save_checkpoint(StateDictEngine(model), run_dir, step, rank=0,
                          meta={"step": step, "world_size": 1, "zero_stage": 0,
-                               "config": config},
+                               "config": config, **(meta or {})},
                          rank_state={"rng": ckpt.capture_rng_state(), "loader": None}, keep=2)
     return model
 
@@ -177,6 +179,69 @@ def test_tape_eval_on_a_data_config_with_real_text(tmp_path):
         assert r["tokens"] == 300 and 300 < r["bytes"] < 300 * 16   # bytes of real text
         assert r["bits_per_byte"] == pytest.approx(r["nll_sum"] / (math.log(2) * r["bytes"]))
         assert r["bytes"] == pytest.approx(results[0]["bytes"])     # same text at every L
+
+
+def test_a_run_read_from_another_directory_finds_the_data_and_tokenizer_it_named(
+        tmp_path, monkeypatch, caplog):
+    """A run's config names its data and tokenizer as given, often relative to the project
+    directory it was started from; tape-eval and tape-export run from elsewhere find them
+    there (from where the run lies, or the directory recorded in the marker), with the same
+    numbers. Control: a run whose place says nothing and that recorded nothing."""
+    import shutil
+
+    from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+    from tape_train.inference.export import main as export_main
+
+    project = tmp_path / "project"
+    tok = train_small_tokenizer(project / "data" / "tok", vocab_size=512, max_bytes=300_000)
+    texts = real_text_documents(max_documents=12)
+    write_jsonl(project / "data" / "train.jsonl", texts[:6])
+    write_jsonl(project / "data" / "heldout.jsonl", texts[6:])
+    data = {"sources": [{"path": "data/train.jsonl"}],
+            "tokenizer": str(Path(tok.path).relative_to(project)),
+            "eval_sources": ["data/held*.jsonl"]}
+    make_checkpoint(project / "runs" / "r", "tape", seed=3, vocab_size=tok.vocab_size,
+                    data=data, train={"run_dir": "runs/r"})
+    # The same run copied where its place says nothing; once with the directory it started
+    # from recorded (as the trainer does), once without.
+    shutil.copytree(project / "runs" / "r", tmp_path / "copy-recorded")
+    make_checkpoint(tmp_path / "copy-bare", "tape", seed=3, vocab_size=tok.vocab_size,
+                    data=data, train={"run_dir": "runs/r"})
+    recorded = tmp_path / "copy-recorded" / "checkpoints" / "step_00000005" / "COMPLETE.json"
+    marker = json.loads(recorded.read_text())
+    recorded.write_text(json.dumps({**marker, "launch_dir": str(project)}))
+
+    def evaluate(run, out):
+        return main(["--checkpoint", str(run), "--protocols", "nonoverlap", "--lengths", "8",
+                     "--max-tokens", "200", "--out", str(out), "--no-progress"])
+
+    monkeypatch.chdir(project)
+    assert evaluate("runs/r", tmp_path / "here") == 0
+    expected = json.loads((tmp_path / "here" / "eval.json").read_text())["models"][0]["results"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for run in (project / "runs" / "r", tmp_path / "copy-recorded"):
+        out = tmp_path / f"report-{run.name}"
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            assert evaluate(run, out) == 0
+        assert f"data.eval_sources[0].path data/held*.jsonl is not under the working " \
+               f"directory; using {project / 'data/held*.jsonl'}" in caplog.text
+        assert f"data.tokenizer {data['tokenizer']} is not under the working directory; " \
+               f"using {project / data['tokenizer']}" in caplog.text
+        got = json.loads((out / "eval.json").read_text())["models"][0]["results"]
+        assert [r["nll_sum"] for r in got] == [r["nll_sum"] for r in expected]
+        assert export_main([str(run), "--out", str(tmp_path / f"export-{run.name}")]) == 0
+        bundled = tmp_path / f"export-{run.name}" / "tokenizer.model"
+        assert bundled.read_bytes() == Path(tok.path).read_bytes()
+    # Control: nothing tells where the paths were relative to.
+    assert evaluate(tmp_path / "copy-bare", tmp_path / "report-bare") == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert export_main([str(tmp_path / "copy-bare"), "--out", str(tmp_path / "ex-bare")]) == 0
+    assert f"tokenizer {data['tokenizer']} not found; exporting without it" in caplog.text
+    assert not (tmp_path / "ex-bare" / "tokenizer.model").exists()
 
 
 def test_tape_eval_errors_are_clear(tmp_path, capsys):

@@ -66,6 +66,7 @@ def _startup_scenarios(run_dir: str, ext_dir: str) -> dict:
     out["resumed_mfu"] = [r.get("mfu") for r in records if r["kind"] == "train"][-1]
     tag = find_latest_complete(run_dir)
     out["checkpoint_dtype"] = read_marker(tag)["dtype"]
+    out["launch_dir"] = read_marker(tag)["launch_dir"]  # what relative data paths mean
 
     # 3. SIGTERM while DeepSpeed starts: exit 75 before the first step; the run is untouched.
     real_build_engine = loop.build_engine
@@ -103,6 +104,7 @@ def test_dtype_resume_mfu_guard_and_stop_during_startup(tmp_path, monkeypatch):
     assert r["resume_code"] == 0
     assert r["resolved_on_resume"] == []              # auto kept the checkpoint's dtype ...
     assert r["resume_config_dtype"] == "fp32" and r["checkpoint_dtype"] == "fp32"  # ... fp32
+    assert r["launch_dir"] == os.getcwd()
     assert 0 < r["resumed_mfu"] <= 1                  # negative control: a real peak shows MFU
     assert r["sigterm_code"] == 75
     assert r["checkpoints_unchanged"] and r["metrics_unchanged"]

@@ -259,11 +259,11 @@ def _check_out(out: str) -> None:
 
 def _read_checkpoints(args, tag_dirs: list[Path], settings) -> list[_Checkpoint]:
     """Each checkpoint's model config and lengths, from its marker."""
-    from tape_train.loading import checkpoint_model_config, read_marker
+    from tape_train.loading import checkpoint_model_config, read_marker, with_run_paths
 
     checkpoints = []
     for tag_dir in tag_dirs:
-        meta = read_marker(tag_dir)
+        meta = with_run_paths(read_marker(tag_dir), tag_dir)
         model_cfg = checkpoint_model_config(tag_dir, meta)
         train_seq_len = int(((meta.get("config") or {}).get("train") or {}).get("seq_len", 0)) \
             or None

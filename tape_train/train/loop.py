@@ -815,6 +815,9 @@ class Trainer:
             "dtype": self.cfg.train.dtype,
             "config": self.cfg.to_dict(),
             "code_version": ckpt.code_version(),
+            # What the config's relative paths (data, tokenizer) are relative to, for the
+            # readers of this checkpoint that run elsewhere (checkpoint_layout.launch_dirs).
+            "launch_dir": os.getcwd(),
         }
         rank_state = {"rng": ckpt.capture_rng_state(),
                       "loader": self.loader.state_dict() if hasattr(self.loader, "state_dict")
