@@ -303,6 +303,17 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
             raise CheckpointError(f"checkpoint {path} is not complete: {reason}; refusing to "
                                   f"use it (pick a complete one, or the run dir for the latest)")
         found = path
+    elif verify:
+        # A save that never finished (no marker, or one that does not parse) is skipped; a
+        # finished one whose files changed since is damaged, like a checksum mismatch below.
+        found = find_newest(path, lambda tag: None if _save_finished(tag)
+                            else why_incomplete(tag))
+        if found is None:
+            raise CheckpointError(f"no complete checkpoint under {checkpoint_root(path)}")
+        reason = why_incomplete(found)
+        if reason is not None:
+            raise _damaged(found, f"{reason} (its save had finished: files changed or went "
+                                  f"missing since)")
     else:
         found = find_latest_complete(path)
         if found is None:
@@ -311,13 +322,27 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
         log.info("checking %s against its checksums (%s)", found, describe_size(found))
         reason = verify_files(found)
         if reason is not None:
-            older = [t for t in list_tags(found.parent) if step_of_tag(t.name) is not None
-                     and step_of_tag(t.name) < step_of_tag(found.name)
-                     and why_incomplete(t) is None]
-            hint = f"; an older complete checkpoint: {older[-1]}" if older else ""
-            raise CheckpointError(f"checkpoint {found}: {reason}; refusing to use "
-                                  f"it{hint}")
+            raise _damaged(found, reason)
     return found
+
+
+def _save_finished(tag_dir: Path) -> bool:
+    """Whether the save of ``tag_dir`` got as far as a marker of the right shape (whatever
+    happened to its files afterwards)."""
+    try:
+        return marker_problem(read_marker(tag_dir)) is None
+    except (OSError, ValueError):
+        return False
+
+
+def _damaged(tag_dir: Path, reason: str) -> CheckpointError:
+    """The refusal of a damaged checkpoint for readers that never substitute an older step
+    silently, naming the newest older complete one."""
+    step = step_of_tag(tag_dir.name)
+    older = [t for t in list_tags(tag_dir.parent)
+             if step is not None and step_of_tag(t.name) < step and why_incomplete(t) is None]
+    hint = f"; an older complete checkpoint: {older[-1]}" if older else ""
+    return CheckpointError(f"checkpoint {tag_dir}: {reason}; refusing to use it{hint}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 
 import pytest
 
@@ -78,7 +79,17 @@ def test_partial_and_corrupt_checkpoints_are_skipped(tmp_path, caplog):
     assert "step_00000020: no COMPLETE.json" in text
     with pytest.raises(ckpt.CheckpointError, match="not complete"):
         ckpt.resolve_checkpoint(no_marker)
-    assert ckpt.resolve_checkpoint(tmp_path) == good
+    # The readers that never substitute an older step (tape-export, tape-eval) skip the save
+    # that never finished (no marker or a garbled one) but refuse a finished one cut short,
+    # as they refuse flipped bytes, naming the file and the older intact tag.
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.resolve_checkpoint(tmp_path)
+    assert str(err.value).startswith(
+        f"checkpoint {truncated}: file zero_pp_rank_0_mp_rank_00_optim_states.pt has 7 bytes")
+    assert f"refusing to use it; an older complete checkpoint: {good}" in str(err.value)
+    assert ckpt.resolve_checkpoint(tmp_path, verify=False) == good  # what a resume uses
+    shutil.rmtree(truncated)
+    assert ckpt.resolve_checkpoint(tmp_path) == good  # control: the unfinished are skipped
     # The next complete save garbage-collects the incomplete tags older than itself.
     _save(engine, tmp_path, 50, keep=2)
     assert [p.name for p in ckpt.list_tags(tmp_path / "checkpoints")] == [
