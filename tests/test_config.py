@@ -148,13 +148,23 @@ def test_every_seed_in_range_seeds_each_generator_the_run_derives():
     torch.manual_seed(0)
 
 
-def test_a_run_dir_under_home_is_expanded(tmp_path, monkeypatch):
+def test_a_run_dir_and_data_paths_under_home_are_expanded(tmp_path, monkeypatch):
     """`train.run_dir=~/runs/x`: no shell expands a `~` after `=` in an argument, and the run
     went into a directory named `~` under the current one."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     cfg = load_run_config(_write(tmp_path, BASE), ["train.run_dir=~/runs/x"])
     assert cfg.train.run_dir == str(tmp_path / "home" / "runs" / "x")
     assert load_run_config(_write(tmp_path, BASE)).train.run_dir == "runs/x"  # control
+    # The data paths and the tokenizer too (a YAML file or an override alike).
+    cfg = load_run_config(_write(tmp_path, BASE), [
+        "data.sources=[{path: ~/corpus}, {path: [~/a.jsonl, b.jsonl]}, {hub: c4}]",
+        "data.eval_sources=[~/held]", "data.tokenizer=~/tok.model"])
+    home = tmp_path / "home"
+    assert [s.path for s in cfg.data.sources] == [str(home / "corpus"),
+                                                  [str(home / "a.jsonl"), "b.jsonl"], None]
+    assert cfg.data.sources[0].name == str(home / "corpus") and cfg.data.sources[2].hub == "c4"
+    assert cfg.data.eval_sources[0].path == str(home / "held")
+    assert cfg.data.tokenizer == str(home / "tok.model")
 
 
 def test_bad_value_in_file_names_the_line(tmp_path):

@@ -8,7 +8,9 @@ loader is built, so a default ``DataConfig()`` is always constructible.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
+
 from tape_train.hints import choice_error, finite_float, read_named_yaml, unknown_keys
 from tape_train.resources import resource_dir
 
@@ -75,6 +77,9 @@ class SourceConfig:
                     isinstance(p, str) and p for p in paths):
                 raise DataError(f"{k}.path must be a non-empty string or list of strings, "
                                 f"got {self.path!r}")
+            # A leading ~ is the home directory (no shell expands it in `key=~/x` or YAML).
+            self.path = os.path.expanduser(self.path) if isinstance(self.path, str) \
+                else [os.path.expanduser(p) for p in self.path]
         if self.hub is not None and (not isinstance(self.hub, str) or not self.hub):
             raise DataError(f"{k}.hub must be a non-empty string, got {self.hub!r}")
         if self.data_files is not None and self.hub is None:
@@ -137,7 +142,8 @@ class DataConfig:
 
     Attributes:
         sources: the training mixture (list of ``SourceConfig`` or dicts; a bare string is a
-            path). Relative paths resolve against the working directory.
+            path). Relative paths resolve against the working directory; a leading ``~``
+            is the home directory (expanded here, so the resolved config records it).
         tokenizer: path of a sentencepiece ``.model`` file.
         eval_sources: explicit held-out sources for ``iter_eval_documents`` (never trained on).
         eval_fraction: fraction of every training source's documents held out for evaluation,
@@ -194,6 +200,7 @@ class DataConfig:
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
             raise DataError(f"data.tokenizer must be a path to a .model file, "
                             f"got {self.tokenizer!r}")
+        self.tokenizer = os.path.expanduser(self.tokenizer)
         fraction = finite_float(self.eval_fraction)
         if fraction is None or not 0.0 <= fraction < 1.0:
             raise DataError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
