@@ -244,6 +244,32 @@ def test_a_run_read_from_another_directory_finds_the_data_and_tokenizer_it_named
     assert not (tmp_path / "ex-bare" / "tokenizer.model").exists()
 
 
+def test_lengths_no_held_out_document_reaches_are_refused_before_any_weights_are_read(
+        tmp_path, monkeypatch, capsys):
+    from tape_train import loading
+    from tape_train.data.testing import train_small_tokenizer, write_jsonl
+
+    tok = train_small_tokenizer(tmp_path / "tok", vocab_size=512, max_bytes=300_000)
+    write_jsonl(tmp_path / "heldout.jsonl", ["A short held-out document.", "Another one."])
+    data = {"sources": [{"path": str(tmp_path / "heldout.jsonl")}], "tokenizer": tok.path,
+            "eval_sources": [{"path": str(tmp_path / "heldout.jsonl")}]}
+    make_checkpoint(tmp_path / "run", "tape", seed=3, vocab_size=tok.vocab_size, data=data)
+    loads = []
+    real_load = loading.load_model_from_checkpoint
+    monkeypatch.setattr(loading, "load_model_from_checkpoint",
+                        lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    args = ["--checkpoint", str(tmp_path / "run"), "--protocols", "nonoverlap",
+            "--out", str(tmp_path / "report"), "--no-progress", "--lengths"]
+    assert main(args + ["512", "1024"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot evaluate L=512, L=1024: no held-out document reaches it" in err
+    assert str(tmp_path / "run" / "checkpoints" / "step_00000005") in err
+    assert loads == [] and not (tmp_path / "report").exists()
+    # Control: one length reached, the other reported n/a after the evaluation.
+    assert main(args + ["4", "1024"]) == 0
+    assert len(loads) == 1
+
+
 def test_tape_eval_errors_are_clear(tmp_path, capsys):
     make_checkpoint(tmp_path / "run", "rope", seed=4)
     assert main(["--checkpoint", str(tmp_path / "run"), "--label", "a", "b",

@@ -279,12 +279,20 @@ def _read_checkpoints(args, tag_dirs: list[Path], settings) -> list[_Checkpoint]
 def _held_out(args, checkpoints: list[_Checkpoint], max_tokens: int | None):
     """(documents, description): the held-out set of the first checkpoint's data, scored by
     every checkpoint, each of whose vocabularies must hold its token ids."""
-    from tape_train.eval.perplexity import materialize_documents
+    from tape_train.eval.perplexity import check_reachable, materialize_documents
 
     first = checkpoints[0]
     longest = max(max(c.lengths) for c in checkpoints)
     source, description = _documents(args, first.meta, longest, first.model_cfg)
     docs = materialize_documents(source, max_tokens)
+    if not docs:
+        raise ValueError(f"no held-out document of {description} has two or more tokens: "
+                         f"nothing to score")
+    for c in checkpoints:  # before any weights are read
+        try:
+            check_reachable(c.lengths, docs)
+        except ValueError as exc:
+            raise ValueError(f"{c.tag_dir}: {exc}") from None
     top = max((int(tokens.max()) for tokens, _ in docs), default=-1)
     for c in checkpoints[1:]:
         if top >= c.model_cfg.vocab_size:

@@ -359,16 +359,34 @@ def check_measured(rows: list[dict], docs: list, allow_unmeasured: bool = False,
     missing = [r["length"] for r in rows if not r["measured"]]
     if not missing:
         return
-    longest = max(t.numel() - 1 for t, _ in docs)
-    why = (f"no held-out document reaches it (the longest scored one has {longest} "
-           f"predictions; within max_tokens if set): its perplexity would repeat a shorter "
-           f"length's")
     if len(missing) == len(rows) and not allow_unmeasured:
-        lengths = ", ".join(f"L={n}" for n in missing)
-        raise UnmeasuredLengthError(f"cannot evaluate {lengths}: {why}. Use longer held-out "
-                                    f"documents, a larger eval max_tokens, or shorter lengths")
+        raise _unmeasured(missing, docs)
+    why = _why_unmeasured(docs)
     for length in missing if warn else ():
         log.warning("eval L=%d: n/a, %s", length, why)
+
+
+def check_reachable(lengths: list[int], docs: list) -> None:
+    """Before any model is loaded: refuse, as ``check_measured`` would after the evaluation,
+    when every document of ``docs`` is too short for every length (a length some document
+    reaches may still go unmeasured within ``max_tokens``: that is found after)."""
+    longest = max(t.numel() - 1 for t, _ in docs)
+    if all(length > longest for length in lengths):
+        raise _unmeasured(lengths, docs)
+
+
+def _why_unmeasured(docs: list) -> str:
+    longest = max(t.numel() - 1 for t, _ in docs)
+    return (f"no held-out document reaches it (the longest scored one has {longest} "
+            f"predictions; within max_tokens if set): its perplexity would repeat a shorter "
+            f"length's")
+
+
+def _unmeasured(lengths: list[int], docs: list) -> UnmeasuredLengthError:
+    named = ", ".join(f"L={n}" for n in lengths)
+    return UnmeasuredLengthError(f"cannot evaluate {named}: {_why_unmeasured(docs)}. Use longer "
+                                 f"held-out documents, a larger eval max_tokens, or shorter "
+                                 f"lengths")
 
 
 def summarize(nll_sum: float, tokens: int, n_bytes: float) -> dict:
