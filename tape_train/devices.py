@@ -66,6 +66,18 @@ def pick_device(requested: str, local_rank: int, setting: str = "train.device"):
     visible GPUs) fails here in one line, not in the first CUDA call."""
     import torch
 
+    if check_device(requested, local_rank, setting) == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def check_device(requested: str, local_rank: int, setting: str = "train.device") -> str:
+    """The device type ``pick_device`` will choose (``"cuda"`` or ``"cpu"``), touching no
+    device; raises ``DeviceError`` where it would: ``cuda`` asked for without CUDA, or a
+    ``LOCAL_RANK`` with no GPU of its own."""
+    import torch
+
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise DeviceError(f"{setting} cuda: no CUDA device here (torch.cuda.is_available() "
@@ -77,9 +89,8 @@ def pick_device(requested: str, local_rank: int, setting: str = "train.device"):
                 f"LOCAL_RANK={local_rank} but this process sees {visible} CUDA device(s)"
                 f"{f' (CUDA_VISIBLE_DEVICES={shown})' if shown is not None else ''}: start at "
                 f"most {visible} process(es) per node (torchrun --nproc_per_node)")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+        return "cuda"
+    return "cpu"
 
 
 def process_group_backend(device) -> str:

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tape_train.cluster import submit
 from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
@@ -283,6 +284,20 @@ def test_real_run_refuses_bad_input_before_deepspeed(corpus):
     proc = _run_trainer(corpus, [])
     assert proc.returncode != 0 and NO_DEEPSPEED in proc.stderr
     assert not error_lines(proc.stderr)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_real_run_asking_for_cuda_where_there_is_none_stops_before_deepspeed(corpus):
+    """The dry run plans for the cluster's devices and lets train.device=cuda pass on a
+    machine without a GPU; the real run needs the device where it runs."""
+    rc, out, err = dry_run(["--config", str(corpus / "run.yaml"), "--dry-run",
+                            "train.device=cuda"])
+    assert rc == 0, err
+    proc = _run_trainer(corpus, ["train.device=cuda"])
+    assert proc.returncode == 1
+    assert NO_DEEPSPEED not in proc.stderr and "Traceback" not in proc.stderr
+    (line,) = error_lines(proc.stderr)
+    assert "train.device cuda: no CUDA device here" in line
 
 
 def test_dry_run_does_not_import_deepspeed(corpus):

@@ -23,7 +23,7 @@ import torch
 
 from tape_train.config import RunConfig, diff_configs
 from tape_train.data.config import DataError
-from tape_train.devices import DeviceError, LaunchError, launch_int
+from tape_train.devices import DeviceError, LaunchError, check_device, launch_int
 from tape_train.eval.perplexity import UnmeasuredLengthError
 from tape_train.files import FileWriteError, write_atomic
 from tape_train.train import checkpoint as ckpt
@@ -245,6 +245,10 @@ class Trainer:
             check_data=self.loader_factory is None,
             check_eval=self.eval_documents_fn is None and self.cfg.eval.enabled,
             check_resume=False, plan=False, limits=RUN_START_LIMITS)
+        try:  # the dry run plans for the cluster's devices; this run needs them here
+            check_device(self.cfg.train.device, launch_int("LOCAL_RANK"))
+        except DeviceError as exc:
+            report.problem(str(exc))
         if report.problems:
             raise PreflightError(report.problems)
         self._preflight_summary = (f"preflight: inputs checked in "
