@@ -278,6 +278,8 @@ def test_tape_eval_errors_are_clear(tmp_path, capsys):
     assert main(["--checkpoint", str(tmp_path / "nothing-here"),
                  "--out", str(tmp_path / "o")]) == 1
     assert "does not exist" in capsys.readouterr().err
+    assert main(["--checkpoint", str(tmp_path / "run"), "--out", ""]) == 1
+    assert "--out '' is empty (an unset shell variable?)" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert main(["--checkpoint", str(tmp_path / "empty"), "--out", str(tmp_path / "o")]) == 1
     assert "no complete checkpoint" in capsys.readouterr().err

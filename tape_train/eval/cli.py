@@ -248,6 +248,9 @@ class _Checkpoint:
 
 def _check_out(out: str) -> None:
     """``--out`` can be made and written (found now, not after evaluating every checkpoint)."""
+    if not out.strip():
+        raise ValueError(f"--out {out!r} is empty (an unset shell variable?): name the report "
+                         f"directory, e.g. --out eval_results (--out . for this one)")
     existing = Path(out)
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
