@@ -547,6 +547,9 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
     for item in overrides:
         _apply_override(data, item)
         parts = item.split("=", 1)[0].strip().split(".")
+        given = ".".join(parts)  # what the file said below this key is replaced with it
+        for key in [k for k in lines if k.startswith((given + ".", given + "["))]:
+            del lines[key]
         for n in range(len(parts), 0, -1):  # an unknown section is reported at its prefix
             key = ".".join(parts[:n])
             if n == len(parts) or key not in lines:
@@ -660,9 +663,12 @@ def _where(source: str, lines: dict, key: str) -> str:
     parts = key.split(".")
     for n in range(len(parts), 0, -1):
         k = ".".join(parts[:n])
-        if k in lines:
-            loc = lines[k]
-            return loc if isinstance(loc, str) else f"{source}:{loc}"
+        # data.sources[1].weight, then data.sources[1], data.sources (an override of the
+        # whole list), data
+        for candidate in (k, k.split("[", 1)[0]) if k.endswith("]") else (k,):
+            if candidate in lines:
+                loc = lines[candidate]
+                return loc if isinstance(loc, str) else f"{source}:{loc}"
     return source
 
 
@@ -674,19 +680,26 @@ def _where_of_message(source: str, lines: dict, exc: Exception) -> str:
     import re
 
     keys = [m.group(0) for m in re.finditer(
-        r"\b(?:" + "|".join(SECTIONS) + r")\.[A-Za-z_][A-Za-z0-9_]*", str(exc))]
+        r"\b(?:" + "|".join(SECTIONS) + r")(?:\.[A-Za-z_][A-Za-z0-9_]*(?:\[\d+\])*)+",
+        str(exc))]
     given = [key for key in keys if key in lines]
     return _where(source, lines, (given or keys)[0]) if keys else source
 
 
 def _key_lines(node: yaml.Node, prefix: str = "") -> dict[str, int]:
-    """Map dotted keys of a composed YAML mapping to 1-based line numbers."""
+    """Map dotted keys of a composed YAML mapping to 1-based line numbers; the items of a
+    list are ``key[i]`` (``data.sources[1].weight``)."""
     out: dict[str, int] = {}
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             key = f"{prefix}{key_node.value}"
             out[key] = key_node.start_mark.line + 1
             out.update(_key_lines(value_node, key + "."))
+    elif isinstance(node, yaml.SequenceNode) and prefix:
+        for i, item in enumerate(node.value):
+            key = f"{prefix[:-1]}[{i}]"
+            out[key] = item.start_mark.line + 1
+            out.update(_key_lines(item, key + "."))
     return out
 
 

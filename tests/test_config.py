@@ -192,6 +192,24 @@ def test_bad_data_or_eval_value_names_the_file_once(tmp_path, text, line, messag
     assert str(tmp_path) not in str(err.value)
 
 
+def test_a_bad_value_in_a_list_item_names_the_item_line(tmp_path):
+    """An error inside `data.sources[1]` points at its own line, not at `sources:`; an
+    override that replaced the list is blamed, not the file's lines it replaced."""
+    text = BASE + ("data:\n  sources:\n    - path: a\n      weight: 1\n    - path: b\n"
+                   "      weight: -1\n  tokenizer: x.model\n")
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_run_config(path)
+    assert str(err.value).startswith(f"{path}:13: data.sources[1].weight must be a finite")
+    with pytest.raises(ConfigError) as err:
+        load_run_config(_write(tmp_path, text.replace("weight: -1", "pth: c")))
+    assert str(err.value).startswith(f"{path}:12: data.sources[1]: unknown key(s) 'pth'")
+    override = "data.sources=[{path: a}, {path: b, weight: 0}]"
+    with pytest.raises(ConfigError) as err:
+        load_run_config(_write(tmp_path, text), [override])
+    assert str(err.value).startswith(f"override '{override}': data.sources[1].weight must")
+
+
 @pytest.mark.parametrize("override", ["model.num_heads=5", "parallel.tp=3"])
 def test_a_check_across_keys_blames_the_key_that_was_given(tmp_path, override):
     """`model.hidden_size (256) must be divisible by model.num_heads (5)` names the key of
