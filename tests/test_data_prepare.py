@@ -568,6 +568,15 @@ def test_a_prepared_directory_inside_a_raw_source_directory_is_refused(tmp_path)
     shards = resolve_local_shards(SourceConfig(path=str(prepared), key="data.sources[0]"))
     assert sorted(Path(s.path).name for s in shards) == [
         f"train-0000{i}-of-00004.jsonl.zst" for i in range(4)]
+    # Another tool's manifest.json makes no prepared directory: a raw corpus that has one,
+    # at its top or below, is read as raw files.
+    raw = tmp_path / "downloaded"
+    write_jsonl(raw / "part" / "b.jsonl", ["another raw document"])
+    write_jsonl(raw / "c.jsonl", ["a third one"])
+    for where in (raw, raw / "part"):
+        (where / "manifest.json").write_text('{"name": "some-dataset", "files": ["b.jsonl"]}')
+    shards = resolve_local_shards(SourceConfig(path=str(raw), key="data.sources[0]"))
+    assert sorted(Path(s.path).name for s in shards) == ["b.jsonl", "c.jsonl"]
 
 
 def test_the_held_out_split_named_as_training_files_is_refused(tmp_path):

@@ -120,12 +120,12 @@ def resolve_local_shards(source: SourceConfig, split: str = "train") -> list[Sha
                                 f"({len(matches)} paths matched)")
             found.extend(files)
         elif p.is_dir():
-            if (p / MANIFEST_NAME).is_file():
+            if is_prepared_dir(p):
                 found.extend(manifest_shard_paths(p, split, frames))
                 continue
             files = sorted(f for f in p.rglob("*") if f.is_file() and classify(f)
                            and not any(part.startswith(".") for part in f.relative_to(p).parts))
-            nested = sorted({f.parent for f in files if (f.parent / MANIFEST_NAME).is_file()})
+            nested = sorted(d for d in {f.parent for f in files} if is_prepared_dir(d))
             if nested:
                 raise DataError(
                     f"{key}: directory {pattern!r} holds the prepared directory "
@@ -174,7 +174,7 @@ def resolve_local_shards(source: SourceConfig, split: str = "train") -> list[Sha
 def _is_held_out_shard(path: Path) -> bool:
     """An eval shard of a prepared directory (named so, beside its manifest)."""
     return (path.name.startswith("eval-") and bool(PREPARED_SHARD.fullmatch(path.name))
-            and (path.parent / MANIFEST_NAME).is_file())
+            and is_prepared_dir(path.parent))
 
 
 def _missing_hint(path: Path) -> str:
@@ -187,6 +187,24 @@ def _missing_hint(path: Path) -> str:
                  f"and its tokenizer by `tape-tokenizer train --input {DEMO_DIR} --spec demo "
                  f"--out {DEMO_DIR}/tokenizer` (`make demo` in a checkout does both)")
     return hint
+
+
+def is_prepared_dir(directory: Path) -> bool:
+    """Whether ``directory`` is a ``tape-data prepare`` output: it holds a ``manifest.json``
+    of our format. Another tool's ``manifest.json`` in a raw corpus makes no prepared
+    directory; one of ours that no longer parses still does (reading it names the damage)."""
+    path = Path(directory) / MANIFEST_NAME
+    if not path.is_file():
+        return False
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return True
+    if not isinstance(manifest, dict):
+        return True
+    if "format" in manifest:
+        return manifest["format"] == MANIFEST_FORMAT
+    return "shards" in manifest
 
 
 def manifest_shard_paths(directory: Path, split: str,

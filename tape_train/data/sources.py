@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from tape_train.data.config import DataError, SourceConfig
-from tape_train.data.formats import (MANIFEST_NAME, Shard, SkipLog, classify, hub_shards,
+from tape_train.data.formats import (Shard, SkipLog, classify, hub_shards, is_prepared_dir,
                                      manifest_shard_paths, read_documents, resolve_local_shards)
 
 log = logging.getLogger("tape_train.data")
@@ -173,7 +173,7 @@ def shared_shard_warning(source: SourceConfig, num_shards: int, world: int) -> s
     if world <= 1 or num_shards >= world:
         return None
     k = -(-world // num_shards)  # ranks on the most shared shard (rank 0's)
-    prepared = [p for p in source.paths if (Path(p) / MANIFEST_NAME).is_file()]
+    prepared = [p for p in source.paths if is_prepared_dir(Path(p))]
     if prepared:  # re-preparing from its shards would lose its eval split: from the inputs
         fix = (f"re-run the `tape-data prepare` that wrote {', '.join(prepared)} with "
                f"--num-shards {world}")
@@ -257,7 +257,7 @@ def iter_held_out_texts(sources: list[SourceConfig], eval_sources: list[SourceCo
     for source in sources:
         for pattern in source.paths:
             directory = Path(pattern)
-            if directory.is_dir() and (directory / MANIFEST_NAME).is_file():
+            if directory.is_dir() and is_prepared_dir(directory):
                 for path in manifest_shard_paths(directory, "eval"):
                     found_any = True
                     kind, compression = classify(path)
