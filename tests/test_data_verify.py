@@ -84,7 +84,8 @@ def _truncate(path):
     (lambda d: (d / "train-00000-of-00008.jsonl.zst").write_bytes(b"x"),
      "train-00000-of-00008.jsonl.zst", "unlisted: named like a shard, but manifest.json does "
                                        "not list it"),
-], ids=["byte flipped", "truncated", "deleted", "extra shard"])
+    (lambda d: (d / SHARD).unlink() or (d / SHARD).mkdir(), SHARD, "not a file"),
+], ids=["byte flipped", "truncated", "deleted", "extra shard", "a directory"])
 @pytest.mark.parametrize("workers", ["1", "3"])
 def test_one_damaged_file_is_named_with_what_is_wrong(copy, capsys, damage, name, problem,
                                                       workers):
@@ -123,6 +124,29 @@ def test_every_damage_at_once_gets_its_line_and_a_count(copy, capsys):
     # The summary, which only checks sizes, points at --verify.
     assert data_cli.main(["info", str(copy)]) == 1
     assert f"`tape-data info {copy} --verify` names what is wrong" in capsys.readouterr().err
+
+
+def test_a_read_error_is_named_with_the_bytes_read_before_it(copy, capsys, monkeypatch):
+    import errno
+    import io
+
+    from tape_train.data import verify as verify_module
+
+    class FailingRead(io.FileIO):
+        def readinto(self, buffer):
+            if self.tell() > 0:  # the first read succeeds, the second fails (a bad sector)
+                raise OSError(errno.EIO, "Input/output error")
+            return super().readinto(memoryview(buffer)[:1000])
+
+    def failing_open(path, mode="r", buffering=-1):
+        return FailingRead(path, "rb") if str(path).endswith(SHARD) else open(path, mode,
+                                                                             buffering)
+
+    monkeypatch.setattr(verify_module, "open", failing_open, raising=False)
+    rc, _, errors = verify(copy, capsys)
+    assert rc == 1 and len(errors) == 2
+    assert errors[0] == (f"tape-data: error: {copy / SHARD}: unreadable: Input/output error, "
+                         f"after 1,000 bytes")
 
 
 def test_a_tokenised_corpus_verifies_its_token_files(tokenised, tmp_path, capsys):
