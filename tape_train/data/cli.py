@@ -421,8 +421,8 @@ def main(argv: list[str] | None = None) -> int:
             return _verify(args)
         for flag, value in (("--workers", args.workers), ("--progress", args.progress)):
             if value is not None:
-                raise DataError(f"{flag} goes with --verify (it sets how the files are "
-                                f"hashed); the summary reads only the manifest")
+                raise DataError(f"{flag} goes with --verify (the hashing of the files); "
+                                f"the summary without it reads only the manifest")
         manifest = read_complete_manifest(args.dir)
         if manifest is None:
             if (args.dir / MANIFEST_NAME).is_file():  # a listed file missing or resized
