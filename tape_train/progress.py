@@ -99,15 +99,72 @@ def show_progress(mode: bool | str = "auto", stream: IO | None = None) -> bool:
 
 def progress_bar(total: int | None, *, desc: str | None = None, unit: str = "it",
                  mode: bool | str = "auto", initial: int = 0, leave: bool = True,
-                 stream: IO | None = None):
-    """A tqdm bar on ``stream`` (default stderr), or None when ``mode`` says no bar."""
+                 stream: IO | None = None, binary: bool = False):
+    """A tqdm bar on ``stream`` (default stderr), or None when ``mode`` says no bar.
+    ``binary``: counts are bytes, shown as KiB, MiB, GiB like ``files.human_bytes``."""
     stream = sys.stderr if stream is None else stream
     if not show_progress(mode, stream):
         return None
     from tqdm import tqdm
 
+    scale = {"unit_scale": True, "unit_divisor": 1024} if binary else {}
     return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True,
-                leave=leave, file=stream)
+                leave=leave, file=stream, **scale)
+
+
+class ByteProgress:
+    """Progress of work counted in bytes, done by several threads (hashing a corpus): a bar on
+    a terminal (``mode`` as for ``progress_bar``), else a log line at most every ``every_s``
+    seconds with the bytes done of ``total``, the rate and the time left — never a carriage
+    return. Workers call ``add(n)`` from any thread; the thread that owns this object calls
+    ``tick()`` now and then (it draws or logs) and ``close()`` at the end. ``clock`` is for
+    tests."""
+
+    def __init__(self, total: int, *, what: str, logger: logging.Logger,
+                 mode: bool | str = "auto", every_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic, stream: IO | None = None):
+        self.total, self.what, self.every_s = total, what, every_s
+        self._logger, self._clock = logger, clock
+        self._lock = threading.Lock()
+        self._done = self._drawn = 0
+        self.started = self._logged = clock()
+        self._bar = progress_bar(total, desc=what, unit="B", mode=mode, stream=stream,
+                                 binary=True)
+
+    @property
+    def done(self) -> int:
+        with self._lock:
+            return self._done
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._done += n
+
+    def line(self) -> str:
+        """``1.2 GiB of 4.0 GiB (30 %), 410.3 MiB/s, 7 s left``."""
+        done, seconds = self.done, self._clock() - self.started
+        rate = done / seconds if seconds > 0 else 0.0
+        share = f"{100 * done / self.total:.0f} %" if self.total else "100 %"
+        left = (_elapsed((self.total - done) / rate) + " left" if rate > 0
+                else "time left not known yet")
+        return (f"{human_bytes(done)} of {human_bytes(self.total)} ({share}), "
+                f"{human_bytes(rate)}/s, {left}")
+
+    def tick(self) -> None:
+        if self._bar is not None:
+            done = self.done
+            self._bar.update(done - self._drawn)
+            self._drawn = done
+            return
+        now = self._clock()
+        if now - self._logged >= self.every_s:
+            self._logged = now
+            self._logger.info("%s: %s", self.what, self.line())
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self.tick()
+            self._bar.close()
 
 
 @contextlib.contextmanager

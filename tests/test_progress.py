@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import re
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from tape_train.eval.cli import main as eval_main
-from tape_train.progress import library_bars, progress_bar, show_progress
+from tape_train.progress import ByteProgress, library_bars, progress_bar, show_progress
 from test_eval_reports_cli import make_checkpoint
 
 
@@ -31,6 +32,33 @@ def test_auto_draws_only_on_a_terminal():
     assert "\r" in term.getvalue()
     with pytest.raises(ValueError, match="progress mode 'sometimes'"):
         show_progress("sometimes")
+
+
+def test_byte_progress_logs_done_rate_and_time_left_at_most_every_few_seconds(caplog):
+    now = [100.0]
+    logger = logging.getLogger("test.byte_progress")
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        progress = ByteProgress(4 << 30, what="verify", logger=logger, every_s=5.0,
+                                clock=lambda: now[0], stream=io.StringIO())
+        progress.add(1 << 30)
+        now[0] += 4.0
+        progress.tick()  # 4 s: too soon for a line
+        now[0] += 1.0
+        progress.tick()
+        progress.add(1 << 30)
+        progress.tick()  # 0 s since the last line
+        progress.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "verify: 1.0 GiB of 4.0 GiB (25 %), 204.8 MiB/s, 15 s left"]
+    assert progress.done == 2 << 30
+    term = _Terminal()  # a terminal: a bar in bytes instead, and no log line
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        caplog.clear()
+        progress = ByteProgress(4 << 30, what="verify", logger=logger, stream=term, every_s=0)
+        progress.add(3 << 30)
+        progress.tick()
+        progress.close()
+    assert caplog.records == [] and "3.00G/4.00G" in term.getvalue()
 
 
 @pytest.mark.parametrize("flag, bars", [([], False), (["--progress", "on"], True)])

@@ -6,6 +6,7 @@
     tape-data prepare --hub HuggingFaceFW/fineweb-edu --hub-config sample-10BT --out data/fw \\
         --num-shards 256 --tokenize --tokenizer tok.model   # stream a Hub dataset once
     tape-data info data/demo                            # summary of a prepared directory
+    tape-data info data/demo --verify                   # every shard's size and sha256
 
 Re-running ``prepare`` with the same options on a complete directory does nothing; on an
 interrupted one it resumes from its last checkpoint (``--fresh`` starts over). Ctrl-C and
@@ -15,6 +16,7 @@ SIGTERM stop it alike: the log names the checkpoint to resume from, exit 130.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import json
@@ -30,8 +32,8 @@ from pathlib import Path
 from tape_train.data.config import DataError, SourceConfig
 from tape_train.data.corpus import (SHUFFLE_BYTES, DocumentSource, read_complete_manifest,
                                     write_corpus)
-from tape_train.data.formats import (SkipLog, hub_shards, open_hub_dataset, read_documents,
-                                     resolve_local_shards)
+from tape_train.data.formats import (MANIFEST_NAME, SkipLog, hub_shards, open_hub_dataset,
+                                     read_documents, resolve_local_shards)
 from tape_train.data.prepare_scratch import interrupted_scratch, remove_finished_scratch
 from tape_train.hints import example_on_missing
 from tape_train.machine_cache import usable_cpus
@@ -99,8 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
     # output, so a value other than the default is recorded in the manifest's config.
     prep.add_argument("--shuffle-bytes", type=int, default=SHUFFLE_BYTES,
                       help=argparse.SUPPRESS)
-    info = sub.add_parser("info", help="summarise a prepared directory")
+    info = sub.add_parser("info", help="summarise a prepared directory, or --verify it")
     info.add_argument("dir", type=Path, help="a directory written by tape-data prepare")
+    info.add_argument("--verify", action="store_true",
+                      help="instead of the summary, read every file the manifest lists (text "
+                           "shards of both splits, token shards) and compare its size and "
+                           "sha256 with the manifest; also name listed files that are missing "
+                           "and shard-named files it does not list. Exit 0 when all match, "
+                           "else 1 with a line per bad file (e.g. after copying a corpus)")
+    info.add_argument("--workers", type=int, default=None, metavar="N",
+                      help="--verify: threads that hash, one file each at a time (default: "
+                           "the CPUs this process may use)")
+    info.add_argument("--progress", choices=MODES, default=None,
+                      help="--verify: a progress bar on a terminal (auto, the default), "
+                           "else a log line every 5 s (bytes done, rate, time left); on or off")
     example_on_missing(parser, "tape-data prepare --demo --out data/demo")
     example_on_missing(prep, "tape-data prepare --input my_corpus/ --out data/mine")
     example_on_missing(info, "tape-data info data/demo")
@@ -330,6 +344,46 @@ def _print_summary(out: Path, manifest: dict) -> None:
               f"{tokens['tokenizer']} sha256 {tokens['tokenizer_sha256'][:12]}…)")
 
 
+def _verify(args: argparse.Namespace) -> int:
+    """``info --verify``: one line per bad file and a final line on stderr (exit 1), or one
+    summary line on stdout (exit 0)."""
+    from tape_train.data.verify import verify_corpus
+    from tape_train.files import human_bytes
+
+    workers = usable_cpus() if args.workers is None else args.workers
+    if workers <= 0:
+        raise DataError(f"--workers must be positive, got {args.workers}")
+    report = verify_corpus(args.dir, workers=workers, progress=args.progress or "auto")
+    rate = human_bytes(report.hashed_bytes / max(report.seconds, 1e-9))
+    if report.ok:
+        tokens = sum(item.kind == "tokens" for item in report.listed)
+        print(f"tape-data: {args.dir}: verified {len(report.listed)} files "
+              f"({len(report.listed) - tokens} text shards"
+              f"{f', {tokens} token shards' if tokens else ''}), "
+              f"{report.hashed_bytes:,} bytes ({human_bytes(report.hashed_bytes)}) in "
+              f"{report.seconds:.1f} s ({rate}/s): every size and sha256 matches "
+              f"{MANIFEST_NAME}")
+        return 0
+    for problem in report.problems:
+        print(f"tape-data: error: {args.dir / problem.name}: {problem.kind}"
+              + (f": {problem.detail}" if problem.detail else ""), file=sys.stderr)
+    kinds = collections.Counter(problem.kind for problem in report.problems)
+    unlisted = kinds.pop("unlisted", 0)
+    found, fixes = [], []
+    if kinds:
+        found.append(f"{sum(kinds.values())} of {len(report.listed)} listed files bad ("
+                     + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + ")")
+        fixes.append("copy the named files again from where the corpus was prepared (or "
+                     "re-run `tape-data prepare --force`)")
+    if unlisted:
+        found.append(f"{unlisted} shard-named file(s) not listed")
+        fixes.append("delete the unlisted files (a glob such as train-*.jsonl.zst would read "
+                     "them)")
+    print(f"tape-data: error: {args.dir}: verify failed: {'; '.join(found)}: "
+          f"{'; '.join(fixes)}", file=sys.stderr)
+    return 1
+
+
 @contextlib.contextmanager
 def _sigterm_as_interrupt():
     """Within the block SIGTERM stops the prepare as Ctrl-C does (KeyboardInterrupt: the log
@@ -363,10 +417,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prepare":
             with _sigterm_as_interrupt():
                 return _prepare(args)
+        if args.verify:
+            return _verify(args)
+        for flag, value in (("--workers", args.workers), ("--progress", args.progress)):
+            if value is not None:
+                raise DataError(f"{flag} goes with --verify (the hashing of the files); "
+                                f"the summary without it reads only the manifest")
         manifest = read_complete_manifest(args.dir)
         if manifest is None:
+            if (args.dir / MANIFEST_NAME).is_file():  # a listed file missing or resized
+                hint = f"; `tape-data info {args.dir} --verify` names what is wrong"
+            else:
+                hint = ""
             print(f"tape-data: error: {args.dir} is not a complete prepared directory "
-                  f"(no valid manifest.json; `tape-data prepare --out {args.dir}` writes one)",
+                  f"(no valid {MANIFEST_NAME}, or a file it lists is missing or not of its "
+                  f"listed size; `tape-data prepare --out {args.dir}` writes one){hint}",
                   file=sys.stderr)
             return 1
         _print_summary(args.dir, manifest)
