@@ -363,6 +363,9 @@ def test_the_data_check_of_a_resume_on_another_world_size(corpus, tmp_path, shar
         assert rc == 0, err
         assert "dp=2 sp=1 tp=1 -> dp=1 sp=1 tp=1" in out
         assert f"resume: the data-loader state of {tag.name} fits the data" in out
+        # ... and a real run on 1 rank passes its start-up checks (up to importing DeepSpeed).
+        proc = _run_trainer(corpus, [*overrides, "train.grad_accum_steps=2"])
+        assert NO_DEEPSPEED in proc.stderr and not error_lines(proc.stderr), proc.stderr
     else:
         assert rc == 1
         (line,) = error_lines(err)
