@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -66,8 +67,11 @@ def test_batch_contract(tok, corpus):
     assert batch["input_ids"][0, 0] == tok.bos_id  # the stream starts at a document start
     assert 0 <= int(batch["input_ids"].min()) and int(batch["input_ids"].max()) < tok.vocab_size
     assert loader.wait_seconds > 0
-    json.dumps(loader.state_dict())  # JSON-serialisable
-    assert len(json.dumps(loader.state_dict())) < 1000  # small
+    state = loader.state_dict()
+    json.dumps(state)  # JSON-serialisable
+    inputs = state.pop("fingerprint_inputs")  # what names a changed file: grows with the files
+    assert len(json.dumps(state)) < 1000  # small
+    assert len(json.dumps(inputs)) < 800 + 100 * 4  # 4 files
     loader.close()
 
 
@@ -191,6 +195,118 @@ def test_fingerprint_mismatch_is_an_error_unless_overridden(tok, corpus, tmp_pat
         other_seq.load_state_dict(state, allow_mismatch=True)
     assert "allow_mismatch=True" in caplog.text
     assert next(other_seq)["input_ids"].shape == (2, SEQ + 8)
+
+
+def _changed_corpus(tmp_path, corpus):
+    """A copy of the fixture's corpus that a test may edit: A (3 files), B (1 file)."""
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(corpus["root"], root)
+    return {**corpus, "root": root}
+
+
+def test_a_changed_corpus_is_named_file_by_file(tok, corpus, tmp_path):
+    """What changed since a state was saved (a file grown, added, removed, re-ordered, a
+    weight), in the loader's refusal and in ``resume_differences`` (the preflight's check,
+    which builds no loader); the unchanged corpus resumes (negative control)."""
+    from tape_train.data.loader import resume_differences
+
+    data = _changed_corpus(tmp_path, corpus)
+    cfg = make_cfg(data, prefetch=0)
+    loader = build_train_loader(cfg, tok, SEQ, 2, seed=1)
+    take(loader, 2)
+    state = json.loads(json.dumps(loader.state_dict()))
+    expected = take(loader, 2)
+
+    def differences(config=cfg) -> str:
+        return ", ".join(resume_differences(state, config, tok, SEQ, 1))
+
+    assert differences() == ""
+    resumed = build_train_loader(cfg, tok, SEQ, 2, seed=1)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(x, y) for x, y in zip(take(resumed, 2), expected))
+
+    part1 = data["root"] / "a" / "part1.jsonl"
+    original = part1.read_bytes()
+    part1.write_bytes(original + b'{"text": "one more"}\n')
+    line = (f"sources (data.sources[0] ({data['root'] / 'a'}): part1.jsonl changed "
+            f"({len(original)} -> {len(original) + 21} bytes))")
+    assert differences() == line
+    with pytest.raises(DataError, match=re.escape(f"data fingerprint differs in {line}. Pass")):
+        build_train_loader(cfg, tok, SEQ, 2, seed=1).load_state_dict(state)
+    part1.write_bytes(original)
+    write_jsonl(data["root"] / "a" / "part3.jsonl", ["a document added later"])
+    assert differences().endswith(": part3.jsonl added)")
+    (data["root"] / "a" / "part3.jsonl").unlink()
+    (data["root"] / "a" / "part0.jsonl").rename(data["root"] / "part0.jsonl")
+    assert differences().endswith(": part0.jsonl removed)")
+    (data["root"] / "part0.jsonl").rename(data["root"] / "a" / "part0.jsonl")
+    assert differences() == ""
+    weights = make_cfg(data, prefetch=0, sources=[
+        {"path": str(data["root"] / "a"), "weight": 1.0},
+        {"path": str(data["root"] / "b"), "weight": 1.0}])
+    assert differences(weights) == (f"sources (data.sources[0] ({data['root'] / 'a'}): "
+                                    f"weight: saved 2.0, now 1.0)")
+    reordered = make_cfg(data, prefetch=0, sources=[
+        {"path": [str(data["root"] / "a" / f"part{i}.jsonl") for i in (0, 2, 1)],
+         "weight": 2.0, "name": str(data["root"] / "a")},
+        {"path": str(data["root"] / "b"), "weight": 1.0}])
+    assert differences(reordered).endswith(": the same files in another order)")
+    shuffled = make_cfg(data, prefetch=0, shuffle_buffer=8)
+    assert differences(shuffled) == "packing (data.shuffle_buffer: saved 7, now 8)"
+
+
+def test_a_state_saved_before_it_named_its_files_gets_the_digests(tok, corpus, tmp_path,
+                                                                   monkeypatch):
+    """States saved before ``fingerprint_inputs`` (and sources of more than
+    ``LISTED_FILES`` files) keep resuming; a change is told less precisely."""
+    from tape_train.data import state as state_module
+    from tape_train.data.loader import resume_differences
+
+    data = _changed_corpus(tmp_path, corpus)
+    cfg = make_cfg(data, prefetch=0)
+    loader = build_train_loader(cfg, tok, SEQ, 2, seed=1)
+    take(loader, 1)
+    old = loader.state_dict()
+    del old["fingerprint_inputs"]
+    build_train_loader(cfg, tok, SEQ, 2, seed=1).load_state_dict(old)  # resumes as before
+    monkeypatch.setattr(state_module, "LISTED_FILES", 2)
+    many = build_train_loader(cfg, tok, SEQ, 2, seed=1).state_dict()
+    assert "files" not in many["fingerprint_inputs"]["sources"][0]  # 3 files: only counted
+    assert "files" in many["fingerprint_inputs"]["sources"][1]
+    reweighted = make_cfg(data, prefetch=0, sources=[
+        {"path": str(data["root"] / "a"), "weight": 1.0},
+        {"path": str(data["root"] / "b"), "weight": 1.0}])
+    assert resume_differences(many, reweighted, tok, SEQ, 1) == [
+        f"sources (data.sources[0] ({data['root'] / 'a'}): weight: saved 2.0, now 1.0)"]
+    write_jsonl(data["root"] / "a" / "part3.jsonl", ["a document added later"])
+    (generic,) = resume_differences(old, cfg, tok, SEQ, 1)
+    assert generic.startswith(f"sources (saved {old['fingerprint_fields']['sources']!r}, now '")
+    (counted,) = resume_differences(many, cfg, tok, SEQ, 1)
+    assert counted == (f"sources (data.sources[0] ({data['root'] / 'a'}): 3 file(s) then, 4 now "
+                       f"(more than 2: not named in the checkpoint))")
+
+
+def test_sources_unknown_offline_are_left_out_of_the_comparison(tok, corpus, tmp_path):
+    """A Hub source's files are listed only online: the preflight passes ``None`` for it, and
+    the other sources are compared one by one."""
+    from tape_train.data.formats import resolve_local_shards
+    from tape_train.data.loader import resume_differences
+
+    data = _changed_corpus(tmp_path, corpus)
+    cfg = make_cfg(data, prefetch=0)
+    state = build_train_loader(cfg, tok, SEQ, 2, seed=1).state_dict()
+    local = lambda: [None, resolve_local_shards(cfg.sources[1])]  # noqa: E731 - A "on the Hub"
+    assert resume_differences(state, cfg, tok, SEQ, 1, text_shards=local()) == []
+    write_jsonl(data["root"] / "a" / "part3.jsonl", ["not seen: A is unknown here"])
+    assert resume_differences(state, cfg, tok, SEQ, 1, text_shards=local()) == []
+    write_jsonl(data["root"] / "b" / "more.jsonl", ["a document added later"])
+    assert resume_differences(state, cfg, tok, SEQ, 1, text_shards=local()) == [
+        f"sources (data.sources[1] ({data['root'] / 'b'}): more.jsonl added)"]
+    assert resume_differences(state, cfg, tok, SEQ, 2, text_shards=local()) == [
+        f"sources (data.sources[1] ({data['root'] / 'b'}): more.jsonl added)",
+        "seed (saved 1, now 2)"]
 
 
 def test_bad_loader_arguments(tok, corpus):

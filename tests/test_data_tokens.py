@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import numpy as np
 import pytest
@@ -215,6 +216,35 @@ def test_token_loader_mismatches_are_errors(prepared, tok, tmp_path):
         build_train_loader(DataConfig(sources=[{"hub": "parquet"}], format="tokens"), tok, SEQ, 2)
     with pytest.raises(DataError, match="data.format"):
         DataConfig(format="tokenz")
+
+
+def test_a_re_prepared_token_directory_is_named_shard_by_shard(prepared, tok, tmp_path):
+    """A directory prepared again since the state was saved (another document, another shard
+    count): the refusal names the token shards that changed; the same directory resumes."""
+    from tape_train.data.loader import resume_differences
+
+    texts = prepared["texts"]
+    write_jsonl(tmp_path / "in" / "a.jsonl", texts[:60])
+    out = tmp_path / "out"
+    prepare = ["prepare", "--input", str(tmp_path / "in"), "--out", str(out), "--num-shards",
+               "3", "--tokenize", "--tokenizer", tok.path, "--force"]
+    assert data_cli.main(prepare) == 0
+    cfg = DataConfig(sources=[str(out)], tokenizer=tok.path, format="tokens")
+    loader = build_train_loader(cfg, tok, SEQ, 2, seed=1)
+    next(loader)
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert resume_differences(state, cfg, tok, SEQ, 1) == []
+    write_jsonl(tmp_path / "in" / "a.jsonl", texts[:61])
+    assert data_cli.main(prepare) == 0
+    (line,) = resume_differences(state, cfg, tok, SEQ, 1)
+    assert re.match(rf"sources \(data.sources\[0\] \({re.escape(str(out))}\): "
+                    rf"train-0000\d-of-00003.tokens changed \(\d+ -> \d+ tokens\)", line)
+    with pytest.raises(DataError, match=re.escape(f"data fingerprint differs in {line}")):
+        build_train_loader(cfg, tok, SEQ, 2, seed=1).load_state_dict(state)
+    assert data_cli.main([*prepare[:6], "2", *prepare[7:]]) == 0
+    (line,) = resume_differences(state, cfg, tok, SEQ, 1)
+    assert ": train-00000-of-00003.tokens removed, train-00001-of-00003.tokens removed, " \
+           "train-00002-of-00003.tokens removed and 2 more change(s))" in line
 
 
 @pytest.mark.parametrize("edit, match", [

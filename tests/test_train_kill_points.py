@@ -96,7 +96,7 @@ def test_a_corpus_changed_between_runs_is_refused_on_resume_in_one_line(tmp_path
     train_small_tokenizer(tmp_path / "data", vocab_size=512, max_bytes=200_000)
     data = [f"data.sources=[{corpus}]", f"data.tokenizer={tmp_path / 'data' / 'small-bpe.model'}",
             "model.vocab_size=512", "train.synthetic_data=false", "eval.interval=0",
-            "data.eval_fraction=0.1"]
+            "data.eval_fraction=0.1", "train.decay=constant"]  # lr independent of max_steps
     run_dir = tmp_path / "run"
     first = _train(run_dir, extra=[*data, "train.max_steps=2"])
     assert first.returncode == 0, first.stderr[-3000:]
@@ -104,11 +104,21 @@ def test_a_corpus_changed_between_runs_is_refused_on_resume_in_one_line(tmp_path
     corpus.write_bytes(original + b'{"text": "a document added after the checkpoint"}\n')
     changed = _train(run_dir, extra=data)
     assert changed.returncode == 1
-    [line] = [ln for ln in changed.stderr.splitlines() if " ERROR " in ln]
-    assert f"resuming from {run_dir / 'checkpoints' / 'step_00000002'}: cannot resume the data " \
-           f"loader: data fingerprint differs in sources" in line
+    # Refused by the start-up checks, before the process group and DeepSpeed, naming the file.
+    [line] = [ln for ln in changed.stderr.splitlines() if "error" in ln.lower()]
+    assert line.startswith(f"tape-train: preflight: error: resume from "
+                           f"{run_dir / 'checkpoints' / 'step_00000002'}: its data-loader state "
+                           f"does not fit the data this run would read: data fingerprint differs "
+                           f"in sources (data.sources[0] ({corpus}): train.jsonl changed "
+                           f"({len(original)} -> {corpus.stat().st_size} bytes))")
     assert "--allow-config-change" in line and "Traceback" not in changed.stderr
-    # Negative control: the corpus as it was resumes.
+    assert "tape-train: world size" not in changed.stderr  # logged once the group is up
+    # Negative control: the corpus as it was resumes, and exactly: the losses of steps 3-4
+    # equal those of a run never stopped.
     corpus.write_bytes(original)
     resumed = _train(run_dir, extra=data)
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+    assert "tape-train: world size" in resumed.stderr
+    straight = _train(tmp_path / "straight", extra=data)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert _records(run_dir)["losses"] == _records(tmp_path / "straight")["losses"]

@@ -38,7 +38,7 @@ from tape_train.data.formats import SkipLog
 from tape_train.data.packing import pack_documents, wrap_document
 from tape_train.data.sources import (DocumentStream, SourceCursor, iter_held_out_texts,
                                      shared_shard_warning)
-from tape_train.data.state import STATE_VERSION
+from tape_train.data.state import STATE_VERSION, source_inputs, state_differences
 from tape_train.data.state import digest as _digest
 
 log = logging.getLogger("tape_train.data")
@@ -52,6 +52,75 @@ def _check_loader_arguments(seq_len, micro_batch_size, dp_rank, dp_size) -> None
     if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
         raise DataError(f"build_train_loader: dp_rank must be in [0, {dp_size}), "
                         f"got {dp_rank!r}")
+
+
+def text_fingerprint(cfg: DataConfig, shards: list, tokenizer, seq_len: int, seed: int,
+                     rank_share: bool) -> tuple[dict, dict]:
+    """``(fingerprint_fields, fingerprint_inputs)`` of a ``data.format: text`` loader whose
+    sources have ``shards`` (per source: all ranks' ``Shard`` list, or ``None`` where it is not
+    known here — a Hub source offline — which leaves ``fields["sources"]`` ``None``).
+    ``rank_share``: ``documents`` sharding over more than one rank. Nothing is read but the
+    file names and sizes the shards carry."""
+    per_source = [None if found is None else
+                  [source.weight, source.text_field, [s.identity for s in found]]
+                  for source, found in zip(cfg.sources, shards)]
+    options = {"data.add_bos": cfg.add_bos, "data.add_eos": cfg.add_eos,
+               "data.shuffle": cfg.shuffle, "data.shuffle_buffer": cfg.shuffle_buffer,
+               "data.eval_fraction": cfg.eval_fraction, "data.sharding": cfg.sharding}
+    fields = {
+        "sources": None if any(p is None for p in per_source) else _digest(per_source),
+        "tokenizer": getattr(tokenizer, "sha256", None)
+        or _digest([type(tokenizer).__name__, tokenizer.vocab_size]),
+        "seq_len": seq_len,
+        "seed": int(seed),
+        # Per-rank reading shares (documents, n > 1) changed the streams: states saved
+        # when every rank dealt from one global stream are flagged as a mismatch.
+        "packing": _digest(list(options.values()) + (["rank-share/1"] if rank_share else [])),
+    }
+    inputs = {
+        "sources": [None if p is None else source_inputs(
+            source, p[2], "bytes", {"weight": source.weight, "text_field": source.text_field})
+            for source, p in zip(cfg.sources, per_source)],
+        "tokenizer": getattr(tokenizer, "path", None),
+        "packing": {**options, "documents sharding over dp > 1 ranks":
+                    rank_share},
+    }
+    return fields, inputs
+
+
+def resume_differences(state: dict, cfg: DataConfig, tokenizer, seq_len: int, seed: int,
+                       text_shards: list | None = None) -> list[str]:
+    """What a loader built now from ``cfg`` would find changed in the saved loader ``state``
+    (a checkpoint's, before any loader exists), one ``"<field> (<what changed>)"`` each;
+    empty when it fits. Reads no corpus content: a text source's file names and sizes
+    (``text_shards``, per source, where already resolved), a token source's manifests. Hub
+    sources are listed only online: not compared. The data-parallel layout is not compared
+    (``train.relayout`` rules on it); a text ``documents`` state is fingerprinted on the
+    number of ranks it was saved on. Raises ``DataError`` where a source does not resolve."""
+    saved_format = "tokens" if state.get("format") == "tokens" else "text"
+    if saved_format != cfg.format:
+        return [f"data.format (saved {saved_format!r}, now {cfg.format!r})"]
+    if cfg.format == "tokens":
+        from tape_train.data.token_loader import (open_token_sources, token_fingerprint,
+                                                  token_mixture)
+
+        sources = open_token_sources(cfg, tokenizer, seq_len)
+        try:
+            fields, inputs = token_fingerprint(cfg, sources, tokenizer, seq_len, seed,
+                                               token_mixture(cfg, seed))
+        finally:
+            for source in sources:
+                source.close()
+        return state_differences(state, fields, inputs)
+    from tape_train.data.formats import resolve_local_shards
+
+    if text_shards is None:
+        text_shards = [None if s.hub is not None else resolve_local_shards(s, split="train")
+                       for s in cfg.sources]
+    saved_ranks = state.get("dp_size")
+    rank_share = cfg.sharding == "documents" and isinstance(saved_ranks, int) and saved_ranks > 1
+    fields, inputs = text_fingerprint(cfg, text_shards, tokenizer, seq_len, seed, rank_share)
+    return state_differences(state, fields, inputs)
 
 
 class TrainLoader:
@@ -97,26 +166,17 @@ class TrainLoader:
         """Read from ``cursors`` from the start: the stream, its fingerprint, the position."""
         share = self._share
         self._stream = DocumentStream(cursors, self.seed, list(share) if share[1] > 1 else None)
-        self.fingerprint_fields = self._fingerprint_fields(cursors)
+        self.fingerprint_fields, self.fingerprint_inputs = self._fingerprint(cursors)
         self.fingerprint = _digest(self.fingerprint_fields)
         self._initial_position = {"stream": self._stream.state(), "offset": 0, "blocks": 0}
         self._position = json.loads(json.dumps(self._initial_position))
 
+    def _fingerprint(self, cursors: list[SourceCursor]) -> tuple[dict, dict]:
+        return text_fingerprint(self.cfg, [c.all_shards for c in cursors], self.tokenizer,
+                                self.seq_len, self.seed, rank_share=self._share[1] > 1)
+
     def _fingerprint_fields(self, cursors: list[SourceCursor]) -> dict:
-        cfg = self.cfg
-        return {
-            "sources": _digest([[c.source.weight, c.source.text_field,
-                                 [s.identity for s in c.all_shards]] for c in cursors]),
-            "tokenizer": getattr(self.tokenizer, "sha256", None)
-            or _digest([type(self.tokenizer).__name__, self.tokenizer.vocab_size]),
-            "seq_len": self.seq_len,
-            "seed": self.seed,
-            # Per-rank reading shares (documents, n > 1) changed the streams: states saved
-            # when every rank dealt from one global stream are flagged as a mismatch.
-            "packing": _digest([cfg.add_bos, cfg.add_eos, cfg.shuffle, cfg.shuffle_buffer,
-                                cfg.eval_fraction, cfg.sharding]
-                               + (["rank-share/1"] if self._share[1] > 1 else [])),
-        }
+        return self._fingerprint(cursors)[0]
 
     def _adopt_file_level_hub_shards(self, state: dict) -> None:
         """A state saved when Parquet Hub streams were read file by file (before row-group
@@ -149,6 +209,7 @@ class TrainLoader:
             "dp_size": self.dp_size,
             "position": json.loads(json.dumps(self._position)),
             "batches_received": self.batches_received,
+            "fingerprint_inputs": json.loads(json.dumps(self.fingerprint_inputs)),
         }
 
     def load_state_dict(self, state: dict, allow_mismatch: bool = False) -> None:
@@ -169,12 +230,8 @@ class TrainLoader:
             self._adopt_file_level_hub_shards(state)
         problems = []
         if state.get("fingerprint") != self.fingerprint:
-            saved = state.get("fingerprint_fields", {})
-            differing = [k for k in self.fingerprint_fields
-                         if saved.get(k) != self.fingerprint_fields[k]] or ["fingerprint"]
-            problems.append("data fingerprint differs in " + ", ".join(
-                f"{k} (saved {saved.get(k)!r}, now {self.fingerprint_fields.get(k)!r})"
-                for k in differing))
+            problems.append("data fingerprint differs in " + ", ".join(state_differences(
+                state, self.fingerprint_fields, self.fingerprint_inputs)))
         if state.get("sharding") != self.cfg.sharding:
             problems.append(f"sharding mode differs (saved {state.get('sharding')!r}, "
                             f"now {self.cfg.sharding!r})")

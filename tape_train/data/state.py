@@ -1,13 +1,162 @@
-"""What every resumable loader's state shares: its format version and config fingerprints."""
+"""What every resumable loader's state shares: its format version, config fingerprints, and
+how a saved state differs from the data a loader would read now.
+
+A state carries ``fingerprint`` (a digest of ``fingerprint_fields``: sources, tokenizer,
+seq_len, seed, packing options, …) and, since states name what changed,
+``fingerprint_inputs``: per source its config key, name, digest and file list (name and size,
+or token shard and token count; at most ``LISTED_FILES`` per source), the tokenizer's path and
+the packing options one by one. The inputs are not part of the fingerprint (states saved
+before them keep their fingerprint and resume as before; their mismatches are only described
+less precisely).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 
 STATE_VERSION = 1
+# Files of one source a state lists by name (beyond: their count and digest only, so that the
+# per-rank state of a corpus of many thousand files stays small).
+LISTED_FILES = 1000
+# Changes of one kind named in a message before "and N more".
+_NAMED = 3
 
 
 def digest(obj: object) -> str:
     """A short, stable fingerprint of a JSON-able object (16 hex digits of its sha256)."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def source_inputs(source, files: list[list], unit: str, settings: dict) -> dict:
+    """What a state records of one source: ``files`` are its files' identities
+    ``[name, amount, ...]`` (``amount`` in ``unit``: bytes or tokens), ``settings`` the source's
+    keys that enter its digest besides them (``{"weight": 1.0, ...}``)."""
+    files_digest = digest(files)
+    entry = {"key": source.key, "name": source.name, "unit": unit, "settings": dict(settings),
+             "digest": digest([settings, files_digest]), "files_digest": files_digest,
+             "count": len(files)}
+    if len(files) <= LISTED_FILES:
+        entry["files"] = [list(f) for f in files]
+    return entry
+
+
+def state_differences(state: dict, fields: dict, inputs: dict) -> list[str]:
+    """How the data described by ``fields`` (a loader's ``fingerprint_fields``) and ``inputs``
+    (its ``fingerprint_inputs``) differs from what ``state`` was saved with: one
+    ``"<field> (<what changed>)"`` per differing field; empty when they match.
+
+    A field that is ``None`` in ``fields`` is unknown here (the files of a Hub source are
+    listed only online): it is not compared, except that the sources that are known (local
+    files) are compared one by one when the state lists them."""
+    unknown = [k for k, v in fields.items() if v is None]
+    if not unknown and state.get("fingerprint") == digest(fields):
+        return []
+    saved = state.get("fingerprint_fields")
+    saved = saved if isinstance(saved, dict) else {}
+    saved_inputs = state.get("fingerprint_inputs")
+    saved_inputs = saved_inputs if isinstance(saved_inputs, dict) else {}
+    parts = []
+    for key in list(fields) + [k for k in saved if k not in fields]:
+        now, then = fields.get(key), saved.get(key)
+        if key in unknown:
+            if key == "sources":
+                changes = _source_changes(saved_inputs.get("sources"), inputs.get("sources"))
+                if changes:
+                    parts.append(f"sources ({'; '.join(changes)})")
+            continue
+        if now != then:
+            parts.append(f"{key} ({_describe(key, then, now, saved_inputs, inputs)})")
+    if not parts and not unknown:
+        parts.append(f"fingerprint (saved {state.get('fingerprint')!r}, now {digest(fields)!r})")
+    return parts
+
+
+def _describe(key: str, then, now, saved_inputs: dict, inputs: dict) -> str:
+    generic = f"saved {then!r}, now {now!r}"
+    if key == "sources":
+        changes = _source_changes(saved_inputs.get("sources"), inputs.get("sources"))
+        return "; ".join(changes) if changes else generic
+    if key == "tokenizer" and isinstance(then, str) and isinstance(now, str):
+        path = inputs.get("tokenizer")
+        what = f"data.tokenizer {path}" if path else "data.tokenizer"
+        return f"{what} is not the tokenizer of the checkpoint: sha256 {then[:12]}… then, " \
+               f"{now[:12]}… now"
+    if key == "packing":
+        before, after = saved_inputs.get("packing"), inputs.get("packing")
+        if isinstance(before, dict) and isinstance(after, dict):
+            changed = [f"{k}: saved {before.get(k)!r}, now {v!r}" for k, v in after.items()
+                       if before.get(k) != v]
+            if changed:
+                return "; ".join(changed)
+    return generic
+
+
+def _source_changes(saved: object, now: object) -> list[str]:
+    """Which sources changed and how (their settings, files added, removed, resized or
+    re-ordered); empty when the state does not list its sources (saved before it did)."""
+    if not isinstance(saved, list) or not isinstance(now, list):
+        return []
+    def names(entries: list) -> str:
+        return ", ".join(str(e.get("name")) if isinstance(e, dict) else "a Hub source"
+                         for e in entries)
+
+    out = []
+    if len(saved) != len(now):
+        out.append(f"data.sources: {len(saved)} source(s) then ({names(saved)}), {len(now)} "
+                   f"now ({names(now)})")
+    for then, current in zip(saved, now):
+        if current is None or not isinstance(then, dict) \
+                or then.get("digest") == current.get("digest"):
+            continue  # unknown here (a Hub source), or unchanged
+        renamed = f"; saved as {then.get('name')}" if then.get("name") != current["name"] else ""
+        label = f"{current['key']} ({current['name']}{renamed})"
+        before = then.get("settings") or {}
+        what = [f"{k}: saved {before.get(k)!r}, now {v!r}"
+                for k, v in current["settings"].items() if before.get(k) != v]
+        what += _file_changes(then, current)
+        out.append(f"{label}: {', '.join(what) or 'its files differ'}")
+    return out
+
+
+def _file_changes(then: dict, now: dict) -> list[str]:
+    if then.get("files_digest") == now.get("files_digest"):
+        return []
+    unit = now.get("unit", "bytes")
+    before, after = then.get("files"), now.get("files")
+    if not isinstance(before, list) or not isinstance(after, list):
+        if then.get("count") != now.get("count"):
+            return [f"{then.get('count')} file(s) then, {now.get('count')} now (more than "
+                    f"{LISTED_FILES}: not named in the checkpoint)"]
+        return [f"its {now.get('count')} files differ in names or sizes (more than "
+                f"{LISTED_FILES}: not named in the checkpoint)"]
+    before, after = [tuple(f) for f in before], [tuple(f) for f in after]
+    gone, new = Counter(before) - Counter(after), Counter(after) - Counter(before)
+    gone_names = {f[0] for f in gone}
+    new_names = {f[0] for f in new}
+    changed, seen = [], set()
+    for f in before:
+        if f in gone and f[0] in new_names and f[0] not in seen:
+            seen.add(f[0])
+            replacement = next(g for g in after if g in new and g[0] == f[0])
+            if f[1] != replacement[1]:
+                changed.append(f"{f[0]} changed ({f[1]} -> {replacement[1]} {unit})")
+            else:
+                changed.append(f"{f[0]} changed (same {f[1]} {unit}, other content)")
+    removed = _unique(f[0] for f in before if f in gone and f[0] not in new_names)
+    added = _unique(f[0] for f in after if f in new and f[0] not in gone_names)
+    items = changed + [f"{name} removed" for name in removed] + [f"{name} added"
+                                                                 for name in added]
+    if not items and before != after:
+        return ["the same files in another order"]
+    more = f" and {len(items) - _NAMED} more change(s)" if len(items) > _NAMED else ""
+    return [", ".join(items[:_NAMED]) + more] if items else []
+
+
+def _unique(names) -> list:
+    out = []
+    for name in names:
+        if name not in out:
+            out.append(name)
+    return out

@@ -16,6 +16,7 @@ consumes the next ``dp_size × b`` samples: rank ``r`` takes samples ``c + r·b 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from tape_train.data.config import DataConfig, DataError
-from tape_train.data.state import STATE_VERSION
+from tape_train.data.state import STATE_VERSION, source_inputs, state_differences
 from tape_train.data.state import digest as _digest
 from tape_train.data.token_mixture import MIXTURE_BLOCK, SampleMixture, integer_weights
 from tape_train.data.tokens import TokenBlocks, feistel_permutation
@@ -86,6 +87,35 @@ def token_mixture(cfg: DataConfig, seed: int) -> SampleMixture | None:
     return SampleMixture(weights, seed, cfg.shuffle)
 
 
+def token_fingerprint(cfg: DataConfig, sources: list[TokenBlocks], tokenizer, seq_len: int,
+                      seed: int, mixture: SampleMixture | None) -> tuple[dict, dict]:
+    """``(fingerprint_fields, fingerprint_inputs)`` of a ``data.format: tokens`` loader over
+    ``sources`` (``open_token_sources``): from the manifests alone (shard names, token counts,
+    sha256), no token is read."""
+    shards = [[[s["path"], s["tokens"], s["sha256"]] for m in source.manifests
+               for s in m["shards"]] for source in sources]
+    fields = {
+        "sources": _digest([shard for listed in shards for shard in listed]),
+        "tokenizer": tokenizer.sha256,
+        "seq_len": seq_len,
+        "seed": int(seed),
+        "packing": _digest(["tokens", cfg.add_bos, cfg.add_eos, cfg.shuffle]),
+    }
+    if mixture is not None:  # one source keeps the fields (and stream) it always had
+        fields["mixture"] = {"weights": mixture.ratio(), "block": mixture.block,
+                             "shards": [len(source.paths) for source in sources]}
+    listed = []
+    for config, source in zip(cfg.sources, sources):
+        several = len(source.manifests) > 1  # a `path` list: name the directory of a shard
+        listed.append(source_inputs(config, [
+            [f"path[{i}]/{s['path']}" if several else s["path"], s["tokens"], s["sha256"][:16]]
+            for i, m in enumerate(source.manifests) for s in m["shards"]], "tokens", {}))
+    inputs = {"sources": listed, "tokenizer": getattr(tokenizer, "path", None),
+              "packing": {"data.add_bos": cfg.add_bos, "data.add_eos": cfg.add_eos,
+                          "data.shuffle": cfg.shuffle}}
+    return fields, inputs
+
+
 class TokenLoader:
     """Endless ``{"input_ids": (b, L) int64, "labels": (b, L) int64}`` batches read from token
     shards by global sample index. Same interface as ``loader.TrainLoader``."""
@@ -98,19 +128,9 @@ class TokenLoader:
         self.seed = int(seed)
         self.sources = open_token_sources(cfg, tokenizer, seq_len)
         self.mixture = token_mixture(cfg, self.seed)
-        self.fingerprint_fields = {
-            "sources": _digest([[s["path"], s["tokens"], s["sha256"]]
-                                for source in self.sources for m in source.manifests
-                                for s in m["shards"]]),
-            "tokenizer": tokenizer.sha256,
-            "seq_len": seq_len,
-            "seed": self.seed,
-            "packing": _digest(["tokens", cfg.add_bos, cfg.add_eos, cfg.shuffle]),
-        }
-        if self.mixture is not None:  # one source keeps the fields (and stream) it always had
-            self.fingerprint_fields["mixture"] = {
-                "weights": self.mixture.ratio(), "block": self.mixture.block,
-                "shards": [len(source.paths) for source in self.sources]}
+        self.fingerprint_fields, self.fingerprint_inputs = token_fingerprint(
+            cfg, self.sources, tokenizer, seq_len, self.seed, self.mixture)
+        if self.mixture is not None:
             log.info("data: token mixture %s: %s", self.mixture.ratio(), "; ".join(
                 f"{c.key}: {b.num_blocks} blocks, {w / self.mixture.total:.1%} of the samples"
                 for c, b, w in zip(cfg.sources, self.sources, self.mixture.weights)))
@@ -152,7 +172,8 @@ class TokenLoader:
         return {"version": STATE_VERSION, "format": "tokens", "fingerprint": self.fingerprint,
                 "fingerprint_fields": dict(self.fingerprint_fields), "dp_rank": self.dp_rank,
                 "dp_size": self.dp_size, "position": {"samples": self.samples},
-                "batches_received": self.batches_received}
+                "batches_received": self.batches_received,
+                "fingerprint_inputs": json.loads(json.dumps(self.fingerprint_inputs))}
 
     def load_state_dict(self, state: dict, allow_mismatch: bool = False) -> None:
         """Continue at the saved global sample index; any dp_size may resume any state."""
@@ -164,14 +185,11 @@ class TokenLoader:
                             "resume a data.format=tokens run (different streams)")
         if state.get("fingerprint") != self.fingerprint:
             saved = state.get("fingerprint_fields", {})
-            keys = list(self.fingerprint_fields) + [k for k in saved
-                                                    if k not in self.fingerprint_fields]
-            differing = [k for k in keys if saved.get(k) != self.fingerprint_fields.get(k)] \
-                or ["fingerprint"]
-            problem = "data fingerprint differs in " + ", ".join(
-                f"{k} (saved {saved.get(k)!r}, now {self.fingerprint_fields.get(k)!r})"
-                for k in differing)
-            if "mixture" in differing and "mixture" not in saved:
+            differing = state_differences(state, self.fingerprint_fields,
+                                          self.fingerprint_inputs)
+            problem = "data fingerprint differs in " + ", ".join(differing)
+            if any(part.startswith("mixture (") for part in differing) \
+                    and "mixture" not in saved:
                 problem += (" (the state was saved by a loader that concatenated all sources "
                             "into one stream; to continue that stream, list their directories "
                             "in order as one source, `path: [A, B, ...]`, and resume with "

@@ -439,12 +439,18 @@ def load_training_state(engine, tag_dir: Path, rank: int, *, universal: bool = F
         _repair_universal_optimizer_state(engine, hyper, tag_dir)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed found no checkpoint at {tag_dir}")
-    state_path = tag_dir / rank_state_name(rank if state_rank is None else state_rank)
+    return client_state or marker, read_rank_state(
+        tag_dir, rank if state_rank is None else state_rank)
+
+
+def read_rank_state(tag_dir: Path, rank: int) -> dict:
+    """Saved rank ``rank``'s own state of a tag (RNG states, ``"loader"``: its data-loader
+    state); ``CheckpointError`` naming the file if it cannot be read."""
+    state_path = Path(tag_dir) / rank_state_name(rank)
     try:
-        rank_state = torch.load(state_path, map_location="cpu", weights_only=False)
+        return torch.load(state_path, map_location="cpu", weights_only=False)
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"could not read {state_path}: {exc}") from exc
-    return client_state or marker, rank_state
 
 
 def _repair_universal_optimizer_state(engine, hyper: list[dict], tag_dir: Path) -> None:

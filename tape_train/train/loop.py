@@ -233,8 +233,9 @@ class Trainer:
 
     def _preflight(self) -> None:
         """The dry run's input checks (tokenizer, data, held-out lengths, layout, lengths, run
-        dir) on every rank before any process group or DeepSpeed exists: a bad input costs
-        seconds and one line per problem, not a DeepSpeed start-up and a traceback."""
+        dir, and whether the data-loader state a resume would load fits the data) on every
+        rank before any process group or DeepSpeed exists: a bad input costs seconds and one
+        line per problem, not a DeepSpeed start-up and a traceback."""
         from tape_train.train.preflight import RUN_START_LIMITS, PreflightError, run_preflight
 
         start = time.perf_counter()
@@ -244,7 +245,8 @@ class Trainer:
             ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world)),  # torchrun's
             check_data=self.loader_factory is None,
             check_eval=self.eval_documents_fn is None and self.cfg.eval.enabled,
-            check_resume=False, plan=False, limits=RUN_START_LIMITS)
+            check_resume=False, check_resume_data=True, resume_from=self.resume_from,
+            allow_config_change=self.allow_config_change, plan=False, limits=RUN_START_LIMITS)
         try:  # the dry run plans for the cluster's devices; this run needs them here
             check_device(self.cfg.train.device, launch_int("LOCAL_RANK"))
         except DeviceError as exc:

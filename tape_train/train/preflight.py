@@ -17,7 +17,9 @@ valid (each source's blocks, share and samples per epoch are reported);
 held-out documents are long enough for every evaluation length (counted over the documents
 the evaluation will score, ``eval.max_tokens``); the run directory is writable with room for
 ``checkpoint.keep`` + 1 checkpoints; ``profile.ranks`` within the world (and what profiling
-will write); a resume's layout and batch (``relayout``); the memory estimate
+will write); a resume's layout and batch (``relayout``), and whether the data-loader state
+it would load fits the data as it is now (``data.loader.resume_differences``: file names and
+sizes, manifests; also at the start of a real run); the memory estimate
 (``tape_train.train.memory``) against the device; FLOPs per token (``tape_train.model.flops``)
 and an estimated step time at an assumed MFU.
 """
@@ -76,14 +78,18 @@ RUN_START_LIMITS = Limits(max_shards=16, docs_per_shard=2, eval_seconds=5.0)
 def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
                   resume_from: str | Path | None = None, allow_config_change: bool = False,
                   check_data: bool = True, check_eval: bool = True, check_resume: bool = True,
-                  plan: bool = True, device_memory_gb: float | None = None,
+                  check_resume_data: bool | None = None, plan: bool = True,
+                  device_memory_gb: float | None = None,
                   gpu_name: str | None = None, assumed_mfu: float = DEFAULT_ASSUMED_MFU,
                   ranks_per_node: int | None = None, limits: Limits = Limits()) -> Report:
     """All checks; ``plan=False`` leaves out the memory estimate and the step-time plan.
 
     ``gpus_per_node``: plan for CUDA nodes with that many GPUs (0: CPU nodes); ``None`` plans
     for this machine. ``ranks_per_node``: CPU ranks sharing one node's RAM (default: the GPUs
-    per node, else the whole world on this machine)."""
+    per node, else the whole world on this machine). ``check_resume``: what a resume would
+    load, its layout and config; ``check_resume_data`` (default: as ``check_resume``; needs
+    ``check_data``): whether its data-loader state fits the data as it is now (a real run
+    checks only this here: the trainer rules on the rest once it has chosen the tag)."""
     report = Report()
     grid = _check_grid(cfg, world_size, report)
     per_node = ranks_per_node or gpus_per_node
@@ -101,12 +107,14 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
     elif check_data or check_eval:
         tokenizer = _check_tokenizer(cfg, report)
     sources_ok = True
+    text_shards = None
     if check_data and not synthetic:
         before = len(report.problems)
         if cfg.data.format == "tokens":  # Hub sources refused before anything opens them
             _check_token_layout(cfg, report)
         if len(report.problems) == before:
-            _check_sources(cfg, tokenizer, report, limits, grid.dp if grid is not None else None)
+            text_shards = _check_sources(cfg, tokenizer, report, limits,
+                                         grid.dp if grid is not None else None)
         if cfg.data.format == "tokens" and tokenizer is not None \
                 and len(report.problems) == before:
             _check_token_sources(cfg, tokenizer, grid, report)
@@ -123,8 +131,16 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
     _check_run_dir(planned, report)
     if cfg.profile.enabled:
         _check_profile(cfg, world_size, device_type, report)
-    if check_resume and grid is not None:
-        _check_resume(cfg, grid, resume_from, allow_config_change, report)
+    if check_resume_data is None:
+        check_resume_data = check_resume
+    check_resume_data = (check_resume_data and check_data and not synthetic
+                         and tokenizer is not None and sources_ok)
+    if (check_resume and grid is not None) or check_resume_data:
+        tag = _resume_tag(cfg, resume_from, report, quiet=not check_resume)
+        if tag is not None and check_resume and grid is not None:
+            _check_resume(cfg, grid, tag, allow_config_change, report)
+        if tag is not None and check_resume_data:
+            _check_resume_data(cfg, tag, tokenizer, text_shards, allow_config_change, report)
     if plan and (grid is None or not lengths_ok):
         report.info("memory and time plan: skipped until the layout and train.seq_len are valid")
     elif plan:
@@ -274,21 +290,25 @@ def _check_tokenizer(cfg, report: Report):
     return tok
 
 
-def _check_sources(cfg, tokenizer, report: Report, limits: Limits, dp: int | None) -> None:
+def _check_sources(cfg, tokenizer, report: Report, limits: Limits, dp: int | None) -> list:
     """Each source resolves and its first documents read and tokenise; with ``dp`` ranks in
-    text ``documents`` sharding, a source with fewer shards than ranks is a warning."""
+    text ``documents`` sharding, a source with fewer shards than ranks is a warning. Returns
+    each local source's shards (``None`` for a Hub source, or one that did not resolve)."""
     from tape_train.data import DataError
     from tape_train.data.formats import SkipLog, hub_shards, read_documents, resolve_local_shards
     from tape_train.data.sources import shared_shard_warning
 
+    resolved = []
     for source in cfg.data.sources:
         key = source.key
         skips = SkipLog()
+        resolved.append(None)
         try:
             if source.hub is not None:
                 dataset, shards = hub_shards(source)
             else:
                 dataset, shards = None, resolve_local_shards(source, split="train")
+                resolved[-1] = shards
         except DataError as exc:
             report.problem(str(exc) if str(exc).startswith(key) else f"{key}: {exc}")
             continue
@@ -334,6 +354,7 @@ def _check_sources(cfg, tokenizer, report: Report, limits: Limits, dp: int | Non
             if empty:
                 report.warn(f"{key}: {len(empty)} file(s) without usable documents, e.g. "
                             f"{empty[0]} (skipped during training)")
+    return resolved
 
 
 def _check_token_layout(cfg, report: Report) -> None:
@@ -475,20 +496,29 @@ def _check_run_dir(cfg, report: Report) -> None:
         report.info(f"run dir {run_dir}: writable; {what}")
 
 
-def _check_resume(cfg, grid, resume_from, allow_config_change: bool, report: Report) -> None:
-    from tape_train.config import diff_configs
+def _resume_tag(cfg, resume_from, report: Report, quiet: bool = False) -> Path | None:
+    """The checkpoint a resume would load: ``--resume-from``'s, else the newest complete one
+    in the run dir (``None``: a new run). ``quiet``: say nothing (the trainer reports a bad
+    ``--resume-from`` itself)."""
     from tape_train.train import checkpoint as ckpt
-    from tape_train.train import relayout
 
     try:
         tag = (ckpt.resolve_checkpoint(resume_from) if resume_from is not None
                else ckpt.find_latest_complete(cfg.train.run_dir, warn=False))
     except ckpt.CheckpointError as exc:
-        report.problem(f"--resume-from: {exc}")
-        return
-    if tag is None:
+        if not quiet:
+            report.problem(f"--resume-from: {exc}")
+        return None
+    if tag is None and not quiet:
         report.info("resume: no complete checkpoint in the run dir: a new run starts at step 0")
-        return
+    return tag
+
+
+def _check_resume(cfg, grid, tag: Path, allow_config_change: bool, report: Report) -> None:
+    from tape_train.config import diff_configs
+    from tape_train.train import checkpoint as ckpt
+    from tape_train.train import relayout
+
     try:
         marker = ckpt.read_marker(tag)
     except (OSError, ValueError) as exc:
@@ -511,6 +541,47 @@ def _check_resume(cfg, grid, resume_from, allow_config_change: bool, report: Rep
             report.warn(f"resume: {line} (allowed by --allow-config-change)")
         else:
             report.problem(f"resume from {tag}: {line}")
+
+
+def _check_resume_data(cfg, tag: Path, tokenizer, text_shards: list | None,
+                       allow_config_change: bool, report: Report) -> None:
+    """The data-loader state a resume would load (saved rank 0's: every rank's fingerprint is
+    the same, and rank 0 continues rank 0 on any layout) against the data as it is now: a
+    source file added, removed, re-ordered or of another size, a directory re-prepared, a
+    weight, the tokenizer or a packing option changed. Reads file names, sizes and manifests,
+    no corpus text. Hub sources are not compared (they are listed only online)."""
+    from tape_train.data import DataError
+    from tape_train.data.loader import resume_differences
+    from tape_train.train import checkpoint as ckpt
+
+    try:
+        state = ckpt.read_rank_state(tag, 0).get("loader")
+    except (ckpt.CheckpointError, AttributeError) as exc:
+        report.warn(f"resume: the data-loader state of {tag} was not checked: {exc}")
+        return
+    if not isinstance(state, dict) or "fingerprint" not in state:
+        return  # synthetic data, or a loader without a data fingerprint
+    try:
+        differences = resume_differences(state, cfg.data, tokenizer, cfg.train.seq_len,
+                                         cfg.train.seed, text_shards)
+    except DataError as exc:  # a source that does not resolve is reported with the sources
+        report.warn(f"resume: the data-loader state of {tag} was not checked: {exc}")
+        return
+    hub = any(s.hub is not None for s in cfg.data.sources)
+    unchecked = " (Hub sources not compared: listed only online)" if hub else ""
+    if not differences:
+        report.info(f"resume: the data-loader state of {tag.name} fits the data "
+                    f"(fingerprint {state['fingerprint']}){unchecked}")
+        return
+    line = (f"its data-loader state does not fit the data this run would read: data "
+            f"fingerprint differs in {', '.join(differences)}{unchecked}")
+    if allow_config_change:
+        report.warn(f"resume from {tag.name}: {line}; resuming from the saved position anyway "
+                    f"(allowed by --allow-config-change)")
+    else:
+        report.problem(f"resume from {tag}: {line}. Restore the data as it was, start a new "
+                       f"run in another train.run_dir, or pass --allow-config-change to "
+                       f"resume from the saved position anyway")
 
 
 # ------------------------------------------------------------------------------------------------
