@@ -502,8 +502,9 @@ def _resume_tag(cfg, resume_from, report: Report, quiet: bool = False) -> Path |
     ``--resume-from`` itself)."""
     from tape_train.train import checkpoint as ckpt
 
-    try:
-        tag = (ckpt.resolve_checkpoint(resume_from) if resume_from is not None
+    try:  # quiet (a real run, every rank): sizes only; the trainer reads the checksums once,
+        # each rank its share, when it chooses the tag
+        tag = (ckpt.resolve_checkpoint(resume_from, verify=not quiet) if resume_from is not None
                else ckpt.find_latest_complete(cfg.train.run_dir, warn=False))
     except ckpt.CheckpointError as exc:
         if not quiet:
