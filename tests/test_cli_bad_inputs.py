@@ -515,3 +515,34 @@ def test_prepare_and_tokenizer_onto_a_file_say_so(tmp_path, capsys):
     assert tok_main(["train", "--input", str(tmp_path / "in.jsonl"), "--vocab-size", "300",
                      "--out", str(tmp_path / "file" / "tok")]) == 1
     assert "tape-tokenizer: error:" in capsys.readouterr().err
+
+
+def test_generate_streams_characters_spelled_in_byte_pieces(run_and_tokenizers, capsys,
+                                                            monkeypatch):
+    """A continuation with a character the tokenizer spells as byte-fallback pieces printed
+    U+FFFD for its first byte; the decode then never started with what was printed, so
+    nothing more was printed: 'a 世界 b' came out as 'a ��'."""
+    import torch
+
+    import tape_train.model.generate as model_generate
+    from tape_train.data import load_tokenizer
+    from tape_train.inference.generate import main
+
+    run, tok, _ = run_and_tokenizers
+    tokenizer = load_tokenizer(tok)
+    for text in ("a 世界 b ä", "a 世"):
+        ids = tokenizer.encode(text)
+        if text == "a 世":
+            ids = ids[:-1]  # ends inside the character: its bytes still come out at the end
+        assert any(tokenizer.decode([i]) == "\ufffd" for i in ids)  # byte pieces, or no test
+        expected = tokenizer.decode(ids)
+
+        def fake_generate(model, input_ids, max_new_tokens, *, on_token, **kwargs):
+            for i in ids:
+                on_token(torch.tensor([i]))
+            return input_ids
+
+        monkeypatch.setattr(model_generate, "generate", fake_generate)
+        assert main([str(run / "run"), "--prompt", "P", "--tokenizer", tok,
+                     "--device", "cpu"]) == 0
+        assert capsys.readouterr().out == f"P{expected}\n"

@@ -10,20 +10,30 @@ from tape_train.hints import example_on_missing
 
 class StreamPrinter:
     """Prints the decoded continuation as it grows (sentencepiece joins pieces with spaces
-    that only the full decode gets right, so decode the whole suffix and print the delta)."""
+    that only the full decode gets right, so decode the whole suffix and print the delta).
+
+    A character that byte-fallback pieces spell one byte at a time decodes as U+FFFD until
+    its last byte arrives, so trailing U+FFFD is held back (printing it would leave the text
+    that follows never matching what was printed); :meth:`finish` prints what is left."""
 
     def __init__(self, tokenizer, out=None) -> None:
         self.tokenizer, self.out = tokenizer, out or sys.stdout  # stdout as it is now
         self.ids: list[int] = []
         self.printed = ""
 
-    def __call__(self, new_ids) -> None:
-        self.ids.append(int(new_ids[0]))
-        text = self.tokenizer.decode(self.ids)
-        if text.startswith(self.printed):
+    def _write(self, text: str) -> None:
+        if text.startswith(self.printed) and len(text) > len(self.printed):
             self.out.write(text[len(self.printed):])
             self.out.flush()
             self.printed = text
+
+    def __call__(self, new_ids) -> None:
+        self.ids.append(int(new_ids[0]))
+        self._write(self.tokenizer.decode(self.ids).rstrip("\ufffd"))
+
+    def finish(self) -> None:
+        """Print the held-back end (bytes no later piece completed)."""
+        self._write(self.tokenizer.decode(self.ids))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,10 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(args.prompt)
     # The sampling stream is the device's: the same seed samples the same text on the same
     # kind of device, not across CPU and GPU.
+    printer = StreamPrinter(tokenizer)
     model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, eos_id=tokenizer.eos_id,
                    generator=torch.Generator(device=device).manual_seed(args.seed),
-                   on_token=StreamPrinter(tokenizer), vocab_size=tokenizer.vocab_size)
+                   on_token=printer, vocab_size=tokenizer.vocab_size)
+    printer.finish()
     sys.stdout.write("\n")
     return 0
 
