@@ -551,3 +551,33 @@ def test_tape_eval_refuses_a_damaged_checkpoint(tmp_path, capsys):
     data[len(data) // 2] ^= 0x01                     # negative control: restored, accepted
     shard.write_bytes(bytes(data))
     assert main(["--checkpoint", str(tmp_path / "run"), *args]) == 0
+
+
+def test_checkpoints_trained_with_different_tokenizers_of_one_size_are_refused(tmp_path, capsys):
+    """Two runs whose tokenizers have the same vocabulary size but are different files: the
+    second was scored on ids of the first's tokenizer, silently meaningless numbers."""
+    import shutil
+
+    from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+
+    bpe = train_small_tokenizer(tmp_path / "bpe", vocab_size=512, max_bytes=200_000)
+    uni = train_small_tokenizer(tmp_path / "uni", vocab_size=512, model_type="unigram",
+                                max_bytes=200_000)
+    write_jsonl(tmp_path / "heldout.jsonl", real_text_documents(max_documents=6))
+    shutil.copy(bpe.path, tmp_path / "same.model")  # another file with the same bytes
+    for name, tok in (("a", bpe.path), ("a-copy", str(tmp_path / "same.model")),
+                      ("b", uni.path)):
+        data = {"sources": [{"path": str(tmp_path / "heldout.jsonl")}], "tokenizer": tok,
+                "eval_sources": [{"path": str(tmp_path / "heldout.jsonl")}]}
+        make_checkpoint(tmp_path / name, "tape", seed=3, vocab_size=512, data=data)
+    args = ["--lengths", "8", "--protocols", "nonoverlap", "--max-tokens", "40",
+            "--out", str(tmp_path / "o"), "--no-progress", "--dtype", "fp32"]
+    assert main(["--checkpoint", str(tmp_path / "a"), str(tmp_path / "b"), *args]) == 1
+    err = capsys.readouterr().err
+    assert f"trained with tokenizer {uni.path}" in err and "must share a tokenizer" in err
+    assert "Traceback" not in err and not (tmp_path / "o").exists()
+    # Controls: the same tokenizer file (or one with the same bytes) is evaluated; so is any
+    # pair when --tokenizer chooses one for all.
+    assert main(["--checkpoint", str(tmp_path / "a"), str(tmp_path / "a-copy"), *args]) == 0
+    assert main(["--checkpoint", str(tmp_path / "a"), str(tmp_path / "b"), *args,
+                 "--tokenizer", bpe.path]) == 0

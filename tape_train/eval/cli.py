@@ -220,12 +220,33 @@ def _documents(args, meta: dict, longest: int, model_cfg):
 
         docs = synthetic_eval_documents(model_cfg.vocab_size, 4, 2 * longest + 1,
                                         int(train.get("seed", 0)))
-        return docs, "synthetic random tokens (the run trained on synthetic data)"
+        return docs, "synthetic random tokens (the run trained on synthetic data)", None
     from tape_train.data import iter_eval_documents, load_model_tokenizer
 
     data_cfg, desc = _data_config(args.data, config, args.tokenizer)
     tokenizer = load_model_tokenizer(data_cfg.tokenizer, model_cfg.vocab_size)
-    return iter_eval_documents(data_cfg, tokenizer), desc
+    return iter_eval_documents(data_cfg, tokenizer), desc, data_cfg.tokenizer
+
+
+def _check_same_tokenizer(checkpoints: list[_Checkpoint], used: str) -> None:
+    """Refuse a checkpoint whose run recorded a tokenizer file other than ``used`` (the one
+    that tokenised the held-out data): with the same vocabulary size its scores would be
+    silently meaningless. A recorded file that no longer exists is not checked."""
+    import filecmp
+
+    for c in checkpoints:
+        own = ((c.meta.get("config") or {}).get("data") or {}).get("tokenizer")
+        if not isinstance(own, str) or not own:
+            continue
+        own_path = os.path.expanduser(own)
+        if not os.path.isfile(own_path) or os.path.samefile(own_path, used):
+            continue
+        if not filecmp.cmp(own_path, used, shallow=False):
+            raise ValueError(
+                f"{c.tag_dir}: its run was trained with tokenizer {own}, but the held-out data "
+                f"is tokenised with {used} (a different file): checkpoints evaluated together "
+                f"must share a tokenizer (evaluate them separately, or pass --tokenizer to "
+                f"choose one for all)")
 
 
 def _default_label(tag_dir: Path, meta: dict, model_cfg) -> str:
@@ -286,7 +307,9 @@ def _held_out(args, checkpoints: list[_Checkpoint], max_tokens: int | None):
 
     first = checkpoints[0]
     longest = max(max(c.lengths) for c in checkpoints)
-    source, description = _documents(args, first.meta, longest, first.model_cfg)
+    source, description, tokenizer = _documents(args, first.meta, longest, first.model_cfg)
+    if tokenizer is not None and args.tokenizer is None:
+        _check_same_tokenizer(checkpoints[1:], tokenizer)
     docs = materialize_documents(source, max_tokens)
     if not docs:
         raise ValueError(f"no held-out document of {description} has two or more tokens: "
