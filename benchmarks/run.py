@@ -128,8 +128,19 @@ def check_args(args) -> None:
         raise BenchmarkError(f"unknown encodings {unknown}; choose from {POSITIONAL_ENCODINGS}")
     if not args.recipe.is_file():
         raise BenchmarkError(f"--recipe {args.recipe} does not exist")
+    if args.work_dir is not None and not args.work_dir.is_dir():
+        raise BenchmarkError(f"--work-dir {args.work_dir} "
+                             + ("is not a directory" if args.work_dir.exists()
+                                else "does not exist") + "; the scratch is made inside it")
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        raise BenchmarkError(f"--out-dir {args.out_dir} exists and is not a directory")
+    if not args.data_megabytes > 0 or args.data_repeats < 1:
+        raise BenchmarkError(f"--data-megabytes must be > 0 and --data-repeats >= 1, got "
+                             f"{args.data_megabytes} and {args.data_repeats}")
     for n in args.seq_lens:
-        if n <= 0 or args.tokens_per_step % n:
+        if n <= 0:
+            raise BenchmarkError(f"--seq-lens must be positive, got {n}")
+        if args.tokens_per_step <= 0 or args.tokens_per_step % n:
             raise BenchmarkError(f"--tokens-per-step {args.tokens_per_step} is not a positive "
                                  f"multiple of N={n}: every N must see the same tokens per step")
     if min(args.warmup, args.rounds - 1, args.steps - 1, args.checkpoint_reps - 1) < 0:

@@ -140,3 +140,25 @@ def test_length_extrapolation_summary_reads_a_log_cut_by_a_kill(tmp_path, monkey
     (tmp_path / "metrics.jsonl").write_text(log)  # a run killed while logging step 3
     assert length_extrapolation.run_summary(tmp_path) == {"loss": 0.75, "steps": 2,
                                                           "tokens": 20}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--work-dir", "{tmp}/missing"], "--work-dir {tmp}/missing does not exist"),
+    (["--work-dir", "{tmp}/file"], "--work-dir {tmp}/file is not a directory"),
+    (["--out-dir", "{tmp}/file"], "--out-dir {tmp}/file exists and is not a directory"),
+    (["--tokens-per-step", "0"], "--tokens-per-step 0 is not a positive multiple of N=128"),
+    (["--seq-lens", "0"], "--seq-lens must be positive, got 0"),
+    (["--data-megabytes", "-1"], "--data-megabytes must be > 0 and --data-repeats >= 1"),
+    (["--data-repeats", "0"], "--data-megabytes must be > 0 and --data-repeats >= 1"),
+])
+def test_bad_scratch_output_or_sizes_are_named_before_measuring(tmp_path, args, message):
+    """A --work-dir that does not exist (or is a file) was tempfile.mkdtemp's traceback after
+    the checks; --tokens-per-step 0 passed the multiple check (0 % N == 0)."""
+    (tmp_path / "file").write_text("x")
+    args = [a.format(tmp=tmp_path) for a in args]
+    if "--out-dir" not in args:
+        args += ["--out-dir", str(tmp_path / "out")]
+    proc = _run("--quick", "--stdlib-text", *args, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert message.format(tmp=tmp_path) in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing written
