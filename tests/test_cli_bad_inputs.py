@@ -546,3 +546,30 @@ def test_generate_streams_characters_spelled_in_byte_pieces(run_and_tokenizers, 
         assert main([str(run / "run"), "--prompt", "P", "--tokenizer", tok,
                      "--device", "cpu"]) == 0
         assert capsys.readouterr().out == f"P{expected}\n"
+
+
+def test_generate_names_a_prompt_that_is_not_utf8_and_an_hf_export(run_and_tokenizers,
+                                                                    tmp_path, capsys):
+    """A prompt with bytes of another encoding (argv decodes them to surrogates) was
+    sentencepiece's RuntimeError traceback; a `tape-export --hf` directory was refused with a
+    list of a dozen 'unknown model key(s)' from its config.json."""
+    from tape_train.inference.export import main as export_main
+    from tape_train.inference.generate import main
+
+    run, tok, _ = run_and_tokenizers
+    base = [str(run / "run"), "--tokenizer", tok, "--max-new-tokens", "1", "--device", "cpu"]
+    assert main([*base, "--prompt", "ab\udcff"]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt is not valid UTF-8 text (byte 0xff at character 2)" in err
+    assert "Traceback" not in err
+    assert main([*base, "--prompt", "abé"]) == 0  # control: UTF-8 text
+    capsys.readouterr()
+    assert export_main([str(run / "run"), "--out", str(tmp_path / "hf"), "--hf",
+                        "--tokenizer", tok]) == 0
+    assert export_main([str(run / "run"), "--out", str(tmp_path / "plain"),
+                        "--tokenizer", tok]) == 0
+    capsys.readouterr()
+    assert main([str(tmp_path / "hf"), "--prompt", "x", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "a Hugging Face export (`tape-export --hf`)" in err and "unknown model key" not in err
+    assert main([str(tmp_path / "plain"), "--prompt", "x", "--max-new-tokens", "1"]) == 0

@@ -76,6 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the options first: nothing is loaded for a run that cannot sample
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                        name=lambda key: "--" + key.replace("_", "-"))
+        try:
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # bytes of another encoding in argv
+            code = ord(args.prompt[exc.start])
+            what = f"byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+            raise ValueError(f"--prompt is not valid UTF-8 text ({what} at character "
+                             f"{exc.start}); pass UTF-8") from None
         if not 0 <= args.seed <= MAX_SEED:  # the same range as train.seed
             raise ValueError(f"--seed must be in [0, {MAX_SEED}] (2**32 - 1), got {args.seed}")
         if args.tokenizer:

@@ -245,6 +245,11 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
     if not isinstance(data, dict):
         raise ValueError(f"{path / CONFIG}: a JSON {type(data).__name__}, not an object; "
                          f"re-export the model")
+    if "architectures" in data or "model_type" in data:  # written by `tape-export --hf`
+        raise ValueError(f"{path}: a Hugging Face export (`tape-export --hf`), read by "
+                         f"transformers' from_pretrained (trust_remote_code=True for an "
+                         f"encoding other than rope), not by tape_train; for tape-generate "
+                         f"export without --hf or pass the checkpoint")
     cfg = ModelConfig.from_dict(data, source=str(path / CONFIG)).for_any_device()
     verify_export(path)
     try:
