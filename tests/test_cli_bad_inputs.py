@@ -573,3 +573,311 @@ def test_generate_names_a_prompt_that_is_not_utf8_and_an_hf_export(run_and_token
     err = capsys.readouterr().err
     assert "a Hugging Face export (`tape-export --hf`)" in err and "unknown model key" not in err
     assert main([str(tmp_path / "plain"), "--prompt", "x", "--max-new-tokens", "1"]) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# tape-generate --prompt-file / --prompts
+# ----------------------------------------------------------------------------------------------
+
+def _sampling(run_and_tokenizers, *more):
+    run, tok, _ = run_and_tokenizers
+    return [str(run / "run"), "--tokenizer", tok, "--device", "cpu", "--max-new-tokens", "6",
+            "--temperature", "1", "--top-p", "1", *more]
+
+
+def _write_prompts(path, records, blank_after_first=False):
+    import json
+
+    lines = [json.dumps(record) for record in records]
+    if blank_after_first:
+        lines.insert(1, "")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_generate_prompt_file_and_stdin_continue_as_the_same_prompt(run_and_tokenizers,
+                                                                    tmp_path, capsys,
+                                                                    monkeypatch):
+    """--prompt-file PATH (and - for standard input) is --prompt with the file's text: the
+    same stream, byte for byte; the whole file is the prompt, a final newline included."""
+    import io
+
+    from tape_train.inference.generate import main
+
+    base = _sampling(run_and_tokenizers, "--seed", "7")
+    text = "The cat\nsat on é世"
+    path = tmp_path / "prompt.txt"
+    path.write_bytes(text.encode("utf-8"))
+    assert main([*base, "--prompt", text]) == 0
+    expected = capsys.readouterr().out
+    assert expected.startswith(text) and len(expected) > len(text) + 1
+    assert main([*base, "--prompt-file", str(path)]) == 0
+    assert capsys.readouterr().out == expected
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(text.encode("utf-8"))))
+    assert main([*base, "--prompt-file", "-"]) == 0
+    assert capsys.readouterr().out == expected
+    path.write_bytes((text + "\n").encode("utf-8"))  # control: the final newline is the prompt's
+    assert main([*base, "--prompt-file", str(path)]) == 0
+    assert capsys.readouterr().out.startswith(text + "\n")
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "the following arguments are required: one of --prompt, --prompt-file, --prompts"),
+    (["--prompt", "x", "--prompt-file", "p.txt"],
+     "argument --prompt-file: not allowed with argument --prompt"),
+    (["--prompt-file", "p.txt", "--prompts", "p.jsonl", "--out", "o.jsonl"],
+     "argument --prompts: not allowed with argument --prompt-file"),
+    (["--prompts", "p.jsonl"], "--prompts needs --out PATH.jsonl (or --out - for standard output)"),
+    (["--prompt", "x", "--out", "o.jsonl"], "--out is for --prompts"),
+    (["--prompt-file", "p.txt", "--num-samples", "2"], "--num-samples is for --prompts"),
+])
+def test_generate_takes_exactly_one_kind_of_prompt(args, message, tmp_path, capsys):
+    from tape_train.inference.generate import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path / "nowhere"), *args])
+    assert exc.value.code == 2
+    assert f"tape-generate: error: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, content, extra, message", [
+    ("--prompt-file", None, [], "--prompt-file {path}: cannot read: No such file or directory"),
+    ("--prompt-file", "dir", [], "--prompt-file {path}: cannot read: Is a directory"),
+    ("--prompt-file", b"", [], "--prompt-file {path}: empty (the prompt is the whole file)"),
+    ("--prompt-file", b"ok\nline two \xff\xfe\n", [],
+     "{path}:2: not valid UTF-8 (byte offset 12 of the file: b'\\xff\\xfe\\n')"),
+    ("--prompts", None, ["--out", "{tmp}/o.jsonl"],
+     "--prompts {path}: cannot read: No such file or directory"),
+    ("--prompts", b"\n \n", ["--out", "{tmp}/o.jsonl"], "--prompts {path}: no prompts in it"),
+    ("--prompts", b'{"prompt": "a"}\n\n{"prompt": "b\xff"}\n', ["--out", "{tmp}/o.jsonl"],
+     "{path}:3: not valid UTF-8 (byte offset 13 of the line: b'\\xff\"}')"),
+    ("--prompts", b'{"prompt": "a"}\n{"prompt": "b",}\n', ["--out", "{tmp}/o.jsonl"],
+     "{path}:2: not valid JSON (Expecting property name enclosed in double quotes at column "
+     "16)"),
+    ("--prompts", b'["a"]\n', ["--out", "{tmp}/o.jsonl"],
+     '{path}:1: a JSON array, not an object with a "prompt" string'),
+    ("--prompts", b'{"prompts": "a", "id": 3}\n', ["--out", "{tmp}/o.jsonl"],
+     "{path}:1: no \"prompt\" key (the object has 'prompts', 'id') (did you mean 'prompts'?)"),
+    ("--prompts", b'{"prompt": 5}\n', ["--out", "{tmp}/o.jsonl"],
+     '{path}:1: "prompt" is a JSON number, not a string'),
+    ("--prompts", b'{"prompt": "a\\ud800"}\n', ["--out", "{tmp}/o.jsonl"],
+     "{path}:1: \"prompt\" holds a lone surrogate ('\\ud800') at character 1, which is not text"),
+    ("--prompts", b'{"prompt": "a", "id": 1, "id": 2}\n', ["--out", "{tmp}/o.jsonl"],
+     "{path}:1: key 'id' given twice"),
+    ("--prompts", b'{"prompt": "a", "completion": "old"}\n', ["--out", "{tmp}/o.jsonl"],
+     "{path}:1: key 'completion' is one tape-generate writes"),
+    ("--prompts", b'{"prompt": "a"}\n', ["--out", "{path}"],
+     "--out {path}: is the --prompts file; write the completions to another file"),
+    ("--prompts", b'{"prompt": "a"}\n', ["--out", "{tmp}"], "--out {tmp}: is a directory"),
+    ("--prompts", b'{"prompt": "a"}\n', ["--out", "{path}/o.jsonl"],
+     "--out {path}/o.jsonl: {path} exists and is not a directory"),
+    ("--prompts", b'{"prompt": "a"}\n', ["--out", "{tmp}/o.jsonl", "--num-samples", "0"],
+     "--num-samples must be >= 1, got 0"),
+])
+def test_generate_names_a_bad_prompt_file_and_line_before_loading(flag, content, extra,
+                                                                   message, tmp_path, capsys):
+    """Each mistake is one line naming the file (and the line, and the byte where it
+    applies); the model path does not exist either: nothing was loaded."""
+    from tape_train.inference.generate import main
+
+    path = tmp_path / "prompts"
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    def named(text):
+        return text.replace("{path}", str(path)).replace("{tmp}", str(tmp_path))
+
+    extra = [named(arg) for arg in extra]
+    assert main([str(tmp_path / "nowhere"), flag, str(path), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tape-generate: error: " + named(message))
+    assert err.count("\n") == 1 and not (tmp_path / "o.jsonl").exists()
+
+
+def test_generate_names_an_empty_standard_input(tmp_path, capsys, monkeypatch):
+    import io
+
+    from tape_train.inference.generate import main
+
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"")))
+    assert main([str(tmp_path / "nowhere"), "--prompt-file", "-"]) == 2
+    assert capsys.readouterr().err == ("tape-generate: error: --prompt-file -: standard input "
+                                       "is empty (nothing was piped in)\n")
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b'{"prompt": 1}\n')))
+    assert main([str(tmp_path / "nowhere"), "--prompts", "-", "--out", "-"]) == 2
+    assert capsys.readouterr().err.startswith("tape-generate: error: <stdin>:1: \"prompt\" is")
+
+
+def test_generate_prompts_writes_a_line_per_prompt_reproducibly_whatever_the_others(
+        run_and_tokenizers, tmp_path, capsys):
+    """--prompts: a JSON line per prompt, in order, with the input's keys; the same seed gives
+    the same file; a prompt's completion does not depend on the other prompts (seeded from
+    the seed and its text); a progress line per prompt on stderr, without carriage returns."""
+    import json
+    import re
+
+    from tape_train.inference.generate import main
+
+    base = _sampling(run_and_tokenizers)
+    records = [{"id": 1, "prompt": "The cat"}, {"id": "b", "prompt": "Hello", "meta": {"n": [1]}},
+               {"prompt": "é世 sat"}]
+    inp = _write_prompts(tmp_path / "in.jsonl", records, blank_after_first=True)
+    out = tmp_path / "out.jsonl"
+    assert main([*base, "--prompts", str(inp), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert len(rows) == 3
+    for given, row in zip(records, rows):
+        assert {key: row[key] for key in given} == given
+        assert set(row) == set(given) | {"completion", "new_tokens", "finish"}
+        assert row["finish"] in ("eos", "length") and 0 <= row["new_tokens"] <= 6
+        assert row["finish"] == "eos" or row["new_tokens"] == 6
+    progress = [line for line in err.splitlines() if re.match(r"tape-generate: \d/3 ", line)]
+    assert len(progress) == 3 and f" {inp}:3: " in progress[1] and "\r" not in err
+    assert f"wrote 3 completions of 3 prompts to {out}" in err
+    first = out.read_bytes()
+    assert main([*base, "--prompts", str(inp), "--out", str(out)]) == 0
+    assert out.read_bytes() == first  # the same seed, the same file
+    # Two of the prompts, the other way round, to standard output: the same two lines.
+    fewer = _write_prompts(tmp_path / "fewer.jsonl", [records[2], records[0]])
+    assert main([*base, "--prompts", str(fewer), "--out", "-"]) == 0
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == \
+        [rows[2], rows[0]]
+    # control: another seed samples other text
+    assert main([*base, "--prompts", str(inp), "--out", "-", "--seed", "1"]) == 0
+    other = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["completion"] for row in other] != [row["completion"] for row in rows]
+
+
+def test_generate_prompts_decodes_as_the_stream_and_samples_k_times(run_and_tokenizers,
+                                                                    tmp_path, capsys):
+    """A greedy completion is the continuation --prompt streams; --num-samples K writes K
+    lines per prompt numbered by "sample", the first the one of a single sample."""
+    import json
+
+    from tape_train.inference.generate import main
+
+    base = _sampling(run_and_tokenizers)
+    inp = _write_prompts(tmp_path / "in.jsonl", [{"prompt": "The cat"}, {"prompt": "x = 1"}])
+    assert main([*base, "--prompts", str(inp), "--out", "-", "--temperature", "0"]) == 0
+    greedy = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    for row in greedy:
+        assert main([*base, "--prompt", row["prompt"], "--temperature", "0"]) == 0
+        assert capsys.readouterr().out == row["prompt"] + row["completion"] + "\n"
+    assert main([*base, "--prompts", str(inp), "--out", "-"]) == 0
+    single = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main([*base, "--prompts", str(inp), "--out", "-", "--num-samples", "3"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(row["prompt"], row["sample"]) for row in rows] == \
+        [(p, k) for p in ("The cat", "x = 1") for k in range(3)]
+    assert [{**rows[0], "sample": None}, {**rows[3], "sample": None}] == \
+        [{**row, "sample": None} for row in single]
+    assert len({row["completion"] for row in rows[:3]}) > 1  # the samples differ
+
+
+@pytest.mark.parametrize("fault", [RuntimeError, KeyboardInterrupt])
+def test_generate_prompts_that_fail_half_way_leave_no_out(run_and_tokenizers, tmp_path, capsys,
+                                                          monkeypatch, fault):
+    """An error or Ctrl-C after the first prompt leaves --out as it was (absent, or an
+    earlier complete file), and no temporary file; control: the run completes."""
+    import tape_train.model.generate as model_generate
+    from tape_train.inference.generate import main
+
+    base = _sampling(run_and_tokenizers)
+    inp = _write_prompts(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b"},
+                                                 {"prompt": "c"}])
+    real, calls = model_generate.generate, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise fault("stopped")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_generate, "generate", failing)
+    new, old = tmp_path / "new.jsonl", tmp_path / "old.jsonl"
+    old.write_text("from an earlier run\n")
+    for out in (new, old):
+        calls.clear()
+        if fault is KeyboardInterrupt:
+            assert main([*base, "--prompts", str(inp), "--out", str(out)]) == 130
+            assert (f"interrupted after 1/3 completions; {out} not written"
+                    in capsys.readouterr().err)
+        else:
+            with pytest.raises(RuntimeError, match="stopped"):
+                main([*base, "--prompts", str(inp), "--out", str(out)])
+    assert not new.exists() and old.read_text() == "from an earlier run\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "old.jsonl"]
+    monkeypatch.setattr(model_generate, "generate", real)
+    assert main([*base, "--prompts", str(inp), "--out", str(new)]) == 0
+    assert len(new.read_text().splitlines()) == 3
+
+
+def test_generate_prompts_killed_half_way_leaves_only_a_hidden_temporary_file(
+        run_and_tokenizers, tmp_path):
+    """SIGKILL after the first completion: --out does not exist; what was written is in a
+    hidden `.out.jsonl.*.tmp` that no one takes for the output."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    base = _sampling(run_and_tokenizers)
+    inp = _write_prompts(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    out = tmp_path / "out.jsonl"
+    script = ("import os, signal, sys\n"
+              "import tape_train.model.generate as g\n"
+              "from tape_train.inference.generate import main\n"
+              "real, calls = g.generate, []\n"
+              "def dying(*a, **k):\n"
+              "    calls.append(1)\n"
+              "    if len(calls) == 2:\n"
+              "        os.kill(os.getpid(), signal.SIGKILL)\n"
+              "    return real(*a, **k)\n"
+              "g.generate = dying\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo),
+                                                                    os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", script, *base, "--prompts", str(inp),
+                           "--out", str(out)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert "1/2 " in proc.stderr  # the first completion was written before the kill
+    assert not out.exists()
+    left = [p for p in tmp_path.iterdir() if p.name != "in.jsonl"]
+    assert len(left) == 1 and left[0].name.startswith(".out.jsonl.")
+    assert left[0].name.endswith(".tmp") and len(left[0].read_text().splitlines()) == 1
+
+
+def test_generate_prompts_reports_an_eos_finish(run_and_tokenizers, tmp_path, capsys,
+                                                monkeypatch):
+    """A completion that ends with the end-of-sequence token says "finish": "eos" and counts
+    its tokens without it; one cut at --max-new-tokens says "length"."""
+    import json
+
+    import torch
+
+    import tape_train.model.generate as model_generate
+    from tape_train.data import load_tokenizer
+    from tape_train.inference.generate import main
+
+    _, tok, _ = run_and_tokenizers
+    tokenizer = load_tokenizer(tok)
+    words = tokenizer.encode("hello world")
+
+    def fake_generate(model, input_ids, max_new_tokens, *, eos_id, **kwargs):
+        new = words + [eos_id] if max_new_tokens > len(words) else words[:max_new_tokens]
+        return torch.cat([input_ids, torch.tensor([new])], dim=1)
+
+    monkeypatch.setattr(model_generate, "generate", fake_generate)
+    inp = _write_prompts(tmp_path / "in.jsonl", [{"prompt": "a"}])
+    rows = []
+    for budget in (len(words) + 5, len(words) - 1):
+        args = _sampling(run_and_tokenizers, "--max-new-tokens", str(budget))
+        assert main([*args, "--prompts", str(inp), "--out", "-"]) == 0
+        rows.append(json.loads(capsys.readouterr().out))
+    assert rows[0] == {"prompt": "a", "completion": "hello world", "new_tokens": len(words),
+                       "finish": "eos"}
+    assert rows[1]["finish"] == "length" and rows[1]["new_tokens"] == len(words) - 1

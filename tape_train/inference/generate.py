@@ -1,9 +1,16 @@
-"""``tape-generate``: sample text from an exported model or a checkpoint, streaming tokens."""
+"""``tape-generate``: sample text from an exported model or a checkpoint, streaming tokens.
+
+One prompt (``--prompt TEXT`` or ``--prompt-file PATH``) streams its continuation to stdout;
+many (``--prompts PATH.jsonl``) are decoded one after the other into a JSONL file (``--out``),
+written atomically, with a progress line per completion on stderr. See
+``tape_train.inference.prompts`` for the formats and the seeding.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from tape_train.hints import example_on_missing
 
@@ -36,11 +43,83 @@ class StreamPrinter:
         self._write(self.tokenizer.decode(self.ids))
 
 
+def _generate_many(model, tokenizer, prompts, args, device) -> int:
+    """``--prompts``: each prompt decoded alone (no padding), a JSON line per completion in
+    the order of the input; a progress line per completion on stderr. A file ``--out`` is
+    written beside itself and renamed into place only when every prompt is done, so a run
+    stopped half-way leaves the old file (or none), never a part that looks complete."""
+    import torch
+
+    from tape_train.files import FileWriteError, atomic_path
+    from tape_train.inference.prompts import output_line, sample_seed
+
+    total = len(prompts) * args.num_samples
+    done = 0
+
+    def run(out) -> None:
+        nonlocal done
+        for prompt in prompts:
+            prompt_ids = [tokenizer.bos_id, *tokenizer.encode(prompt.text)]
+            for sample in range(args.num_samples):
+                start = time.monotonic()
+                seed = sample_seed(args.seed, prompt.text, sample)
+                ids = model.generate(
+                    torch.tensor([prompt_ids], device=device), args.max_new_tokens,
+                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                    eos_id=tokenizer.eos_id,
+                    generator=torch.Generator(device=device).manual_seed(seed),
+                    vocab_size=tokenizer.vocab_size)[0, len(prompt_ids):].tolist()
+                finish = "eos" if ids and ids[-1] == tokenizer.eos_id else "length"
+                ids = ids[:-1] if finish == "eos" else ids
+                out.write(output_line(prompt.record, tokenizer.decode(ids), len(ids), finish,
+                                      sample if args.num_samples > 1 else None))
+                out.flush()
+                done += 1
+                what = f" sample {sample}" if args.num_samples > 1 else ""
+                print(f"tape-generate: {done}/{total} {prompt.where}{what}: {len(ids)} new "
+                      f"tokens, {finish}, {time.monotonic() - start:.1f} s",
+                      file=sys.stderr, flush=True)
+
+    # The sampling stream is the device's, as for one prompt.
+    try:
+        if args.out == "-":
+            run(sys.stdout)
+        else:
+            with atomic_path(args.out) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+                run(fh)
+    except KeyboardInterrupt:
+        kept = "" if args.out == "-" else f"; {args.out} not written"
+        print(f"tape-generate: interrupted after {done}/{total} completions{kept}",
+              file=sys.stderr)
+        return 130
+    except FileWriteError as exc:
+        print(f"tape-generate: error: {exc}", file=sys.stderr)
+        return 1
+    where = "standard output" if args.out == "-" else args.out
+    print(f"tape-generate: wrote {total} completions of {len(prompts)} prompts to {where}",
+          file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tape-generate",
                                      description="Generate text with the KV cache.")
     parser.add_argument("model", help="export directory, run dir or checkpoint tag dir")
-    parser.add_argument("--prompt", required=True, help="text to continue")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="text to continue")
+    source.add_argument("--prompt-file", metavar="PATH",
+                        help="continue the text of this UTF-8 file (all of it, a final newline "
+                             "included); - reads standard input")
+    source.add_argument("--prompts", metavar="PATH.jsonl",
+                        help='many prompts: one JSON object per line with a "prompt" string '
+                             "(other keys are copied to the output); needs --out")
+    parser.add_argument("--out", metavar="PATH.jsonl",
+                        help="with --prompts: write a JSON line per completion here (the input "
+                             'object plus "completion", "new_tokens", "finish"), replacing the '
+                             "file only once every prompt is done; - = standard output")
+    parser.add_argument("--num-samples", type=int, default=1, metavar="K",
+                        help="with --prompts: K completions of each prompt, each line with its "
+                             '"sample" number 0..K-1 when K > 1 (default: %(default)s)')
     parser.add_argument("--max-new-tokens", type=int, default=100,
                         help="tokens to generate at most (default: %(default)s)")
     parser.add_argument("--temperature", type=float, default=0.8,
@@ -63,12 +142,23 @@ def main(argv: list[str] | None = None) -> int:
                              "here -- else fp32)")
     example_on_missing(parser, 'tape-generate exports/demo --prompt "The Python interpreter"')
     args = parser.parse_args(argv)
+    if args.prompt is None and args.prompt_file is None and args.prompts is None:
+        parser.error("the following arguments are required: one of --prompt, --prompt-file, "
+                     "--prompts")
+    if args.prompts is None:
+        for flag, given in (("--out", args.out is not None),
+                            ("--num-samples", args.num_samples != 1)):
+            if given:
+                parser.error(f"{flag} is for --prompts (one prompt streams to standard output)")
+    elif args.out is None:
+        parser.error("--prompts needs --out PATH.jsonl (or --out - for standard output)")
 
     import torch
 
     from tape_train.config import MAX_SEED
     from tape_train.data import TokenizerError, load_model_tokenizer, load_tokenizer
     from tape_train.devices import DeviceError, launch_int, pick_device
+    from tape_train.inference import prompts as prompt_files
     from tape_train.inference.loading import load_for_inference
     from tape_train.model.generate import check_sampling
     from tape_train.precision import resolve_dtype
@@ -77,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                        name=lambda key: "--" + key.replace("_", "-"))
         try:
-            args.prompt.encode("utf-8")
+            (args.prompt or "").encode("utf-8")
         except UnicodeEncodeError as exc:  # bytes of another encoding in argv
             code = ord(args.prompt[exc.start])
             what = f"byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
@@ -85,6 +175,14 @@ def main(argv: list[str] | None = None) -> int:
                              f"{exc.start}); pass UTF-8") from None
         if not 0 <= args.seed <= MAX_SEED:  # the same range as train.seed
             raise ValueError(f"--seed must be in [0, {MAX_SEED}] (2**32 - 1), got {args.seed}")
+        if args.num_samples < 1:
+            raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
+        if args.prompt_file is not None:
+            args.prompt = prompt_files.read_prompt_file(args.prompt_file)
+        many = None
+        if args.prompts is not None:
+            many = prompt_files.read_prompts(args.prompts)
+            prompt_files.check_out(args.out, args.prompts)
         if args.tokenizer:
             load_tokenizer(args.tokenizer)
         device = pick_device(args.device, launch_int("LOCAL_RANK"), "--device")
@@ -110,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tape-generate: error: {exc}", file=sys.stderr)
         return 2
     model.to(device)
+    if many is not None:
+        return _generate_many(model, tokenizer, many, args, device)
     ids = torch.tensor([[tokenizer.bos_id, *tokenizer.encode(args.prompt)]], device=device)
     sys.stdout.write(args.prompt)
     # The sampling stream is the device's: the same seed samples the same text on the same
