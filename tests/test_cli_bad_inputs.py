@@ -669,6 +669,8 @@ def test_generate_takes_exactly_one_kind_of_prompt(args, message, tmp_path, caps
     ("--prompts", b'{"prompt": "a"}\n', ["--out", "{path}"],
      "--out {path}: is the --prompts file; write the completions to another file"),
     ("--prompts", b'{"prompt": "a"}\n', ["--out", "{tmp}"], "--out {tmp}: is a directory"),
+    ("--prompts", b'{"prompt": "a"}\n', ["--out", "/dev/null"],
+     "--out /dev/null: is not a regular file (a device or a pipe?)"),
     ("--prompts", b'{"prompt": "a"}\n', ["--out", "{path}/o.jsonl"],
      "--out {path}/o.jsonl: {path} exists and is not a directory"),
     ("--prompts", b'{"prompt": "a"}\n', ["--out", "{tmp}/o.jsonl", "--num-samples", "0"],

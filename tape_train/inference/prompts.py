@@ -163,6 +163,9 @@ def check_out(out: str, prompts_path: str) -> None:
     target = Path(out)
     if target.is_dir():
         raise PromptError(f"--out {out}: is a directory; name the JSONL file to write")
+    if target.exists() and not target.is_file():  # renaming onto it would replace the node
+        raise PromptError(f"--out {out}: is not a regular file (a device or a pipe?); name "
+                          f"the JSONL file to write, or - for standard output")
     if prompts_path != STDIN and target.exists() and os.path.samefile(target, prompts_path):
         raise PromptError(f"--out {out}: is the --prompts file; write the completions to "
                           f"another file")
