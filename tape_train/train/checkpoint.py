@@ -8,7 +8,10 @@ Layout of a run directory::
         latest                         text: tag of the newest complete checkpoint (a hint;
                                        discovery scans the tags and trusts markers only)
         step_00000100/                 one tag per saved optimizer step
-            zero_pp_rank_*_mp_rank_00_{model,optim}_states.pt   DeepSpeed's shards
+            *_states.pt                DeepSpeed's shards (ZeRO-3: zero_pp_rank_*_mp_rank_00_
+                                       model_states.pt and [bf16_]zero_pp_rank_*_mp_rank_00_
+                                       optim_states.pt; ZeRO-0/1/2: mp_rank_*_model_states.pt,
+                                       with ZeRO-1/2 the optimizer's zero_pp_rank_* files)
             trainer_state_rank00000.pt one per rank: RNG states, data-loader state
             COMPLETE.json              written last, by rank 0, after every rank finished:
                                        step, tokens, layout (dp, sp, tp), resolved config,

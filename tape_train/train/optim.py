@@ -140,8 +140,8 @@ def cpu_adam_problem() -> str | None:
     """``None`` when DeepSpeed's ``cpu_adam`` op loads, else why not, in one line.
 
     The op is compiled on first use (g++ and ninja; about a minute) and cached under
-    ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), unless DeepSpeed was
-    installed with it pre-built (``DS_BUILD_CPU_ADAM=1``)."""
+    ``TORCH_EXTENSIONS_DIR`` (``<venv>/torch_extensions`` unless set, ``init_distributed``),
+    unless DeepSpeed was installed with it pre-built (``DS_BUILD_CPU_ADAM=1``)."""
     try:
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
