@@ -470,8 +470,8 @@ def test_tape_submit_checks_eval_lengths_before_submitting(tmp_path, capsys):
     assert main(["--config", str(path), "--dry-run", "--eval-after", "--eval-lengths", "0"]) == 2
     assert ("--eval-lengths/--eval-arg: tape-eval --lengths 0: eval.lengths[0] must be a "
             "positive integer") in capsys.readouterr().err
-    assert main(["--config", str(path), "--dry-run", "--eval-after", "--eval-lengths", "16",
-                 "32"]) == 0
+    assert main(["--config", str(path), "--dry-run", "--no-preflight", "--eval-after",
+                 "--eval-lengths", "16", "32"]) == 0
 
 
 @pytest.mark.parametrize("args, message", [
@@ -497,8 +497,9 @@ def test_tape_submit_checks_the_evaluation_job_before_submitting(tmp_path, capsy
     assert main(["--config", str(path), "--dry-run", *args]) == 2
     err = capsys.readouterr().err
     assert f"tape-submit: error: " in err and message in err
-    assert main(["--config", str(path), "--dry-run", "--eval-after", "--eval-time", "10",
-                 "--eval-arg=--max-tokens=64", "--eval-arg=--device=cpu"]) == 0
+    assert main(["--config", str(path), "--dry-run", "--no-preflight", "--eval-after",
+                 "--eval-time", "10", "--eval-arg=--max-tokens=64",
+                 "--eval-arg=--device=cpu"]) == 0
     assert "--max-tokens=64 --device=cpu" in capsys.readouterr().out
 
 
