@@ -92,18 +92,29 @@ def example_on_missing(parser: argparse.ArgumentParser, example: str
 def read_named_yaml(name_or_path: str, directory: Path, kind: str,
                     error: type[Exception], missing: type[Exception] | None = None
                     ) -> tuple[Path, dict]:
-    """``(path, mapping)`` of ``<directory>/<name>.yaml`` for a bare name, else of the path.
+    """``(path, mapping)`` of ``<directory>/<name>.yaml`` for a name without a suffix, else of
+    the path. A name that no such file has but an existing file has (a YAML file saved without
+    ``.yaml``) is that file: the named config comes first, as it always did.
 
-    Raises ``missing`` (default ``error``) naming the path and the available names when the
-    file does not exist, ``error`` naming the file for invalid YAML or a non-mapping.
+    Raises ``missing`` (default ``error``) naming the path and the available names (the
+    closest first) when the file does not exist, ``error`` naming the file for invalid YAML
+    or a non-mapping.
     """
-    path = Path(name_or_path)
+    if not str(name_or_path).strip():
+        raise (missing or error)(f"{kind} config {name_or_path!r} is empty (an unset shell "
+                                 f"variable?): give a named {kind} config or a YAML path")
+    given = path = Path(name_or_path)
     if not path.suffix:
         path = directory / f"{name_or_path}.yaml"
+        if not path.is_file() and given.is_file():
+            path = given
     if not path.is_file():
         names = sorted(p.stem for p in directory.glob("*.yaml"))
-        raise (missing or error)(f"{kind} config {name_or_path!r} not found (looked for {path}); named "
-                    f"{kind} configs: {', '.join(names)}")
+        looked = f"{path}" + ("" if path == given else f" and the file {given}")
+        what = "is a directory, not a YAML file" if given.is_dir() else "not found"
+        raise (missing or error)(f"{kind} config {name_or_path!r} {what}"
+                                 f"{did_you_mean(given.stem, names)}: looked for {looked}; "
+                                 f"named {kind} configs: {', '.join(names)}")
     data = read_yaml(path, error)[1] or {}
     if not isinstance(data, dict):
         raise error(f"{path}: expected a mapping of keys, got {type(data).__name__}")

@@ -468,10 +468,10 @@ def test_tape_submit_checks_eval_lengths_before_submitting(tmp_path, capsys):
 
     path = _base_yaml(tmp_path)
     assert main(["--config", str(path), "--dry-run", "--eval-after", "--eval-lengths", "0"]) == 2
-    assert ("--eval-lengths/--eval-arg: tape-eval --lengths 0: eval.lengths[0] must be a "
+    assert ("--eval-lengths/--eval-arg: tape-eval --lengths 0: --lengths (value 1) must be a "
             "positive integer") in capsys.readouterr().err
-    assert main(["--config", str(path), "--dry-run", "--eval-after", "--eval-lengths", "16",
-                 "32"]) == 0
+    assert main(["--config", str(path), "--dry-run", "--no-preflight", "--eval-after",
+                 "--eval-lengths", "16", "32"]) == 0
 
 
 @pytest.mark.parametrize("args, message", [
@@ -480,7 +480,7 @@ def test_tape_submit_checks_eval_lengths_before_submitting(tmp_path, capsys):
     (["--eval-after", "--eval-arg=--bogus=1"], "unrecognized arguments: --bogus=1"),
     (["--eval-after", "--eval-arg=--device=tpu"], "argument --device: invalid choice: 'tpu'"),
     (["--eval-after", "--eval-lengths", "16", "--eval-arg=--stride=16"],
-     "eval.sliding_stride=16 must be smaller than every evaluation length"),
+     "--stride=16 must be smaller than every evaluation length"),
     (["--eval-after", "--eval-time", "0"], "--eval-time '0' is zero"),
     (["--eval-arg=--max-tokens=64", "--eval-time", "10"],
      "--eval-time, --eval-arg: only used by the evaluation job of --eval-after, which is not "
@@ -497,8 +497,9 @@ def test_tape_submit_checks_the_evaluation_job_before_submitting(tmp_path, capsy
     assert main(["--config", str(path), "--dry-run", *args]) == 2
     err = capsys.readouterr().err
     assert f"tape-submit: error: " in err and message in err
-    assert main(["--config", str(path), "--dry-run", "--eval-after", "--eval-time", "10",
-                 "--eval-arg=--max-tokens=64", "--eval-arg=--device=cpu"]) == 0
+    assert main(["--config", str(path), "--dry-run", "--no-preflight", "--eval-after",
+                 "--eval-time", "10", "--eval-arg=--max-tokens=64",
+                 "--eval-arg=--device=cpu"]) == 0
     assert "--max-tokens=64 --device=cpu" in capsys.readouterr().out
 
 

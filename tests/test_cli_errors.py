@@ -31,6 +31,50 @@ def test_tape_model_info_names_an_unknown_size_in_one_line(capsys):
         assert f"argument {flag}: expected at least one argument" in capsys.readouterr().err
 
 
+def test_tape_model_info_takes_a_yaml_file_without_yaml_in_its_name(tmp_path, monkeypatch,
+                                                                    capsys):
+    """An existing file named without `.yaml` was looked up as a shipped name only: `model
+    config 'mymodel' not found` about a file that is right there. Now it is read (a shipped
+    name still comes first); what is not a model config says why, naming the file."""
+    from tape_train.model.cli import main
+    from tape_train.resources import resource_dir
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mymodel").write_text((resource_dir("configs/model") / "tiny.yaml").read_text())
+    for given in ("mymodel", "./mymodel", str(tmp_path / "mymodel")):
+        assert main(["info", given, "--pe", "rope"]) == 0, capsys.readouterr().err
+        assert capsys.readouterr().out.startswith("mymodel pe=rope   params      7.26M")
+    # A shipped name wins over a file of that name here (the meaning it always had).
+    (tmp_path / "tiny").write_text("vocab_size: 8\n")
+    assert main(["info", "tiny", "--pe", "rope"]) == 0
+    assert "tiny pe=rope   params      7.26M" in capsys.readouterr().out
+    (tmp_path / "notes").write_text("just some text\n")
+    assert main(["info", "notes"]) == 2
+    assert capsys.readouterr().err == ("tape-model: error: notes: expected a mapping of keys, "
+                                       "got str\n")
+    (tmp_path / "adir").mkdir()
+    assert main(["info", "adir"]) == 2
+    assert "model config 'adir' is a directory, not a YAML file" in capsys.readouterr().err
+    assert main(["info", ""]) == 2
+    assert "model config '' is empty" in capsys.readouterr().err
+
+
+def test_tape_model_info_names_the_closest_size_and_lists_them_all(tmp_path, monkeypatch,
+                                                                    capsys):
+    from tape_train.model.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["info", "tiy"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tape-model: error: model config 'tiy' not found (did you mean "
+                          "'tiny'?): looked for ")
+    assert "tiy.yaml and the file tiy; named model configs: 125m, 1b, 350m, 7b, tiny\n" in err
+    assert main(["info", "nosuch.yaml"]) == 2  # a path: no named config looked for
+    assert capsys.readouterr().err == ("tape-model: error: model config 'nosuch.yaml' not found: "
+                                       "looked for nosuch.yaml; named model configs: 125m, 1b, "
+                                       "350m, 7b, tiny\n")
+
+
 def test_a_missing_demo_corpus_says_how_to_build_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError) as exc:

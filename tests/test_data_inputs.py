@@ -66,6 +66,48 @@ def test_all_formats_give_the_same_stream(tok, texts, tmp_path):
             pos += SEQ + 1
 
 
+def test_a_utf8_byte_order_mark_starting_a_jsonl_file_is_dropped(tok, texts, tmp_path):
+    """Windows editors start a file with a byte-order mark: it was "malformed JSON" at line 1,
+    a file no run could read, so reading it now changes no run's stream. Plain, gzip and zstd:
+    the stream of the same file without the mark; positions count records, not bytes, so a
+    state saved mid-way is the one of the file without the mark and resumes exactly."""
+    from tape_train.data.formats import UTF8_BOM, SkipLog, Shard, read_documents
+
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    (tmp_path / "plain.jsonl").write_bytes(lines)
+    (tmp_path / "bom.jsonl").write_bytes(UTF8_BOM + lines)
+    (tmp_path / "bom.jsonl.gz").write_bytes(gzip.compress(UTF8_BOM + lines))
+    (tmp_path / "bom.jsonl.zst").write_bytes(
+        zstandard.ZstdCompressor().compress(UTF8_BOM + lines))
+    want = first_tokens(tok, cfg_for(tmp_path / "plain.jsonl"), 6)
+    for name in ("bom.jsonl", "bom.jsonl.gz", "bom.jsonl.zst"):
+        assert first_tokens(tok, cfg_for(tmp_path / name), 6) == want, name
+    states = {}
+    for name in ("plain.jsonl", "bom.jsonl"):
+        loader = build_train_loader(cfg_for(tmp_path / name), tok, SEQ, 2)
+        for _ in range(3):
+            next(loader)
+        states[name] = json.loads(json.dumps(loader.state_dict()))
+        loader.close()
+    assert states["bom.jsonl"]["position"] == states["plain.jsonl"]["position"]
+    resumed = build_train_loader(cfg_for(tmp_path / "bom.jsonl"), tok, SEQ, 2)
+    resumed.load_state_dict(states["bom.jsonl"])
+    rest = [t for _ in range(3) for t in next(resumed)["input_ids"].flatten().tolist()]
+    resumed.close()
+    assert rest == want[3 * 2 * SEQ:]
+    # Only at the start of a JSONL file: a plain-text file keeps its bytes, the mark included,
+    # and a mark starting a later line (files joined with theirs) is an error that says so.
+    (tmp_path / "bom.txt").write_bytes(UTF8_BOM + b"some text")
+    text = Shard("text", str(tmp_path / "bom.txt"))
+    assert list(read_documents(text, 0, "text", False, SkipLog())) == [(0, "\ufeffsome text")]
+    joined = _write_lines(tmp_path / "joined.jsonl", [UTF8_BOM + GOOD, UTF8_BOM + GOOD])
+    docs = read_documents(Shard("jsonl", str(joined)), 0, "text", False, SkipLog())
+    assert next(docs) == (0, "a good document with some words")
+    with pytest.raises(DataError, match=r"joined\.jsonl:2: malformed JSON: a UTF-8 byte-order "
+                                        r"mark starts this line, not the file"):
+        next(docs)
+
+
 def test_hub_source_through_datasets_streaming(tok, texts, tmp_path):
     """`hub:` sources go through datasets.load_dataset(streaming=True); a local dataset
     directory stands in for the Hub (no network here). Resume is exact there too."""

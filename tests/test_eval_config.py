@@ -38,6 +38,27 @@ def test_errors_name_the_key(data, message):
     assert str(err.value).startswith("run.yaml: ")
 
 
+def test_a_command_line_names_its_options_and_the_config_its_keys():
+    """tape-eval passes ``name``; the run config (the default) keeps ``eval.<key>``."""
+    from tape_train.eval.cli import option_name
+
+    flags = dict(lengths=[64, 0], name=option_name)
+    with pytest.raises(ValueError, match=r"^--lengths \(value 2\) must be a positive integer"):
+        EvalConfig(**flags)
+    with pytest.raises(ValueError, match=r"^eval\.lengths\[1\] must be a positive integer"):
+        EvalConfig(lengths=[64, 0])                                  # the negative control
+    with pytest.raises(ValueError, match=r"^--stride=64 must be smaller"):
+        EvalConfig(lengths=[64], sliding_stride=64, name=option_name)
+    cfg = EvalConfig(sliding_stride=300, name=option_name)
+    with pytest.raises(ValueError, match=r"^--stride=300 must be smaller.*length 256"):
+        cfg.resolve_lengths(256, option_name)
+    assert option_name("interval") == "eval.interval"               # no such option
+    # ``name`` is no setting: not stored, not in the dict, refused in a config file.
+    assert "name" not in cfg.to_dict() and EvalConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match=r"unknown key.*'eval\.name'"):
+        EvalConfig.from_dict({"name": "x"}, source="run.yaml")
+
+
 def test_stride_checked_against_resolved_default_lengths():
     cfg = EvalConfig(sliding_stride=300)           # fine until the lengths are known
     assert cfg.resolve_lengths(512) == [512, 1024, 2048, 4096]

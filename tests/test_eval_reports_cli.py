@@ -285,7 +285,40 @@ def test_tape_eval_errors_are_clear(tmp_path, capsys):
     assert "no complete checkpoint" in capsys.readouterr().err
     assert main(["--checkpoint", str(tmp_path / "run"), "--lengths", "8", "--protocols",
                  "sliding", "--stride", "8", "--out", str(tmp_path / "o")]) == 1
-    assert "eval.sliding_stride=8 must be smaller" in capsys.readouterr().err
+    assert "tape-eval: error: --stride=8 must be smaller" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lengths", "8", "0"], "--lengths (value 2) must be a positive integer, got 0"),
+    (["--lengths", "8", "8"], "--lengths has duplicates: [8]"),
+    (["--stride", "0"], "--stride must be a positive integer, got 0"),
+    (["--lengths", "4", "8", "--stride", "4"],
+     "--stride=4 must be smaller than every evaluation length, got length 4"),
+    (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
+    (["--protocols", "sliding", "sliding"], "--protocols has duplicates"),
+    (["--max-tokens", "0"], "--max-tokens must be a positive integer or 'all', got '0'"),
+])
+def test_tape_eval_errors_name_the_option_given_not_the_config_key(tmp_path, capsys, args,
+                                                                   message):
+    """The user typed options: the errors name them (the config keys are for a run config,
+    whose errors keep naming `eval.<key>`, test_eval_config.py)."""
+    make_checkpoint(tmp_path / "run", "rope", seed=4)
+    assert main(["--checkpoint", str(tmp_path / "run"), *args, "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert f"tape-eval: error: {message}" in err
+    assert "eval." not in err.replace("eval.json", "")
+
+
+def test_tape_eval_stride_too_large_for_the_default_lengths_says_where_they_come_from(
+        tmp_path, capsys):
+    make_checkpoint(tmp_path / "run", "rope", seed=4, seq_len=8)
+    assert main(["--checkpoint", str(tmp_path / "run"), "--stride", "8",
+                 "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert ("--stride=8 must be smaller than every evaluation length, got length 8" in err
+            and "without --lengths the lengths are L, 2L, 4L, 8L of its train.seq_len=8" in err)
+    assert str(tmp_path / "run" / "checkpoints" / "step_00000005") in err
     assert not (tmp_path / "o").exists()
 
 

@@ -236,6 +236,43 @@ def test_tape_submit_refuses_a_job_that_cannot_resume_on_its_node_count(corpus, 
     assert out.strip() == "4242" and (tmp_path / "sbatch.calls").exists()
 
 
+def test_tape_submit_dry_run_runs_the_preflight_without_sbatch(corpus, tmp_path, monkeypatch):
+    """`tape-submit --dry-run` is how a job is checked before queueing it: it runs the same
+    preflight as a submit (plan and problems on stderr, exit 2 on a problem) and still prints
+    the script on stdout; sbatch is not needed. `--no-preflight` is the negative control."""
+    monkeypatch.setenv("PATH", str(tmp_path / "no-sbatch-here"))
+    monkeypatch.chdir(tmp_path)
+    config = ["--config", str(corpus / "run.yaml"), f"train.run_dir={tmp_path / 'run'}"]
+
+    def dry_run_submit(*extra: str) -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = submit.main([*config, *extra, "--cpus-per-task", "1", "--dry-run"])
+        return rc, out.getvalue(), err.getvalue()
+
+    rc, out, err = dry_run_submit()
+    assert rc == 0, err
+    assert "tape-submit: preflight for 1 node(s) x 1 process(es):" in err
+    assert "rank grid: world=1" in err and "error" not in err
+    assert out.startswith("#!/bin/bash\n") and "rank grid" not in out  # the plan: stderr
+    script = out
+
+    missing = tmp_path / "no-such.model"
+    rc, out, err = dry_run_submit(f"data.tokenizer={missing}")
+    assert rc == 2
+    assert f"tape-submit: preflight: error: data.tokenizer: tokenizer {missing}: no such file" \
+        in err
+    assert "tape-submit: preflight found 1 problem(s): a submit would refuse this job" in err
+    # The whole script still, the one a submit would queue (here with the override).
+    assert out.startswith("#!/bin/bash\n") and len(out.splitlines()) == len(script.splitlines())
+    assert f"train.run_dir={tmp_path / 'run'} data.tokenizer={missing})" in out
+
+    rc, out, err = dry_run_submit(f"data.tokenizer={missing}", "--no-preflight")
+    assert rc == 0 and "preflight" not in err
+    assert "TRAIN_ARGS=(" in out
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "run").exists()
+
+
 def test_slurm_start_up_checks_refuse_a_job_that_cannot_resume_on_its_node_count(
         corpus, tmp_path, monkeypatch):
     # Plain `sbatch train.sbatch` has no tape-submit preflight: the first node's start-up

@@ -126,7 +126,7 @@ def test_dry_run_scripts_pass_sbatch_test_only(cluster, tmp_path, monkeypatch):
     config = write_run_config(tmp_path / "run.yaml", tmp_path / "run")
     common = ["--config", str(config), "train.max_steps=10", "--cpus-per-task",
               str(CPUS_PER_NODE), "--time", "00:30:00", "--partition", cluster.partition,
-              "--dry-run"]
+              "--dry-run", "--no-preflight"]  # the run has no data: the script only
     for nodes in (1, NUM_NODES, NUM_NODES + 1):
         rc, script, err = tape_submit([*common, "--nodes", str(nodes)])
         assert rc == 0, err

@@ -109,7 +109,8 @@ def test_tape_submit_prints_the_warning_as_one_line_of_its_own(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run.yaml").write_text("model: tiny\n")
     for grace, warned in (("30", True), ("120", False)):     # 120 s: the negative control
-        assert submit.main(["--config", "run.yaml", "--signal-grace", grace, "--dry-run"]) == 0
+        assert submit.main(["--config", "run.yaml", "--signal-grace", grace, "--dry-run",
+                            "--no-preflight"]) == 0
         err = capsys.readouterr().err
         assert ("tape-submit: warning: --signal-grace 30 s: Slurm may deliver USR1 up to 30 s "
                 "late" in err) is warned
@@ -244,7 +245,8 @@ def test_tape_submit_dry_run_prints_the_script(tmp_path, monkeypatch):
     rc, out, err = run_submit(["--config", str(config), "train.max_steps=7", "--nodes", "2",
                                "--time", "01:00:00", "--sbatch-arg=--exclusive",
                                "--eval-after", "--eval-lengths", "128", "256",
-                               "--eval-arg=--max-tokens=512", "--max-restarts", "0", "--dry-run"])
+                               "--eval-arg=--max-tokens=512", "--max-restarts", "0", "--dry-run",
+                               "--no-preflight"])
     assert rc == 0, err
     assert "\nTAPE_MAX_RESTARTS=0\n" in out
     train, _, evaluation = out.partition(submit.EVAL_SEPARATOR)

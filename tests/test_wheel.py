@@ -76,7 +76,7 @@ def test_named_configs_and_templates_work_from_any_directory(wheel_env):
     assert "hidden_size: 256" in cfg.stdout  # `base: tiny` resolved from the packaged sizes
     info = _run(wheel_env, "tape-model", "info", "tiny")
     assert info.returncode == 0 and "tiny pe=tape" in info.stdout, info.stderr
-    submit = _run(wheel_env, "tape-submit", "--config", "demo", "--dry-run")
+    submit = _run(wheel_env, "tape-submit", "--config", "demo", "--dry-run", "--no-preflight")
     assert submit.returncode == 0, submit.stderr
     assert "#SBATCH" in submit.stdout and "tape_train.train.cli" in submit.stdout
     missing = _run(wheel_env, "tape-train", "--config", "nosuch")

@@ -5,11 +5,14 @@
         [--eval-after] [--dry-run]
 
 The config and overrides are checked with the project's config loader before anything is
-queued, and passed to tape-train unchanged. `--dry-run` prints the rendered script (with
-`--eval-after` the evaluation script follows after a separator line) and submits nothing.
-Before sbatch, `tape-train --dry-run` runs here for the job's layout (data, tokenizer, resume
-on this node count, memory; `--no-preflight` skips it) and a problem refuses the job (exit 2).
-Otherwise the rendered scripts are kept next to the logs (`<log-dir>/<job-name>.<time>.*.sbatch`),
+queued, and passed to tape-train unchanged. Then `tape-train --dry-run` runs here for the
+job's layout (data, tokenizer, resume on this node count, memory: the preflight, its plan and
+problems on stderr; `--no-preflight` skips it). `--dry-run` runs that preflight too, prints the
+rendered script on stdout (with `--eval-after` the evaluation script follows after a separator
+line) and submits nothing; sbatch need not be installed. The script is printed even when the
+preflight found a problem, but the exit code is then 2, as a submit would refuse the job.
+Without `--dry-run` a preflight problem refuses the job (exit 2, nothing queued); otherwise
+the rendered scripts are kept next to the logs (`<log-dir>/<job-name>.<time>.*.sbatch`),
 the training job is submitted, and its id is printed on stdout (the evaluation job's id on a
 second line with `--eval-after`); progress messages go to stderr.
 """
@@ -107,10 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--eval-arg", action="append", default=[], metavar="=--OPTION=VALUE",
                    help="extra tape-eval argument (repeatable), attached: "
                         "--eval-arg=--max-tokens=8192")
-    p.add_argument("--dry-run", action="store_true", help="print the script(s), submit nothing")
-    f = p.add_argument_group("preflight (before sbatch)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run the preflight, print the script(s), submit nothing (exit 2 if the "
+                        "preflight found a problem)")
+    f = p.add_argument_group("preflight (before sbatch, and with --dry-run)")
     f.add_argument("--no-preflight", action="store_true",
-                   help="submit without running `tape-train --dry-run` for the target layout")
+                   help="skip `tape-train --dry-run` for the target layout: submit (or print "
+                        "the script) without it")
     f.add_argument("--gpu-name", default=None,
                    help="GPU model of the nodes (e.g. H100) for the memory and time plan when "
                         "this machine has no such GPU")
@@ -138,8 +144,9 @@ def _sbatch(args: list[str]) -> int:
 
 def preflight(args: argparse.Namespace, opts: ClusterOptions, train_args: list[str]) -> int:
     """`tape-train --dry-run` for the job's layout (nodes x processes per node), here, before
-    sbatch: a bad input or a run that cannot resume on this node count is refused now, not
-    after the job waited in the queue. The plan goes to stderr; 0 if the job may be submitted."""
+    sbatch (or for `--dry-run`): a bad input or a run that cannot resume on this node count is
+    refused now, not after the job waited in the queue. The plan goes to stderr; 0 if the job
+    may be submitted, else 2."""
     from tape_train.cluster.run_args import parse_train_args
     from tape_train.config import load_run_config
     from tape_train.train.preflight import format_report, run_preflight
@@ -154,8 +161,13 @@ def preflight(args: argparse.Namespace, opts: ClusterOptions, train_args: list[s
     sys.stderr.write(f"tape-submit: preflight for {opts.nodes} node(s) x {opts.procs} "
                      f"process(es):\n{out}{err}")
     if report.problems:
-        print(f"tape-submit: preflight found {len(report.problems)} problem(s); nothing was "
-              f"submitted (--no-preflight submits anyway)", file=sys.stderr)
+        if args.dry_run:
+            print(f"tape-submit: preflight found {len(report.problems)} problem(s): a submit "
+                  f"would refuse this job (--no-preflight submits anyway); the script follows "
+                  f"on stdout for inspection, exit code 2", file=sys.stderr)
+        else:
+            print(f"tape-submit: preflight found {len(report.problems)} problem(s); nothing "
+                  f"was submitted (--no-preflight submits anyway)", file=sys.stderr)
         return 2
     return 0
 
@@ -221,17 +233,23 @@ def _main(argv: list[str] | None) -> int:
         print(f"tape-submit: error: {exc}", file=sys.stderr)
         return 2
 
+    # The trainer's own checks; another --train-module has its own arguments.
+    check = not args.no_preflight and args.train_module == "tape_train.train.cli"
     if args.dry_run:
+        # The checks a submit would make, so that a dry run says whether the job would be
+        # queued; the script is printed either way (it is what a submit would render).
+        code = preflight(args, opts, train_args) if check else 0
+        sys.stderr.flush()
         sys.stdout.write(train_script)
         if eval_script is not None:
             sys.stdout.write(f"\n{EVAL_SEPARATOR}\n{eval_script}")
-        return 0
+        return code
 
     if shutil.which("sbatch") is None:
         print("tape-submit: error: sbatch not found on PATH; run on a Slurm login node, or use "
               "--dry-run to print the script", file=sys.stderr)
         return 2
-    if not args.no_preflight and args.train_module == "tape_train.train.cli":
+    if check:
         code = preflight(args, opts, train_args)
         if code:
             return code

@@ -6,6 +6,12 @@ start)`` yields ``(record_index, text)`` for every valid, non-empty document fro
 bad and skipped ones, so a position (shard, record) is stable across runs — the basis of
 exact resume. Skipping to ``start`` in JSONL only counts lines (no JSON parsing).
 
+A UTF-8 byte-order mark at the start of a JSONL file (Windows editors write one) is not part
+of its first record and is dropped; it moves no position, which counts records, not bytes
+(the file's size in a state's fingerprint is its size on disk, unchanged). Such a file was
+refused before (malformed JSON at line 1), so no earlier run read it otherwise. Plain-text
+files are read byte for byte, a mark included.
+
 We read local files ourselves rather than through ``datasets``' JSON builder because that
 builder cannot name the failing line or skip a bad record; Hub datasets go through
 ``datasets.load_dataset(..., streaming=True)``.
@@ -33,6 +39,7 @@ log = logging.getLogger("tape_train.data")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 TEXT_SUFFIXES = (".txt", ".md", ".rst")
 COMPRESSION_SUFFIXES = (".gz", ".zst")
+UTF8_BOM = b"\xef\xbb\xbf"
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "tape-data/1"
 # Names of the shards ``tape-data prepare`` writes (train-00003-of-00016.jsonl.zst); a
@@ -369,6 +376,8 @@ def _read_jsonl(shard: Shard, start: int, text_field: str, skip_bad: bool,
     try:
         for line_no, raw in enumerate(_iter_lines(shard, offset), start=first + 1):
             index = line_no - 1
+            if index == 0 and raw.startswith(UTF8_BOM):  # the file's start: see the docstring
+                raw = raw[len(UTF8_BOM):]
             if index < start or index % stride != phase or not raw.strip():
                 continue
             where = f"{shard.path}:{line_no}"
@@ -381,7 +390,11 @@ def _read_jsonl(shard: Shard, start: int, text_field: str, skip_bad: bool,
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
+                # json's "Unexpected UTF-8 BOM (decode using utf-8-sig)" speaks to programmers
+                bom = line.startswith("\ufeff")
                 _bad(skip_bad, skips, "malformed JSON", where,
+                     "a UTF-8 byte-order mark starts this line, not the file (files joined with "
+                     "theirs?): save them without BOM" if bom else
                      f"{exc.msg}: column {exc.colno}")
                 continue
             value = record.get(text_field, _MISSING) if isinstance(record, dict) else _MISSING

@@ -75,6 +75,25 @@ def build_parser() -> argparse.ArgumentParser:
     return example_on_missing(p, "tape-eval --checkpoint runs/demo --lengths 128 256 512 1024")
 
 
+# The options that set an ``eval.<key>`` setting (tape_train.eval.config.EvalConfig).
+OPTION_OF_KEY = {"lengths": "--lengths", "protocols": "--protocols",
+                 "sliding_stride": "--stride", "max_tokens": "--max-tokens",
+                 "batch_size": "--batch-size"}
+
+
+def option_name(key: str) -> str:
+    """An ``EvalConfig`` setting as this command line spells it, for its errors: the option
+    the user typed (``sliding_stride`` -> ``--stride``; an element ``lengths[1]`` -> ``--lengths
+    (value 2)``); a setting with no option keeps its config key."""
+    from tape_train.eval.config import config_key
+
+    base, bracket, index = key.partition("[")
+    option = OPTION_OF_KEY.get(base)
+    if option is None:
+        return config_key(key)
+    return f"{option} (value {int(index.rstrip(']')) + 1})" if bracket else option
+
+
 def _parse_max_tokens(text: str) -> int | None:
     if text.lower() in ("all", "none"):
         return None
@@ -98,7 +117,7 @@ def _checked_settings(args: argparse.Namespace):
     max_tokens = _parse_max_tokens(args.max_tokens)
     return max_tokens, EvalConfig(lengths=args.lengths, protocols=args.protocols,
                                   sliding_stride=args.stride, max_tokens=max_tokens,
-                                  batch_size=args.batch_size)
+                                  batch_size=args.batch_size, name=option_name)
 
 
 def check_arguments(argv: list[str]) -> None:
@@ -294,8 +313,14 @@ def _read_checkpoints(args, tag_dirs: list[Path], settings) -> list[_Checkpoint]
         if args.lengths is None and train_seq_len is None:
             raise ValueError(f"{tag_dir}: the checkpoint's config has no train.seq_len; "
                              f"pass --lengths")
-        lengths = settings.resolve_lengths(train_seq_len) if args.lengths is None \
-            else list(args.lengths)
+        if args.lengths is None:
+            try:  # a --stride too large for them
+                lengths = settings.resolve_lengths(train_seq_len, option_name)
+            except ValueError as exc:
+                raise ValueError(f"{tag_dir}: {exc}; without --lengths the lengths are L, 2L, "
+                                 f"4L, 8L of its train.seq_len={train_seq_len}") from None
+        else:
+            lengths = list(args.lengths)
         checkpoints.append(_Checkpoint(tag_dir, meta, model_cfg, train_seq_len, lengths))
     return checkpoints
 
