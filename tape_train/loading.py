@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -288,13 +289,17 @@ def load_model_from_checkpoint(path: str | Path, map_dtype: torch.dtype | None =
         # zero_to_fp32 cannot merge tensor-parallel shards: go through the universal form.
         state = _read_universal_weights_of(tag_dir)
     elif meta.get("zero_stage", 3) >= 1:  # ZeRO-1/2/3: fp32 master weights in the shards
-        from deepspeed.utils import zero_to_fp32
-
         from tape_train.progress import library_bars
 
-        with library_bars(zero_to_fp32):  # no carriage returns in a redirected log
-            state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent),
-                                                                          tag=tag_dir.name)
+        # DeepSpeed prints as it imports (its logger's handler is bound to the stdout of that
+        # moment) and as it consolidates: on stderr, as every message of ours; a reader's
+        # stdout is its data (tape-generate's text or JSON lines).
+        with contextlib.redirect_stdout(sys.stderr):
+            from deepspeed.utils import zero_to_fp32
+
+            with library_bars(zero_to_fp32):  # no carriage returns in a redirected log
+                state = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
+                    str(tag_dir.parent), tag=tag_dir.name)
     elif saved_layout(meta)["tp"] > 1:
         raise CheckpointError(f"{tag_dir}: a ZeRO-0 checkpoint with tensor parallelism holds "
                               f"only weight shards per file and cannot be consolidated; train "

@@ -402,6 +402,31 @@ def test_export_of_a_zero3_checkpoint_loads_without_deepspeed_and_partial_is_ref
     assert not (tmp_path / "bad").exists()
 
 
+def test_readers_of_a_zero_checkpoint_keep_deepspeed_off_stdout(ref_2p, tmp_path):
+    """tape-generate and tape-eval straight from the ZeRO-3 run (not an export): DeepSpeed's
+    import warning and its consolidation prints go to stderr, so stdout is the continuation,
+    the JSON lines of --prompts --out - and the evaluation table only (they began with
+    "[WARNING] ... Setting accelerator to CPU" and "Processing zero checkpoint ...")."""
+    import json
+
+    gen = _run([sys.executable, "-m", "tape_train.inference.generate", str(ref_2p), "--prompt",
+                "The", "--max-new-tokens", "4", "--temperature", "0"])
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    assert gen.stdout.startswith("The"), gen.stdout[:500]
+    assert "Processing zero checkpoint" in gen.stderr  # the control: DeepSpeed did print
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "The"}\n{"id": 2, "prompt": "A"}\n')
+    many = _run([sys.executable, "-m", "tape_train.inference.generate", str(ref_2p),
+                 "--prompts", str(prompts), "--out", "-", "--max-new-tokens", "3"])
+    assert many.returncode == 0, many.stderr[-2000:]
+    assert [json.loads(line)["id"] for line in many.stdout.splitlines()] == [1, 2]
+    ev = _run([sys.executable, "-m", "tape_train.eval.cli", "--checkpoint", str(ref_2p),
+               "--lengths", "32", "--max-tokens", "64", "--out", str(tmp_path / "eval"),
+               "--no-progress"])
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    assert ev.stdout.startswith("| model |"), ev.stdout[:500]
+
+
 RESUME_STEP = 2 * CKPT_EVERY
 
 
