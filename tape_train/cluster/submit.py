@@ -142,6 +142,16 @@ def _sbatch(args: list[str]) -> int:
     return int(first)
 
 
+def _remove_created(path: Path, existed: Path) -> None:
+    """Remove the empty directories from ``path`` up to (not including) ``existed``."""
+    while path != existed and existed in path.parents:
+        try:
+            path.rmdir()
+        except OSError:
+            return
+        path = path.parent
+
+
 def preflight(args: argparse.Namespace, opts: ClusterOptions, train_args: list[str]) -> int:
     """`tape-train --dry-run` for the job's layout (nodes x processes per node), here, before
     sbatch (or for `--dry-run`): a bad input or a run that cannot resume on this node count is
@@ -243,6 +253,15 @@ def _main(argv: list[str] | None) -> int:
         sys.stdout.write(train_script)
         if eval_script is not None:
             sys.stdout.write(f"\n{EVAL_SEPARATOR}\n{eval_script}")
+        sys.stdout.flush()
+        # Slurm opens the log before the script runs and does not create its directory: a
+        # script submitted by hand without it fails at once and writes nothing.
+        print(f"tape-submit: dry run, nothing submitted; to submit the script by hand: mkdir -p "
+              f"{log_dir} && sbatch <file>"
+              + ("" if eval_script is None else
+                 "; the evaluation script (after the '# ---- eval.sbatch' line) is a second "
+                 "file: sbatch --dependency=afterok:<training job id> "
+                 "--kill-on-invalid-dep=yes <eval file>"), file=sys.stderr)
         return code
 
     if shutil.which("sbatch") is None:
@@ -253,18 +272,26 @@ def _main(argv: list[str] | None) -> int:
         code = preflight(args, opts, train_args)
         if code:
             return code
+    existed = next(p for p in (log_dir, *log_dir.parents) if p.exists())
     log_dir.mkdir(parents=True, exist_ok=True)  # Slurm does not create the --output directory
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     train_file = log_dir / f"{opts.job_name}.{stamp}.train.sbatch"
     write_atomic(train_file, train_script)
     try:
         job_id = _sbatch([str(train_file)])
+    except RuntimeError as exc:
+        # Nothing was queued: no script is kept that looks submitted, no empty log directory.
+        train_file.unlink(missing_ok=True)
+        _remove_created(log_dir, existed)
+        print(f"tape-submit: error: {exc}\ntape-submit: nothing was submitted", file=sys.stderr)
+        return 1
+    eval_file = log_dir / f"{opts.job_name}.{stamp}.eval.sbatch"
+    try:
         print(f"tape-submit: training job {job_id}: {opts.nodes} node(s) x {opts.procs} "
               f"process(es), run dir {run_dir}, log {log_dir}/{opts.job_name}-{job_id}.out",
               file=sys.stderr)
         print(job_id, flush=True)
         if eval_script is not None:
-            eval_file = log_dir / f"{opts.job_name}.{stamp}.eval.sbatch"
             write_atomic(eval_file, eval_script)
             # Without kill-on-invalid-dep a failed training job would leave the evaluation
             # pending forever (DependencyNeverSatisfied).
@@ -275,6 +302,9 @@ def _main(argv: list[str] | None) -> int:
             print(eval_id, flush=True)
     except RuntimeError as exc:
         print(f"tape-submit: error: {exc}", file=sys.stderr)
+        print(f"tape-submit: training job {job_id} is queued without its evaluation; once the "
+              f"cause is fixed, chain it by hand: sbatch --dependency=afterok:{job_id} "
+              f"--kill-on-invalid-dep=yes {eval_file} (or `scancel {job_id}`)", file=sys.stderr)
         return 1
     return 0
 
