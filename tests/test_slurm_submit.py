@@ -364,6 +364,76 @@ def test_a_refused_evaluation_says_the_training_is_queued_and_how_to_chain_it(
             f"(or `scancel 41`)") in err
 
 
+def test_a_job_the_partition_would_never_start_is_refused_before_anything_is_written(
+        tmp_path, slurm_client, monkeypatch):
+    monkeypatch.setenv("FAKE_PARTITIONS", "\n".join([
+        PARTITION.format(name="debug", default="YES", max_nodes="UNLIMITED",
+                         max_time="00:30:00"),
+        PARTITION.format(name="long", default="NO", max_nodes="2", max_time="2-00:00:00")]))
+    cases = [
+        (["--time", "00:45:00"], "--time 00:45:00 is longer than partition debug's "
+                                 "MaxTime=00:30:00: Slurm would keep the job pending "
+                                 "(PartitionTimeLimit) and never start it"),
+        (["--time", "00:20:00", "--nodes", "5"], "--nodes 5 is more than partition debug gives "
+                                                 "one job (TotalNodes=4)"),
+        (["--partition", "long", "--nodes", "3"], "--nodes 3 is more than partition long gives "
+                                                  "one job (MaxNodes=2)"),
+        (["--time", "00:20:00", "--eval-after", "--eval-time", "02:00:00"],
+         "--eval-time 02:00:00 is longer than partition debug's MaxTime=00:30:00"),
+    ]
+    for extra, message in cases:
+        rc, out, err = run_submit(submit_args(tmp_path, *extra))
+        assert rc == 2 and out == "", err
+        assert message in err, err
+        assert not (tmp_path / "logs").exists() and not slurm_client.exists()
+    monkeypatch.setenv("SBATCH_PARTITION", "long")   # sbatch's own default partition
+    rc, out, err = run_submit(submit_args(tmp_path, "--nodes", "3"))
+    assert rc == 2 and "partition long gives one job (MaxNodes=2)" in err
+    monkeypatch.delenv("SBATCH_PARTITION")
+    # Negative controls: within the limits, or a partition scontrol does not show (sbatch
+    # names it then), or no answer from scontrol: submitted.
+    for extra in (["--time", "00:30:00", "--nodes", "4"],
+                  ["--partition", "long", "--time", "1-00:00:00", "--nodes", "2"],
+                  ["--partition", "other", "--time", "9-00:00:00"]):
+        rc, out, err = run_submit(submit_args(tmp_path, *extra))
+        assert rc == 0 and out.strip().isdigit(), (extra, err)
+    monkeypatch.delenv("FAKE_PARTITIONS")
+    rc, out, err = run_submit(submit_args(tmp_path, "--time", "9-00:00:00", "--nodes", "9"))
+    assert rc == 0, err
+
+
+def test_a_second_job_for_a_queued_or_running_run_is_warned_about(tmp_path, slurm_client,
+                                                                  monkeypatch):
+    import os
+    import socket
+
+    from tape_train.train.run_lock import LOCK_NAME
+
+    monkeypatch.setenv("FAKE_QUEUE", "41 PENDING\n")
+    rc, out, err = run_submit(submit_args(tmp_path))
+    assert rc == 0 and out == "41\n", err
+    assert ("tape-submit: warning: you already have job(s) named tape-run in the queue: "
+            "41 (PENDING); if one trains the same run dir") in err
+    # A dependency on purpose (to run after it) is not warned about.
+    rc, out, err = run_submit(submit_args(tmp_path, "--sbatch-arg=--dependency=afterany:41"))
+    assert rc == 0 and "warning" not in err, err
+    # A run holding the run directory now (here: a live process on this host).
+    monkeypatch.setenv("FAKE_QUEUE", "")
+    run_dir = tmp_path / "runs" / "exp1"
+    run_dir.mkdir(parents=True)
+    (run_dir / LOCK_NAME).write_text(
+        f'{{"host": "{socket.gethostname()}", "pid": {os.getppid()}, '
+        f'"started": "2026-01-01T00:00:00Z"}}')
+    rc, out, err = run_submit(submit_args(tmp_path, "--dry-run"))
+    assert rc == 0, err
+    assert (f"tape-submit: warning: run directory {run_dir} is in use by another run") in err
+    assert "(this job, if it starts before that run ends, fails its start-up checks)" in err
+    # Negative control: nothing queued, no lock: no warning.
+    (run_dir / LOCK_NAME).unlink()
+    rc, out, err = run_submit(submit_args(tmp_path))
+    assert rc == 0 and "warning" not in err, err
+
+
 def test_dry_run_says_how_to_submit_the_script_by_hand(tmp_path, slurm_client):
     rc, out, err = run_submit(submit_args(tmp_path, "--dry-run"))
     assert rc == 0 and out.startswith("#!/bin/bash\n")
@@ -372,3 +442,12 @@ def test_dry_run_says_how_to_submit_the_script_by_hand(tmp_path, slurm_client):
     rc, out, err = run_submit(submit_args(tmp_path, "--dry-run", "--eval-after"))
     assert "is a second file: sbatch --dependency=afterok:<training job id>" in err
     assert not (tmp_path / "logs").exists() and not (tmp_path / "calls").exists()
+
+
+def test_an_interpreter_missing_here_is_warned_about(tmp_path, slurm_client):
+    rc, out, err = run_submit(submit_args(tmp_path, "--dry-run", "--python", "/no/venv/bin/python"))
+    assert rc == 0
+    assert ("tape-submit: warning: --python /no/venv/bin/python: no such interpreter here; every "
+            "node needs it at that path") in err
+    rc, out, err = run_submit(submit_args(tmp_path, "--dry-run", "--python", "bash"))
+    assert "warning" not in err

@@ -20,6 +20,8 @@ second line with `--eval-after`); progress messages go to stderr.
 from __future__ import annotations
 
 import argparse
+import os
+import pwd
 import re
 import shutil
 import subprocess
@@ -142,6 +144,96 @@ def _sbatch(args: list[str]) -> int:
     return int(first)
 
 
+def _slurm_answer(argv: list[str]) -> str | None:
+    """stdout of a Slurm query, or None when there is no answer (not installed, failing, slow):
+    the checks that use it only catch early what sbatch or the job would show later."""
+    from tape_train.train.run_lock import _run_bounded
+
+    answer = _run_bounded(argv)
+    if isinstance(answer, str) or answer[0] != 0:
+        return None
+    return answer[1]
+
+
+def _slurm_seconds(text: str) -> int | None:
+    """A partition's MaxTime in seconds; None when unlimited or not a time."""
+    try:
+        return parse_time_limit(text)
+    except RenderError:
+        return None
+
+
+def partition_limit_errors(partition: str | None, jobs: list[tuple[str, int, str]]
+                           ) -> list[str]:
+    """What the partition's limits would keep pending for ever: a job asking for more time
+    (MaxTime) or nodes (MaxNodes, TotalNodes) than the partition gives is accepted by sbatch
+    on clusters that do not enforce partition limits at submission (EnforcePartLimits=NO, the
+    default), then pends with reason PartitionTimeLimit / PartitionNodeLimit and never starts.
+    ``jobs`` is ``[(time flag, nodes, time limit)]``; ``partition`` None means the default
+    partition. Nothing is said when scontrol cannot answer or several partitions are given."""
+    if partition and "," in partition:
+        return []
+    out = _slurm_answer(["scontrol", "show", "partition", "--oneliner",
+                         *([partition] if partition else [])])
+    if not out:
+        return []
+    rows = [dict(tok.split("=", 1) for tok in line.split() if "=" in tok)
+            for line in out.splitlines()]
+    row = next((r for r in rows if (r.get("PartitionName") == partition if partition
+                                    else r.get("Default") == "YES")), None)
+    if row is None:
+        return []
+    name = row["PartitionName"]
+    errors = []
+    max_time = row.get("MaxTime", "UNLIMITED")
+    time_limit = _slurm_seconds(max_time)
+    node_limits = [(int(row[key]), f"{key}={row[key]}") for key in ("MaxNodes", "TotalNodes")
+                   if row.get(key, "").isdigit()]
+    for flag, nodes, time_text in jobs:
+        if time_limit is not None and parse_time_limit(time_text, flag) > time_limit:
+            errors.append(f"{flag} {time_text} is longer than partition {name}'s MaxTime="
+                          f"{max_time}: Slurm would keep the job pending (PartitionTimeLimit) "
+                          f"and never start it; ask for {max_time} or less, or another "
+                          f"partition (--partition)")
+        for limit, said in node_limits:
+            if nodes > limit:
+                errors.append(f"--nodes {nodes} is more than partition {name} gives one job "
+                              f"({said}): Slurm would keep the job pending (PartitionNodeLimit) "
+                              f"and never start it; ask for {limit} or fewer, or another "
+                              f"partition (--partition)")
+                break
+    return errors
+
+
+def duplicate_warnings(job_name: str, run_dir: Path) -> list[str]:
+    """A second job for a run that is already queued or running: both are accepted, and the
+    one that starts second fails its start-up checks while the other holds the run directory.
+    Said at submission, from the run directory's lock and the user's queued jobs of this name
+    (the run directory of a pending job is not visible to Slurm: the name is the hint)."""
+    from tape_train.train.run_lock import lock_refusal
+
+    found = []
+    refusal = lock_refusal(run_dir)
+    if refusal:
+        found.append(f"{refusal} (this job, if it starts before that run ends, fails its "
+                     f"start-up checks)")
+    try:
+        user = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:  # a uid without a passwd entry (some containers): squeue cannot be asked
+        user = None
+    out = user and _slurm_answer(["squeue", "--noheader", f"--user={user}",
+                                  f"--name={job_name}", "--format=%i %T"])
+    queued = [line.split() for line in (out or "").splitlines() if len(line.split()) == 2]
+    if queued:
+        jobs = ", ".join(f"{job} ({state})" for job, state in queued)
+        found.append(f"you already have job(s) named {job_name} in the queue: {jobs}; if one "
+                     f"trains the same run dir ({run_dir}), only one of them can run at a time "
+                     f"(the one that starts second fails its start-up checks; nothing is lost): "
+                     f"`scancel` the one you do not want, or give this run its own "
+                     f"train.run_dir and --job-name")
+    return found
+
+
 def _remove_created(path: Path, existed: Path) -> None:
     """Remove the empty directories from ``path`` up to (not including) ``existed``."""
     while path != existed and existed in path.parents:
@@ -238,10 +330,23 @@ def _main(argv: list[str] | None) -> int:
                 raise ValueError(f"{', '.join(given)}: only used by the evaluation job of "
                                  f"--eval-after, which is not given: add --eval-after, or drop "
                                  f"{'them' if len(given) > 1 else 'it'}")
+        errors = partition_limit_errors(
+            args.partition or os.environ.get("SBATCH_PARTITION"),
+            [("--time", opts.nodes, opts.time)]
+            + ([("--eval-time", 1, args.eval_time)] if args.eval_after else []))
+        if errors:
+            raise ValueError("; ".join(errors))
     except (RenderError, TrainArgsError, ValueError) as exc:
         # ConfigError is a ValueError: it names the config file, line and key.
         print(f"tape-submit: error: {exc}", file=sys.stderr)
         return 2
+    if shutil.which(args.python) is None:
+        warnings.warn(f"--python {args.python}: no such interpreter here; every node needs it "
+                      f"at that path, or the job fails its start-up checks (slurmstepd: error: "
+                      f"execve(): {args.python}: No such file or directory)")
+    if not any(arg.startswith("--dependency") for arg in args.sbatch_arg):
+        for message in duplicate_warnings(opts.job_name, run_dir):
+            warnings.warn(message)
 
     # The trainer's own checks; another --train-module has its own arguments.
     check = not args.no_preflight and args.train_module == "tape_train.train.cli"
