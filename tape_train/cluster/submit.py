@@ -359,6 +359,8 @@ def _main(argv: list[str] | None) -> int:
         if eval_script is not None:
             sys.stdout.write(f"\n{EVAL_SEPARATOR}\n{eval_script}")
         sys.stdout.flush()
+        if code:
+            return code  # no invitation to submit what the preflight refused
         # Slurm opens the log before the script runs and does not create its directory: a
         # script submitted by hand without it fails at once and writes nothing.
         print(f"tape-submit: dry run, nothing submitted; to submit the script by hand: mkdir -p "
