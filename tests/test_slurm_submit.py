@@ -12,6 +12,7 @@ import contextlib
 import io
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -449,5 +450,13 @@ def test_an_interpreter_missing_here_is_warned_about(tmp_path, slurm_client):
     assert rc == 0
     assert ("tape-submit: warning: --python /no/venv/bin/python: no such interpreter here; every "
             "node needs it at that path") in err
-    rc, out, err = run_submit(submit_args(tmp_path, "--dry-run", "--python", "bash"))
-    assert "warning" not in err
+    # One that runs but lacks the package (here: a stand-in Python that finds nothing).
+    no_package = tmp_path / "bare-python"
+    no_package.write_text("#!/bin/bash\nexit 1\n")
+    no_package.chmod(0o755)
+    rc, out, err = run_submit(submit_args(tmp_path, "--dry-run", "--python", str(no_package)))
+    assert rc == 0
+    assert (f"tape-submit: warning: --python {no_package} cannot import tape_train here") in err
+    # Negative control: this interpreter (it has tape_train).
+    rc, out, err = run_submit(submit_args(tmp_path, "--dry-run", "--python", sys.executable))
+    assert "warning" not in err, err

@@ -234,6 +234,18 @@ def duplicate_warnings(job_name: str, run_dir: Path) -> list[str]:
     return found
 
 
+def _finds_tape_train(python: str) -> bool:
+    """Whether ``python`` finds the tape_train package (without importing it: no torch start-up);
+    True when the question cannot be asked (only a clear no is worth a warning)."""
+    try:
+        proc = subprocess.run([python, "-c", "import importlib.util, sys; "
+                               "sys.exit(importlib.util.find_spec('tape_train') is None)"],
+                              capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    return proc.returncode != 1
+
+
 def _remove_created(path: Path, existed: Path) -> None:
     """Remove the empty directories from ``path`` up to (not including) ``existed``."""
     while path != existed and existed in path.parents:
@@ -344,6 +356,11 @@ def _main(argv: list[str] | None) -> int:
         warnings.warn(f"--python {args.python}: no such interpreter here; every node needs it "
                       f"at that path, or the job fails its start-up checks (slurmstepd: error: "
                       f"execve(): {args.python}: No such file or directory)")
+    elif not _finds_tape_train(args.python):
+        warnings.warn(f"--python {args.python} cannot import tape_train here (with this "
+                      f"environment, which the job inherits): unless the nodes' interpreter "
+                      f"can, the job fails its start-up checks (No module named 'tape_train'); "
+                      f"give the Python of the environment tape-train is installed in")
     if not any(arg.startswith("--dependency") for arg in args.sbatch_arg):
         for message in duplicate_warnings(opts.job_name, run_dir):
             warnings.warn(message)
