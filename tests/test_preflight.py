@@ -255,6 +255,8 @@ def test_tape_submit_dry_run_runs_the_preflight_without_sbatch(corpus, tmp_path,
     assert "tape-submit: preflight for 1 node(s) x 1 process(es):" in err
     assert "rank grid: world=1" in err and "error" not in err
     assert out.startswith("#!/bin/bash\n") and "rank grid" not in out  # the plan: stderr
+    assert err.endswith(f"to submit the script by hand: mkdir -p {Path.cwd()}/logs/slurm && "
+                        f"sbatch <file>\n")
     script = out
 
     missing = tmp_path / "no-such.model"
@@ -263,6 +265,7 @@ def test_tape_submit_dry_run_runs_the_preflight_without_sbatch(corpus, tmp_path,
     assert f"tape-submit: preflight: error: data.tokenizer: tokenizer {missing}: no such file" \
         in err
     assert "tape-submit: preflight found 1 problem(s): a submit would refuse this job" in err
+    assert "to submit the script by hand" not in err   # said only of a script that may go
     # The whole script still, the one a submit would queue (here with the override).
     assert out.startswith("#!/bin/bash\n") and len(out.splitlines()) == len(script.splitlines())
     assert f"train.run_dir={tmp_path / 'run'} data.tokenizer={missing})" in out

@@ -206,6 +206,11 @@ def test_term_is_forwarded_but_not_requeued(fake_slurm):
     assert rc == 1, out
     assert f"scancel --signal=TERM {JOB_ID}" in calls and "step got TERM" in calls
     assert not any(c.startswith("scontrol requeue") for c in calls)
+    # The log's last line says what to do next: a plain scancel is not run again by Slurm.
+    last = out.strip().splitlines()[-1]
+    assert "stopped by SIGTERM (step exit code 1); not requeueing from the script" in last
+    assert "resubmit the same command (or sbatch this script again) to resume from the " \
+           "newest complete checkpoint" in last and "--eval-after" in last
 
 
 def test_failed_training_without_a_signal_is_not_requeued(fake_slurm):

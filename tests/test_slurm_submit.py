@@ -12,6 +12,7 @@ import contextlib
 import io
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -283,3 +284,179 @@ def test_tape_submit_without_sbatch_says_so(tmp_path, monkeypatch):
     config = write_config(tmp_path)
     rc, out, err = run_submit(["--config", str(config)])
     assert rc == 2 and "sbatch not found on PATH" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# Submitting against stand-ins for sbatch, scontrol and squeue (the real ones: test_slurm_cluster)
+# ---------------------------------------------------------------------------------------------
+FAKE_SBATCH = r"""#!/bin/bash
+echo "sbatch $*" >> "$FAKE_DIR/calls"
+if [[ -n ${FAKE_SBATCH_FAIL:-} && " $* " == *"$FAKE_SBATCH_FAIL"* ]]; then
+    echo "sbatch: error: Batch job submission failed: Invalid partition name specified" >&2
+    exit 1
+fi
+n=$(( $(cat "$FAKE_DIR/next_id" 2>/dev/null || echo 40) + 1 ))
+echo "$n" > "$FAKE_DIR/next_id"
+echo "$n"
+"""
+FAKE_SCONTROL = r"""#!/bin/bash
+[[ "$*" == "show partition --oneliner"* && -n ${FAKE_PARTITIONS:-} ]] || exit 1
+printf '%s\n' "$FAKE_PARTITIONS"
+"""
+FAKE_SQUEUE = r"""#!/bin/bash
+[[ " $* " == *" --name="* ]] && printf '%s' "${FAKE_QUEUE:-}"
+exit 0
+"""
+PARTITION = ("PartitionName={name} AllowGroups=ALL Default={default} MaxNodes={max_nodes} "
+             "MaxTime={max_time} MinNodes=0 Nodes=n[1-4] State=UP TotalCPUs=8 TotalNodes=4")
+
+
+@pytest.fixture
+def slurm_client(tmp_path, monkeypatch):
+    """sbatch/scontrol/squeue stand-ins first on PATH, driven by FAKE_* variables; returns the
+    file their calls are recorded in."""
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir()
+    for name, text in (("sbatch", FAKE_SBATCH), ("scontrol", FAKE_SCONTROL),
+                       ("squeue", FAKE_SQUEUE)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("FAKE_DIR", str(tmp_path))
+    for name in ("FAKE_SBATCH_FAIL", "FAKE_PARTITIONS", "FAKE_QUEUE", "SBATCH_PARTITION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "calls"
+
+
+def submit_args(tmp_path: Path, *extra: str) -> list[str]:
+    return ["--config", str(write_config(tmp_path)), "--nodes", "2", "--time", "01:00:00",
+            "--log-dir", "logs/slurm", "--no-preflight", *extra]
+
+
+def test_a_refused_submission_leaves_no_script_or_log_directory(tmp_path, slurm_client,
+                                                                monkeypatch):
+    monkeypatch.setenv("FAKE_SBATCH_FAIL", ".train.sbatch")
+    rc, out, err = run_submit(submit_args(tmp_path, "--partition", "nope"))
+    assert rc == 1 and out == ""
+    assert "Invalid partition name specified\ntape-submit: nothing was submitted\n" in err
+    assert not (tmp_path / "logs").exists()   # it was created for the script, and removed
+    # A log directory that was there already stays, with what it held; only our script goes.
+    (tmp_path / "logs" / "slurm").mkdir(parents=True)
+    (tmp_path / "logs" / "slurm" / "old-7.out").write_text("an earlier job's log\n")
+    rc, out, err = run_submit(submit_args(tmp_path))
+    assert rc == 1
+    assert [p.name for p in (tmp_path / "logs" / "slurm").iterdir()] == ["old-7.out"]
+    # Negative control: an accepted job keeps its rendered script next to its log.
+    monkeypatch.delenv("FAKE_SBATCH_FAIL")
+    rc, out, err = run_submit(submit_args(tmp_path))
+    assert rc == 0 and out == "41\n", err
+    assert len(list((tmp_path / "logs" / "slurm").glob("tape-run.*.train.sbatch"))) == 1
+
+
+def test_a_refused_evaluation_says_the_training_is_queued_and_how_to_chain_it(
+        tmp_path, slurm_client, monkeypatch):
+    monkeypatch.setenv("FAKE_SBATCH_FAIL", "--dependency=afterok:41")
+    rc, out, err = run_submit(submit_args(tmp_path, "--eval-after"))
+    assert rc == 1 and out == "41\n", err
+    (eval_file,) = (tmp_path / "logs" / "slurm").glob("tape-run.*.eval.sbatch")
+    assert (f"training job 41 is queued without its evaluation; once the cause is fixed, chain "
+            f"it by hand: sbatch --dependency=afterok:41 --kill-on-invalid-dep=yes {eval_file} "
+            f"(or `scancel 41`)") in err
+
+
+def test_a_job_the_partition_would_never_start_is_refused_before_anything_is_written(
+        tmp_path, slurm_client, monkeypatch):
+    monkeypatch.setenv("FAKE_PARTITIONS", "\n".join([
+        PARTITION.format(name="debug", default="YES", max_nodes="UNLIMITED",
+                         max_time="00:30:00"),
+        PARTITION.format(name="long", default="NO", max_nodes="2", max_time="2-00:00:00")]))
+    cases = [
+        (["--time", "00:45:00"], "--time 00:45:00 is longer than partition debug's "
+                                 "MaxTime=00:30:00: Slurm would keep the job pending "
+                                 "(PartitionTimeLimit) and never start it"),
+        (["--time", "00:20:00", "--nodes", "5"], "--nodes 5 is more than partition debug gives "
+                                                 "one job (TotalNodes=4)"),
+        (["--partition", "long", "--nodes", "3"], "--nodes 3 is more than partition long gives "
+                                                  "one job (MaxNodes=2)"),
+        (["--time", "00:20:00", "--eval-after", "--eval-time", "02:00:00"],
+         "--eval-time 02:00:00 is longer than partition debug's MaxTime=00:30:00"),
+    ]
+    for extra, message in cases:
+        rc, out, err = run_submit(submit_args(tmp_path, *extra))
+        assert rc == 2 and out == "", err
+        assert message in err, err
+        assert not (tmp_path / "logs").exists() and not slurm_client.exists()
+    monkeypatch.setenv("SBATCH_PARTITION", "long")   # sbatch's own default partition
+    rc, out, err = run_submit(submit_args(tmp_path, "--nodes", "3"))
+    assert rc == 2 and "partition long gives one job (MaxNodes=2)" in err
+    monkeypatch.delenv("SBATCH_PARTITION")
+    # Negative controls: within the limits, or a partition scontrol does not show (sbatch
+    # names it then), or no answer from scontrol: submitted.
+    for extra in (["--time", "00:30:00", "--nodes", "4"],
+                  ["--partition", "long", "--time", "1-00:00:00", "--nodes", "2"],
+                  ["--partition", "other", "--time", "9-00:00:00"]):
+        rc, out, err = run_submit(submit_args(tmp_path, *extra))
+        assert rc == 0 and out.strip().isdigit(), (extra, err)
+    monkeypatch.delenv("FAKE_PARTITIONS")
+    rc, out, err = run_submit(submit_args(tmp_path, "--time", "9-00:00:00", "--nodes", "9"))
+    assert rc == 0, err
+
+
+def test_a_second_job_for_a_queued_or_running_run_is_warned_about(tmp_path, slurm_client,
+                                                                  monkeypatch):
+    import os
+    import socket
+
+    from tape_train.train.run_lock import LOCK_NAME
+
+    monkeypatch.setenv("FAKE_QUEUE", "41 PENDING\n")
+    rc, out, err = run_submit(submit_args(tmp_path))
+    assert rc == 0 and out == "41\n", err
+    assert ("tape-submit: warning: you already have job(s) named tape-run in the queue: "
+            "41 (PENDING); if one trains the same run dir") in err
+    # A dependency on purpose (to run after it) is not warned about.
+    rc, out, err = run_submit(submit_args(tmp_path, "--sbatch-arg=--dependency=afterany:41"))
+    assert rc == 0 and "warning" not in err, err
+    # A run holding the run directory now (here: a live process on this host).
+    monkeypatch.setenv("FAKE_QUEUE", "")
+    run_dir = tmp_path / "runs" / "exp1"
+    run_dir.mkdir(parents=True)
+    (run_dir / LOCK_NAME).write_text(
+        f'{{"host": "{socket.gethostname()}", "pid": {os.getppid()}, '
+        f'"started": "2026-01-01T00:00:00Z"}}')
+    rc, out, err = run_submit(submit_args(tmp_path, "--dry-run"))
+    assert rc == 0, err
+    assert (f"tape-submit: warning: run directory {run_dir} is in use by another run") in err
+    assert "(this job, if it starts before that run ends, fails its start-up checks)" in err
+    # Negative control: nothing queued, no lock: no warning.
+    (run_dir / LOCK_NAME).unlink()
+    rc, out, err = run_submit(submit_args(tmp_path))
+    assert rc == 0 and "warning" not in err, err
+
+
+def test_dry_run_says_how_to_submit_the_script_by_hand(tmp_path, slurm_client):
+    rc, out, err = run_submit(submit_args(tmp_path, "--dry-run"))
+    assert rc == 0 and out.startswith("#!/bin/bash\n")
+    assert (f"tape-submit: dry run, nothing submitted; to submit the script by hand: mkdir -p "
+            f"{tmp_path}/logs/slurm && sbatch <file>\n") in err
+    rc, out, err = run_submit(submit_args(tmp_path, "--dry-run", "--eval-after"))
+    assert "is a second file: sbatch --dependency=afterok:<training job id>" in err
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "calls").exists()
+
+
+def test_an_interpreter_missing_here_is_warned_about(tmp_path, slurm_client):
+    rc, out, err = run_submit(submit_args(tmp_path, "--dry-run", "--python", "/no/venv/bin/python"))
+    assert rc == 0
+    assert ("tape-submit: warning: --python /no/venv/bin/python: no such interpreter here; every "
+            "node needs it at that path") in err
+    # One that runs but lacks the package (here: a stand-in Python that finds nothing).
+    no_package = tmp_path / "bare-python"
+    no_package.write_text("#!/bin/bash\nexit 1\n")
+    no_package.chmod(0o755)
+    rc, out, err = run_submit(submit_args(tmp_path, "--dry-run", "--python", str(no_package)))
+    assert rc == 0
+    assert (f"tape-submit: warning: --python {no_package} cannot import tape_train here") in err
+    # Negative control: this interpreter (it has tape_train).
+    rc, out, err = run_submit(submit_args(tmp_path, "--dry-run", "--python", sys.executable))
+    assert "warning" not in err, err

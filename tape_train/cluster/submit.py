@@ -20,6 +20,8 @@ second line with `--eval-after`); progress messages go to stderr.
 from __future__ import annotations
 
 import argparse
+import os
+import pwd
 import re
 import shutil
 import subprocess
@@ -142,6 +144,118 @@ def _sbatch(args: list[str]) -> int:
     return int(first)
 
 
+def _slurm_answer(argv: list[str]) -> str | None:
+    """stdout of a Slurm query, or None when there is no answer (not installed, failing, slow):
+    the checks that use it only catch early what sbatch or the job would show later."""
+    from tape_train.train.run_lock import _run_bounded
+
+    answer = _run_bounded(argv)
+    if isinstance(answer, str) or answer[0] != 0:
+        return None
+    return answer[1]
+
+
+def _slurm_seconds(text: str) -> int | None:
+    """A partition's MaxTime in seconds; None when unlimited or not a time."""
+    try:
+        return parse_time_limit(text)
+    except RenderError:
+        return None
+
+
+def partition_limit_errors(partition: str | None, jobs: list[tuple[str, int, str]]
+                           ) -> list[str]:
+    """What the partition's limits would keep pending for ever: a job asking for more time
+    (MaxTime) or nodes (MaxNodes, TotalNodes) than the partition gives is accepted by sbatch
+    on clusters that do not enforce partition limits at submission (EnforcePartLimits=NO, the
+    default), then pends with reason PartitionTimeLimit / PartitionNodeLimit and never starts.
+    ``jobs`` is ``[(time flag, nodes, time limit)]``; ``partition`` None means the default
+    partition. Nothing is said when scontrol cannot answer or several partitions are given."""
+    if partition and "," in partition:
+        return []
+    out = _slurm_answer(["scontrol", "show", "partition", "--oneliner",
+                         *([partition] if partition else [])])
+    if not out:
+        return []
+    rows = [dict(tok.split("=", 1) for tok in line.split() if "=" in tok)
+            for line in out.splitlines()]
+    row = next((r for r in rows if (r.get("PartitionName") == partition if partition
+                                    else r.get("Default") == "YES")), None)
+    if row is None:
+        return []
+    name = row["PartitionName"]
+    errors = []
+    max_time = row.get("MaxTime", "UNLIMITED")
+    time_limit = _slurm_seconds(max_time)
+    node_limits = [(int(row[key]), f"{key}={row[key]}") for key in ("MaxNodes", "TotalNodes")
+                   if row.get(key, "").isdigit()]
+    for flag, nodes, time_text in jobs:
+        if time_limit is not None and parse_time_limit(time_text, flag) > time_limit:
+            errors.append(f"{flag} {time_text} is longer than partition {name}'s MaxTime="
+                          f"{max_time}: Slurm would keep the job pending (PartitionTimeLimit) "
+                          f"and never start it; ask for {max_time} or less, or another "
+                          f"partition (--partition)")
+        for limit, said in node_limits:
+            if nodes > limit:
+                errors.append(f"--nodes {nodes} is more than partition {name} gives one job "
+                              f"({said}): Slurm would keep the job pending (PartitionNodeLimit) "
+                              f"and never start it; ask for {limit} or fewer, or another "
+                              f"partition (--partition)")
+                break
+    return errors
+
+
+def duplicate_warnings(job_name: str, run_dir: Path) -> list[str]:
+    """A second job for a run that is already queued or running: both are accepted, and the
+    one that starts second fails its start-up checks while the other holds the run directory.
+    Said at submission, from the run directory's lock and the user's queued jobs of this name
+    (the run directory of a pending job is not visible to Slurm: the name is the hint)."""
+    from tape_train.train.run_lock import lock_refusal
+
+    found = []
+    refusal = lock_refusal(run_dir)
+    if refusal:
+        found.append(f"{refusal} (this job, if it starts before that run ends, fails its "
+                     f"start-up checks)")
+    try:
+        user = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:  # a uid without a passwd entry (some containers): squeue cannot be asked
+        user = None
+    out = user and _slurm_answer(["squeue", "--noheader", f"--user={user}",
+                                  f"--name={job_name}", "--format=%i %T"])
+    queued = [line.split() for line in (out or "").splitlines() if len(line.split()) == 2]
+    if queued:
+        jobs = ", ".join(f"{job} ({state})" for job, state in queued)
+        found.append(f"you already have job(s) named {job_name} in the queue: {jobs}; if one "
+                     f"trains the same run dir ({run_dir}), only one of them can run at a time "
+                     f"(the one that starts second fails its start-up checks; nothing is lost): "
+                     f"`scancel` the one you do not want, or give this run its own "
+                     f"train.run_dir and --job-name")
+    return found
+
+
+def _finds_tape_train(python: str) -> bool:
+    """Whether ``python`` finds the tape_train package (without importing it: no torch start-up);
+    True when the question cannot be asked (only a clear no is worth a warning)."""
+    try:
+        proc = subprocess.run([python, "-c", "import importlib.util, sys; "
+                               "sys.exit(importlib.util.find_spec('tape_train') is None)"],
+                              capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    return proc.returncode != 1
+
+
+def _remove_created(path: Path, existed: Path) -> None:
+    """Remove the empty directories from ``path`` up to (not including) ``existed``."""
+    while path != existed and existed in path.parents:
+        try:
+            path.rmdir()
+        except OSError:
+            return
+        path = path.parent
+
+
 def preflight(args: argparse.Namespace, opts: ClusterOptions, train_args: list[str]) -> int:
     """`tape-train --dry-run` for the job's layout (nodes x processes per node), here, before
     sbatch (or for `--dry-run`): a bad input or a run that cannot resume on this node count is
@@ -228,10 +342,28 @@ def _main(argv: list[str] | None) -> int:
                 raise ValueError(f"{', '.join(given)}: only used by the evaluation job of "
                                  f"--eval-after, which is not given: add --eval-after, or drop "
                                  f"{'them' if len(given) > 1 else 'it'}")
+        errors = partition_limit_errors(
+            args.partition or os.environ.get("SBATCH_PARTITION"),
+            [("--time", opts.nodes, opts.time)]
+            + ([("--eval-time", 1, args.eval_time)] if args.eval_after else []))
+        if errors:
+            raise ValueError("; ".join(errors))
     except (RenderError, TrainArgsError, ValueError) as exc:
         # ConfigError is a ValueError: it names the config file, line and key.
         print(f"tape-submit: error: {exc}", file=sys.stderr)
         return 2
+    if shutil.which(args.python) is None:
+        warnings.warn(f"--python {args.python}: no such interpreter here; every node needs it "
+                      f"at that path, or the job fails its start-up checks (slurmstepd: error: "
+                      f"execve(): {args.python}: No such file or directory)")
+    elif not _finds_tape_train(args.python):
+        warnings.warn(f"--python {args.python} cannot import tape_train here (with this "
+                      f"environment, which the job inherits): unless the nodes' interpreter "
+                      f"can, the job fails its start-up checks (No module named 'tape_train'); "
+                      f"give the Python of the environment tape-train is installed in")
+    if not any(arg.startswith("--dependency") for arg in args.sbatch_arg):
+        for message in duplicate_warnings(opts.job_name, run_dir):
+            warnings.warn(message)
 
     # The trainer's own checks; another --train-module has its own arguments.
     check = not args.no_preflight and args.train_module == "tape_train.train.cli"
@@ -243,6 +375,17 @@ def _main(argv: list[str] | None) -> int:
         sys.stdout.write(train_script)
         if eval_script is not None:
             sys.stdout.write(f"\n{EVAL_SEPARATOR}\n{eval_script}")
+        sys.stdout.flush()
+        if code:
+            return code  # no invitation to submit what the preflight refused
+        # Slurm opens the log before the script runs and does not create its directory: a
+        # script submitted by hand without it fails at once and writes nothing.
+        print(f"tape-submit: dry run, nothing submitted; to submit the script by hand: mkdir -p "
+              f"{log_dir} && sbatch <file>"
+              + ("" if eval_script is None else
+                 "; the evaluation script (after the '# ---- eval.sbatch' line) is a second "
+                 "file: sbatch --dependency=afterok:<training job id> "
+                 "--kill-on-invalid-dep=yes <eval file>"), file=sys.stderr)
         return code
 
     if shutil.which("sbatch") is None:
@@ -253,18 +396,26 @@ def _main(argv: list[str] | None) -> int:
         code = preflight(args, opts, train_args)
         if code:
             return code
+    existed = next(p for p in (log_dir, *log_dir.parents) if p.exists())
     log_dir.mkdir(parents=True, exist_ok=True)  # Slurm does not create the --output directory
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     train_file = log_dir / f"{opts.job_name}.{stamp}.train.sbatch"
     write_atomic(train_file, train_script)
     try:
         job_id = _sbatch([str(train_file)])
+    except RuntimeError as exc:
+        # Nothing was queued: no script is kept that looks submitted, no empty log directory.
+        train_file.unlink(missing_ok=True)
+        _remove_created(log_dir, existed)
+        print(f"tape-submit: error: {exc}\ntape-submit: nothing was submitted", file=sys.stderr)
+        return 1
+    eval_file = log_dir / f"{opts.job_name}.{stamp}.eval.sbatch"
+    try:
         print(f"tape-submit: training job {job_id}: {opts.nodes} node(s) x {opts.procs} "
               f"process(es), run dir {run_dir}, log {log_dir}/{opts.job_name}-{job_id}.out",
               file=sys.stderr)
         print(job_id, flush=True)
         if eval_script is not None:
-            eval_file = log_dir / f"{opts.job_name}.{stamp}.eval.sbatch"
             write_atomic(eval_file, eval_script)
             # Without kill-on-invalid-dep a failed training job would leave the evaluation
             # pending forever (DependencyNeverSatisfied).
@@ -275,6 +426,9 @@ def _main(argv: list[str] | None) -> int:
             print(eval_id, flush=True)
     except RuntimeError as exc:
         print(f"tape-submit: error: {exc}", file=sys.stderr)
+        print(f"tape-submit: training job {job_id} is queued without its evaluation; once the "
+              f"cause is fixed, chain it by hand: sbatch --dependency=afterok:{job_id} "
+              f"--kill-on-invalid-dep=yes {eval_file} (or `scancel {job_id}`)", file=sys.stderr)
         return 1
     return 0
 
