@@ -385,7 +385,7 @@ def test_a_job_the_partition_would_never_start_is_refused_before_anything_is_wri
     for extra, message in cases:
         rc, out, err = run_submit(submit_args(tmp_path, *extra))
         assert rc == 2 and out == "", err
-        assert message in err, err
+        assert message in err and "--ignore-partition-limits" in err, err
         assert not (tmp_path / "logs").exists() and not slurm_client.exists()
     monkeypatch.setenv("SBATCH_PARTITION", "long")   # sbatch's own default partition
     rc, out, err = run_submit(submit_args(tmp_path, "--nodes", "3"))
@@ -398,6 +398,10 @@ def test_a_job_the_partition_would_never_start_is_refused_before_anything_is_wri
                   ["--partition", "other", "--time", "9-00:00:00"]):
         rc, out, err = run_submit(submit_args(tmp_path, *extra))
         assert rc == 0 and out.strip().isdigit(), (extra, err)
+    # Where a QOS lifts the partition's limits, the user says so.
+    rc, out, err = run_submit(submit_args(tmp_path, "--time", "00:45:00",
+                                          "--ignore-partition-limits"))
+    assert rc == 0 and out.strip().isdigit(), err
     monkeypatch.delenv("FAKE_PARTITIONS")
     rc, out, err = run_submit(submit_args(tmp_path, "--time", "9-00:00:00", "--nodes", "9"))
     assert rc == 0, err

@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--no-preflight", action="store_true",
                    help="skip `tape-train --dry-run` for the target layout: submit (or print "
                         "the script) without it")
+    f.add_argument("--ignore-partition-limits", action="store_true",
+                   help="submit a job longer or wider than its partition's MaxTime/MaxNodes "
+                        "(scontrol show partition) allows, e.g. where a QOS lifts them; without "
+                        "it such a job is refused, as Slurm would keep it pending for ever")
     f.add_argument("--gpu-name", default=None,
                    help="GPU model of the nodes (e.g. H100) for the memory and time plan when "
                         "this machine has no such GPU")
@@ -342,12 +346,14 @@ def _main(argv: list[str] | None) -> int:
                 raise ValueError(f"{', '.join(given)}: only used by the evaluation job of "
                                  f"--eval-after, which is not given: add --eval-after, or drop "
                                  f"{'them' if len(given) > 1 else 'it'}")
-        errors = partition_limit_errors(
+        # A QOS may let a job past its partition's limits (Flags=PartitionTimeLimit, ...).
+        errors = [] if args.ignore_partition_limits else partition_limit_errors(
             args.partition or os.environ.get("SBATCH_PARTITION"),
             [("--time", opts.nodes, opts.time)]
             + ([("--eval-time", 1, args.eval_time)] if args.eval_after else []))
         if errors:
-            raise ValueError("; ".join(errors))
+            raise ValueError("; ".join(errors) + " (where a QOS lifts the partition's limits: "
+                             "--ignore-partition-limits)")
     except (RenderError, TrainArgsError, ValueError) as exc:
         # ConfigError is a ValueError: it names the config file, line and key.
         print(f"tape-submit: error: {exc}", file=sys.stderr)
