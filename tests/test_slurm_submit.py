@@ -291,6 +291,7 @@ def test_tape_submit_without_sbatch_says_so(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 FAKE_SBATCH = r"""#!/bin/bash
 echo "sbatch $*" >> "$FAKE_DIR/calls"
+env | grep '^SBATCH_' | sort > "$FAKE_DIR/sbatch_env"
 if [[ -n ${FAKE_SBATCH_FAIL:-} && " $* " == *"$FAKE_SBATCH_FAIL"* ]]; then
     echo "sbatch: error: Batch job submission failed: Invalid partition name specified" >&2
     exit 1
@@ -464,3 +465,35 @@ def test_an_interpreter_missing_here_is_warned_about(tmp_path, slurm_client):
     # Negative control: this interpreter (it has tape_train).
     rc, out, err = run_submit(submit_args(tmp_path, "--dry-run", "--python", sys.executable))
     assert "warning" not in err, err
+
+
+def test_sbatch_input_variables_do_not_override_the_rendered_script(tmp_path, slurm_client,
+                                                                     monkeypatch):
+    """An SBATCH_* variable of the user's shell outranks the script's #SBATCH line (Slurm:
+    command line > environment > script): one standing for a rendered option is not passed to
+    sbatch, and said; one for an option not rendered (no --partition given) still applies.
+    The dry run warns that a by-hand sbatch would be overridden."""
+    env_file = tmp_path / "sbatch_env"
+    monkeypatch.setenv("SBATCH_TIMELIMIT", "7-00:00:00")
+    monkeypatch.setenv("SBATCH_SIGNAL", "B:USR1@10")
+    monkeypatch.setenv("SBATCH_PARTITION", "site-default")
+    monkeypatch.setenv("SBATCH_WCKEY", "mine")     # no --wckey rendered: passed on
+    rc, out, err = run_submit(submit_args(tmp_path, "--eval-after"))
+    assert rc == 0 and len(out.split()) == 2, err
+    assert ("tape-submit: SBATCH_TIMELIMIT=7-00:00:00 is set here: not passed to sbatch, where "
+            "it would override the script's #SBATCH --time") in err
+    assert "SBATCH_SIGNAL=B:USR1@10 is set here" in err and "SBATCH_PARTITION" not in err
+    assert env_file.read_text() == "SBATCH_PARTITION=site-default\nSBATCH_WCKEY=mine\n"
+    # --partition rendered: the variable goes too.
+    rc, out, err = run_submit(submit_args(tmp_path, "--partition", "gpu"))
+    assert rc == 0 and "SBATCH_PARTITION=site-default is set here" in err, err
+    assert env_file.read_text() == "SBATCH_WCKEY=mine\n"
+    rc, out, err = run_submit(submit_args(tmp_path, "--dry-run"))
+    assert rc == 0 and out.startswith("#!/bin/bash"), err
+    assert ("tape-submit: warning: SBATCH_TIMELIMIT=7-00:00:00 in this environment overrides "
+            "the script's #SBATCH --time when you sbatch it by hand") in err
+    # Negative control: none set, nothing said, and sbatch gets no SBATCH_* variable.
+    for var in ("SBATCH_TIMELIMIT", "SBATCH_SIGNAL", "SBATCH_PARTITION", "SBATCH_WCKEY"):
+        monkeypatch.delenv(var)
+    rc, out, err = run_submit(submit_args(tmp_path))
+    assert rc == 0 and "SBATCH_" not in err and env_file.read_text() == "", err

@@ -136,9 +136,44 @@ def _job_name(config: str, explicit: str | None) -> str:
     return "tape-" + re.sub(r"[^A-Za-z0-9_.-]", "-", Path(config).stem)
 
 
-def _sbatch(args: list[str]) -> int:
-    """Run `sbatch --parsable ...` and return the job id; RuntimeError with sbatch's message."""
-    proc = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True)
+# sbatch's input environment variables, by the option each stands for. Slurm ranks them above
+# the script's #SBATCH lines (command line > environment > script): one set in the user's
+# shell (a site profile's SBATCH_PARTITION, an SBATCH_TIMELIMIT, an SBATCH_SIGNAL) would
+# silently replace what tape-submit rendered -- the USR1 warning before the time limit
+# included, without which the job is killed without a checkpoint.
+SBATCH_ENV_OPTIONS = {
+    "SBATCH_JOB_NAME": "--job-name", "SBATCH_TIMELIMIT": "--time",
+    "SBATCH_PARTITION": "--partition", "SBATCH_ACCOUNT": "--account", "SBATCH_QOS": "--qos",
+    "SBATCH_SIGNAL": "--signal", "SBATCH_REQUEUE": "--requeue", "SBATCH_NO_REQUEUE": "--requeue",
+    "SBATCH_OPEN_MODE": "--open-mode", "SBATCH_GPUS_PER_NODE": "--gpus-per-node",
+    "SBATCH_GPUS": "--gpus-per-node", "SBATCH_GRES": "--gres", "SBATCH_CONSTRAINT": "--constraint",
+    "SBATCH_EXCLUSIVE": "--exclusive", "SBATCH_RESERVATION": "--reservation",
+    "SBATCH_MEM_PER_NODE": "--mem", "SBATCH_MEM_PER_CPU": "--mem-per-cpu",
+    "SBATCH_MEM_PER_GPU": "--mem-per-gpu", "SBATCH_CPUS_PER_GPU": "--cpus-per-gpu",
+    "SBATCH_WCKEY": "--wckey", "SBATCH_CLUSTERS": "--clusters",
+}
+
+
+def script_options(script: str) -> set[str]:
+    """The long options of a rendered script's ``#SBATCH`` lines (``--time``, ...)."""
+    return {m.group(1) for m in re.finditer(r"^#SBATCH\s+(--[A-Za-z0-9-]+)", script, re.M)}
+
+
+def overriding_environment(scripts: list[str], environ=None) -> dict[str, str]:
+    """The sbatch input variables set in ``environ`` (default: this process's) that would
+    override an option the ``scripts`` render: ``{variable: option}``."""
+    environ = os.environ if environ is None else environ
+    rendered = set().union(*map(script_options, scripts))
+    return {var: option for var, option in SBATCH_ENV_OPTIONS.items()
+            if var in environ and option in rendered}
+
+
+def _sbatch(args: list[str], drop_env: dict[str, str] | None = None) -> int:
+    """Run `sbatch --parsable ...` and return the job id; RuntimeError with sbatch's message.
+    ``drop_env``: input variables not passed to sbatch (``overriding_environment``)."""
+    env = {k: v for k, v in os.environ.items() if k not in (drop_env or {})}
+    proc = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True,
+                          env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"sbatch {' '.join(args)} failed (exit {proc.returncode}): "
                            f"{proc.stderr.strip() or proc.stdout.strip()}")
@@ -373,7 +408,13 @@ def _main(argv: list[str] | None) -> int:
 
     # The trainer's own checks; another --train-module has its own arguments.
     check = not args.no_preflight and args.train_module == "tape_train.train.cli"
+    scripts = [train_script] + ([eval_script] if eval_script is not None else [])
+    overriding = overriding_environment(scripts)
     if args.dry_run:
+        for var, option in overriding.items():
+            warnings.warn(f"{var}={os.environ[var]} in this environment overrides the script's "
+                          f"#SBATCH {option} when you sbatch it by hand (Slurm ranks the "
+                          f"environment above the script); unset it first")
         # The checks a submit would make, so that a dry run says whether the job would be
         # queued; the script is printed either way (it is what a submit would render).
         code = preflight(args, opts, train_args) if check else 0
@@ -408,7 +449,11 @@ def _main(argv: list[str] | None) -> int:
     train_file = log_dir / f"{opts.job_name}.{stamp}.train.sbatch"
     write_atomic(train_file, train_script)
     try:
-        job_id = _sbatch([str(train_file)])
+        for var, option in overriding.items():
+            print(f"tape-submit: {var}={os.environ[var]} is set here: not passed to sbatch, "
+                  f"where it would override the script's #SBATCH {option} (Slurm ranks the "
+                  f"environment above the script)", file=sys.stderr)
+        job_id = _sbatch([str(train_file)], overriding)
     except RuntimeError as exc:
         # Nothing was queued: no script is kept that looks submitted, no empty log directory.
         train_file.unlink(missing_ok=True)
@@ -426,7 +471,7 @@ def _main(argv: list[str] | None) -> int:
             # Without kill-on-invalid-dep a failed training job would leave the evaluation
             # pending forever (DependencyNeverSatisfied).
             eval_id = _sbatch([f"--dependency=afterok:{job_id}", "--kill-on-invalid-dep=yes",
-                               str(eval_file)])
+                               str(eval_file)], overriding)
             print(f"tape-submit: evaluation job {eval_id} runs after {job_id} succeeds",
                   file=sys.stderr)
             print(eval_id, flush=True)
