@@ -20,7 +20,7 @@ from tape_train.eval.cli import main
 from tape_train.eval.perplexity import evaluate_perplexity
 from tape_train.model import TransformerLM, load_model_config
 from tape_train.train import checkpoint as ckpt
-from tape_train.data.synthetic import synthetic_eval_documents
+from tape_train.data.synthetic import synthetic_held_out
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -107,7 +107,7 @@ class StateDictEngine:
 
 
 def make_checkpoint(run_dir, pe, seed, step=5, vocab_size=50, data=None, seq_len=8,
-                    train=None, meta=None, **model_overrides):
+                    train=None, meta=None, eval_section=None, **model_overrides):
     torch.manual_seed(seed)
     cfg = load_model_config("tiny", **{"num_layers": 1, "hidden_size": 32, "num_heads": 2,
                                        "intermediate_size": 64, "vocab_size": vocab_size,
@@ -121,6 +121,8 @@ def make_checkpoint(run_dir, pe, seed, step=5, vocab_size=50, data=None, seq_len
                                                 "synthetic_data": data is None, **(train or {})}}
     if data is not None:
         config["data"] = data
+    if eval_section is not None:
+        config["eval"] = eval_section
     ckpt.save_checkpoint(StateDictEngine(model), run_dir, step, rank=0,
                          meta={"step": step, "world_size": 1, "zero_stage": 0,
                                "config": config, **(meta or {})},
@@ -146,7 +148,7 @@ def test_tape_eval_two_checkpoints_end_to_end(tmp_path, capsys):
     # Same numbers as evaluating the saved weights directly on the run's synthetic documents.
     for model, entry in zip((tape, rope), payload["models"]):
         assert entry["step"] == 5 and entry["train_seq_len"] == 8
-        docs = list(synthetic_eval_documents(50, 4, 2 * 16 + 1, 7))
+        docs = list(synthetic_held_out(50, 8 * 8, 7))   # the run's lengths: 8L of seq_len 8
         for protocol in ("nonoverlap", "sliding"):
             want = evaluate_perplexity(model.float(), docs, lengths=[8, 16], protocol=protocol,
                                        max_tokens=40)
@@ -157,6 +159,44 @@ def test_tape_eval_two_checkpoints_end_to_end(tmp_path, capsys):
     # Negative control: the two models really produce different numbers.
     assert payload["models"][0]["results"][0]["nll_sum"] != pytest.approx(
         payload["models"][1]["results"][0]["nll_sum"], rel=1e-6)
+
+
+def test_a_synthetic_run_is_scored_on_the_documents_its_scheduled_evaluation_used(tmp_path,
+                                                                                    caplog):
+    """A run trained on synthetic data has random held-out documents sized by its eval
+    lengths; tape-eval scores the same ones (the trainer's own source), whatever lengths it is
+    asked up to the run's, so its numbers are the logged ones; bits per byte is bits per
+    token. Control: a longer length needs longer documents, and the report says so."""
+    from types import SimpleNamespace
+
+    from tape_train.config import RunConfig
+    from tape_train.train.loop import Trainer
+
+    eval_section = {"interval": 2, "lengths": [8, 16], "max_tokens": None}
+    model = make_checkpoint(tmp_path / "run", "tape", seed=4, eval_section=eval_section)
+    run_cfg = RunConfig.from_dict({"model": model.cfg.to_dict(), "eval": eval_section,
+                                   "train": {"seq_len": 8, "seed": 7, "synthetic_data": True}})
+    trainer_docs = list(Trainer._eval_document_source(SimpleNamespace(
+        cfg=run_cfg, eval_documents_fn=None)))
+    logged = evaluate_perplexity(model.float(), trainer_docs, lengths=[8], protocol="nonoverlap")
+    out = tmp_path / "report"
+    base = ["--checkpoint", str(tmp_path / "run"), "--protocols", "nonoverlap", "--max-tokens",
+            "all", "--dtype", "fp32", "--no-progress"]
+    assert main([*base, "--lengths", "8", "--out", str(out)]) == 0
+    payload = json.loads((out / "eval.json").read_text())
+    [r] = payload["models"][0]["results"]
+    assert r["tokens"] == logged[0]["tokens"] == 4 * 32            # 4 documents of 33 tokens
+    assert r["nll_sum"] == pytest.approx(logged[0]["nll_sum"], rel=1e-6)
+    assert r["bytes"] == r["tokens"]                                 # one byte per prediction
+    assert r["bits_per_byte"] == pytest.approx(r["loss"] / math.log(2))
+    assert "not the run's own" not in payload["settings"]["data"]
+    # Control: L=32 is beyond the run's lengths: longer documents, said in the log and report.
+    with caplog.at_level(logging.INFO, logger="tape_train.eval"):
+        assert main([*base, "--lengths", "8", "32", "--out", str(out)]) == 0
+    payload = json.loads((out / "eval.json").read_text())
+    assert payload["models"][0]["results"][0]["tokens"] == 4 * 64
+    assert "not the run's own held-out documents" in payload["settings"]["data"]
+    assert "not comparable with the ones in the run's log" in caplog.text
 
 
 def test_tape_eval_on_a_data_config_with_real_text(tmp_path):

@@ -75,8 +75,21 @@ class SyntheticLoader:
 
 
 def synthetic_eval_documents(vocab_size: int, num_documents: int, length: int, seed: int):
-    """Held-out random documents ``(token_ids, n_bytes)``; bytes are counted as one per token
-    (bits per byte is then bits per token)."""
+    """Held-out random documents ``(token_ids, n_bytes)``; bytes are counted as one per
+    predicted token (the first token of a document is context only, never predicted), so bits
+    per byte is bits per token."""
     for i in range(num_documents):
         gen = torch.Generator().manual_seed(seed * 7_919 + 10**9 + i)
-        yield torch.randint(0, vocab_size, (length,), generator=gen).tolist(), length
+        yield torch.randint(0, vocab_size, (length,), generator=gen).tolist(), length - 1
+
+
+# The scheduled evaluation of a run on synthetic data scores this many random documents.
+SYNTHETIC_EVAL_DOCUMENTS = 4
+
+
+def synthetic_held_out(vocab_size: int, longest: int, seed: int):
+    """The held-out set of a run trained on synthetic data: ``SYNTHETIC_EVAL_DOCUMENTS``
+    documents of ``2 * longest + 1`` tokens, ``longest`` the longest evaluation length of the
+    run's ``eval`` section. The trainer's scheduled evaluation and tape-eval both read it from
+    here, so tape-eval on a checkpoint scores the documents the run's log was measured on."""
+    return synthetic_eval_documents(vocab_size, SYNTHETIC_EVAL_DOCUMENTS, 2 * longest + 1, seed)

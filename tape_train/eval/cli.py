@@ -233,18 +233,41 @@ def _documents(args, meta: dict, longest: int, model_cfg):
     config = meta.get("config") or {}
     train = config.get("train") or {}
     if args.data is None and train.get("synthetic_data"):
-        # A run trained on synthetic tokens has no corpus: evaluate on the same kind of
-        # deterministic random documents the trainer's scheduled evaluation uses.
-        from tape_train.data.synthetic import synthetic_eval_documents
+        # A run trained on synthetic tokens has no corpus: evaluate on the deterministic random
+        # documents of its scheduled evaluation (sized by its eval lengths), longer only when
+        # a length asked here needs it.
+        from tape_train.data.synthetic import synthetic_held_out
 
-        docs = synthetic_eval_documents(model_cfg.vocab_size, 4, 2 * longest + 1,
-                                        int(train.get("seed", 0)))
-        return docs, "synthetic random tokens (the run trained on synthetic data)", None
+        run_longest = _run_eval_longest(config)
+        description = "synthetic random tokens (the run trained on synthetic data)"
+        if run_longest is None or longest > run_longest:
+            log.info("held-out data: synthetic documents sized for L=%d, %s: the numbers are "
+                     "not comparable with the ones in the run's log", longest,
+                     "the run's config does not say its eval lengths" if run_longest is None
+                     else f"longer than its scheduled evaluation's (up to L={run_longest})")
+            description += f", sized for L={longest}, not the run's own held-out documents"
+        else:
+            longest = run_longest
+        docs = synthetic_held_out(model_cfg.vocab_size, longest, int(train.get("seed", 0)))
+        return docs, description, None
     from tape_train.data import iter_eval_documents, load_model_tokenizer
 
     data_cfg, desc = _data_config(args.data, config, args.tokenizer)
     tokenizer = load_model_tokenizer(data_cfg.tokenizer, model_cfg.vocab_size)
     return iter_eval_documents(data_cfg, tokenizer), desc, data_cfg.tokenizer
+
+
+def _run_eval_longest(config: dict) -> int | None:
+    """The longest length of a run's own scheduled evaluation (its ``eval`` section, default
+    L..8L of its ``train.seq_len``); None when the stored config does not say."""
+    from tape_train.eval.config import EvalConfig
+
+    try:
+        seq_len = int((config.get("train") or {}).get("seq_len", 0))
+        return max(EvalConfig.from_dict(dict(config.get("eval") or {}))
+                   .resolve_lengths(seq_len))
+    except (TypeError, ValueError):
+        return None
 
 
 def _check_same_tokenizer(checkpoints: list[_Checkpoint], used: str) -> None:

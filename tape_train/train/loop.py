@@ -787,11 +787,10 @@ class Trainer:
         if self.eval_documents_fn is not None:
             return self.eval_documents_fn()
         if self.cfg.train.synthetic_data:
-            from tape_train.data.synthetic import synthetic_eval_documents
+            from tape_train.data.synthetic import synthetic_held_out
 
             longest = max(self.cfg.eval.resolve_lengths(self.cfg.train.seq_len))
-            return synthetic_eval_documents(self.cfg.model.vocab_size, 4, 2 * longest + 1,
-                                            self.cfg.train.seed)
+            return synthetic_held_out(self.cfg.model.vocab_size, longest, self.cfg.train.seed)
         from tape_train.data import iter_eval_documents, load_tokenizer
 
         if getattr(self, "tokenizer", None) is None:
