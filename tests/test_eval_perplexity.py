@@ -195,6 +195,38 @@ def test_max_tokens_scores_the_same_prefix_with_unchanged_context(protocol):
     assert r["bits_per_byte"] == pytest.approx(r["nll_sum"] / (math.log(2) * r["bytes"]))
 
 
+def test_every_result_says_whether_max_tokens_cut_the_held_out_set():
+    """``capped``: the held-out stream had more predictions than were scored. Known also when
+    the cap falls exactly on a document boundary (a document is left unread) and when the
+    documents are materialized again (evaluate_schedule, the trainer's cached list). Controls:
+    a cap at or above the whole set's predictions does not cut it."""
+    from tape_train.eval.config import EvalConfig
+    from tape_train.eval.perplexity import HeldOutDocuments, evaluate_schedule, \
+        materialize_documents
+
+    docs = unique_documents()                 # 1 + 4 + 7 + 8 + 12 + 22 = 54 predictions
+    total = sum(n - 1 for n in DOC_LENGTHS)
+
+    def capped(max_tokens, source=None):
+        return [r["capped"] for r in evaluate_perplexity(
+            RecordingModel(), docs if source is None else source, lengths=[4, 6],
+            protocol="sliding", max_tokens=max_tokens, allow_unmeasured=True)]
+
+    assert capped(17) == [True, True]         # inside a document
+    assert capped(12) == [True, True]         # on a document boundary: the rest unread
+    assert capped(total) == capped(total + 1) == capped(None) == [False, False]
+    # Materialized once with the cap (tape-eval, the trainer), then evaluated: still known.
+    kept = materialize_documents(docs, 12)
+    assert kept.capped and sum(t.numel() - 1 for t, _ in kept) == 12
+    assert capped(12, kept) == [True, True]
+    plain = HeldOutDocuments((t.tolist(), n) for t, n in kept)   # the trainer's copy
+    plain.capped = kept.capped
+    results = evaluate_schedule(RecordingModel(), plain, EvalConfig(
+        lengths=[4], protocols=["nonoverlap"], max_tokens=12), train_seq_len=4)
+    assert [r["capped"] for r in results] == [True]
+    assert not materialize_documents(docs, total).capped
+
+
 def test_bits_per_byte_and_cap_on_the_real_model():
     model, docs = tiny_model(seed=5), documents(seed=5)
     r = evaluate_perplexity(model, docs, lengths=[4], protocol="sliding", max_tokens=20)[0]

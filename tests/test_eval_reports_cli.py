@@ -21,6 +21,7 @@ from tape_train.eval.perplexity import evaluate_perplexity
 from tape_train.model import TransformerLM, load_model_config
 from tape_train.train import checkpoint as ckpt
 from tape_train.data.synthetic import synthetic_held_out
+from test_eval_perplexity import RecordingModel
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -219,6 +220,36 @@ def test_tape_eval_on_a_data_config_with_real_text(tmp_path):
         assert r["tokens"] == 300 and 300 < r["bytes"] < 300 * 16   # bytes of real text
         assert r["bits_per_byte"] == pytest.approx(r["nll_sum"] / (math.log(2) * r["bytes"]))
         assert r["bytes"] == pytest.approx(results[0]["bytes"])     # same text at every L
+        assert r["capped"]
+    # The report says the cap cut the held-out set, and what was measured.
+    table = (out / "eval.md").read_text()
+    assert "| 300 ‡ |" in table and "‡ max_tokens=300 cut the held-out set" in table
+    assert "## What was measured" in table and "- max_tokens: 300 (the first 300" in table
+    # The trainer's scheduled evaluation knows it too, also with the cap on the end of a
+    # document (its cached copy of the held-out set keeps the flag).
+    from types import SimpleNamespace
+
+    from tape_train.config import RunConfig
+    from tape_train.data import iter_eval_documents
+    from tape_train.eval.perplexity import evaluate_schedule
+    from tape_train.train.loop import Trainer
+
+    first = len(next(iter_eval_documents(data, tok))[0]) - 1
+    cfg = RunConfig.from_dict({"model": "tiny", "data": data, "train": {"seq_len": 8},
+                               "eval": {"max_tokens": first, "lengths": [8],
+                                        "protocols": ["nonoverlap"]}})
+    trainer = SimpleNamespace(cfg=cfg, eval_documents_fn=None, tokenizer=None)
+    [scheduled] = evaluate_schedule(RecordingModel(), Trainer._eval_document_source(trainer),
+                                    cfg.eval, train_seq_len=8)
+    assert scheduled["capped"] and scheduled["tokens"] == first and scheduled["documents"] == 1
+    # Control: the whole held-out set is not cut, and the table has no mark.
+    assert main(["--checkpoint", str(tmp_path / "run"), "--protocols", "nonoverlap",
+                 "--lengths", "8", "--max-tokens", "all", "--out", str(out),
+                 "--no-progress"]) == 0
+    [whole] = json.loads((out / "eval.json").read_text())["models"][0]["results"]
+    assert not whole["capped"] and whole["tokens"] > 300
+    table = (out / "eval.md").read_text()
+    assert "‡" not in table and "- max_tokens: all" in table
 
 
 def test_a_run_read_from_another_directory_finds_the_data_and_tokenizer_it_named(

@@ -185,22 +185,33 @@ def _collate(batch: list[_Window]) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, labels
 
 
+class HeldOutDocuments(list):
+    """The documents ``materialize_documents`` kept, and whether ``max_tokens`` cut the
+    held-out stream (``capped``: it had more predictions than the cap; passed on when the
+    list is materialized again, where the documents past the cap are no longer there)."""
+
+    capped: bool = False
+
+
 def materialize_documents(documents: Iterable, max_tokens: int | None = None
-                          ) -> list[tuple[torch.Tensor, int]]:
+                          ) -> HeldOutDocuments:
     """Validate held-out documents and keep them as int64 tensors.
 
     Reading stops once the documents hold ``max_tokens`` predictions, so a capped evaluation
     tokenises only what it scores. Documents with fewer than two tokens predict nothing and are
-    dropped.
+    dropped. The result's ``capped`` says whether the held-out stream had more predictions
+    than ``max_tokens`` (a document left unread, or the last one kept reaching past the cap).
 
     Args:
         documents: iterable of ``(token_ids, n_bytes)``; ``token_ids`` a list of ints or a 1-D
             integer tensor including BOS/EOS, ``n_bytes`` the UTF-8 size of the text.
     """
-    kept: list[tuple[torch.Tensor, int]] = []
+    kept = HeldOutDocuments()
+    kept.capped = bool(getattr(documents, "capped", False))
     predictions = 0
     for index, item in enumerate(documents):
         if max_tokens is not None and predictions >= max_tokens:
+            kept.capped = True   # a document is left unread
             break
         try:
             token_ids, n_bytes = item
@@ -226,6 +237,8 @@ def materialize_documents(documents: Iterable, max_tokens: int | None = None
             continue
         kept.append((tokens.long(), n_bytes))
         predictions += tokens.numel() - 1
+    if max_tokens is not None and predictions > max_tokens:
+        kept.capped = True
     return kept
 
 
@@ -284,7 +297,9 @@ def evaluate_perplexity(model: torch.nn.Module, documents: Iterable, *, lengths:
         scored text), ``bits_per_byte``, ``documents`` (documents touched), ``windows``
         (forward windows, all ranks), ``max_tokens``, ``documents_at_length``,
         ``windows_at_length``, ``tokens_at_length`` (what reached the full length L),
-        ``measured`` (False: no window reached L; values are NaN) and ``few_tokens``.
+        ``capped`` (``max_tokens`` cut the held-out stream: it holds more predictions than
+        were scored), ``measured`` (False: no window reached L; values are NaN) and
+        ``few_tokens``.
 
     Raises ``UnmeasuredLengthError`` if no length of ``lengths`` is reached by any window (with
     one length asked, that length); unmeasured lengths among measured ones are NaN + warning.
@@ -344,11 +359,13 @@ def evaluate_perplexity(model: torch.nn.Module, documents: Iterable, *, lengths:
         if not info["measured"]:
             result.update(perplexity=math.nan, loss=math.nan, bits_per_byte=math.nan)
         results.append(result)
-        log.info("eval L=%d protocol=%s stride=%s ppl=%.4f loss=%.5f tokens=%d bpb=%.5f "
+        log.info("eval L=%d protocol=%s stride=%s ppl=%.4f loss=%.5f tokens=%d%s bpb=%.5f "
                  "(%d documents, %d windows, %d tokens at full length)", result["length"],
                  protocol, result["stride"], result["perplexity"], result["loss"],
-                 result["tokens"], result["bits_per_byte"], result["documents_at_length"],
-                 result["windows_at_length"], result["tokens_at_length"])
+                 result["tokens"], " (the first of the held-out set: max_tokens)"
+                 if result["capped"] else "", result["bits_per_byte"],
+                 result["documents_at_length"], result["windows_at_length"],
+                 result["tokens_at_length"])
     return results
 
 
@@ -472,6 +489,7 @@ def _evaluate_length(model, docs, length, protocol, stride, max_tokens, batch_si
     info = {"length": length, "protocol": protocol,
             "stride": resolve_stride(length, stride) if protocol == "sliding" else None,
             **counts, "max_tokens": max_tokens,
+            "capped": bool(getattr(docs, "capped", False)),
             "measured": counts["windows_at_length"] > 0,
             "few_tokens": counts["tokens_at_length"] < FEW_TOKENS, "scored": scored}
     host_bytes = torch.tensor([scored_bytes], dtype=torch.float64)

@@ -19,6 +19,7 @@ REPORT_FORMAT = "tape-eval/1"
 
 
 FEW_MARK = "†"
+CAPPED_MARK = "‡"
 
 
 def _measured(r: dict) -> bool:
@@ -30,12 +31,14 @@ def format_table(runs: list[dict]) -> str:
     and what really reached the length L (documents, full-length windows, their tokens).
 
     A length no window reached reads ``n/a``; one resting on few full-length tokens
-    (``few_tokens``) carries a † and a footnote.
+    (``few_tokens``) carries a † and a footnote; a token count cut by ``max_tokens``
+    (``capped``) a ‡ and a footnote.
     """
     lines = ["| model | protocol | L | L/L_train | stride | perplexity | loss (nats) | "
              "bits/byte | tokens | docs ≥ L | windows = L | tokens at L |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     few = unmeasured = False
+    caps = set()
     for run in runs:
         train_len = run.get("train_seq_len")
         for r in sorted(run["results"], key=lambda r: (r["protocol"], r["length"])):
@@ -46,15 +49,24 @@ def format_table(runs: list[dict]) -> str:
                 unmeasured = True
             elif r.get("few_tokens"):
                 few, mark = True, f" {FEW_MARK}"
+            cut = ""
+            if r.get("capped"):
+                caps.add(r.get("max_tokens"))
+                cut = f" {CAPPED_MARK}"
             lines.append(f"| {run['label']} | {r['protocol']} | {r['length']} | {ratio} | "
                          f"{stride} | {_num(r, 'perplexity', 3)}{mark} | {_num(r, 'loss', 4)} | "
-                         f"{_num(r, 'bits_per_byte', 4)} | {r['tokens']} | "
+                         f"{_num(r, 'bits_per_byte', 4)} | {r['tokens']}{cut} | "
                          f"{r.get('documents_at_length', '–')} | "
                          f"{r.get('windows_at_length', '–')} | "
                          f"{r.get('tokens_at_length', '–')} |")
     if few:
         lines.append(f"\n{FEW_MARK} rests on fewer than {_few_tokens()} tokens scored by "
                      f"full-length windows: a rough estimate.")
+    if caps:
+        cap = ", ".join(str(c) for c in sorted(caps, key=str))
+        lines.append(f"\n{CAPPED_MARK} max_tokens={cap} cut the held-out set: only its first "
+                     f"{cap} predictions (documents in their fixed order) were scored, the same "
+                     f"ones at every length and protocol; the rest of it was not scored.")
     if unmeasured:
         lines.append("\nn/a: no held-out document reaches this length, so nothing was measured "
                      "at it.")
@@ -92,9 +104,42 @@ def write_json(path: str | os.PathLike, runs: list[dict], settings: dict | None 
     return write_atomic(path, text)
 
 
+def describe_settings(settings: dict) -> str:
+    """What the table measured, in words: definitions and the settings of the evaluation."""
+    lines = ["## What was measured", "",
+             "- Perplexity = exp(total NLL / tokens scored) over all scored predictions "
+             "(token-weighted); bits/byte = total NLL / (ln 2 · UTF-8 bytes of the scored "
+             "text). Every prediction of a document is scored exactly once: its first token "
+             "(BOS) is never predicted, its last (EOS, where the data adds it) is "
+             "(docs/evaluation.md).",
+             "- `nonoverlap`: consecutive windows of L input tokens; a prediction sees 1..L "
+             "tokens. `sliding` (stride S): windows of L tokens advancing by S, each scoring "
+             "only its new predictions; after a document's first window a prediction sees at "
+             "least L − S + 1 tokens. Context never crosses a document boundary."]
+    if "data" in settings:
+        lines.append(f"- Held-out data: {settings['data']}.")
+    if "max_tokens" in settings:
+        cap = settings["max_tokens"]
+        lines.append("- max_tokens: all (the whole held-out set)" if cap is None else
+                     f"- max_tokens: {cap} (the first {cap} predictions of the held-out set, "
+                     f"at most; ‡ in the table where this cut it; the document it cuts counts "
+                     f"its bytes in proportion to its predictions scored)")
+    if "sliding" in settings.get("protocols", ["sliding"]):
+        stride = settings.get("sliding_stride")
+        lines.append(f"- Sliding stride: {'L // 2 per length' if stride is None else stride}.")
+    extra = [f"{name} {settings[key]}" for key, name in (
+        ("dtype", "dtype"), ("device", "device"), ("world_size", "processes"),
+        ("batch_size", "batch size")) if key in settings]
+    if extra:
+        lines.append(f"- Run with {', '.join(extra)}.")
+    return "\n".join(lines) + "\n"
+
+
 def write_markdown(path: str | os.PathLike, runs: list[dict], title: str = "Perplexity vs "
-                   "context length") -> Path:
+                   "context length", settings: dict | None = None) -> Path:
     text = f"# {title}\n\n{format_table(runs)}"
+    if settings:
+        text += f"\n{describe_settings(settings)}"
     return write_atomic(path, text)
 
 
@@ -166,7 +211,7 @@ def write_reports(out_dir: str | os.PathLike, runs: list[dict],
     """
     out = Path(out_dir)
     (out / "eval.json").unlink(missing_ok=True)
-    paths = {"markdown": write_markdown(out / "eval.md", runs),
+    paths = {"markdown": write_markdown(out / "eval.md", runs, settings=settings),
              "plot": plot_perplexity_vs_length(runs, out / "ppl_vs_length.png")}
     paths["json"] = write_json(out / "eval.json", runs, settings)
     return paths

@@ -751,7 +751,8 @@ class Trainer:
         from tape_train.eval.perplexity import evaluate_schedule, scalar_metrics
 
         if self._eval_docs is None:
-            self._eval_docs = list(self._eval_document_source())
+            source = self._eval_document_source()
+            self._eval_docs = source if isinstance(source, list) else list(source)
         rng = ckpt.capture_rng_state()
         start = time.perf_counter()
         model = self.engine
@@ -778,7 +779,9 @@ class Trainer:
                 continue
             self._console(f"eval step {self.state.step} | {r['protocol']} L={r['length']} | "
                           f"ppl {r['perplexity']:.3f} | bpb {r['bits_per_byte']:.4f} | "
-                          f"tokens {r['tokens']} | at L: {r['documents_at_length']} docs "
+                          f"tokens {r['tokens']}"
+                          f"{' (capped: eval.max_tokens)' if r.get('capped') else ''} | "
+                          f"at L: {r['documents_at_length']} docs "
                           f"{r['windows_at_length']} windows"
                           f"{' (few tokens)' if r['few_tokens'] else ''}", None)
         return results
@@ -798,10 +801,12 @@ class Trainer:
         docs = iter_eval_documents(self.cfg.data, self.tokenizer)
         if self.cfg.eval.max_tokens is None:
             return docs
-        from tape_train.eval.perplexity import materialize_documents
+        from tape_train.eval.perplexity import HeldOutDocuments, materialize_documents
 
-        return [(t.tolist(), n) for t, n in materialize_documents(docs,
-                                                                  self.cfg.eval.max_tokens)]
+        kept = materialize_documents(docs, self.cfg.eval.max_tokens)
+        plain = HeldOutDocuments((t.tolist(), n) for t, n in kept)
+        plain.capped = kept.capped    # each result says whether the cap cut the held-out set
+        return plain
 
     def save(self) -> Path:
         with self._watched(f"the checkpoint save at step {self.state.step}", long=True), \
