@@ -217,9 +217,9 @@ def test_every_result_says_whether_max_tokens_cut_the_held_out_set():
     assert capped(total) == capped(total + 1) == capped(None) == [False, False]
     # Materialized once with the cap (tape-eval, the trainer), then evaluated: still known.
     kept = materialize_documents(docs, 12)
-    assert kept.capped and sum(t.numel() - 1 for t, _ in kept) == 12
+    assert kept.capped and sum(t.numel() - 1 for t, *_ in kept) == 12
     assert capped(12, kept) == [True, True]
-    plain = HeldOutDocuments((t.tolist(), n) for t, n in kept)   # the trainer's copy
+    plain = HeldOutDocuments((t.tolist(), n, e) for t, n, e in kept)   # the trainer's copy
     plain.capped = kept.capped
     results = evaluate_schedule(RecordingModel(), plain, EvalConfig(
         lengths=[4], protocols=["nonoverlap"], max_tokens=12), train_seq_len=4)
@@ -323,6 +323,11 @@ def test_bad_input_is_named():
         evaluate_perplexity(model, [([1, 2], 3)], lengths=[8, 4], protocol="sliding", stride=4)
     with pytest.raises(ValueError, match="nothing to score"):
         evaluate_perplexity(model, [([1], 3)], lengths=[4])
+    for ends in ([0, 2], [0, 2, 1], [0, 1, 4], [0, 1.5, 3], "abc"):   # 3 tokens, 3 bytes
+        with pytest.raises(ValueError, match="document 1: byte_ends must be 3 non-decreasing"):
+            evaluate_perplexity(model, [([1, 2], 3), ([1, 2, 3], 3, ends)], lengths=[4])
+    with pytest.raises(ValueError, match="document 0: expected a .token_ids, n_bytes. pair"):
+        evaluate_perplexity(model, [([1, 2], 3, [0, 1], "extra")], lengths=[4])
 
     class IgnoresMask(RecordingModel):
         def forward(self, input_ids, labels=None):

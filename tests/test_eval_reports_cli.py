@@ -220,7 +220,7 @@ def test_tape_eval_on_a_data_config_with_real_text(tmp_path):
         assert r["tokens"] == 300 and 300 < r["bytes"] < 300 * 16   # bytes of real text
         assert r["bits_per_byte"] == pytest.approx(r["nll_sum"] / (math.log(2) * r["bytes"]))
         assert r["bytes"] == pytest.approx(results[0]["bytes"])     # same text at every L
-        assert r["capped"]
+        assert r["capped"] and float(r["bytes"]).is_integer()  # the cut text's own bytes
     # The report says the cap cut the held-out set, and what was measured.
     table = (out / "eval.md").read_text()
     assert "| 300 ‡ |" in table and "‡ max_tokens=300 cut the held-out set" in table
@@ -250,6 +250,50 @@ def test_tape_eval_on_a_data_config_with_real_text(tmp_path):
     assert not whole["capped"] and whole["tokens"] > 300
     table = (out / "eval.md").read_text()
     assert "‡" not in table and "- max_tokens: all" in table
+
+
+def test_bits_per_byte_counts_the_bytes_of_exactly_the_text_scored(tmp_path):
+    """The held-out documents carry where each token's text ends, so a document cut by
+    max_tokens counts the bytes of its scored prefix (as decoded), and without BOS the first
+    token (never predicted) counts none; multi-byte characters count their UTF-8 bytes.
+    Control: without those ends the cut document's bytes are prorated, and differ."""
+    from tape_train.data import iter_eval_documents
+    from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+
+    tok = train_small_tokenizer(tmp_path / "tok", vocab_size=512, max_bytes=300_000)
+    prose = next(t for t in real_text_documents() if t.isascii() and t[0].isalpha()
+                 and len(t) > 1500)
+    unicode = "Crème brûlée — naïve café, 日本語のテキスト 🙂 and    spaces\tand tabs.\n"
+    held_out = [prose, unicode, "    an indented line."]
+    write_jsonl(tmp_path / "heldout.jsonl", held_out)
+    sizes = [len(t.encode("utf-8")) for t in held_out]
+    data = {"sources": [{"path": str(tmp_path / "heldout.jsonl")}], "tokenizer": tok.path,
+            "eval_sources": [{"path": str(tmp_path / "heldout.jsonl")}]}
+
+    def scored_bytes(documents, max_tokens=None, protocol="sliding"):
+        [r] = evaluate_perplexity(RecordingModel(), documents, lengths=[16], protocol=protocol,
+                                  max_tokens=max_tokens)
+        return r["bytes"]
+
+    docs = list(iter_eval_documents(data, tok, byte_ends=True))
+    assert [n for _, n, _ in docs] == sizes
+    for protocol in ("nonoverlap", "sliding"):
+        assert scored_bytes(docs, protocol=protocol) == sum(sizes)   # every byte, once
+    cap = 301                                  # inside the first document
+    prefix = tok.decode(docs[0][0][1:cap + 1]).encode("utf-8")
+    assert prose.encode("utf-8").startswith(prefix) and 0 < len(prefix) < sizes[0]
+    assert scored_bytes(docs, cap) == scored_bytes(docs, cap, "nonoverlap") == len(prefix)
+    # Control: the same documents without their ends prorate the cut one.
+    pairs = [(ids, n) for ids, n, _ in docs]
+    assert scored_bytes(pairs) == pytest.approx(sum(sizes))
+    assert scored_bytes(pairs, cap) == pytest.approx(sizes[0] * cap / (len(docs[0][0]) - 1))
+    assert scored_bytes(pairs, cap) != pytest.approx(len(prefix), abs=0.5)
+    # Without BOS the first token is context only: its text is not counted (the indented
+    # line's first token is spaces).
+    no_bos = list(iter_eval_documents(dict(data, add_bos=False), tok, byte_ends=True))
+    first_text = [len(tok.decode(ids[:1]).encode("utf-8")) for ids, _, _ in no_bos]
+    assert first_text[2] > 0
+    assert scored_bytes(no_bos) == sum(sizes) - sum(first_text)
 
 
 def test_a_run_read_from_another_directory_finds_the_data_and_tokenizer_it_named(

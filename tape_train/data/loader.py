@@ -426,11 +426,15 @@ def build_train_loader(data_cfg: DataConfig | dict, tokenizer, seq_len: int,
     return TrainLoader(data_cfg, tokenizer, seq_len, micro_batch_size, dp_rank, dp_size, seed)
 
 
-def iter_eval_documents(data_cfg: DataConfig | dict, tokenizer) -> Iterator[tuple[list[int], int]]:
+def iter_eval_documents(data_cfg: DataConfig | dict, tokenizer,
+                        byte_ends: bool = False) -> Iterator[tuple]:
     """Held-out documents, never overlapping training documents, in a fixed order.
 
     Yields ``(token_ids, n_bytes)``: ids wrapped in BOS/EOS as in training, and the UTF-8 byte
-    count of the document text (for bits per byte).
+    count of the document text (for bits per byte). With ``byte_ends``, ``(token_ids, n_bytes,
+    ends)``: for each id, where in the UTF-8 text the text it covers ends (BOS: 0, EOS:
+    ``n_bytes``), so an evaluation counts the bytes of exactly the tokens it scores (a
+    document cut by ``max_tokens``; the first token, when there is no BOS, is never scored).
     """
     if isinstance(data_cfg, dict):
         data_cfg = DataConfig.from_dict(data_cfg)
@@ -443,8 +447,14 @@ def iter_eval_documents(data_cfg: DataConfig | dict, tokenizer) -> Iterator[tupl
     for text in texts:
         if data_cfg.eval_max_documents is not None and count >= data_cfg.eval_max_documents:
             return
-        ids = wrap_document(tokenizer.encode(text), bos, eos)
+        n_bytes = len(text.encode("utf-8"))
+        if byte_ends:
+            ids, ends = tokenizer.encode_with_byte_ends(text)
+            ends = [0] * (bos is not None) + ends + [n_bytes] * (eos is not None)
+        else:
+            ids, ends = tokenizer.encode(text), None
+        ids = wrap_document(ids, bos, eos)
         if data_cfg.eval_min_tokens is not None and len(ids) < data_cfg.eval_min_tokens:
             continue
         count += 1
-        yield ids, len(text.encode("utf-8"))
+        yield (ids, n_bytes) if ends is None else (ids, n_bytes, ends)

@@ -64,6 +64,14 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text, out_type=int)
 
+    def encode_with_byte_ends(self, text: str) -> tuple[list[int], list[int]]:
+        """``encode(text)`` and, per token, the UTF-8 byte offset in ``text`` where the text it
+        covers ends (sentencepiece's own alignment to the input: the dummy-prefix piece covers
+        nothing; of the byte pieces of one character, the last ends after it). For bits per
+        byte of exactly the scored text (tape_train.eval)."""
+        pieces = self._sp.encode(text, out_type="proto").pieces
+        return [piece.id for piece in pieces], [piece.end for piece in pieces]
+
     def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
         """``[encode(t) for t in texts]``, on ``num_threads`` of sentencepiece's threads (the
         result does not depend on the thread count)."""

@@ -254,7 +254,8 @@ def _documents(args, meta: dict, longest: int, model_cfg):
 
     data_cfg, desc = _data_config(args.data, config, args.tokenizer)
     tokenizer = load_model_tokenizer(data_cfg.tokenizer, model_cfg.vocab_size)
-    return iter_eval_documents(data_cfg, tokenizer), desc, data_cfg.tokenizer
+    return (iter_eval_documents(data_cfg, tokenizer, byte_ends=True), desc,
+            data_cfg.tokenizer)
 
 
 def _run_eval_longest(config: dict) -> int | None:
@@ -367,7 +368,7 @@ def _held_out(args, checkpoints: list[_Checkpoint], max_tokens: int | None):
             check_reachable(c.lengths, docs)
         except ValueError as exc:
             raise ValueError(f"{c.tag_dir}: {exc}") from None
-    top = max((int(tokens.max()) for tokens, _ in docs), default=-1)
+    top = max((int(tokens.max()) for tokens, *_ in docs), default=-1)
     for c in checkpoints[1:]:
         if top >= c.model_cfg.vocab_size:
             raise ValueError(
@@ -400,7 +401,7 @@ def run(args) -> int:
         checkpoints = _read_checkpoints(args, tag_dirs, settings)
         docs, description = _held_out(args, checkpoints, max_tokens)
         log.info("held-out data: %s, %d documents, %d predictions", description, len(docs),
-                 sum(t.numel() - 1 for t, _ in docs))
+                 sum(t.numel() - 1 for t, *_ in docs))
         return max_tokens, settings, checkpoints, docs, description
 
     alone = launch_int("WORLD_SIZE") == 1

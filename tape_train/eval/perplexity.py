@@ -30,9 +30,11 @@ tables and plots mark it.
 
 Perplexity is exp(total NLL / total scored tokens) over all documents: token-weighted, never a
 mean of per-document perplexities. Bits per byte is total NLL / (ln 2 · bytes of the scored
-text); a document's UTF-8 bytes are attributed to its predictions in proportion (each scored
-prediction carries ``n_bytes / P``), which is exact for fully scored documents and prorates
-the one document the ``max_tokens`` cap cuts.
+text): a document that says where each token's text ends (``byte_ends``, from
+``iter_eval_documents(..., byte_ends=True)``) counts the UTF-8 bytes of exactly the tokens
+scored (a document the ``max_tokens`` cap cuts: its scored prefix; without BOS, nothing for the
+first token); one that does not attributes its bytes evenly (``n_bytes / P`` per prediction),
+exact only when it is scored whole.
 """
 
 from __future__ import annotations
@@ -118,13 +120,15 @@ class _Window:
     num_bytes: float            # UTF-8 bytes attributed to the scored predictions
 
 
-def _document_windows(tokens: torch.Tensor, n_bytes: int, length: int, protocol: str,
-                      stride: int | None, budget: int | None) -> Iterator[_Window]:
+def _document_windows(tokens: torch.Tensor, n_bytes: int, byte_ends: list[int] | None,
+                      length: int, protocol: str, stride: int | None,
+                      budget: int | None) -> Iterator[_Window]:
     """Windows of one document; stops after ``budget`` scored predictions (None: no cap).
 
     Capping cuts the window at the last allowed prediction: the scored tokens keep exactly the
     context they would have had (the model is causal), so a capped evaluation scores a prefix
-    of the uncapped one with identical per-token losses.
+    of the uncapped one with identical per-token losses. A window's bytes are those of the text
+    its predictions cover (``byte_ends``), else its share of ``n_bytes``.
     """
     num_predictions = tokens.numel() - 1
     bytes_per_prediction = n_bytes / num_predictions
@@ -135,8 +139,9 @@ def _document_windows(tokens: torch.Tensor, n_bytes: int, length: int, protocol:
         labels = tokens[span.start + 1:end + 1].clone()
         labels[:span.first_scored - span.start - 1] = IGNORE_INDEX
         num_scored = end - span.first_scored + 1
-        yield _Window(tokens[span.start:end], labels, num_scored,
-                      num_scored * bytes_per_prediction)
+        num_bytes = (byte_ends[end] - byte_ends[span.first_scored - 1] if byte_ends is not None
+                     else num_scored * bytes_per_prediction)
+        yield _Window(tokens[span.start:end], labels, num_scored, num_bytes)
         if budget is not None:
             budget -= num_scored
             if budget <= 0:
@@ -195,7 +200,7 @@ class HeldOutDocuments(list):
 
 def materialize_documents(documents: Iterable, max_tokens: int | None = None
                           ) -> HeldOutDocuments:
-    """Validate held-out documents and keep them as int64 tensors.
+    """Validate held-out documents and keep them as ``(int64 tensor, n_bytes, byte_ends)``.
 
     Reading stops once the documents hold ``max_tokens`` predictions, so a capped evaluation
     tokenises only what it scores. Documents with fewer than two tokens predict nothing and are
@@ -203,8 +208,13 @@ def materialize_documents(documents: Iterable, max_tokens: int | None = None
     than ``max_tokens`` (a document left unread, or the last one kept reaching past the cap).
 
     Args:
-        documents: iterable of ``(token_ids, n_bytes)``; ``token_ids`` a list of ints or a 1-D
-            integer tensor including BOS/EOS, ``n_bytes`` the UTF-8 size of the text.
+        documents: iterable of ``(token_ids, n_bytes)`` or ``(token_ids, n_bytes,
+            byte_ends)``; ``token_ids`` a list of ints or a 1-D integer tensor including
+            BOS/EOS, ``n_bytes`` the UTF-8 size of the text, ``byte_ends`` (optional; ``None``
+            is allowed) for each token the UTF-8 offset in the text where the text it covers
+            ends (non-decreasing, 0..n_bytes; BOS covers nothing): a prediction then counts
+            the bytes of its own token, exactly (without it, each prediction of a document
+            counts ``n_bytes / predictions``).
     """
     kept = HeldOutDocuments()
     kept.capped = bool(getattr(documents, "capped", False))
@@ -214,10 +224,12 @@ def materialize_documents(documents: Iterable, max_tokens: int | None = None
             kept.capped = True   # a document is left unread
             break
         try:
-            token_ids, n_bytes = item
+            token_ids, n_bytes, *rest = item
+            byte_ends, = rest or (None,)
         except (TypeError, ValueError):
-            raise ValueError(f"held-out document {index}: expected a (token_ids, n_bytes) pair, "
-                             f"got {type(item).__name__}") from None
+            raise ValueError(f"held-out document {index}: expected a (token_ids, n_bytes) pair "
+                             f"or a (token_ids, n_bytes, byte_ends) triple, got "
+                             f"{type(item).__name__}") from None
         if not isinstance(n_bytes, int) or isinstance(n_bytes, bool) or n_bytes < 0:
             raise ValueError(f"held-out document {index}: n_bytes must be a non-negative "
                              f"integer, got {n_bytes!r}")
@@ -233,13 +245,26 @@ def materialize_documents(documents: Iterable, max_tokens: int | None = None
         if tokens.numel() and int(tokens.min()) < 0:
             raise ValueError(f"held-out document {index}: negative token id "
                              f"{int(tokens.min())}")
+        if byte_ends is not None:
+            byte_ends = _checked_byte_ends(index, byte_ends, tokens.numel(), n_bytes)
         if tokens.numel() < 2:
             continue
-        kept.append((tokens.long(), n_bytes))
+        kept.append((tokens.long(), n_bytes, byte_ends))
         predictions += tokens.numel() - 1
     if max_tokens is not None and predictions > max_tokens:
         kept.capped = True
     return kept
+
+
+def _checked_byte_ends(index: int, byte_ends, num_tokens: int, n_bytes: int) -> list[int]:
+    ends = [int(e) for e in byte_ends] if all(
+        isinstance(e, int) and not isinstance(e, bool) for e in byte_ends) else None
+    if ends is None or len(ends) != num_tokens or any(
+            not 0 <= a <= b <= n_bytes for a, b in zip([0, *ends], [*ends, n_bytes])):
+        raise ValueError(f"held-out document {index}: byte_ends must be {num_tokens} "
+                         f"non-decreasing integers in 0..n_bytes={n_bytes} (one per token), "
+                         f"got {list(byte_ends)[:8]!r}{' …' if len(byte_ends) > 8 else ''}")
+    return ends
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -387,13 +412,13 @@ def check_reachable(lengths: list[int], docs: list) -> None:
     """Before any model is loaded: refuse, as ``check_measured`` would after the evaluation,
     when every document of ``docs`` is too short for every length (a length some document
     reaches may still go unmeasured within ``max_tokens``: that is found after)."""
-    longest = max(t.numel() - 1 for t, _ in docs)
+    longest = max(t.numel() - 1 for t, *_ in docs)
     if all(length > longest for length in lengths):
         raise _unmeasured(lengths, docs)
 
 
 def _why_unmeasured(docs: list) -> str:
-    longest = max(t.numel() - 1 for t, _ in docs)
+    longest = max(t.numel() - 1 for t, *_ in docs)
     return (f"no held-out document reaches it (the longest scored one has {longest} "
             f"predictions; within max_tokens if set): its perplexity would repeat a shorter "
             f"length's")
@@ -426,7 +451,7 @@ def _evaluate_length(model, docs, length, protocol, stride, max_tokens, batch_si
     """This rank's sums at one length, ``(nll, tokens the model counted, bytes)`` in float64
     on ``device`` (nothing is read back here: no host sync per batch), and global counts
     (``scored``: the labels of every rank's windows, for the caller's check)."""
-    total = sum(t.numel() - 1 for t, _ in docs)
+    total = sum(t.numel() - 1 for t, *_ in docs)
     if max_tokens is not None:
         total = min(total, max_tokens)
     counts = {"documents": 0, "windows": 0, "documents_at_length": 0, "windows_at_length": 0,
@@ -434,12 +459,13 @@ def _evaluate_length(model, docs, length, protocol, stride, max_tokens, batch_si
 
     def windows() -> Iterator[_Window]:
         budget = max_tokens
-        for tokens, n_bytes in docs:
+        for tokens, n_bytes, byte_ends in docs:
             if budget is not None and budget <= 0:
                 return
             counts["documents"] += 1
             reached = False
-            for window in _document_windows(tokens, n_bytes, length, protocol, stride, budget):
+            for window in _document_windows(tokens, n_bytes, byte_ends, length, protocol,
+                                            stride, budget):
                 counts["windows"] += 1
                 if window.input_ids.numel() == length:
                     reached = True

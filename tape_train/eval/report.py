@@ -122,8 +122,8 @@ def describe_settings(settings: dict) -> str:
         cap = settings["max_tokens"]
         lines.append("- max_tokens: all (the whole held-out set)" if cap is None else
                      f"- max_tokens: {cap} (the first {cap} predictions of the held-out set, "
-                     f"at most; ‡ in the table where this cut it; the document it cuts counts "
-                     f"its bytes in proportion to its predictions scored)")
+                     f"at most; ‡ in the table where this cut it; bits/byte counts the bytes "
+                     f"of the text scored)")
     if "sliding" in settings.get("protocols", ["sliding"]):
         stride = settings.get("sliding_stride")
         lines.append(f"- Sliding stride: {'L // 2 per length' if stride is None else stride}.")

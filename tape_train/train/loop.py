@@ -798,13 +798,13 @@ class Trainer:
 
         if getattr(self, "tokenizer", None) is None:
             self.tokenizer = load_tokenizer(self.cfg.data.tokenizer)
-        docs = iter_eval_documents(self.cfg.data, self.tokenizer)
+        docs = iter_eval_documents(self.cfg.data, self.tokenizer, byte_ends=True)
         if self.cfg.eval.max_tokens is None:
             return docs
         from tape_train.eval.perplexity import HeldOutDocuments, materialize_documents
 
         kept = materialize_documents(docs, self.cfg.eval.max_tokens)
-        plain = HeldOutDocuments((t.tolist(), n) for t, n in kept)
+        plain = HeldOutDocuments((t.tolist(), n, ends) for t, n, ends in kept)
         plain.capped = kept.capped    # each result says whether the cap cut the held-out set
         return plain
 
