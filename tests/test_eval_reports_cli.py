@@ -413,6 +413,9 @@ def test_tape_eval_errors_are_clear(tmp_path, capsys):
     (["--batch-size", "0"], "--batch-size must be a positive integer, got 0"),
     (["--protocols", "sliding", "sliding"], "--protocols has duplicates"),
     (["--max-tokens", "0"], "--max-tokens must be a positive integer or 'all', got '0'"),
+    (["--protocols", "nonoverlap", "--stride", "4"],   # it would be recorded, and ignored
+     "--stride is only used by --protocols sliding, which is not asked for (--protocols "
+     "nonoverlap)"),
 ])
 def test_tape_eval_errors_name_the_option_given_not_the_config_key(tmp_path, capsys, args,
                                                                    message):

@@ -114,6 +114,10 @@ def _checked_settings(args: argparse.Namespace):
     if args.label is not None and len(args.label) != len(args.checkpoint):
         raise ValueError(f"--label got {len(args.label)} name(s) for {len(args.checkpoint)} "
                          f"checkpoint(s): give one per checkpoint, in the same order")
+    if args.stride is not None and "sliding" not in args.protocols:
+        raise ValueError(f"--stride is only used by --protocols sliding, which is not asked "
+                         f"for (--protocols {' '.join(args.protocols)}): add sliding, or drop "
+                         f"--stride")
     max_tokens = _parse_max_tokens(args.max_tokens)
     return max_tokens, EvalConfig(lengths=args.lengths, protocols=args.protocols,
                                   sliding_stride=args.stride, max_tokens=max_tokens,
