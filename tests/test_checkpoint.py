@@ -125,6 +125,40 @@ def test_leftover_partial_tag_is_replaced_and_complete_tag_not_rewritten(tmp_pat
     assert (tag / ckpt.MARKER).read_text() == before
 
 
+
+def test_a_rewind_moves_the_newer_tags_aside_so_the_new_trajectory_writes_its_own(tmp_path,
+                                                                                 monkeypatch):
+    engine = FakeEngine()
+    for step in (2, 4, 6, 8):
+        _save(engine, tmp_path, step, keep=5)
+    root = tmp_path / "checkpoints"
+    damaged = root / "step_00000008"  # skipped at resume for its checksums: rewritten in place
+    old_marker = (root / "step_00000004" / ckpt.MARKER).read_text()
+    monkeypatch.setattr(ckpt.time, "strftime", lambda *a: "20260101T000000Z")
+    moved, dest = ckpt.set_aside_newer(root, 2, damaged={damaged.name})
+    assert [t.name for t in moved] == ["step_00000004", "step_00000006"]
+    assert dest == root / "superseded" / "20260101T000000Z"
+    assert [t.name for t in ckpt.list_tags(root)] == ["step_00000002", "step_00000008"]
+    assert (root / ckpt.LATEST).read_text() == "step_00000008"
+    # Nothing lost: each moved tag is complete where it went and loadable by its path.
+    for name in ("step_00000004", "step_00000006"):
+        assert ckpt.why_incomplete(dest / name) is None
+        assert ckpt.resolve_checkpoint(dest / name) == dest / name
+    # The replay writes its own step 4 (before, the old one was kept as "already complete"),
+    # and rotation never reaches the tags set aside.
+    _save(engine, tmp_path, 4, keep=2)
+    assert (root / "step_00000004" / ckpt.MARKER).read_text() != old_marker
+    _save(engine, tmp_path, 10, keep=3)
+    assert [t.name for t in ckpt.list_tags(root)] == ["step_00000004", "step_00000008",
+                                                       "step_00000010"]
+    assert sorted(p.name for p in dest.iterdir()) == ["step_00000004", "step_00000006"]
+    # A second rewind in the same second gets its own directory; nothing newer: no-op.
+    shutil.rmtree(damaged)
+    moved, second = ckpt.set_aside_newer(root, 4)
+    assert [t.name for t in moved] == ["step_00000010"] and second.name == "20260101T000000Z-2"
+    assert (root / ckpt.LATEST).read_text() == "step_00000004"
+    assert ckpt.set_aside_newer(root, 4) == ([], None)
+
 def test_no_checkpoint_at_all(tmp_path):
     assert ckpt.find_latest_complete(tmp_path) is None
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):

@@ -216,6 +216,7 @@ class Trainer:
         resumed_from = self._maybe_resume()
         self.data_iter = iter(self.loader)
         self._stop_point("data loader and resume")
+        superseded = self._set_aside_newer_checkpoints() if resumed_from else None
 
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -229,7 +230,34 @@ class Trainer:
             "world_size": self.dist.world_size, "slurm_restart_count": int(requeues or 0),
             "layout": relayout.current_layout(self.grid),
             "relayout_from": self._relayout.saved if resumed_from and self._relayout else None,
+            "superseded_checkpoints": superseded,
             "code_version": ckpt.code_version()})
+
+    def _set_aside_newer_checkpoints(self) -> str | None:
+        """After a resume from an older tag than the run dir's newest (``--resume-from``), move
+        the newer complete tags out of the way (``ckpt.set_aside_newer``), so that the new
+        trajectory's saves, rotation and a later re-run never take them for its own. Rank 0
+        moves, under the lock; every rank learns whether it failed. Returns where they went."""
+        moved, dest, error = [], None, None
+        if self.rank == 0:
+            try:
+                moved, dest = ckpt.set_aside_newer(ckpt.checkpoint_root(self.run_dir),
+                                                   self.state.step, owner=self.lock,
+                                                   damaged=self._damaged_tags)
+            except ckpt.CheckpointError as exc:
+                error = exc
+        if tdist.all_reduce_max_int(1 if error is not None else 0):
+            raise error or ckpt.CheckpointError("rank 0 could not move the newer checkpoints "
+                                                "aside (see its log)")
+        if not moved:
+            return None
+        log.warning("resumed from step %d, but this run dir had newer checkpoints of the run "
+                    "as it went on from there (%s): moved to %s, so that this run, which "
+                    "continues from step %d, never takes them for its own; nothing was deleted "
+                    "(tape-eval and tape-export read them there; they are not rotated: delete "
+                    "that directory when you no longer need them)", self.state.step,
+                    ", ".join(t.name for t in moved), dest, self.state.step)
+        return str(dest)
 
     def _preflight(self) -> None:
         """The dry run's input checks (tokenizer, data, held-out lengths, layout, lengths, run

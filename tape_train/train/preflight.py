@@ -529,6 +529,14 @@ def _check_resume(cfg, grid, tag: Path, allow_config_change: bool, report: Repor
     route = moved.describe() if moved else "same layout, direct load"
     report.info(f"resume: {tag} (step {marker.get('step')}, {marker.get('tokens_seen')} tokens; "
                 f"{route})")
+    newest = ckpt.find_latest_complete(cfg.train.run_dir, warn=False)
+    step = ckpt.step_of_tag(tag.name)
+    if newest is not None and step is not None and ckpt.step_of_tag(newest.name) > step:
+        root = ckpt.checkpoint_root(cfg.train.run_dir)
+        report.warn(f"resume: {tag.name} is older than this run dir's newest checkpoint "
+                    f"{newest.name}: the run will move the checkpoints after step {step} to "
+                    f"{root / ckpt.SUPERSEDED}/<time>/ (nothing is deleted) and continue from "
+                    f"step {step}")
     found = relayout.problems(marker, cfg, grid)
     from tape_train.train.relayout import protected_differences
 
