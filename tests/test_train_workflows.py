@@ -1,7 +1,8 @@
 """Sequences of runs on one run directory, as a researcher goes through them (the real Trainer,
 one process, ZeRO-1, fp32, synthetic data): rewinding to an older checkpoint with another
 learning rate must leave the new trajectory's checkpoints, not the abandoned one's, in the run
-dir, with the abandoned ones kept aside and a re-run continuing the new trajectory.
+dir, with the abandoned ones kept aside and a re-run continuing the new trajectory; the
+learning-rate change is named with both rates.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def _rewind(run_dir: str) -> dict:
     out["resume_events"] = [(r["step"], r.get("superseded_checkpoints")) for r in rows
                             if r.get("event") == "resume"]
     out["moved_lines"] = [m for m in records if "moved to" in m]
+    out["lr_lines"] = [m for m in records if "learning rate of step" in m]
     out["complete_lines"] = [m for m in records if "run already complete" in m]
     return out
 
@@ -78,6 +80,8 @@ def test_a_rewind_with_another_lr_keeps_its_own_checkpoints_and_sets_the_old_one
     assert r["aside"] == [("step_00000004", pytest.approx(1e-3), None)]
     assert len(r["moved_lines"]) == 1 and "step_00000004" in r["moved_lines"][0]
     assert "superseded" in r["moved_lines"][0] and "nothing was deleted" in r["moved_lines"][0]
+    # The lr change is named at the rewind, with both rates.
+    assert len(r["lr_lines"]) == 1 and "train.lr 0.001 -> 0.003" in r["lr_lines"][0]
     # The re-run continues the new trajectory: it is complete at its own step 4.
     assert len(r["complete_lines"]) == 1
     assert r["train_steps"] == [1, 2, 3, 4]                # one row per step

@@ -36,7 +36,7 @@ from tape_train.host_memory import keep_freed_memory
 from tape_train.train.cuda_allocator import RetryWatch
 from tape_train.train.metrics import (MetricsWriter, format_summary, memory_metrics, read_metrics,
                                       setup_logging)
-from tape_train.train.optim import LRSchedule
+from tape_train.train.optim import LRSchedule, lr_change_at_resume
 from tape_train.train.peak import checked_mfu, device_peak_tflops
 from tape_train.precision import PrecisionChoice, deterministic_algorithms, resolve_dtype
 from tape_train.train.preflight import PreflightError
@@ -531,6 +531,10 @@ class Trainer:
                 f"refusing to resume from {tag_dir}: these changes would corrupt the run: "
                 f"{', '.join(protected)} (checkpoint vs now:\n{lines}\n). Use another "
                 f"train.run_dir for a new run, or pass --allow-config-change if you mean it")
+        lr_change = lr_change_at_resume((marker.get("config") or {}).get("train") or {},
+                                        self.cfg.train, int(marker.get("step") or 0))
+        if lr_change is not None:
+            log.warning("resuming from %s: %s", tag_dir, lr_change)
 
     def _setup_mfu(self) -> None:
         from tape_train.model.flops import training_flops_per_token

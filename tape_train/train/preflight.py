@@ -545,6 +545,12 @@ def _check_resume(cfg, grid, tag: Path, allow_config_change: bool, report: Repor
                  if not k.startswith(relayout.LAYOUT_KEYS)]
     if protected:
         found.append(f"these config changes would corrupt the run: {', '.join(protected)}")
+    from tape_train.train.optim import lr_change_at_resume
+
+    lr_change = lr_change_at_resume((marker.get("config") or {}).get("train") or {}, cfg.train,
+                                    int(marker.get("step") or 0))
+    if lr_change is not None:
+        report.warn(f"resume: {lr_change}")
     for line in found:
         if allow_config_change:
             report.warn(f"resume: {line} (allowed by --allow-config-change)")
