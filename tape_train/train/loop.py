@@ -192,6 +192,12 @@ class Trainer:
         if marker is not None:
             self._relayout = relayout.plan(marker, cfg, self.grid)
             self._check_config(marker, self._resume_tag)
+            step = int(marker.get("step") or 0)
+            if step >= cfg.train.max_steps and self._finished(step):
+                # Nothing to train or evaluate: no DeepSpeed start-up and checkpoint load (minutes
+                # on a large model) just for train() to say so, no event or config.yaml written.
+                self.state.step = step
+                return
             if self._relayout is not None and self._relayout.universal:
                 self._convert_to_universal(self._resume_tag)
 
@@ -735,13 +741,15 @@ class Trainer:
         self.writer.write("event", self.state.step, {"event": "done"})
         self.writer.flush()
 
-    def _finished(self) -> bool:
-        """Whether ``metrics.jsonl`` records this step's ``done`` event (rank 0 reads it; every
-        rank gets the verdict). A run killed during its final evaluation has its last
-        checkpoint but no such event, and must not be taken for complete."""
+    def _finished(self, step: int | None = None) -> bool:
+        """Whether ``metrics.jsonl`` records a ``done`` event at ``step`` (default: the current
+        one; rank 0 reads it; every rank gets the verdict). A run killed during its final
+        evaluation has its last checkpoint but no such event, and must not be taken for
+        complete."""
+        step = self.state.step if step is None else step
         missing = 0
         if self.rank == 0:
-            missing = int(not any(e.get("event") == "done" and e.get("step") == self.state.step
+            missing = int(not any(e.get("event") == "done" and e.get("step") == step
                                   for e in read_metrics(self.run_dir, "event")))
         return not tdist.all_reduce_max_int(missing)
 
