@@ -319,11 +319,31 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
         if found is None:
             raise CheckpointError(f"no complete checkpoint under {checkpoint_root(path)}")
     if verify:
-        log.info("checking %s against its checksums (%s)", found, describe_size(found))
+        try:
+            log.info("checking %s against its checksums (%s)", found, describe_size(found))
+        except (OSError, ValueError) as exc:
+            raise deleted_while_read(found, exc) or _damaged(found, f"unreadable {MARKER} "
+                                                                   f"({exc})") from None
         reason = verify_files(found)
         if reason is not None:
-            raise _damaged(found, reason)
+            raise deleted_while_read(found, reason) or _damaged(found, reason)
     return found
+
+
+def deleted_while_read(tag_dir: Path, exc: BaseException) -> CheckpointError | None:
+    """The error for a reader whose checkpoint went away under it (``exc``: what the read
+    raised), or ``None`` while the tag is still there. A training run on the same run dir
+    deletes its older tags (``checkpoint.keep``) as it saves newer ones, so a long
+    ``tape-export`` or ``tape-eval`` of a live run can lose its tag half-way: say so, and what
+    to do, instead of the bare ``No such file`` of whichever file came next."""
+    tag_dir = Path(tag_dir)
+    if (tag_dir / MARKER).is_file():
+        return None
+    return CheckpointError(
+        f"checkpoint {tag_dir} was deleted while it was being read ({exc}): a training run on "
+        f"this run directory deletes its older checkpoints as it saves newer ones "
+        f"(checkpoint.keep); run this again (it reads the newest complete one), or copy the "
+        f"tag directory elsewhere first and read the copy")
 
 
 def _save_finished(tag_dir: Path) -> bool:

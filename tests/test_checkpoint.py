@@ -159,6 +159,50 @@ def test_a_rewind_moves_the_newer_tags_aside_so_the_new_trajectory_writes_its_ow
     assert (root / ckpt.LATEST).read_text() == "step_00000004"
     assert ckpt.set_aside_newer(root, 4) == ([], None)
 
+
+def _rotate_away(tag) -> None:
+    """What rotation by a training run on the same run dir does to a tag: marker first."""
+    (tag / ckpt.MARKER).unlink()
+    shutil.rmtree(tag)
+
+
+def test_a_checkpoint_deleted_while_a_reader_reads_it_is_named_as_such(tmp_path, monkeypatch):
+    from tape_train import checkpoint_layout, loading
+
+    tag = _save(FakeEngine(), tmp_path, 3)
+    checksum = checkpoint_layout.file_checksum
+
+    def rotated_mid_check(path):  # deleted while its checksums are being read
+        if tag.exists():
+            _rotate_away(tag)
+        return checksum(path)
+
+    monkeypatch.setattr(checkpoint_layout, "file_checksum", rotated_mid_check)
+    with pytest.raises(ckpt.CheckpointError, match="was deleted while it was being read") as err:
+        loading.load_model_from_checkpoint(tmp_path)
+    assert str(tag) in str(err.value) and "checkpoint.keep" in str(err.value)
+    assert "damaged" not in str(err.value)
+    monkeypatch.setattr(checkpoint_layout, "file_checksum", checksum)
+
+    tag = _save(FakeEngine(), tmp_path, 4)
+    resolve = loading.resolve_checkpoint
+
+    def rotated_after_check(path, verify=True):  # deleted between the check and the load
+        found = resolve(path, verify=verify)
+        _rotate_away(found)
+        return found
+
+    monkeypatch.setattr(loading, "resolve_checkpoint", rotated_after_check)
+    with pytest.raises(ckpt.CheckpointError, match=f"checkpoint {tag} was deleted while"):
+        loading.load_model_from_checkpoint(tmp_path)
+    # Negative control: a tag still in place that cannot be read is not called deleted.
+    monkeypatch.setattr(loading, "resolve_checkpoint", resolve)
+    tag = _save(FakeEngine(), tmp_path, 5)
+    (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x" * 128)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        loading.load_model_from_checkpoint(tag)
+    assert "damaged" in str(err.value) and "was deleted while" not in str(err.value)
+
 def test_no_checkpoint_at_all(tmp_path):
     assert ckpt.find_latest_complete(tmp_path) is None
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
