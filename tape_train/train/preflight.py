@@ -129,6 +129,8 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
         planned = copy.deepcopy(cfg)
         planned.train.dtype = resolve_planning_dtype(cfg, device_type)
     _check_run_dir(planned, report)
+    if check_resume:  # the dry run and tape-submit; a real run takes the lock itself next
+        _check_run_lock(cfg, report)
     if cfg.profile.enabled:
         _check_profile(cfg, world_size, device_type, report)
     if check_resume_data is None:
@@ -494,6 +496,18 @@ def _check_run_dir(cfg, report: Report) -> None:
         report.problem(f"train.run_dir={run_dir}: {what}")
     else:
         report.info(f"run dir {run_dir}: writable; {what}")
+
+
+def _check_run_lock(cfg, report: Report) -> None:
+    """Whether another run holds the run directory's lock now (``run_lock.lock_refusal``, the
+    trainer's own rule): a warning, since the job being planned may start after that run ended
+    (a continuation queued behind it), but a run started now would be refused."""
+    from tape_train.train.run_lock import lock_refusal
+
+    refusal = lock_refusal(cfg.train.run_dir)
+    if refusal is not None:
+        report.warn(f"train.run_dir: {refusal} (a run started now would be refused; this plan "
+                    f"holds for after it)")
 
 
 def _resume_tag(cfg, resume_from, report: Report, quiet: bool = False) -> Path | None:
