@@ -2,7 +2,8 @@
 one process, ZeRO-1, fp32, synthetic data): rewinding to an older checkpoint with another
 learning rate must leave the new trajectory's checkpoints, not the abandoned one's, in the run
 dir, with the abandoned ones kept aside and a re-run continuing the new trajectory; the
-learning-rate change is named with both rates; re-running the finished run is a quick no-op.
+learning-rate change is named with both rates; re-running the finished run is a quick no-op;
+a train.max_steps lowered below the newest checkpoint ends the run there, saying so.
 """
 
 from __future__ import annotations
@@ -63,6 +64,16 @@ def _rewind(run_dir: str) -> dict:
     out["resume_events"] = [(r["step"], r.get("superseded_checkpoints")) for r in rows
                             if r.get("event") == "resume"]
     out["moved_lines"] = [m for m in records if "moved to" in m]
+    # max_steps lowered below the newest checkpoint of a run not marked done (as if killed in
+    # its final evaluation): the run ends there, saying why, not "it stopped before ...".
+    metrics = Path(run_dir, "metrics.jsonl")
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
+                               if json.loads(line).get("event") != "done"))
+    out["lowered"] = Trainer(cfg("train.lr=3e-3", "train.max_steps=2")).run()
+    out["lowered_lines"] = [m for m in records if "below the step of the checkpoint" in m
+                            or "stopped before its final evaluation" in m]
+    out["done_at"] = [json.loads(line)["step"] for line in metrics.read_text().splitlines()
+                      if json.loads(line).get("event") == "done"]
     out["lr_lines"] = [m for m in records if "learning rate of step" in m]
     out["complete_lines"] = [m for m in records if "run already complete" in m]
     return out
@@ -93,3 +104,8 @@ def test_a_rewind_with_another_lr_keeps_its_own_checkpoints_and_sets_the_old_one
     assert r["train_steps"] == [1, 2, 3, 4]                # one row per step
     [(step, aside)] = r["resume_events"]
     assert step == 2 and aside and "superseded" in aside
+    # max_steps lowered below the checkpoint: the run ends at step 4, saying why.
+    assert r["lowered"] == 0 and r["done_at"] == [4]
+    assert len(r["lowered_lines"]) == 1, r["lowered_lines"]
+    assert "train.max_steps=2 is below the step of the checkpoint resumed (4)" in \
+        r["lowered_lines"][0]

@@ -652,9 +652,15 @@ class Trainer:
                 log.info("run already complete: step %d of train.max_steps=%d (raise "
                          "train.max_steps to continue it)", self.state.step, max_steps)
                 return EXIT_OK
-            # Killed after its last checkpoint, during the final evaluation: finish that.
-            log.warning("step %d is checkpointed but the run stopped before its final "
-                        "evaluation was recorded; running it now", self.state.step)
+            if self.state.step > max_steps:  # lowered below the checkpoint: end the run here
+                log.warning("train.max_steps=%d is below the step of the checkpoint resumed "
+                            "(%d): nothing to train; ending the run at step %d with its final "
+                            "evaluation (the weights of an earlier step are in an older "
+                            "checkpoint, if one is kept: tape-export or --resume-from its tag "
+                            "directory)", max_steps, self.state.step, self.state.step)
+            else:  # killed after its last checkpoint, during the final evaluation: finish that
+                log.warning("step %d is checkpointed but the run stopped before its final "
+                            "evaluation was recorded; running it now", self.state.step)
             self._finish()
             return EXIT_OK
         bar = self._progress_bar()
