@@ -19,6 +19,7 @@ OVERRIDES = [*FAULTS_OVERRIDES, "parallel.zero_stage=1", "logging.tensorboard=fa
 def _rewind(run_dir: str) -> dict:
     import json
     import logging
+    import os
     from pathlib import Path
 
     from tape_train.config import load_run_config
@@ -54,6 +55,15 @@ def _rewind(run_dir: str) -> dict:
     out["rerun"] = rerun.run()
     out["rerun_built_an_engine"] = hasattr(rerun, "engine")
     out["rerun_wrote_metrics"] = Path(run_dir, "metrics.jsonl").read_text() != metrics_before
+    # A requeue of a job started with --resume-from step_2 runs that command line again: not
+    # a second rewind (which would throw away what the job did since, on every requeue).
+    os.environ["SLURM_RESTART_COUNT"] = "1"
+    try:
+        out["requeued"] = Trainer(cfg("train.lr=3e-3"), resume_from=root / "step_00000002").run()
+    finally:
+        del os.environ["SLURM_RESTART_COUNT"]
+    out["requeue_lines"] = [m for m in records if "is not applied again" in m]
+    out["complete_lines"] = [m for m in records if "run already complete" in m]
     out["tags"] = [t.name for t in ckpt.list_tags(root)]
     out["latest"] = (root / ckpt.LATEST).read_text()
     out["lr_in_place"] = lr_of(root / "step_00000004")
@@ -75,7 +85,6 @@ def _rewind(run_dir: str) -> dict:
     out["done_at"] = [json.loads(line)["step"] for line in metrics.read_text().splitlines()
                       if json.loads(line).get("event") == "done"]
     out["lr_lines"] = [m for m in records if "learning rate of step" in m]
-    out["complete_lines"] = [m for m in records if "run already complete" in m]
     return out
 
 
@@ -99,11 +108,16 @@ def test_a_rewind_with_another_lr_keeps_its_own_checkpoints_and_sets_the_old_one
     assert len(r["lr_lines"]) == 1 and "train.lr 0.001 -> 0.003" in r["lr_lines"][0]
     # The re-run continues the new trajectory: it is complete at its own step 4, which it
     # says without starting DeepSpeed or loading the checkpoint, and without writing anything.
-    assert len(r["complete_lines"]) == 1
     assert not r["rerun_built_an_engine"] and not r["rerun_wrote_metrics"]
     assert r["train_steps"] == [1, 2, 3, 4]                # one row per step
     [(step, aside)] = r["resume_events"]
     assert step == 2 and aside and "superseded" in aside
+    # The requeue resumed from the newest checkpoint (complete: nothing to do), set nothing
+    # aside (the tags and the one superseded directory are as they were), and said why.
+    assert r["requeued"] == 0 and len(r["requeue_lines"]) == 1, r["requeue_lines"]
+    assert "SLURM_RESTART_COUNT=1" in r["requeue_lines"][0]
+    assert "continued from it to step_00000004" in r["requeue_lines"][0]
+    assert len(r["complete_lines"]) == 2
     # max_steps lowered below the checkpoint: the run ends at step 4, saying why.
     assert r["lowered"] == 0 and r["done_at"] == [4]
     assert len(r["lowered_lines"]) == 1, r["lowered_lines"]

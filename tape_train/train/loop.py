@@ -402,6 +402,9 @@ class Trainer:
         damaged tags are skipped with a warning naming the file."""
         if self.resume_from is not None:
             tag_dir = ckpt.resolve_checkpoint(self.resume_from, verify=False)
+            if self._continued_since(tag_dir):
+                return ckpt.find_latest_intact(self.run_dir, warn=self.rank == 0,
+                                               damaged=self._damaged_tags)
             reason = ckpt.verify_checkpoint(tag_dir)
             if reason is not None:
                 raise ckpt.CheckpointError(f"checkpoint {tag_dir}: {reason}; "
@@ -409,6 +412,29 @@ class Trainer:
             return tag_dir
         return ckpt.find_latest_intact(self.run_dir, warn=self.rank == 0,
                                        damaged=self._damaged_tags)
+
+    def _continued_since(self, tag_dir: Path) -> bool:
+        """Whether ``--resume-from tag_dir`` is not to be applied again: this is a restart of
+        the job (a Slurm requeue, a torchrun restart: the same command line comes back) and the
+        run dir already has a newer complete checkpoint, written since that rewind or fork
+        (which moved the abandoned newer tags aside). Resuming from ``tag_dir`` again would
+        throw that progress away on every requeue. Rank 0 decides; collective."""
+        restarts_env = {k: os.environ.get(k) or "0" for k in ("SLURM_RESTART_COUNT",
+                                                               "TORCHELASTIC_RESTART_COUNT")}
+        newest = None
+        if self.rank == 0 and any(v != "0" for v in restarts_env.values()):
+            newest = ckpt.find_latest_complete(self.run_dir, warn=False)
+            if newest is not None and (ckpt.step_of_tag(newest.name) or 0) <= (
+                    ckpt.step_of_tag(tag_dir.name) or 0):
+                newest = None
+        if not tdist.all_reduce_max_int(1 if newest is not None else 0):
+            return False
+        if self.rank == 0:
+            log.warning("--resume-from %s is not applied again on this restart (%s): the run "
+                        "has continued from it to %s since; resuming from the newest intact "
+                        "checkpoint, as any restart does", tag_dir,
+                        ", ".join(f"{k}={v}" for k, v in restarts_env.items()), newest.name)
+        return True
 
     def _maybe_resume(self) -> str | None:
         tag_dir = self._resume_tag
