@@ -59,6 +59,9 @@ def _rewind(run_dir: str) -> dict:
     # a second rewind (which would throw away what the job did since, on every requeue).
     os.environ["SLURM_RESTART_COUNT"] = "1"
     try:
+        plan = run_preflight(cfg("train.lr=3e-3"), world_size=1, plan=False,
+                             resume_from=root / "step_00000002")
+        out["requeue_plan"] = plan.lines + plan.warnings
         out["requeued"] = Trainer(cfg("train.lr=3e-3"), resume_from=root / "step_00000002").run()
     finally:
         del os.environ["SLURM_RESTART_COUNT"]
@@ -118,6 +121,8 @@ def test_a_rewind_with_another_lr_keeps_its_own_checkpoints_and_sets_the_old_one
     assert "SLURM_RESTART_COUNT=1" in r["requeue_lines"][0]
     assert "continued from it to step_00000004" in r["requeue_lines"][0]
     assert len(r["complete_lines"]) == 2
+    assert any("not applied again on this restart" in line for line in r["requeue_plan"])
+    assert not any("is older than" in line for line in r["requeue_plan"]), r["requeue_plan"]
     # max_steps lowered below the checkpoint: the run ends at step 4, saying why.
     assert r["lowered"] == 0 and r["done_at"] == [4]
     assert len(r["lowered_lines"]) == 1, r["lowered_lines"]

@@ -375,6 +375,25 @@ def _serialize(obj: Any) -> bytes:
 
 
 SUPERSEDED = "superseded"
+RESTART_COUNTS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+
+
+def restart_resumes_newest(run_dir: str | Path, resume_from: Path) -> Path | None:
+    """The run dir's newest complete tag when ``--resume-from resume_from`` is not to be
+    applied again: this process is a restart of the job (a Slurm requeue or torchrun restart,
+    which run the same command line again: ``RESTART_COUNTS`` above 0) and the run has saved a
+    newer checkpoint since that rewind or fork. ``None``: apply ``--resume-from``."""
+    if all((os.environ.get(k) or "0") == "0" for k in RESTART_COUNTS):
+        return None
+    newest = find_latest_complete(run_dir, warn=False)
+    if newest is None or (step_of_tag(newest.name) or 0) <= (step_of_tag(resume_from.name) or 0):
+        return None
+    return newest
+
+
+def restarts_described() -> str:
+    """``"SLURM_RESTART_COUNT=1, TORCHELASTIC_RESTART_COUNT=0"`` for the log lines."""
+    return ", ".join(f"{k}={os.environ.get(k) or '0'}" for k in RESTART_COUNTS)
 
 
 def set_aside_newer(root: Path, step: int, owner=None,

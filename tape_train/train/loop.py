@@ -414,26 +414,19 @@ class Trainer:
                                        damaged=self._damaged_tags)
 
     def _continued_since(self, tag_dir: Path) -> bool:
-        """Whether ``--resume-from tag_dir`` is not to be applied again: this is a restart of
-        the job (a Slurm requeue, a torchrun restart: the same command line comes back) and the
-        run dir already has a newer complete checkpoint, written since that rewind or fork
-        (which moved the abandoned newer tags aside). Resuming from ``tag_dir`` again would
-        throw that progress away on every requeue. Rank 0 decides; collective."""
-        restarts_env = {k: os.environ.get(k) or "0" for k in ("SLURM_RESTART_COUNT",
-                                                               "TORCHELASTIC_RESTART_COUNT")}
-        newest = None
-        if self.rank == 0 and any(v != "0" for v in restarts_env.values()):
-            newest = ckpt.find_latest_complete(self.run_dir, warn=False)
-            if newest is not None and (ckpt.step_of_tag(newest.name) or 0) <= (
-                    ckpt.step_of_tag(tag_dir.name) or 0):
-                newest = None
+        """Whether ``--resume-from tag_dir`` is not to be applied again
+        (``ckpt.restart_resumes_newest``: a restart of the job, and the run dir has a newer
+        complete checkpoint, written since that rewind or fork, which moved the abandoned newer
+        tags aside): resuming from ``tag_dir`` again would throw that progress away on every
+        requeue. Rank 0 decides; collective."""
+        newest = ckpt.restart_resumes_newest(self.run_dir, tag_dir) if self.rank == 0 else None
         if not tdist.all_reduce_max_int(1 if newest is not None else 0):
             return False
         if self.rank == 0:
             log.warning("--resume-from %s is not applied again on this restart (%s): the run "
                         "has continued from it to %s since; resuming from the newest intact "
-                        "checkpoint, as any restart does", tag_dir,
-                        ", ".join(f"{k}={v}" for k, v in restarts_env.items()), newest.name)
+                        "checkpoint, as any restart does", tag_dir, ckpt.restarts_described(),
+                        newest.name)
         return True
 
     def _maybe_resume(self) -> str | None:

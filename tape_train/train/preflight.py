@@ -524,6 +524,14 @@ def _resume_tag(cfg, resume_from, report: Report, quiet: bool = False) -> Path |
         if not quiet:
             report.problem(f"--resume-from: {exc}")
         return None
+    if tag is not None and resume_from is not None:
+        newest = ckpt.restart_resumes_newest(cfg.train.run_dir, tag)
+        if newest is not None:  # what the trainer will do: the same rule
+            if not quiet:
+                report.info(f"resume: --resume-from {tag.name} is not applied again on this "
+                            f"restart ({ckpt.restarts_described()}): the run has continued "
+                            f"from it to {newest.name}")
+            tag = newest
     if tag is None and not quiet:
         report.info("resume: no complete checkpoint in the run dir: a new run starts at step 0")
     return tag
