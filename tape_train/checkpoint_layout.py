@@ -307,7 +307,7 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
         # A save that never finished (no marker, or one that does not parse) is skipped; a
         # finished one whose files changed since is damaged, like a checksum mismatch below.
         found = find_newest(path, lambda tag: None if _save_finished(tag)
-                            else why_incomplete(tag))
+                            else _unfinished_save(tag))
         if found is None:
             raise CheckpointError(f"no complete checkpoint under {checkpoint_root(path)}")
         reason = why_incomplete(found)
@@ -344,6 +344,19 @@ def deleted_while_read(tag_dir: Path, exc: BaseException) -> CheckpointError | N
         f"this run directory deletes its older checkpoints as it saves newer ones "
         f"(checkpoint.keep); run this again (it reads the newest complete one), or copy the "
         f"tag directory elsewhere first and read the copy")
+
+
+def _unfinished_save(tag_dir: Path) -> str | None:
+    """``why_incomplete`` for a reader (not the run writing the tags): a tag without its marker
+    in a run directory that a run holds may still be being written, not abandoned."""
+    reason = why_incomplete(tag_dir)
+    from tape_train.train.run_lock import LOCK_NAME
+
+    if reason is not None and not (tag_dir / MARKER).exists() and \
+            (tag_dir.parent.parent / LOCK_NAME).is_file():
+        reason = (f"no {MARKER}: being written by the run that holds "
+                  f"{tag_dir.parent.parent / LOCK_NAME}, or a save that was interrupted")
+    return reason
 
 
 def _save_finished(tag_dir: Path) -> bool:

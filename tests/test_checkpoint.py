@@ -203,6 +203,18 @@ def test_a_checkpoint_deleted_while_a_reader_reads_it_is_named_as_such(tmp_path,
         loading.load_model_from_checkpoint(tag)
     assert "damaged" in str(err.value) and "was deleted while" not in str(err.value)
 
+
+def test_a_reader_names_the_run_that_may_be_writing_a_tag_without_its_marker(tmp_path, caplog):
+    older = _save(FakeEngine(), tmp_path, 2)
+    (tmp_path / "checkpoints" / "step_00000004").mkdir()   # a save under way (or abandoned)
+    caplog.set_level("WARNING")
+    assert ckpt.resolve_checkpoint(tmp_path) == older
+    assert "no COMPLETE.json (the save was interrupted or failed)" in caplog.text  # no run
+    caplog.clear()
+    (tmp_path / "RUN.lock").write_text("{}")                # a run holds the directory
+    assert ckpt.resolve_checkpoint(tmp_path) == older
+    assert f"being written by the run that holds {tmp_path / 'RUN.lock'}" in caplog.text
+
 def test_no_checkpoint_at_all(tmp_path):
     assert ckpt.find_latest_complete(tmp_path) is None
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
