@@ -307,7 +307,7 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
         # A save that never finished (no marker, or one that does not parse) is skipped; a
         # finished one whose files changed since is damaged, like a checksum mismatch below.
         found = find_newest(path, lambda tag: None if _save_finished(tag)
-                            else why_incomplete(tag))
+                            else _unfinished_save(tag))
         if found is None:
             raise CheckpointError(f"no complete checkpoint under {checkpoint_root(path)}")
         reason = why_incomplete(found)
@@ -319,11 +319,44 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
         if found is None:
             raise CheckpointError(f"no complete checkpoint under {checkpoint_root(path)}")
     if verify:
-        log.info("checking %s against its checksums (%s)", found, describe_size(found))
+        try:
+            log.info("checking %s against its checksums (%s)", found, describe_size(found))
+        except (OSError, ValueError) as exc:
+            raise deleted_while_read(found, exc) or _damaged(found, f"unreadable {MARKER} "
+                                                                   f"({exc})") from None
         reason = verify_files(found)
         if reason is not None:
-            raise _damaged(found, reason)
+            raise deleted_while_read(found, reason) or _damaged(found, reason)
     return found
+
+
+def deleted_while_read(tag_dir: Path, exc: BaseException) -> CheckpointError | None:
+    """The error for a reader whose checkpoint went away under it (``exc``: what the read
+    raised), or ``None`` while the tag is still there. A training run on the same run dir
+    deletes its older tags (``checkpoint.keep``) as it saves newer ones, so a long
+    ``tape-export`` or ``tape-eval`` of a live run can lose its tag half-way: say so, and what
+    to do, instead of the bare ``No such file`` of whichever file came next."""
+    tag_dir = Path(tag_dir)
+    if (tag_dir / MARKER).is_file():
+        return None
+    return CheckpointError(
+        f"checkpoint {tag_dir} was deleted while it was being read ({exc}): a training run on "
+        f"this run directory deletes its older checkpoints as it saves newer ones "
+        f"(checkpoint.keep); run this again (it reads the newest complete one), or copy the "
+        f"tag directory elsewhere first and read the copy")
+
+
+def _unfinished_save(tag_dir: Path) -> str | None:
+    """``why_incomplete`` for a reader (not the run writing the tags): a tag without its marker
+    in a run directory that a run holds may still be being written, not abandoned."""
+    reason = why_incomplete(tag_dir)
+    from tape_train.train.run_lock import LOCK_NAME
+
+    if reason is not None and not (tag_dir / MARKER).exists() and \
+            (tag_dir.parent.parent / LOCK_NAME).is_file():
+        reason = (f"no {MARKER}: being written by the run that holds "
+                  f"{tag_dir.parent.parent / LOCK_NAME}, or a save that was interrupted")
+    return reason
 
 
 def _save_finished(tag_dir: Path) -> bool:

@@ -27,6 +27,14 @@ def _run(module: str) -> None:
         # killed by SIGPIPE does, without a traceback or a failed flush at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(128 + 13)  # 13: SIGPIPE
+    except KeyboardInterrupt:
+        # Ctrl-C where the command has no handler of its own (tape-eval, tape-export, start-up
+        # of any): one line, not a traceback through whatever was running. What they write
+        # for a reader appears whole or not at all (files.write_atomic, export directories
+        # renamed into place), so there is nothing half-written to mention.
+        print(f"{os.path.basename(sys.argv[0])}: interrupted (Ctrl-C)", file=sys.stderr,
+              flush=True)
+        sys.exit(128 + 2)  # 2: SIGINT
     sys.exit(code)
 
 

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from tape_train.checkpoint_layout import (  # noqa: F401 - find_latest_complete: public API
-    MARKER, UNIVERSAL, CheckpointError, find_latest_complete, read_marker, resolve_checkpoint,
-    why_incomplete, with_run_paths)
+    MARKER, UNIVERSAL, CheckpointError, deleted_while_read, find_latest_complete, read_marker,
+    resolve_checkpoint, why_incomplete, with_run_paths)
 from tape_train.files import write_atomic
 from tape_train.machine_cache import usable_cpus
 
@@ -283,6 +283,17 @@ def load_model_from_checkpoint(path: str | Path, map_dtype: torch.dtype | None =
         code_version, ...).
     """
     tag_dir = resolve_checkpoint(path, verify=verify)
+    try:
+        return _consolidate(tag_dir, map_dtype)
+    except (OSError, ValueError, CheckpointError) as exc:  # a reader of a live run may lose its tag
+        vanished = deleted_while_read(tag_dir, exc)
+        if vanished is None:
+            raise
+        raise vanished from exc
+
+
+def _consolidate(tag_dir: Path, map_dtype: torch.dtype | None
+                 ) -> tuple[Any, dict[str, torch.Tensor], dict]:
     meta = with_run_paths(read_marker(tag_dir), tag_dir)
     model_cfg = checkpoint_model_config(tag_dir, meta)
     if meta.get("zero_stage", 3) >= 1 and saved_layout(meta)["tp"] > 1:

@@ -125,6 +125,96 @@ def test_leftover_partial_tag_is_replaced_and_complete_tag_not_rewritten(tmp_pat
     assert (tag / ckpt.MARKER).read_text() == before
 
 
+
+def test_a_rewind_moves_the_newer_tags_aside_so_the_new_trajectory_writes_its_own(tmp_path,
+                                                                                 monkeypatch):
+    engine = FakeEngine()
+    for step in (2, 4, 6, 8):
+        _save(engine, tmp_path, step, keep=5)
+    root = tmp_path / "checkpoints"
+    damaged = root / "step_00000008"  # skipped at resume for its checksums: rewritten in place
+    old_marker = (root / "step_00000004" / ckpt.MARKER).read_text()
+    monkeypatch.setattr(ckpt.time, "strftime", lambda *a: "20260101T000000Z")
+    moved, dest = ckpt.set_aside_newer(root, 2, damaged={damaged.name})
+    assert [t.name for t in moved] == ["step_00000004", "step_00000006"]
+    assert dest == root / "superseded" / "20260101T000000Z"
+    assert [t.name for t in ckpt.list_tags(root)] == ["step_00000002", "step_00000008"]
+    assert (root / ckpt.LATEST).read_text() == "step_00000008"
+    # Nothing lost: each moved tag is complete where it went and loadable by its path.
+    for name in ("step_00000004", "step_00000006"):
+        assert ckpt.why_incomplete(dest / name) is None
+        assert ckpt.resolve_checkpoint(dest / name) == dest / name
+    # The replay writes its own step 4 (before, the old one was kept as "already complete"),
+    # and rotation never reaches the tags set aside.
+    _save(engine, tmp_path, 4, keep=2)
+    assert (root / "step_00000004" / ckpt.MARKER).read_text() != old_marker
+    _save(engine, tmp_path, 10, keep=3)
+    assert [t.name for t in ckpt.list_tags(root)] == ["step_00000004", "step_00000008",
+                                                       "step_00000010"]
+    assert sorted(p.name for p in dest.iterdir()) == ["step_00000004", "step_00000006"]
+    # A second rewind in the same second gets its own directory; nothing newer: no-op.
+    shutil.rmtree(damaged)
+    moved, second = ckpt.set_aside_newer(root, 4)
+    assert [t.name for t in moved] == ["step_00000010"] and second.name == "20260101T000000Z-2"
+    assert (root / ckpt.LATEST).read_text() == "step_00000004"
+    assert ckpt.set_aside_newer(root, 4) == ([], None)
+
+
+def _rotate_away(tag) -> None:
+    """What rotation by a training run on the same run dir does to a tag: marker first."""
+    (tag / ckpt.MARKER).unlink()
+    shutil.rmtree(tag)
+
+
+def test_a_checkpoint_deleted_while_a_reader_reads_it_is_named_as_such(tmp_path, monkeypatch):
+    from tape_train import checkpoint_layout, loading
+
+    tag = _save(FakeEngine(), tmp_path, 3)
+    checksum = checkpoint_layout.file_checksum
+
+    def rotated_mid_check(path):  # deleted while its checksums are being read
+        if tag.exists():
+            _rotate_away(tag)
+        return checksum(path)
+
+    monkeypatch.setattr(checkpoint_layout, "file_checksum", rotated_mid_check)
+    with pytest.raises(ckpt.CheckpointError, match="was deleted while it was being read") as err:
+        loading.load_model_from_checkpoint(tmp_path)
+    assert str(tag) in str(err.value) and "checkpoint.keep" in str(err.value)
+    assert "damaged" not in str(err.value)
+    monkeypatch.setattr(checkpoint_layout, "file_checksum", checksum)
+
+    tag = _save(FakeEngine(), tmp_path, 4)
+    resolve = loading.resolve_checkpoint
+
+    def rotated_after_check(path, verify=True):  # deleted between the check and the load
+        found = resolve(path, verify=verify)
+        _rotate_away(found)
+        return found
+
+    monkeypatch.setattr(loading, "resolve_checkpoint", rotated_after_check)
+    with pytest.raises(ckpt.CheckpointError, match=f"checkpoint {tag} was deleted while"):
+        loading.load_model_from_checkpoint(tmp_path)
+    # Negative control: a tag still in place that cannot be read is not called deleted.
+    monkeypatch.setattr(loading, "resolve_checkpoint", resolve)
+    tag = _save(FakeEngine(), tmp_path, 5)
+    (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x" * 128)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        loading.load_model_from_checkpoint(tag)
+    assert "damaged" in str(err.value) and "was deleted while" not in str(err.value)
+
+
+def test_a_reader_names_the_run_that_may_be_writing_a_tag_without_its_marker(tmp_path, caplog):
+    older = _save(FakeEngine(), tmp_path, 2)
+    (tmp_path / "checkpoints" / "step_00000004").mkdir()   # a save under way (or abandoned)
+    caplog.set_level("WARNING")
+    assert ckpt.resolve_checkpoint(tmp_path) == older
+    assert "no COMPLETE.json (the save was interrupted or failed)" in caplog.text  # no run
+    caplog.clear()
+    (tmp_path / "RUN.lock").write_text("{}")                # a run holds the directory
+    assert ckpt.resolve_checkpoint(tmp_path) == older
+    assert f"being written by the run that holds {tmp_path / 'RUN.lock'}" in caplog.text
+
 def test_no_checkpoint_at_all(tmp_path):
     assert ckpt.find_latest_complete(tmp_path) is None
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):

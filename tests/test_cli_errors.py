@@ -203,3 +203,26 @@ def test_a_closed_stdout_ends_a_command_without_a_traceback(handled):
         assert (proc.returncode, proc.stderr) == (141, "")
     else:
         assert proc.returncode != 0 and "BrokenPipeError" in proc.stderr
+
+
+def test_ctrl_c_in_a_command_without_its_own_handler_is_one_line(monkeypatch, capsys):
+    import importlib
+    import types
+
+    from tape_train import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    real = importlib.import_module
+    monkeypatch.setattr(cli.importlib, "import_module",
+                        lambda name: types.SimpleNamespace(main=interrupted)
+                        if name == "tape_train.inference.export" else real(name))
+    monkeypatch.setattr("sys.argv", ["tape-export", "runs/demo", "--out", "exports/demo"])
+    with pytest.raises(SystemExit) as stopped:
+        cli.export_main()
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err == "tape-export: interrupted (Ctrl-C)\n"
+    # Negative control: the command's own main lets it through (the traceback Python prints).
+    with pytest.raises(KeyboardInterrupt):
+        cli.importlib.import_module("tape_train.inference.export").main()

@@ -82,6 +82,38 @@ def test_a_report_cut_short_leaves_no_json_beside_new_files(tmp_path, monkeypatc
     assert "TAPE v2" in (out / "eval.json").read_text()
 
 
+
+def test_two_reports_written_to_one_out_at_once_do_not_mix(tmp_path, monkeypatch):
+    """Two tape-evals given the same --out: the one that finishes second waits for the
+    first's three files, so the report left is the second's whole (not its table beside the
+    first's plot and JSON). The first is held inside its plot until the second has started."""
+    import threading
+
+    out = tmp_path / "out"
+    first, second = _runs(), [dict(run, label=run["label"] + " v2") for run in _runs()]
+    plot, in_plot, go_on = report.plot_perplexity_vs_length, threading.Event(), threading.Event()
+
+    def held_plot(runs, path):
+        if runs is first:
+            in_plot.set()
+            go_on.wait(timeout=60)
+        return plot(runs, path)
+
+    monkeypatch.setattr(report, "plot_perplexity_vs_length", held_plot)
+    writer = threading.Thread(target=report.write_reports, args=(out, first))
+    writer.start()
+    assert in_plot.wait(timeout=60)                  # the first has written its table
+    late = threading.Thread(target=report.write_reports, args=(out, second))
+    late.start()
+    late.join(timeout=2)  # it waits for the lock (without one it would finish meanwhile)
+    go_on.set()
+    writer.join(timeout=60)
+    late.join(timeout=60)
+    assert not writer.is_alive() and not late.is_alive()
+    labels = {m["label"] for m in json.loads((out / "eval.json").read_text())["models"]}
+    assert labels == {"TAPE v2", "RoPE v2"} and "TAPE v2" in (out / "eval.md").read_text()
+    assert sorted(p.name for p in out.iterdir()) == ["eval.json", "eval.md", "ppl_vs_length.png"]
+
 def test_failed_write_keeps_previous_file(tmp_path):
     target = tmp_path / "eval.json"
     target.write_text("previous")

@@ -152,6 +152,30 @@ def test_an_unwritable_checkpoints_directory_is_refused_by_the_dry_run(corpus, t
                                 f"writable ({run_dir / 'checkpoints'}: Read-only file system)"]
 
 
+
+def test_the_dry_run_warns_when_another_run_holds_the_run_directory(corpus, tmp_path):
+    """A run started now would be refused (RUN.lock); the dry run says so, as a warning (the
+    job being planned may be queued behind that run), and is quiet once the holder is gone."""
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from tape_train.train.run_lock import RunLock; "
+         "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)",
+         str(run_dir)], stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    args = ["--config", str(corpus / "run.yaml"), "--dry-run", f"train.run_dir={run_dir}"]
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        rc, out, err = dry_run(args)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert rc == 0 and "preflight: ok" in out, err
+    warned = [ln for ln in err.splitlines() if "in use by another run" in ln]
+    assert len(warned) == 1 and f"pid {holder.pid}" in warned[0], err
+    assert "preflight: warning: train.run_dir: run directory" in warned[0]
+    rc, out, err = dry_run(args)  # the holder is dead: its lock would be taken over
+    assert rc == 0 and "in use by another run" not in err, err
+
 def test_ranks_outnumbering_shards_is_a_warning_not_an_error(corpus):
     """One file for 4 data-parallel ranks: they share it, each reading all of it for a quarter
     (documents sharding). The dry run warns, names the fix, and still passes; with one rank

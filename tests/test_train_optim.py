@@ -6,8 +6,9 @@ import math
 
 import pytest
 
-from tape_train.config import OptimConfig
-from tape_train.train.optim import LRSchedule, SkippableAdamW, param_groups
+from tape_train.config import OptimConfig, TrainConfig
+from tape_train.train.optim import (LRSchedule, SkippableAdamW, lr_change_at_resume,
+                                   param_groups)
 
 
 def _groups(decay_embeddings: bool, **model):
@@ -52,6 +53,38 @@ def test_schedule_warmup_then_decay_to_min(decay):
     assert all(a >= b for a, b in zip(values, values[1:]))  # monotone after warm-up
     assert LRSchedule(0, 100, "constant", 0.0)(50) == 1.0
 
+
+
+def _saved(**train) -> dict:
+    """``config.train`` of a checkpoint saved with these schedule keys (the rest default)."""
+    return vars(TrainConfig(**train)).copy()
+
+
+def test_a_resume_that_moves_the_learning_rate_says_from_what_to_what_and_why():
+    # A finished cosine run (decayed to min_lr_ratio at step 100) extended to 200 steps.
+    saved = _saved(max_steps=100, lr=1e-3, warmup_steps=10, decay="cosine", min_lr_ratio=0.1)
+    longer = TrainConfig(max_steps=200, lr=1e-3, warmup_steps=10, decay="cosine",
+                         min_lr_ratio=0.1)
+    line = lr_change_at_resume(saved, longer, 100)
+    new = 1e-3 * LRSchedule(10, 200, "cosine", 0.1)(100)
+    assert line is not None and "of step 101 changes from 0.0001" in line
+    assert f"to {new:.3g}" in line and "train.max_steps 100 -> 200" in line
+    assert "re-warms" in line and "train.decay=constant train.lr=0.0001" in line
+    # Mid-run, a longer run with a warm-up given as a fraction falls back into it.
+    saved = _saved(max_steps=1000, warmup_steps=None, warmup_fraction=0.02)
+    line = lr_change_at_resume(saved, TrainConfig(max_steps=10000, warmup_steps=None), 100)
+    assert line is not None and "back in a warm-up, now of 200 steps" in line
+    assert "train.warmup_steps=20 keeps the checkpoint's" in line
+    # Negative controls: what does not move the next step's rate is not reported.
+    constant = _saved(max_steps=100, warmup_steps=10, decay="constant")
+    assert lr_change_at_resume(constant, TrainConfig(max_steps=200, warmup_steps=10,
+                                                     decay="constant"), 100) is None
+    same = _saved(max_steps=100, warmup_steps=10)
+    in_warmup = TrainConfig(max_steps=100, warmup_steps=10, min_lr_ratio=0.5)
+    assert lr_change_at_resume(same, in_warmup, 5) is None     # the key changed, the rate not
+    assert lr_change_at_resume(same, in_warmup, 50) is not None
+    # A finished run whose max_steps is lowered trains no step: nothing to say.
+    assert lr_change_at_resume(same, TrainConfig(max_steps=50, warmup_steps=10), 100) is None
 
 def _skipped_step(make, p):
     """An optimizer from ``make`` over ``p`` (ones) whose flagged step left everything as it

@@ -41,3 +41,24 @@ def test_requeue_wins_over_interrupt_across_ranks():
         assert stop.agreed(_local_max) == EXIT_REQUEUE
     finally:
         stop.close()
+
+
+def test_the_first_signal_is_acknowledged_at_once_and_a_second_ctrl_c_is_ignored(capfd):
+    stop = StopRequest().install()
+    try:
+        assert capfd.readouterr().err == ""  # negative control: nothing said before a signal
+        os.kill(os.getpid(), signal.SIGINT)
+        said = capfd.readouterr().err
+        assert "SIGINT received: stopping at the next step boundary after writing a " \
+               "checkpoint" in said and said.rstrip().endswith("exit 130"), said
+        os.kill(os.getpid(), signal.SIGINT)
+        assert "stop already requested" in capfd.readouterr().err
+        assert stop.agreed(_local_max) == EXIT_INTERRUPTED
+    finally:
+        stop.close()
+    stop = StopRequest().install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert capfd.readouterr().err.rstrip().endswith("exit 75")
+    finally:
+        stop.close()

@@ -8,6 +8,7 @@ half-written report for a complete one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -210,8 +211,35 @@ def write_reports(out_dir: str | os.PathLike, runs: list[dict],
     JSON beside a new Markdown file or plot).
     """
     out = Path(out_dir)
-    (out / "eval.json").unlink(missing_ok=True)
-    paths = {"markdown": write_markdown(out / "eval.md", runs, settings=settings),
-             "plot": plot_perplexity_vs_length(runs, out / "ppl_vs_length.png")}
-    paths["json"] = write_json(out / "eval.json", runs, settings)
+    with _one_writer(out):
+        (out / "eval.json").unlink(missing_ok=True)
+        paths = {"markdown": write_markdown(out / "eval.md", runs, settings=settings),
+                 "plot": plot_perplexity_vs_length(runs, out / "ppl_vs_length.png")}
+        paths["json"] = write_json(out / "eval.json", runs, settings)
     return paths
+
+
+@contextlib.contextmanager
+def _one_writer(out: Path):
+    """Hold an exclusive ``flock`` on the ``out`` directory itself (no lock file left in it)
+    while the report is written: a second ``tape-eval`` given the same ``--out`` waits for the
+    first one's three files, so the last one to finish leaves its whole report instead of a
+    mix of both (its Markdown, the other's plot). Where the directory cannot be made or opened,
+    or the filesystem locks no directories (NFS), nothing is serialised (the writes themselves
+    then say what is wrong)."""
+    import fcntl
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # ENOLCK, EBADF, EOPNOTSUPP: no flock on this filesystem
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock

@@ -377,6 +377,67 @@ def _serialize(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+SUPERSEDED = "superseded"
+RESTART_COUNTS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+
+
+def restart_resumes_newest(run_dir: str | Path, resume_from: Path) -> Path | None:
+    """The run dir's newest complete tag when ``--resume-from resume_from`` is not to be
+    applied again: this process is a restart of the job (a Slurm requeue or torchrun restart,
+    which run the same command line again: ``RESTART_COUNTS`` above 0) and the run has saved a
+    newer checkpoint since that rewind or fork. ``None``: apply ``--resume-from``."""
+    if all((os.environ.get(k) or "0") == "0" for k in RESTART_COUNTS):
+        return None
+    newest = find_latest_complete(run_dir, warn=False)
+    if newest is None or (step_of_tag(newest.name) or 0) <= (step_of_tag(resume_from.name) or 0):
+        return None
+    return newest
+
+
+def restarts_described() -> str:
+    """``"SLURM_RESTART_COUNT=1, TORCHELASTIC_RESTART_COUNT=0"`` for the log lines."""
+    return ", ".join(f"{k}={os.environ.get(k) or '0'}" for k in RESTART_COUNTS)
+
+
+def set_aside_newer(root: Path, step: int, owner=None,
+                    damaged: set[str] | frozenset[str] = frozenset()) -> tuple[list[Path], Path | None]:
+    """Move the complete tags of ``root`` newer than ``step`` to
+    ``<root>/superseded/<UTC time>/`` and point ``latest`` at the newest tag left; returns the
+    tags moved and where they went. Rank 0 only, under the run-directory lock (``owner``).
+
+    A run resumed from an older tag (``--resume-from``) writes another trajectory from there
+    on: left in place, the newer tags of the one it abandons would be taken for its own (a save
+    at their step kept them as "already complete", rotation kept them as the newest, and a
+    re-run after a crash resumed from them). Moved aside, they stay loadable by ``tape-eval`` and
+    ``tape-export`` (give the tag directory) and are never rotated. ``damaged`` tags (skipped
+    at resume for a checksum mismatch, rewritten by the replay) stay where they are."""
+    root = Path(root)
+    newer = [t for t in list_tags(root) if step_of_tag(t.name) > step
+             and t.name not in damaged and why_incomplete(t) is None]
+    if not newer:
+        return [], None
+    _check_owner(owner, f"move the checkpoints after step {step} in {root} aside")
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = root / SUPERSEDED / stamp
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = root / SUPERSEDED / f"{stamp}-{n}"
+    try:
+        dest.mkdir(parents=True)
+        for tag_dir in newer:
+            os.replace(tag_dir, dest / tag_dir.name)
+        left = find_latest_complete(root, warn=False)
+        if left is not None:
+            write_atomic(root / LATEST, left.name.encode())
+        else:
+            (root / LATEST).unlink(missing_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot move the checkpoints after step {step} aside to {dest}: "
+                              f"{describe_os_error(exc, dest)}") from exc
+    return newer, dest
+
+
 def rotate_checkpoints(root: Path, keep: int,
                        damaged: set[str] | frozenset[str] = frozenset()) -> list[Path]:
     """Delete all but the newest ``keep`` complete tags, and incomplete tags older than the

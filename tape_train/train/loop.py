@@ -36,7 +36,7 @@ from tape_train.host_memory import keep_freed_memory
 from tape_train.train.cuda_allocator import RetryWatch
 from tape_train.train.metrics import (MetricsWriter, format_summary, memory_metrics, read_metrics,
                                       setup_logging)
-from tape_train.train.optim import LRSchedule
+from tape_train.train.optim import LRSchedule, lr_change_at_resume
 from tape_train.train.peak import checked_mfu, device_peak_tflops
 from tape_train.precision import PrecisionChoice, deterministic_algorithms, resolve_dtype
 from tape_train.train.preflight import PreflightError
@@ -192,6 +192,12 @@ class Trainer:
         if marker is not None:
             self._relayout = relayout.plan(marker, cfg, self.grid)
             self._check_config(marker, self._resume_tag)
+            step = int(marker.get("step") or 0)
+            if step >= cfg.train.max_steps and self._finished(step):
+                # Nothing to train or evaluate: no DeepSpeed start-up and checkpoint load (minutes
+                # on a large model) just for train() to say so, no event or config.yaml written.
+                self.state.step = step
+                return
             if self._relayout is not None and self._relayout.universal:
                 self._convert_to_universal(self._resume_tag)
 
@@ -216,6 +222,7 @@ class Trainer:
         resumed_from = self._maybe_resume()
         self.data_iter = iter(self.loader)
         self._stop_point("data loader and resume")
+        superseded = self._set_aside_newer_checkpoints() if resumed_from else None
 
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -229,7 +236,34 @@ class Trainer:
             "world_size": self.dist.world_size, "slurm_restart_count": int(requeues or 0),
             "layout": relayout.current_layout(self.grid),
             "relayout_from": self._relayout.saved if resumed_from and self._relayout else None,
+            "superseded_checkpoints": superseded,
             "code_version": ckpt.code_version()})
+
+    def _set_aside_newer_checkpoints(self) -> str | None:
+        """After a resume from an older tag than the run dir's newest (``--resume-from``), move
+        the newer complete tags out of the way (``ckpt.set_aside_newer``), so that the new
+        trajectory's saves, rotation and a later re-run never take them for its own. Rank 0
+        moves, under the lock; every rank learns whether it failed. Returns where they went."""
+        moved, dest, error = [], None, None
+        if self.rank == 0:
+            try:
+                moved, dest = ckpt.set_aside_newer(ckpt.checkpoint_root(self.run_dir),
+                                                   self.state.step, owner=self.lock,
+                                                   damaged=self._damaged_tags)
+            except ckpt.CheckpointError as exc:
+                error = exc
+        if tdist.all_reduce_max_int(1 if error is not None else 0):
+            raise error or ckpt.CheckpointError("rank 0 could not move the newer checkpoints "
+                                                "aside (see its log)")
+        if not moved:
+            return None
+        log.warning("resumed from step %d, but this run dir had newer checkpoints of the run "
+                    "as it went on from there (%s): moved to %s, so that this run, which "
+                    "continues from step %d, never takes them for its own; nothing was deleted "
+                    "(tape-eval and tape-export read them there; they are not rotated: delete "
+                    "that directory when you no longer need them)", self.state.step,
+                    ", ".join(t.name for t in moved), dest, self.state.step)
+        return str(dest)
 
     def _preflight(self) -> None:
         """The dry run's input checks (tokenizer, data, held-out lengths, layout, lengths, run
@@ -368,6 +402,9 @@ class Trainer:
         damaged tags are skipped with a warning naming the file."""
         if self.resume_from is not None:
             tag_dir = ckpt.resolve_checkpoint(self.resume_from, verify=False)
+            if self._continued_since(tag_dir):
+                return ckpt.find_latest_intact(self.run_dir, warn=self.rank == 0,
+                                               damaged=self._damaged_tags)
             reason = ckpt.verify_checkpoint(tag_dir)
             if reason is not None:
                 raise ckpt.CheckpointError(f"checkpoint {tag_dir}: {reason}; "
@@ -375,6 +412,22 @@ class Trainer:
             return tag_dir
         return ckpt.find_latest_intact(self.run_dir, warn=self.rank == 0,
                                        damaged=self._damaged_tags)
+
+    def _continued_since(self, tag_dir: Path) -> bool:
+        """Whether ``--resume-from tag_dir`` is not to be applied again
+        (``ckpt.restart_resumes_newest``: a restart of the job, and the run dir has a newer
+        complete checkpoint, written since that rewind or fork, which moved the abandoned newer
+        tags aside): resuming from ``tag_dir`` again would throw that progress away on every
+        requeue. Rank 0 decides; collective."""
+        newest = ckpt.restart_resumes_newest(self.run_dir, tag_dir) if self.rank == 0 else None
+        if not tdist.all_reduce_max_int(1 if newest is not None else 0):
+            return False
+        if self.rank == 0:
+            log.warning("--resume-from %s is not applied again on this restart (%s): the run "
+                        "has continued from it to %s since; resuming from the newest intact "
+                        "checkpoint, as any restart does", tag_dir, ckpt.restarts_described(),
+                        newest.name)
+        return True
 
     def _maybe_resume(self) -> str | None:
         tag_dir = self._resume_tag
@@ -503,6 +556,10 @@ class Trainer:
                 f"refusing to resume from {tag_dir}: these changes would corrupt the run: "
                 f"{', '.join(protected)} (checkpoint vs now:\n{lines}\n). Use another "
                 f"train.run_dir for a new run, or pass --allow-config-change if you mean it")
+        lr_change = lr_change_at_resume((marker.get("config") or {}).get("train") or {},
+                                        self.cfg.train, int(marker.get("step") or 0))
+        if lr_change is not None:
+            log.warning("resuming from %s: %s", tag_dir, lr_change)
 
     def _setup_mfu(self) -> None:
         from tape_train.model.flops import training_flops_per_token
@@ -614,9 +671,15 @@ class Trainer:
                 log.info("run already complete: step %d of train.max_steps=%d (raise "
                          "train.max_steps to continue it)", self.state.step, max_steps)
                 return EXIT_OK
-            # Killed after its last checkpoint, during the final evaluation: finish that.
-            log.warning("step %d is checkpointed but the run stopped before its final "
-                        "evaluation was recorded; running it now", self.state.step)
+            if self.state.step > max_steps:  # lowered below the checkpoint: end the run here
+                log.warning("train.max_steps=%d is below the step of the checkpoint resumed "
+                            "(%d): nothing to train; ending the run at step %d with its final "
+                            "evaluation (the weights of an earlier step are in an older "
+                            "checkpoint, if one is kept: tape-export or --resume-from its tag "
+                            "directory)", max_steps, self.state.step, self.state.step)
+            else:  # killed after its last checkpoint, during the final evaluation: finish that
+                log.warning("step %d is checkpointed but the run stopped before its final "
+                            "evaluation was recorded; running it now", self.state.step)
             self._finish()
             return EXIT_OK
         bar = self._progress_bar()
@@ -703,13 +766,15 @@ class Trainer:
         self.writer.write("event", self.state.step, {"event": "done"})
         self.writer.flush()
 
-    def _finished(self) -> bool:
-        """Whether ``metrics.jsonl`` records this step's ``done`` event (rank 0 reads it; every
-        rank gets the verdict). A run killed during its final evaluation has its last
-        checkpoint but no such event, and must not be taken for complete."""
+    def _finished(self, step: int | None = None) -> bool:
+        """Whether ``metrics.jsonl`` records a ``done`` event at ``step`` (default: the current
+        one; rank 0 reads it; every rank gets the verdict). A run killed during its final
+        evaluation has its last checkpoint but no such event, and must not be taken for
+        complete."""
+        step = self.state.step if step is None else step
         missing = 0
         if self.rank == 0:
-            missing = int(not any(e.get("event") == "done" and e.get("step") == self.state.step
+            missing = int(not any(e.get("event") == "done" and e.get("step") == step
                                   for e in read_metrics(self.run_dir, "event")))
         return not tdist.all_reduce_max_int(missing)
 

@@ -225,3 +225,43 @@ class LRSchedule:
         else:
             raise ValueError(f"unknown decay {self.decay!r}")
         return self.min_ratio + (1.0 - self.min_ratio) * shape
+
+
+SCHEDULE_KEYS = ("lr", "max_steps", "warmup_steps", "warmup_fraction", "decay", "min_lr_ratio")
+
+
+def lr_change_at_resume(saved_train: dict, train: TrainConfig, step: int) -> str | None:
+    """What a resume at ``step`` (optimizer steps done) does to the learning rate, when the
+    schedule's keys differ from the checkpoint's ``saved_train`` (its ``config.train``) so that
+    the next step's rate differs too; ``None`` when it does not (or the saved keys cannot be
+    read). A longer ``train.max_steps`` re-warms a run that had decayed, and moves a warm-up
+    given as ``train.warmup_fraction``: both silent until the curves show it."""
+    changed = [k for k in SCHEDULE_KEYS if k in saved_train and saved_train[k] != getattr(train, k)]
+    if not changed or step >= train.max_steps:  # no step left to train: nothing changes
+        return None
+    import dataclasses
+
+    try:
+        before = dataclasses.replace(train, **{k: saved_train[k] for k in changed})
+    except (ValueError, TypeError):  # a checkpoint of another version: nothing to compare
+        return None
+    old = before.lr * LRSchedule.from_config(before)(step)
+    new = train.lr * LRSchedule.from_config(train)(step)
+    if math.isclose(old, new, rel_tol=1e-6):
+        return None
+    keys = ", ".join(f"train.{k} {saved_train[k]!r} -> {getattr(train, k)!r}" for k in changed)
+    line = (f"the learning rate of step {step + 1} changes from {old:.3g} (the checkpoint's "
+            f"schedule) to {new:.3g}{f' ({new / old:.2f}x)' if old > 0 else ''} because {keys}: "
+            f"the schedule is a function of the step and the current config")
+    warmup = train.resolved_warmup_steps
+    if step >= before.max_steps and before.decay != "constant" and new > old > 0:
+        line += (f"; the checkpoint's run had decayed to its final rate at step "
+                 f"{before.max_steps}, and this one re-warms it (to continue at {old:.3g} "
+                 f"instead: train.decay=constant train.lr={old:.3g} train.warmup_steps=0)")
+    elif before.resolved_warmup_steps <= step < warmup:
+        line += f"; step {step + 1} is back in a warm-up, now of {warmup} steps"
+        if train.warmup_steps is None:
+            line += (f" (train.warmup_fraction={train.warmup_fraction:g} of train.max_steps="
+                     f"{train.max_steps}; train.warmup_steps={before.resolved_warmup_steps} "
+                     f"keeps the checkpoint's)")
+    return line

@@ -129,6 +129,8 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
         planned = copy.deepcopy(cfg)
         planned.train.dtype = resolve_planning_dtype(cfg, device_type)
     _check_run_dir(planned, report)
+    if check_resume:  # the dry run and tape-submit; a real run takes the lock itself next
+        _check_run_lock(cfg, report)
     if cfg.profile.enabled:
         _check_profile(cfg, world_size, device_type, report)
     if check_resume_data is None:
@@ -496,6 +498,18 @@ def _check_run_dir(cfg, report: Report) -> None:
         report.info(f"run dir {run_dir}: writable; {what}")
 
 
+def _check_run_lock(cfg, report: Report) -> None:
+    """Whether another run holds the run directory's lock now (``run_lock.lock_refusal``, the
+    trainer's own rule): a warning, since the job being planned may start after that run ended
+    (a continuation queued behind it), but a run started now would be refused."""
+    from tape_train.train.run_lock import lock_refusal
+
+    refusal = lock_refusal(cfg.train.run_dir)
+    if refusal is not None:
+        report.warn(f"train.run_dir: {refusal} (a run started now would be refused; this plan "
+                    f"holds for after it)")
+
+
 def _resume_tag(cfg, resume_from, report: Report, quiet: bool = False) -> Path | None:
     """The checkpoint a resume would load: ``--resume-from``'s, else the newest complete one
     in the run dir (``None``: a new run). ``quiet``: say nothing (the trainer reports a bad
@@ -510,6 +524,14 @@ def _resume_tag(cfg, resume_from, report: Report, quiet: bool = False) -> Path |
         if not quiet:
             report.problem(f"--resume-from: {exc}")
         return None
+    if tag is not None and resume_from is not None:
+        newest = ckpt.restart_resumes_newest(cfg.train.run_dir, tag)
+        if newest is not None:  # what the trainer will do: the same rule
+            if not quiet:
+                report.info(f"resume: --resume-from {tag.name} is not applied again on this "
+                            f"restart ({ckpt.restarts_described()}): the run has continued "
+                            f"from it to {newest.name}")
+            tag = newest
     if tag is None and not quiet:
         report.info("resume: no complete checkpoint in the run dir: a new run starts at step 0")
     return tag
@@ -529,6 +551,14 @@ def _check_resume(cfg, grid, tag: Path, allow_config_change: bool, report: Repor
     route = moved.describe() if moved else "same layout, direct load"
     report.info(f"resume: {tag} (step {marker.get('step')}, {marker.get('tokens_seen')} tokens; "
                 f"{route})")
+    newest = ckpt.find_latest_complete(cfg.train.run_dir, warn=False)
+    step = ckpt.step_of_tag(tag.name)
+    if newest is not None and step is not None and ckpt.step_of_tag(newest.name) > step:
+        root = ckpt.checkpoint_root(cfg.train.run_dir)
+        report.warn(f"resume: {tag.name} is older than this run dir's newest checkpoint "
+                    f"{newest.name}: the run will move the checkpoints after step {step} to "
+                    f"{root / ckpt.SUPERSEDED}/<time>/ (nothing is deleted) and continue from "
+                    f"step {step}")
     found = relayout.problems(marker, cfg, grid)
     from tape_train.train.relayout import protected_differences
 
@@ -537,6 +567,12 @@ def _check_resume(cfg, grid, tag: Path, allow_config_change: bool, report: Repor
                  if not k.startswith(relayout.LAYOUT_KEYS)]
     if protected:
         found.append(f"these config changes would corrupt the run: {', '.join(protected)}")
+    from tape_train.train.optim import lr_change_at_resume
+
+    lr_change = lr_change_at_resume((marker.get("config") or {}).get("train") or {}, cfg.train,
+                                    int(marker.get("step") or 0))
+    if lr_change is not None:
+        report.warn(f"resume: {lr_change}")
     for line in found:
         if allow_config_change:
             report.warn(f"resume: {line} (allowed by --allow-config-change)")

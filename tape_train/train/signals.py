@@ -8,12 +8,14 @@ then checkpoints and exits with ``exit_code``:
 - SIGUSR1 / SIGTERM → 75 (EX_TEMPFAIL): the Slurm batch script requeues the job on 75.
 - SIGINT (Ctrl-C)   → 130 (128 + SIGINT), the shell convention; a second Ctrl-C while the
   checkpoint is being written is ignored with a message (use SIGKILL to abandon it).
+
+The first signal is acknowledged on stderr at once, saying what will happen and the exit code.
 """
 
 from __future__ import annotations
 
+import os
 import signal
-import sys
 from collections.abc import Callable
 
 EXIT_REQUEUE = 75
@@ -48,11 +50,17 @@ class StopRequest:
 
     def _make_handler(self, kind: int):
         def handler(signum, frame) -> None:
+            name = signal.Signals(signum).name
             if self.local != _NONE and kind == _INTERRUPT:
-                print("tape-train: stop already requested; finishing the checkpoint "
-                      "(SIGKILL abandons it)", file=sys.stderr, flush=True)
+                _say("tape-train: stop already requested; finishing the checkpoint "
+                     "(SIGKILL abandons it)")
+            elif self.local == _NONE:  # acknowledged at once: the stop may be a step, an
+                # evaluation or a save away, and a silent Ctrl-C invites a second one
+                _say(f"tape-train: {name} received: stopping at the next step boundary after "
+                     f"writing a checkpoint (before the first step: at the next start-up "
+                     f"phase, nothing to save); exit {_CODES[max(self.local, kind)]}")
             self.local = max(self.local, kind)
-            self.signal_name = signal.Signals(signum).name
+            self.signal_name = name
         return handler
 
     def agreed(self, all_reduce_max: Callable[[int], int]) -> int:
@@ -61,3 +69,13 @@ class StopRequest:
         ``all_reduce_max`` maps this rank's integer to the maximum over all ranks.
         """
         return _CODES[all_reduce_max(self.local)]
+
+
+def _say(line: str) -> None:
+    """One line on stderr from a signal handler: ``os.write``, unbuffered, because the handler
+    may interrupt the main thread inside a write to ``sys.stderr`` (a log line), where
+    ``print`` would raise "reentrant call" into whatever the trainer was doing."""
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
