@@ -84,8 +84,13 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Pat
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     if tokenizer is not None:
         from tape_train.data.tokenizer import load_model_tokenizer
+        from tape_train.inference.hf_tokenizer import unsupported
 
         load_model_tokenizer(tokenizer, cfg.vocab_size)
+        problem = unsupported(tokenizer)
+        if problem:  # before any weight is written
+            raise ValueError(f"{problem}; a Hugging Face export needs them (the plain "
+                             f"export, without --hf, bundles the tokenizer.model alone)")
 
     def write(tmp: Path) -> None:
         save_weights(cast_state(weights, dtype), tmp / WEIGHTS)

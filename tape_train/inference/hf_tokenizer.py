@@ -53,20 +53,36 @@ def _bpe_merges(pieces) -> list[tuple[str, str]]:
     return merges
 
 
+def unsupported(model_path: str | Path) -> str | None:
+    """Why the sentencepiece model at ``model_path`` has no exact Hugging Face tokenizer here
+    (a normalization rule other than identity, remove_extra_whitespaces, a model type other
+    than BPE or unigram), or None. Tokenizers trained by ``tape-tokenizer`` always have one."""
+    proto = _proto(str(model_path))
+    norm = proto.normalizer_spec
+    if norm.name not in ("identity", "") or norm.precompiled_charsmap:
+        return (f"tokenizer {model_path}: normalization rule {norm.name!r} is not supported "
+                f"by the Hugging Face tokenizer files (identity only)")
+    if norm.remove_extra_whitespaces:
+        return (f"tokenizer {model_path}: remove_extra_whitespaces=true is not supported by "
+                f"the Hugging Face tokenizer files")
+    if proto.trainer_spec.model_type not in (1, 2):
+        return (f"tokenizer {model_path}: model type {proto.trainer_spec.model_type} is not "
+                f"bpe or unigram (the Hugging Face tokenizer files support those only)")
+    return None
+
+
 def build_fast_tokenizer(model_path: str | Path):
-    """A ``tokenizers.Tokenizer`` equivalent to the sentencepiece model at ``model_path``."""
+    """A ``tokenizers.Tokenizer`` equivalent to the sentencepiece model at ``model_path``
+    (ValueError, with :func:`unsupported`'s reason, when there is none)."""
     from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
     from tokenizers.models import BPE, Unigram
 
     tok = load_tokenizer(model_path)
+    problem = unsupported(model_path)
+    if problem:
+        raise ValueError(problem)
     proto = _proto(str(model_path))
     trainer, norm = proto.trainer_spec, proto.normalizer_spec
-    if norm.name not in ("identity", "") or norm.precompiled_charsmap:
-        raise ValueError(f"tokenizer {model_path}: normalization rule {norm.name!r} is not "
-                         f"supported by the Hugging Face export (identity only)")
-    if norm.remove_extra_whitespaces:
-        raise ValueError(f"tokenizer {model_path}: remove_extra_whitespaces=true is not "
-                         f"supported by the Hugging Face export")
     pieces = list(proto.pieces)
     byte_fallback = bool(trainer.byte_fallback)
     if trainer.model_type == 2:  # BPE
@@ -77,9 +93,8 @@ def build_fast_tokenizer(model_path: str | Path):
         scores = [(p.piece, p.score if p.type in (_NORMAL, _USER_DEFINED) else _NEVER_MATCHED)
                   for p in pieces]
         model = Unigram(scores, unk_id=tok.unk_id, byte_fallback=byte_fallback)
-    else:
-        raise ValueError(f"tokenizer {model_path}: model type {trainer.model_type} is not "
-                         f"bpe or unigram")
+    else:  # unreachable: unsupported() names other model types
+        raise ValueError(f"tokenizer {model_path}: model type {trainer.model_type}")
     fast = Tokenizer(model)
     steps = [normalizers.Replace(" ", "▁")]
     if norm.add_dummy_prefix:
