@@ -125,3 +125,39 @@ def test_config_records_what_transformers_needs(exports):
     assert not (exports["rope"][1] / "modeling_tape.py").exists()
     tape = json.loads(Path(exports["tape"][1], "config.json").read_text())
     assert tape["model_type"] == "tape_lm" and tape["pe"] == "tape"
+
+
+def test_hidden_states_are_returned_as_llama_does_and_attentions_are_refused(exports):
+    """output_hidden_states=True gave hidden_states=None and output_attentions=True gave
+    attentions=None, silently: the first now returns Llama's tuple (embeddings, each block's
+    output, the last normed), the second is refused (SDPA computes no attention weights)."""
+    x = tokens()
+    with torch.no_grad():
+        llama = _load(exports["rope"][1])(input_ids=x, output_hidden_states=True)
+        hf = _load(exports["tape"][1])
+        out = hf(input_ids=x, output_hidden_states=True)
+        assert len(out.hidden_states) == len(llama.hidden_states) == hf.config.num_hidden_layers + 1
+        assert torch.equal(out.hidden_states[0], hf.embed(x))
+        torch.testing.assert_close(hf.lm_head(out.hidden_states[-1]), out.logits, rtol=0, atol=1e-6)
+        assert hf(input_ids=x).hidden_states is None  # only when asked for
+        with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+            hf(input_ids=x, output_attentions=True)
+
+
+def test_position_ids_are_checked_against_the_attention_mask(exports):
+    """position_ids were ignored: an offset gave the logits of positions 0, 1, ... silently.
+    Those generate() passes in transformers 4.x (cumsum of the mask, 1 on padding) agree with
+    the model's own and are accepted; any other is refused."""
+    hf = _load(exports["tape"][1])
+    x = tokens(2, 6)
+    mask = torch.ones_like(x)
+    mask[1, :2] = 0  # left padding
+    counted = mask.cumsum(-1) - 1
+    with torch.no_grad():
+        want = hf(input_ids=x, attention_mask=mask).logits
+        got = hf(input_ids=x, attention_mask=mask,
+                 position_ids=counted.masked_fill(mask == 0, 1)).logits
+        assert torch.equal(got, want)
+        for bad in (counted + 3, torch.arange(6)[None].expand(2, -1), counted[:, :4]):
+            with pytest.raises(ValueError, match="position_ids that differ from the positions"):
+                hf(input_ids=x, attention_mask=mask, position_ids=bad)

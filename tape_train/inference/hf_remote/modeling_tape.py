@@ -282,6 +282,29 @@ class TapeForCausalLM(TapePreTrainedModel, GenerationMixin):
         k_pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
         return k_pos[:, past:], k_pos, valid
 
+    @staticmethod
+    def _check_position_ids(position_ids, q_pos, valid, past):
+        """Positions are counted from the attention mask; ``position_ids`` (which generate()
+        passes in transformers 4.x) must agree with them on every unmasked token, else the
+        forward refuses rather than silently ignore them."""
+        given = position_ids.to(q_pos.device)
+        try:
+            agree = len(torch.broadcast_shapes(given.shape, q_pos.shape)) == 2
+        except RuntimeError:  # shapes that cannot be compared
+            agree = False
+        if agree:
+            same = given == q_pos
+            if valid is not None:
+                same = same | ~valid[:, past:]
+            agree = bool(same.all())
+        if not agree:
+            raise ValueError(
+                "position_ids that differ from the positions TapeForCausalLM counts from "
+                "attention_mask (0, 1, ... over the unmasked tokens, continuing after the "
+                "cache, as in training) are not supported: offsets and packed sequences "
+                "cannot be honoured. Leave position_ids out and pass attention_mask (left "
+                "padding)")
+
     def _context(self, q_pos, k_pos, valid, dtype):
         cfg = self.config
         nq, nk = q_pos.shape[-1], k_pos.shape[-1]
@@ -317,7 +340,14 @@ class TapeForCausalLM(TapePreTrainedModel, GenerationMixin):
         past = cache.get_seq_length() if cache is not None else 0
         q_pos, k_pos, valid = self._positions(inputs_embeds.shape[1], inputs_embeds.device,
                                               attention_mask, past)
+        if position_ids is not None:
+            self._check_position_ids(position_ids, q_pos, valid, past)
+        if output_attentions:
+            raise ValueError("output_attentions=True is not supported: TapeForCausalLM computes "
+                             "attention with scaled_dot_product_attention, which returns no "
+                             "attention weights")
         x = inputs_embeds
+        hidden = [x] if output_hidden_states else None
         pos = self._context(q_pos, k_pos, valid, x.dtype)
         state = None
         if self.config.pe == "tape":
@@ -327,7 +357,11 @@ class TapeForCausalLM(TapePreTrainedModel, GenerationMixin):
             state = (cos.expand(shape), sin.expand(shape))
         for i, layer in enumerate(self.layers):
             x, state = layer(x, pos, i, cache, state)
+            if hidden is not None and i < len(self.layers) - 1:
+                hidden.append(x)
         x = self.norm(x)
+        if hidden is not None:  # as Llama: the embeddings, each block's output, the last normed
+            hidden.append(x)
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
         logits = self.lm_head(x)
@@ -336,4 +370,5 @@ class TapeForCausalLM(TapePreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1),
                                    labels[:, 1:].flatten().to(logits.device), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits,
+                                      hidden_states=tuple(hidden) if hidden else None,
                                       **{_CACHE_FIELD: cache if use_cache else None})
