@@ -161,3 +161,21 @@ def test_position_ids_are_checked_against_the_attention_mask(exports):
         for bad in (counted + 3, torch.arange(6)[None].expand(2, -1), counted[:, :4]):
             with pytest.raises(ValueError, match="position_ids that differ from the positions"):
                 hf(input_ids=x, attention_mask=mask, position_ids=bad)
+
+
+def test_an_attention_mask_shorter_than_the_cache_is_named(exports):
+    """A mask of the new tokens only, in a hand-written decoding loop, failed deep inside
+    (a torch.cat size error): it is named, with the columns needed."""
+    hf = _load(exports["tape"][1])
+    x = tokens(1, 6)
+    with torch.no_grad():
+        out = hf(input_ids=x[:, :5], attention_mask=torch.ones(1, 5, dtype=torch.long),
+                 use_cache=True)
+        with pytest.raises(ValueError, match=r"shape \(1, 1\): .* at least 5 \+ 1 columns"):
+            hf(input_ids=x[:, 5:], attention_mask=torch.ones(1, 1, dtype=torch.long),
+               use_cache=True, **{_CACHE: out[_CACHE]})
+        # Negative control: the whole sequence's mask decodes as the full forward.
+        step = hf(input_ids=x[:, 5:], attention_mask=torch.ones(1, 6, dtype=torch.long),
+                  use_cache=True, **{_CACHE: out[_CACHE]})
+        torch.testing.assert_close(step.logits[:, -1], hf(input_ids=x).logits[:, -1],
+                                   rtol=0, atol=1e-5)

@@ -278,6 +278,11 @@ class TapeForCausalLM(TapePreTrainedModel, GenerationMixin):
         if attention_mask is None:
             k_pos = torch.arange(past + n, device=device)[None]
             return k_pos[:, past:], k_pos, None
+        if attention_mask.dim() != 2 or attention_mask.shape[-1] < past + n:
+            raise ValueError(
+                f"attention_mask of shape {tuple(attention_mask.shape)}: it must be (batch, "
+                f"tokens in the cache + new tokens), here at least {past} + {n} columns (the "
+                f"mask of the whole sequence so far, as generate() passes it)")
         valid = attention_mask[:, -(past + n):].bool()
         k_pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
         return k_pos[:, past:], k_pos, valid
