@@ -103,3 +103,20 @@ def test_generate_stops_at_eos_and_pads_batches(tmp_path, tokenizer_dir, pe):
     gen = hf.generate(**batch, max_new_tokens=10, do_sample=False)
     assert gen.shape[1] == batch["input_ids"].shape[1] + 1  # stopped right after EOS
     assert gen[:, -1].tolist() == [sp.eos_id, sp.eos_id]
+
+
+def test_both_flags_give_the_training_form_of_a_document(tokenizer_dir):
+    """docs/evaluation.md: add_bos_token=True with add_eos_token=True gives [BOS] ids [EOS],
+    as the packer wraps documents (transformers 5; 4.x ignores the flags)."""
+    from tape_train.data.packing import wrap_document
+
+    sp, path = tokenizer_dir
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers 4.x ignores add_bos_token/add_eos_token here")
+    both = transformers.AutoTokenizer.from_pretrained(path, add_bos_token=True,
+                                                      add_eos_token=True)
+    eos_only = transformers.AutoTokenizer.from_pretrained(path, add_eos_token=True)
+    for text in ("Hello world", "", "  two\n\nlines "):
+        ids = sp.encode(text)
+        assert both(text)["input_ids"] == wrap_document(ids, sp.bos_id, sp.eos_id)
+        assert eos_only(text)["input_ids"] == ids + [sp.eos_id]  # the documented pitfall
