@@ -120,3 +120,26 @@ def test_both_flags_give_the_training_form_of_a_document(tokenizer_dir):
         ids = sp.encode(text)
         assert both(text)["input_ids"] == wrap_document(ids, sp.bos_id, sp.eos_id)
         assert eos_only(text)["input_ids"] == ids + [sp.eos_id]  # the documented pitfall
+
+
+@pytest.mark.parametrize("pe", ["rope", "tape"])
+def test_generate_emits_only_ids_the_tokenizer_decodes(tmp_path, tokenizer_dir, pe):
+    """A model with a larger vocabulary than its tokenizer (allowed) generated ids no piece
+    decodes, which decode() dropped silently: generation_config.json suppresses them, as
+    tape-generate samples only the tokenizer's ids."""
+    sp, _ = tokenizer_dir
+    model = small_model(pe, dtype=torch.float32, vocab_size=400)
+    with torch.no_grad():  # the ids past the tokenizer's win every greedy step
+        model.lm_head.weight[320:] = 3 * model.lm_head.weight[:80].sign()
+        model.lm_head.weight[:320] *= 0.01
+    out = save_hf(model.state_dict(), model.cfg, tmp_path / pe, tokenizer=sp.path)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["suppress_tokens"] == list(range(320, 400))
+    tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    prompt = tok("the model", return_tensors="pt")
+    new = hf.generate(**prompt, max_new_tokens=6, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    assert len(new) > 0 and new.max() < 320
+    hf.generation_config.suppress_tokens = None  # negative control: the model prefers them
+    new = hf.generate(**prompt, max_new_tokens=6, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    assert new.min() >= 320

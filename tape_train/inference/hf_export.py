@@ -57,10 +57,11 @@ def write_tokenizer_files(out_dir: Path, tokenizer: str | Path | None, cfg: Mode
     tokenizer."""
     if tokenizer is None:
         return None
+    from tape_train.data.tokenizer import load_tokenizer
     from tape_train.inference.hf_tokenizer import write_generation_config, write_hf_tokenizer
 
     ids = write_hf_tokenizer(tokenizer, out_dir, model_max_length=cfg.max_seq_len)
-    write_generation_config(out_dir, ids)
+    write_generation_config(out_dir, ids, load_tokenizer(tokenizer).vocab_size, cfg.vocab_size)
     return ids
 
 

@@ -12,6 +12,7 @@ time, no sentencepiece/protobuf needed by users) and writes the files ``AutoToke
                               split_special_tokens=true, clean_up_tokenization_spaces=false
     special_tokens_map.json
     generation_config.json    bos/eos/pad ids: ``generate`` stops at EOS, pads with PAD
+                              (and suppresses ids past the tokenizer's, if the model has any)
 
 Prompts get BOS and no EOS (training's documents start with BOS; a prompt is an unfinished
 document). PAD is the model's ``<pad>`` (our tokenizers: id 0), else UNK as in training.
@@ -150,11 +151,16 @@ def write_hf_tokenizer(model_path: str | Path, out_dir: str | Path,
     return ids
 
 
-def write_generation_config(out_dir: str | Path, ids: dict[str, int]) -> None:
-    """generation_config.json: generation stops at EOS and pads with PAD."""
-    _write_json(Path(out_dir) / "generation_config.json",
-                {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"],
-                 "pad_token_id": ids["pad"], "do_sample": False})
+def write_generation_config(out_dir: str | Path, ids: dict[str, int], tokenizer_size: int,
+                            vocab_size: int) -> None:
+    """generation_config.json: generation stops at EOS and pads with PAD; a model whose
+    vocabulary is larger than the tokenizer's never generates the ids no piece decodes
+    (``suppress_tokens``, as tape-generate samples only the tokenizer's ids)."""
+    config = {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"],
+              "pad_token_id": ids["pad"], "do_sample": False}
+    if vocab_size > tokenizer_size:
+        config["suppress_tokens"] = list(range(tokenizer_size, vocab_size))
+    _write_json(Path(out_dir) / "generation_config.json", config)
 
 
 def _write_json(path: Path, data: dict) -> None:
