@@ -179,3 +179,26 @@ def test_an_attention_mask_shorter_than_the_cache_is_named(exports):
                   use_cache=True, **{_CACHE: out[_CACHE]})
         torch.testing.assert_close(step.logits[:, -1], hf(input_ids=x).logits[:, -1],
                                    rtol=0, atol=1e-5)
+
+
+def test_exports_in_directories_of_one_name_run_their_own_remote_code(tmp_path):
+    """transformers 5 keys a remote config class by configuration_tape.py's bytes and the
+    directory's name, and reuses the model class first loaded for it: an older export at
+    a/export made a newer one at b/export run the older modelling code (measured: an export
+    from before the transformers 5.24 cache fix then decoded without its cache). Exports
+    now carry the modelling code's hash in configuration_tape.py."""
+    model = small_model("tape", dtype=torch.float32)
+    older = save_hf(model.state_dict(), model.cfg, tmp_path / "a" / "export")
+    # An export written before this fix: the plain configuration file, other modelling code.
+    (older / "configuration_tape.py").write_text((REMOTE_CODE_DIR / "configuration_tape.py")
+                                                 .read_text())
+    with open(older / "modeling_tape.py", "a") as fh:
+        fh.write("\nTapeForCausalLM.older_code = True\n")
+    newer = save_hf(model.state_dict(), model.cfg, tmp_path / "b" / "export")
+    first, second = _load(older), _load(newer)
+    assert getattr(first, "older_code", False)
+    assert not getattr(second, "older_code", False)
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(second(input_ids=x).logits, model(x).logits, rtol=0,
+                                   atol=1e-5)

@@ -10,6 +10,7 @@ tape-train installed. Both kinds carry the tokenizer files of
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -48,6 +49,19 @@ def _tape_config(cfg: ModelConfig) -> dict:
         # which differs between transformers 4.x and 5.x.
         "tie_word_embeddings": False,
     }
+
+
+def write_remote_code(out_dir: Path) -> None:
+    """Copy the remote code into ``out_dir``; configuration_tape.py ends with the sha256 of
+    modeling_tape.py. transformers keys the config class it loads by that file's bytes and
+    directory name alone and maps a known config class to the model class loaded first, so
+    two exports in directories of the same name (``*/export``) with different modelling code
+    (an older export) would otherwise both run whichever was loaded first in a process."""
+    modeling = (REMOTE_CODE_DIR / "modeling_tape.py").read_bytes()
+    (out_dir / "modeling_tape.py").write_bytes(modeling)
+    (out_dir / "configuration_tape.py").write_text(
+        (REMOTE_CODE_DIR / "configuration_tape.py").read_text()
+        + f"\n# modeling_tape.py sha256 {hashlib.sha256(modeling).hexdigest()}\n")
 
 
 def write_tokenizer_files(out_dir: Path, tokenizer: str | Path | None, cfg: ModelConfig
@@ -101,8 +115,7 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Pat
             config.update(bos_token_id=ids["bos"], eos_token_id=ids["eos"],
                           pad_token_id=ids["pad"])
         if arch == "tape":
-            for name in REMOTE_FILES:
-                shutil.copyfile(REMOTE_CODE_DIR / name, tmp / name)
+            write_remote_code(tmp)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / PROVENANCE).write_text(json.dumps({"format": f"hf-{arch}", **(provenance or {}),
                                                   **export_checksums(tmp)},
