@@ -143,3 +143,27 @@ def test_generate_emits_only_ids_the_tokenizer_decodes(tmp_path, tokenizer_dir, 
     hf.generation_config.suppress_tokens = None  # negative control: the model prefers them
     new = hf.generate(**prompt, max_new_tokens=6, do_sample=False)[0, prompt["input_ids"].shape[1]:]
     assert new.min() >= 320
+
+
+@pytest.mark.parametrize("setting", ["treat_whitespace_as_suffix", "escape_whitespaces"])
+def test_whitespace_settings_the_files_cannot_reproduce_are_refused(tokenizer_dir, tmp_path,
+                                                                   setting):
+    """A model with whitespace as a suffix ("world▁") or unescaped got tokenizer files that
+    gave other ids on every text, silently: it is refused, naming the setting."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    from tape_train.inference.hf_tokenizer import build_fast_tokenizer
+
+    sp, _ = tokenizer_dir
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(open(sp.path, "rb").read())
+    if setting == "escape_whitespaces":
+        proto.normalizer_spec.escape_whitespaces = False
+    else:
+        proto.trainer_spec.treat_whitespace_as_suffix = True
+    odd = tmp_path / "odd.model"
+    odd.write_bytes(proto.SerializeToString())
+    assert load_tokenizer(odd).encode("Hello world") != sp.encode("Hello world")  # it matters
+    with pytest.raises(ValueError, match=f"{setting}=(true|false) is not supported"):
+        build_fast_tokenizer(odd)
+    build_fast_tokenizer(sp.path)  # negative control

@@ -56,16 +56,22 @@ def _bpe_merges(pieces) -> list[tuple[str, str]]:
 
 def unsupported(model_path: str | Path) -> str | None:
     """Why the sentencepiece model at ``model_path`` has no exact Hugging Face tokenizer here
-    (a normalization rule other than identity, remove_extra_whitespaces, a model type other
-    than BPE or unigram), or None. Tokenizers trained by ``tape-tokenizer`` always have one."""
+    (a normalization rule other than identity, remove_extra_whitespaces, whitespace not
+    escaped or as a suffix, a model type other than BPE or unigram), or None. Tokenizers
+    trained by ``tape-tokenizer`` always have one."""
     proto = _proto(str(model_path))
     norm = proto.normalizer_spec
     if norm.name not in ("identity", "") or norm.precompiled_charsmap:
         return (f"tokenizer {model_path}: normalization rule {norm.name!r} is not supported "
                 f"by the Hugging Face tokenizer files (identity only)")
-    if norm.remove_extra_whitespaces:
-        return (f"tokenizer {model_path}: remove_extra_whitespaces=true is not supported by "
-                f"the Hugging Face tokenizer files")
+    settings = (("remove_extra_whitespaces=true", norm.remove_extra_whitespaces),
+                ("escape_whitespaces=false", not norm.escape_whitespaces),
+                ("treat_whitespace_as_suffix=true",
+                 proto.trainer_spec.treat_whitespace_as_suffix))
+    for setting, present in settings:
+        if present:
+            return (f"tokenizer {model_path}: {setting} is not supported by the Hugging Face "
+                    f"tokenizer files")
     if proto.trainer_spec.model_type not in (1, 2):
         return (f"tokenizer {model_path}: model type {proto.trainer_spec.model_type} is not "
                 f"bpe or unigram (the Hugging Face tokenizer files support those only)")
