@@ -202,3 +202,30 @@ def test_exports_in_directories_of_one_name_run_their_own_remote_code(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(second(input_ids=x).logits, model(x).logits, rtol=0,
                                    atol=1e-5)
+
+
+def test_loss_honours_num_items_in_batch_as_llama_does(exports):
+    """transformers 5's Trainer gives a forward with **kwargs num_items_in_batch and does not
+    divide its loss by the gradient-accumulation steps: the remote code ignored it and
+    returned each micro-batch's mean, so accumulating N micro-batches gave N times the
+    gradient. Per micro-batch losses now add up to the mean over all labelled tokens, as
+    Llama's do."""
+    x = tokens(2, 12)
+    labels = [x.clone(), x.clone()]
+    labels[1][:, :8] = -100  # micro-batches with different numbers of labelled tokens
+    micro = [(x, labels[0]), (x, labels[1])]
+    count = sum(int((lab[:, 1:] != -100).sum()) for _, lab in micro)
+    with torch.no_grad():
+        for pe in ("tape", "rope"):
+            hf = _load(exports[pe][1])
+            summed = sum(hf(input_ids=i, labels=lab, num_items_in_batch=torch.tensor(count)).loss
+                         for i, lab in micro)
+            logits = hf(input_ids=x).logits[:, :-1]
+            nll = torch.cat([torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), lab[:, 1:].flatten(), ignore_index=-100,
+                reduction="none") for _, lab in micro])
+            torch.testing.assert_close(summed, nll.sum() / count, rtol=1e-5, atol=0)
+            # Without it, the loss is the micro-batch's own mean, as before.
+            torch.testing.assert_close(hf(input_ids=x, labels=labels[1]).loss,
+                                       nll[-2 * 11:][labels[1][:, 1:].flatten() != -100].mean(),
+                                       rtol=1e-5, atol=0)

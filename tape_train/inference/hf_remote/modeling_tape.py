@@ -372,8 +372,16 @@ class TapeForCausalLM(TapePreTrainedModel, GenerationMixin):
         logits = self.lm_head(x)
         loss = None
         if labels is not None:
+            # transformers 5's Trainer passes num_items_in_batch (the labelled tokens of all
+            # accumulated micro-batches) to any forward taking **kwargs and then leaves the
+            # loss unscaled: the sum over those tokens is divided by it, as Llama does.
+            num_items = kwargs.get("num_items_in_batch")
             loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1),
-                                   labels[:, 1:].flatten().to(logits.device), ignore_index=-100)
+                                   labels[:, 1:].flatten().to(logits.device), ignore_index=-100,
+                                   reduction="mean" if num_items is None else "sum")
+            if num_items is not None:
+                loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items)
+                               else num_items)
         return CausalLMOutputWithPast(loss=loss, logits=logits,
                                       hidden_states=tuple(hidden) if hidden else None,
                                       **{_CACHE_FIELD: cache if use_cache else None})
