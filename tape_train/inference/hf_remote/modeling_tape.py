@@ -247,7 +247,8 @@ class TapePreTrainedModel(PreTrainedModel):
 class TapeForCausalLM(TapePreTrainedModel, GenerationMixin):
     """``forward(input_ids, attention_mask=None, past_key_values=None, labels=None, ...)``
     → ``CausalLMOutputWithPast`` (logits (b, N, V); loss: mean next-token NLL of ``labels``
-    shifted by one, −100 ignored, as every Hugging Face causal LM)."""
+    shifted by one, −100 ignored, as every Hugging Face causal LM, or its sum over
+    ``num_items_in_batch`` when given; hidden_states with ``output_hidden_states``)."""
 
     def __init__(self, config):
         super().__init__(config)
