@@ -50,9 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         check_export_target(args.out)
         if args.tokenizer:
             load_tokenizer(args.tokenizer)
-            if args.hf and unsupported(args.tokenizer):
-                raise TokenizerError(f"{unsupported(args.tokenizer)}; --hf needs them (a plain "
-                                     f"export, without --hf, bundles the tokenizer.model alone)")
+            problem = unsupported(args.tokenizer) if args.hf else None
+            if problem:
+                raise TokenizerError(f"{problem}; --hf needs them (a plain export, without "
+                                     f"--hf, bundles the tokenizer.model alone)")
         cfg, state, meta = load_model_from_checkpoint(args.checkpoint)
     except (CheckpointError, OSError, ValueError) as exc:  # a bad --tokenizer included
         print(f"tape-export: error: {'--tokenizer: ' if isinstance(exc, TokenizerError) else ''}"
@@ -72,15 +73,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tape-export: error: --tokenizer: {exc}" if args.tokenizer else
                   f"tape-export: error: {exc} (bundle another with --tokenizer)", file=sys.stderr)
             return 2
-    hf_tokenizer_files = True
-    if tokenizer and unsupported(tokenizer):
-        if args.hf:  # the run's own tokenizer (a --tokenizer was checked above)
-            print(f"tape-export: error: {unsupported(tokenizer)}; --hf needs them (export "
-                  f"without --hf, or bundle another with --tokenizer)", file=sys.stderr)
-            return 2
+    problem = unsupported(tokenizer) if tokenizer else None
+    if problem and args.hf:  # the run's own tokenizer (a --tokenizer was checked above)
+        print(f"tape-export: error: {problem}; --hf needs them (export without --hf, or "
+              f"bundle another with --tokenizer)", file=sys.stderr)
+        return 2
+    if problem:
         log.warning("%s: the export carries tokenizer.model without the Hugging Face "
-                    "tokenizer files", unsupported(tokenizer))
-        hf_tokenizer_files = False
+                    "tokenizer files", problem)
     provenance = {"source": str(Path(args.checkpoint).resolve()), "step": meta.get("step"),
                   "tokens_seen": meta.get("tokens_seen"), "code_version": meta.get("code_version")}
     dtype_name = args.dtype
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             out = save_pretrained(state, cfg, args.out, dtype=dtype, tokenizer=tokenizer,
                                   provenance=provenance,
                                   extra=lambda d: write_tokenizer_files(
-                                      d, tokenizer if hf_tokenizer_files else None, cfg))
+                                      d, None if problem else tokenizer, cfg))
     except ValueError as exc:
         print(f"tape-export: error: {exc}", file=sys.stderr)
         return 2
