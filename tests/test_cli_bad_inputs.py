@@ -283,6 +283,49 @@ def test_export_refuses_a_missing_or_too_large_tokenizer(run_and_tokenizers, tmp
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def test_export_of_a_tokenizer_without_hugging_face_files(run_and_tokenizers, tmp_path,
+                                                          monkeypatch, capsys, caplog):
+    """A sentencepiece model the Hugging Face tokenizer files cannot reproduce (here
+    remove_extra_whitespaces, as sentencepiece's default nmt_nfkc models have) made the plain
+    export fail too, after the checkpoint was consolidated. The plain export now carries the
+    tokenizer.model alone (a warning says so); --hf refuses it before reading the checkpoint."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    from tape_train import loading
+    from tape_train.inference.export import main
+
+    run, tok, _ = run_and_tokenizers
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(Path(tok).read_bytes())
+    proto.normalizer_spec.remove_extra_whitespaces = True
+    odd = tmp_path / "odd.model"
+    odd.write_bytes(proto.SerializeToString())
+    with monkeypatch.context() as m:
+        m.setattr(loading, "load_model_from_checkpoint",
+                  lambda *a, **k: pytest.fail("checkpoint read before the tokenizer check"))
+        assert main([str(run / "run"), "--out", str(tmp_path / "hf"), "--hf", "--tokenizer",
+                     str(odd)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tape-export: error: --tokenizer: tokenizer {odd}: "
+                          "remove_extra_whitespaces=true is not supported") and err.count("\n") == 1
+    assert not (tmp_path / "hf").exists()
+    assert main([str(run / "run"), "--out", str(tmp_path / "plain"), "--tokenizer",
+                 str(odd)]) == 0
+    assert "without the Hugging Face tokenizer files" in caplog.text
+    assert (tmp_path / "plain" / "tokenizer.model").read_bytes() == odd.read_bytes()
+    assert not (tmp_path / "plain" / "tokenizer.json").exists()
+    # The run's own tokenizer is checked too (after the checkpoint names it).
+    make_checkpoint(tmp_path / "run2", "tape", seed=1, vocab_size=512,
+                    data={"tokenizer": str(odd)})
+    assert main([str(tmp_path / "run2"), "--out", str(tmp_path / "hf2"), "--hf"]) == 2
+    assert "export without --hf, or bundle another" in capsys.readouterr().err
+    # Negative control: the tokenizer it came from gets the files, with and without --hf.
+    for flag in ([], ["--hf"]):
+        out = tmp_path / f"good{len(flag)}"
+        assert main([str(run / "run"), "--out", str(out), "--tokenizer", tok, *flag]) == 0
+        assert (out / "tokenizer.json").is_file()
+
+
 def test_export_checks_where_it_writes_before_reading_the_checkpoint(run_and_tokenizers,
                                                                     tmp_path, capsys,
                                                                     monkeypatch):

@@ -125,3 +125,107 @@ def test_config_records_what_transformers_needs(exports):
     assert not (exports["rope"][1] / "modeling_tape.py").exists()
     tape = json.loads(Path(exports["tape"][1], "config.json").read_text())
     assert tape["model_type"] == "tape_lm" and tape["pe"] == "tape"
+
+
+def test_hidden_states_are_returned_as_llama_does_and_attentions_are_refused(exports):
+    """output_hidden_states=True gave hidden_states=None and output_attentions=True gave
+    attentions=None, silently: the first now returns Llama's tuple (embeddings, each block's
+    output, the last normed), the second is refused (SDPA computes no attention weights)."""
+    x = tokens()
+    with torch.no_grad():
+        llama = _load(exports["rope"][1])(input_ids=x, output_hidden_states=True)
+        hf = _load(exports["tape"][1])
+        out = hf(input_ids=x, output_hidden_states=True)
+        assert len(out.hidden_states) == len(llama.hidden_states) == hf.config.num_hidden_layers + 1
+        assert torch.equal(out.hidden_states[0], hf.embed(x))
+        torch.testing.assert_close(hf.lm_head(out.hidden_states[-1]), out.logits, rtol=0, atol=1e-6)
+        assert hf(input_ids=x).hidden_states is None  # only when asked for
+        with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+            hf(input_ids=x, output_attentions=True)
+
+
+def test_position_ids_are_checked_against_the_attention_mask(exports):
+    """position_ids were ignored: an offset gave the logits of positions 0, 1, ... silently.
+    Those generate() passes in transformers 4.x (cumsum of the mask, 1 on padding) agree with
+    the model's own and are accepted; any other is refused."""
+    hf = _load(exports["tape"][1])
+    x = tokens(2, 6)
+    mask = torch.ones_like(x)
+    mask[1, :2] = 0  # left padding
+    counted = mask.cumsum(-1) - 1
+    with torch.no_grad():
+        want = hf(input_ids=x, attention_mask=mask).logits
+        got = hf(input_ids=x, attention_mask=mask,
+                 position_ids=counted.masked_fill(mask == 0, 1)).logits
+        assert torch.equal(got, want)
+        for bad in (counted + 3, torch.arange(6)[None].expand(2, -1), counted[:, :4]):
+            with pytest.raises(ValueError, match="position_ids that differ from the positions"):
+                hf(input_ids=x, attention_mask=mask, position_ids=bad)
+
+
+def test_an_attention_mask_shorter_than_the_cache_is_named(exports):
+    """A mask of the new tokens only, in a hand-written decoding loop, failed deep inside
+    (a torch.cat size error): it is named, with the columns needed."""
+    hf = _load(exports["tape"][1])
+    x = tokens(1, 6)
+    with torch.no_grad():
+        out = hf(input_ids=x[:, :5], attention_mask=torch.ones(1, 5, dtype=torch.long),
+                 use_cache=True)
+        with pytest.raises(ValueError, match=r"shape \(1, 1\): .* at least 5 \+ 1 columns"):
+            hf(input_ids=x[:, 5:], attention_mask=torch.ones(1, 1, dtype=torch.long),
+               use_cache=True, **{_CACHE: out[_CACHE]})
+        # Negative control: the whole sequence's mask decodes as the full forward.
+        step = hf(input_ids=x[:, 5:], attention_mask=torch.ones(1, 6, dtype=torch.long),
+                  use_cache=True, **{_CACHE: out[_CACHE]})
+        torch.testing.assert_close(step.logits[:, -1], hf(input_ids=x).logits[:, -1],
+                                   rtol=0, atol=1e-5)
+
+
+def test_exports_in_directories_of_one_name_run_their_own_remote_code(tmp_path):
+    """transformers 5 keys a remote config class by configuration_tape.py's bytes and the
+    directory's name, and reuses the model class first loaded for it: an older export at
+    a/export made a newer one at b/export run the older modelling code (measured: an export
+    from before the transformers 5.24 cache fix then decoded without its cache). Exports
+    now carry the modelling code's hash in configuration_tape.py."""
+    model = small_model("tape", dtype=torch.float32)
+    older = save_hf(model.state_dict(), model.cfg, tmp_path / "a" / "export")
+    # An export written before this fix: the plain configuration file, other modelling code.
+    (older / "configuration_tape.py").write_text((REMOTE_CODE_DIR / "configuration_tape.py")
+                                                 .read_text())
+    with open(older / "modeling_tape.py", "a") as fh:
+        fh.write("\nTapeForCausalLM.older_code = True\n")
+    newer = save_hf(model.state_dict(), model.cfg, tmp_path / "b" / "export")
+    first, second = _load(older), _load(newer)
+    assert getattr(first, "older_code", False)
+    assert not getattr(second, "older_code", False)
+    x = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(second(input_ids=x).logits, model(x).logits, rtol=0,
+                                   atol=1e-5)
+
+
+def test_loss_honours_num_items_in_batch_as_llama_does(exports):
+    """transformers 5's Trainer gives a forward with **kwargs num_items_in_batch and does not
+    divide its loss by the gradient-accumulation steps: the remote code ignored it and
+    returned each micro-batch's mean, so accumulating N micro-batches gave N times the
+    gradient. Per micro-batch losses now add up to the mean over all labelled tokens, as
+    Llama's do."""
+    x = tokens(2, 12)
+    labels = [x.clone(), x.clone()]
+    labels[1][:, :8] = -100  # micro-batches with different numbers of labelled tokens
+    micro = [(x, labels[0]), (x, labels[1])]
+    count = sum(int((lab[:, 1:] != -100).sum()) for _, lab in micro)
+    with torch.no_grad():
+        for pe in ("tape", "rope"):
+            hf = _load(exports[pe][1])
+            summed = sum(hf(input_ids=i, labels=lab, num_items_in_batch=torch.tensor(count)).loss
+                         for i, lab in micro)
+            logits = hf(input_ids=x).logits[:, :-1]
+            nll = torch.cat([torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), lab[:, 1:].flatten(), ignore_index=-100,
+                reduction="none") for _, lab in micro])
+            torch.testing.assert_close(summed, nll.sum() / count, rtol=1e-5, atol=0)
+            # Without it, the loss is the micro-batch's own mean, as before.
+            torch.testing.assert_close(hf(input_ids=x, labels=labels[1]).loss,
+                                       nll[-2 * 11:][labels[1][:, 1:].flatten() != -100].mean(),
+                                       rtol=1e-5, atol=0)

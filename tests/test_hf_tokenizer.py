@@ -103,3 +103,67 @@ def test_generate_stops_at_eos_and_pads_batches(tmp_path, tokenizer_dir, pe):
     gen = hf.generate(**batch, max_new_tokens=10, do_sample=False)
     assert gen.shape[1] == batch["input_ids"].shape[1] + 1  # stopped right after EOS
     assert gen[:, -1].tolist() == [sp.eos_id, sp.eos_id]
+
+
+def test_both_flags_give_the_training_form_of_a_document(tokenizer_dir):
+    """docs/evaluation.md: add_bos_token=True with add_eos_token=True gives [BOS] ids [EOS],
+    as the packer wraps documents (transformers 5; 4.x ignores the flags)."""
+    from tape_train.data.packing import wrap_document
+
+    sp, path = tokenizer_dir
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers 4.x ignores add_bos_token/add_eos_token here")
+    both = transformers.AutoTokenizer.from_pretrained(path, add_bos_token=True,
+                                                      add_eos_token=True)
+    eos_only = transformers.AutoTokenizer.from_pretrained(path, add_eos_token=True)
+    for text in ("Hello world", "", "  two\n\nlines "):
+        ids = sp.encode(text)
+        assert both(text)["input_ids"] == wrap_document(ids, sp.bos_id, sp.eos_id)
+        assert eos_only(text)["input_ids"] == ids + [sp.eos_id]  # the documented pitfall
+
+
+@pytest.mark.parametrize("pe", ["rope", "tape"])
+def test_generate_emits_only_ids_the_tokenizer_decodes(tmp_path, tokenizer_dir, pe):
+    """A model with a larger vocabulary than its tokenizer (allowed) generated ids no piece
+    decodes, which decode() dropped silently: generation_config.json suppresses them, as
+    tape-generate samples only the tokenizer's ids."""
+    sp, _ = tokenizer_dir
+    model = small_model(pe, dtype=torch.float32, vocab_size=400)
+    with torch.no_grad():  # the ids past the tokenizer's win every greedy step
+        model.lm_head.weight[320:] = 3 * model.lm_head.weight[:80].sign()
+        model.lm_head.weight[:320] *= 0.01
+    out = save_hf(model.state_dict(), model.cfg, tmp_path / pe, tokenizer=sp.path)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["suppress_tokens"] == list(range(320, 400))
+    tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    prompt = tok("the model", return_tensors="pt")
+    new = hf.generate(**prompt, max_new_tokens=6, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    assert len(new) > 0 and new.max() < 320
+    hf.generation_config.suppress_tokens = None  # negative control: the model prefers them
+    new = hf.generate(**prompt, max_new_tokens=6, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    assert new.min() >= 320
+
+
+@pytest.mark.parametrize("setting", ["treat_whitespace_as_suffix", "escape_whitespaces"])
+def test_whitespace_settings_the_files_cannot_reproduce_are_refused(tokenizer_dir, tmp_path,
+                                                                   setting):
+    """A model with whitespace as a suffix ("world▁") or unescaped got tokenizer files that
+    gave other ids on every text, silently: it is refused, naming the setting."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    from tape_train.inference.hf_tokenizer import build_fast_tokenizer
+
+    sp, _ = tokenizer_dir
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(open(sp.path, "rb").read())
+    if setting == "escape_whitespaces":
+        proto.normalizer_spec.escape_whitespaces = False
+    else:
+        proto.trainer_spec.treat_whitespace_as_suffix = True
+    odd = tmp_path / "odd.model"
+    odd.write_bytes(proto.SerializeToString())
+    assert load_tokenizer(odd).encode("Hello world") != sp.encode("Hello world")  # it matters
+    with pytest.raises(ValueError, match=f"{setting}=(true|false) is not supported"):
+        build_fast_tokenizer(odd)
+    build_fast_tokenizer(sp.path)  # negative control

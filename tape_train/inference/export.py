@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from tape_train.data import TokenizerError, load_model_tokenizer, load_tokenizer
     from tape_train.files import human_bytes
     from tape_train.inference.hf_export import save_hf, write_tokenizer_files
+    from tape_train.inference.hf_tokenizer import unsupported
     from tape_train.loading import CheckpointError, load_model_from_checkpoint
     from tape_train.model.pretrained import check_export_target, save_pretrained
 
@@ -49,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         check_export_target(args.out)
         if args.tokenizer:
             load_tokenizer(args.tokenizer)
+            problem = unsupported(args.tokenizer) if args.hf else None
+            if problem:
+                raise TokenizerError(f"{problem}; --hf needs them (a plain export, without "
+                                     f"--hf, bundles the tokenizer.model alone)")
         cfg, state, meta = load_model_from_checkpoint(args.checkpoint)
     except (CheckpointError, OSError, ValueError) as exc:  # a bad --tokenizer included
         print(f"tape-export: error: {'--tokenizer: ' if isinstance(exc, TokenizerError) else ''}"
@@ -68,6 +73,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tape-export: error: --tokenizer: {exc}" if args.tokenizer else
                   f"tape-export: error: {exc} (bundle another with --tokenizer)", file=sys.stderr)
             return 2
+    problem = unsupported(tokenizer) if tokenizer else None
+    if problem and args.hf:  # the run's own tokenizer (a --tokenizer was checked above)
+        print(f"tape-export: error: {problem}; --hf needs them (export without --hf, or "
+              f"bundle another with --tokenizer)", file=sys.stderr)
+        return 2
+    if problem:
+        log.warning("%s: the export carries tokenizer.model without the Hugging Face "
+                    "tokenizer files", problem)
     provenance = {"source": str(Path(args.checkpoint).resolve()), "step": meta.get("step"),
                   "tokens_seen": meta.get("tokens_seen"), "code_version": meta.get("code_version")}
     dtype_name = args.dtype
@@ -86,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             out = save_pretrained(state, cfg, args.out, dtype=dtype, tokenizer=tokenizer,
                                   provenance=provenance,
-                                  extra=lambda d: write_tokenizer_files(d, tokenizer, cfg))
+                                  extra=lambda d: write_tokenizer_files(
+                                      d, None if problem else tokenizer, cfg))
     except ValueError as exc:
         print(f"tape-export: error: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ tape-train installed. Both kinds carry the tokenizer files of
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -50,6 +51,19 @@ def _tape_config(cfg: ModelConfig) -> dict:
     }
 
 
+def write_remote_code(out_dir: Path) -> None:
+    """Copy the remote code into ``out_dir``; configuration_tape.py ends with the sha256 of
+    modeling_tape.py. transformers keys the config class it loads by that file's bytes and
+    directory name alone and maps a known config class to the model class loaded first, so
+    two exports in directories of the same name (``*/export``) with different modelling code
+    (an older export) would otherwise both run whichever was loaded first in a process."""
+    modeling = (REMOTE_CODE_DIR / "modeling_tape.py").read_bytes()
+    (out_dir / "modeling_tape.py").write_bytes(modeling)
+    (out_dir / "configuration_tape.py").write_text(
+        (REMOTE_CODE_DIR / "configuration_tape.py").read_text()
+        + f"\n# modeling_tape.py sha256 {hashlib.sha256(modeling).hexdigest()}\n")
+
+
 def write_tokenizer_files(out_dir: Path, tokenizer: str | Path | None, cfg: ModelConfig
                           ) -> dict[str, int] | None:
     """The Hugging Face tokenizer and generation files of the sentencepiece model (the
@@ -57,10 +71,11 @@ def write_tokenizer_files(out_dir: Path, tokenizer: str | Path | None, cfg: Mode
     tokenizer."""
     if tokenizer is None:
         return None
+    from tape_train.data.tokenizer import load_tokenizer
     from tape_train.inference.hf_tokenizer import write_generation_config, write_hf_tokenizer
 
     ids = write_hf_tokenizer(tokenizer, out_dir, model_max_length=cfg.max_seq_len)
-    write_generation_config(out_dir, ids)
+    write_generation_config(out_dir, ids, load_tokenizer(tokenizer).vocab_size, cfg.vocab_size)
     return ids
 
 
@@ -84,8 +99,13 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Pat
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     if tokenizer is not None:
         from tape_train.data.tokenizer import load_model_tokenizer
+        from tape_train.inference.hf_tokenizer import unsupported
 
         load_model_tokenizer(tokenizer, cfg.vocab_size)
+        problem = unsupported(tokenizer)
+        if problem:  # before any weight is written
+            raise ValueError(f"{problem}; a Hugging Face export needs them (the plain "
+                             f"export, without --hf, bundles the tokenizer.model alone)")
 
     def write(tmp: Path) -> None:
         save_weights(cast_state(weights, dtype), tmp / WEIGHTS)
@@ -95,8 +115,7 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Pat
             config.update(bos_token_id=ids["bos"], eos_token_id=ids["eos"],
                           pad_token_id=ids["pad"])
         if arch == "tape":
-            for name in REMOTE_FILES:
-                shutil.copyfile(REMOTE_CODE_DIR / name, tmp / name)
+            write_remote_code(tmp)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / PROVENANCE).write_text(json.dumps({"format": f"hf-{arch}", **(provenance or {}),
                                                   **export_checksums(tmp)},

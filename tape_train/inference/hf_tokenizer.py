@@ -12,6 +12,7 @@ time, no sentencepiece/protobuf needed by users) and writes the files ``AutoToke
                               split_special_tokens=true, clean_up_tokenization_spaces=false
     special_tokens_map.json
     generation_config.json    bos/eos/pad ids: ``generate`` stops at EOS, pads with PAD
+                              (and suppresses ids past the tokenizer's, if the model has any)
 
 Prompts get BOS and no EOS (training's documents start with BOS; a prompt is an unfinished
 document). PAD is the model's ``<pad>`` (our tokenizers: id 0), else UNK as in training.
@@ -53,20 +54,42 @@ def _bpe_merges(pieces) -> list[tuple[str, str]]:
     return merges
 
 
+def unsupported(model_path: str | Path) -> str | None:
+    """Why the sentencepiece model at ``model_path`` has no exact Hugging Face tokenizer here
+    (a normalization rule other than identity, remove_extra_whitespaces, whitespace not
+    escaped or as a suffix, a model type other than BPE or unigram), or None. Tokenizers
+    trained by ``tape-tokenizer`` always have one."""
+    proto = _proto(str(model_path))
+    norm = proto.normalizer_spec
+    if norm.name not in ("identity", "") or norm.precompiled_charsmap:
+        return (f"tokenizer {model_path}: normalization rule {norm.name!r} is not supported "
+                f"by the Hugging Face tokenizer files (identity only)")
+    settings = (("remove_extra_whitespaces=true", norm.remove_extra_whitespaces),
+                ("escape_whitespaces=false", not norm.escape_whitespaces),
+                ("treat_whitespace_as_suffix=true",
+                 proto.trainer_spec.treat_whitespace_as_suffix))
+    for setting, present in settings:
+        if present:
+            return (f"tokenizer {model_path}: {setting} is not supported by the Hugging Face "
+                    f"tokenizer files")
+    if proto.trainer_spec.model_type not in (1, 2):
+        return (f"tokenizer {model_path}: model type {proto.trainer_spec.model_type} is not "
+                f"bpe or unigram (the Hugging Face tokenizer files support those only)")
+    return None
+
+
 def build_fast_tokenizer(model_path: str | Path):
-    """A ``tokenizers.Tokenizer`` equivalent to the sentencepiece model at ``model_path``."""
+    """A ``tokenizers.Tokenizer`` equivalent to the sentencepiece model at ``model_path``
+    (ValueError, with :func:`unsupported`'s reason, when there is none)."""
     from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
     from tokenizers.models import BPE, Unigram
 
     tok = load_tokenizer(model_path)
+    problem = unsupported(model_path)
+    if problem:
+        raise ValueError(problem)
     proto = _proto(str(model_path))
     trainer, norm = proto.trainer_spec, proto.normalizer_spec
-    if norm.name not in ("identity", "") or norm.precompiled_charsmap:
-        raise ValueError(f"tokenizer {model_path}: normalization rule {norm.name!r} is not "
-                         f"supported by the Hugging Face export (identity only)")
-    if norm.remove_extra_whitespaces:
-        raise ValueError(f"tokenizer {model_path}: remove_extra_whitespaces=true is not "
-                         f"supported by the Hugging Face export")
     pieces = list(proto.pieces)
     byte_fallback = bool(trainer.byte_fallback)
     if trainer.model_type == 2:  # BPE
@@ -77,9 +100,8 @@ def build_fast_tokenizer(model_path: str | Path):
         scores = [(p.piece, p.score if p.type in (_NORMAL, _USER_DEFINED) else _NEVER_MATCHED)
                   for p in pieces]
         model = Unigram(scores, unk_id=tok.unk_id, byte_fallback=byte_fallback)
-    else:
-        raise ValueError(f"tokenizer {model_path}: model type {trainer.model_type} is not "
-                         f"bpe or unigram")
+    else:  # unreachable: unsupported() names other model types
+        raise ValueError(f"tokenizer {model_path}: model type {trainer.model_type}")
     fast = Tokenizer(model)
     steps = [normalizers.Replace(" ", "▁")]
     if norm.add_dummy_prefix:
@@ -135,11 +157,16 @@ def write_hf_tokenizer(model_path: str | Path, out_dir: str | Path,
     return ids
 
 
-def write_generation_config(out_dir: str | Path, ids: dict[str, int]) -> None:
-    """generation_config.json: generation stops at EOS and pads with PAD."""
-    _write_json(Path(out_dir) / "generation_config.json",
-                {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"],
-                 "pad_token_id": ids["pad"], "do_sample": False})
+def write_generation_config(out_dir: str | Path, ids: dict[str, int], tokenizer_size: int,
+                            vocab_size: int) -> None:
+    """generation_config.json: generation stops at EOS and pads with PAD; a model whose
+    vocabulary is larger than the tokenizer's never generates the ids no piece decodes
+    (``suppress_tokens``, as tape-generate samples only the tokenizer's ids)."""
+    config = {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"],
+              "pad_token_id": ids["pad"], "do_sample": False}
+    if vocab_size > tokenizer_size:
+        config["suppress_tokens"] = list(range(tokenizer_size, vocab_size))
+    _write_json(Path(out_dir) / "generation_config.json", config)
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -247,7 +247,8 @@ class TapePreTrainedModel(PreTrainedModel):
 class TapeForCausalLM(TapePreTrainedModel, GenerationMixin):
     """``forward(input_ids, attention_mask=None, past_key_values=None, labels=None, ...)``
     → ``CausalLMOutputWithPast`` (logits (b, N, V); loss: mean next-token NLL of ``labels``
-    shifted by one, −100 ignored, as every Hugging Face causal LM)."""
+    shifted by one, −100 ignored, as every Hugging Face causal LM, or its sum over
+    ``num_items_in_batch`` when given; hidden_states with ``output_hidden_states``)."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -278,9 +279,37 @@ class TapeForCausalLM(TapePreTrainedModel, GenerationMixin):
         if attention_mask is None:
             k_pos = torch.arange(past + n, device=device)[None]
             return k_pos[:, past:], k_pos, None
+        if attention_mask.dim() != 2 or attention_mask.shape[-1] < past + n:
+            raise ValueError(
+                f"attention_mask of shape {tuple(attention_mask.shape)}: it must be (batch, "
+                f"tokens in the cache + new tokens), here at least {past} + {n} columns (the "
+                f"mask of the whole sequence so far, as generate() passes it)")
         valid = attention_mask[:, -(past + n):].bool()
         k_pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
         return k_pos[:, past:], k_pos, valid
+
+    @staticmethod
+    def _check_position_ids(position_ids, q_pos, valid, past):
+        """Positions are counted from the attention mask; ``position_ids`` (which generate()
+        passes in transformers 4.x) must agree with them on every unmasked token, else the
+        forward refuses rather than silently ignore them."""
+        given = position_ids.to(q_pos.device)
+        try:
+            agree = len(torch.broadcast_shapes(given.shape, q_pos.shape)) == 2
+        except RuntimeError:  # shapes that cannot be compared
+            agree = False
+        if agree:
+            same = given == q_pos
+            if valid is not None:
+                same = same | ~valid[:, past:]
+            agree = bool(same.all())
+        if not agree:
+            raise ValueError(
+                "position_ids that differ from the positions TapeForCausalLM counts from "
+                "attention_mask (0, 1, ... over the unmasked tokens, continuing after the "
+                "cache, as in training) are not supported: offsets and packed sequences "
+                "cannot be honoured. Leave position_ids out and pass attention_mask (left "
+                "padding)")
 
     def _context(self, q_pos, k_pos, valid, dtype):
         cfg = self.config
@@ -317,7 +346,14 @@ class TapeForCausalLM(TapePreTrainedModel, GenerationMixin):
         past = cache.get_seq_length() if cache is not None else 0
         q_pos, k_pos, valid = self._positions(inputs_embeds.shape[1], inputs_embeds.device,
                                               attention_mask, past)
+        if position_ids is not None:
+            self._check_position_ids(position_ids, q_pos, valid, past)
+        if output_attentions:
+            raise ValueError("output_attentions=True is not supported: TapeForCausalLM computes "
+                             "attention with scaled_dot_product_attention, which returns no "
+                             "attention weights")
         x = inputs_embeds
+        hidden = [x] if output_hidden_states else None
         pos = self._context(q_pos, k_pos, valid, x.dtype)
         state = None
         if self.config.pe == "tape":
@@ -327,13 +363,26 @@ class TapeForCausalLM(TapePreTrainedModel, GenerationMixin):
             state = (cos.expand(shape), sin.expand(shape))
         for i, layer in enumerate(self.layers):
             x, state = layer(x, pos, i, cache, state)
+            if hidden is not None and i < len(self.layers) - 1:
+                hidden.append(x)
         x = self.norm(x)
+        if hidden is not None:  # as Llama: the embeddings, each block's output, the last normed
+            hidden.append(x)
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
         logits = self.lm_head(x)
         loss = None
         if labels is not None:
+            # transformers 5's Trainer passes num_items_in_batch (the labelled tokens of all
+            # accumulated micro-batches) to any forward taking **kwargs and then leaves the
+            # loss unscaled: the sum over those tokens is divided by it, as Llama does.
+            num_items = kwargs.get("num_items_in_batch")
             loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1),
-                                   labels[:, 1:].flatten().to(logits.device), ignore_index=-100)
+                                   labels[:, 1:].flatten().to(logits.device), ignore_index=-100,
+                                   reduction="mean" if num_items is None else "sum")
+            if num_items is not None:
+                loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items)
+                               else num_items)
         return CausalLMOutputWithPast(loss=loss, logits=logits,
+                                      hidden_states=tuple(hidden) if hidden else None,
                                       **{_CACHE_FIELD: cache if use_cache else None})
