@@ -62,3 +62,13 @@ def test_the_first_signal_is_acknowledged_at_once_and_a_second_ctrl_c_is_ignored
         assert capfd.readouterr().err.rstrip().endswith("exit 75")
     finally:
         stop.close()
+
+
+def test_under_torchrun_the_acknowledgement_names_the_rank(capfd, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    stop = StopRequest().install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert capfd.readouterr().err.startswith("[rank3] tape-train: SIGTERM received: ")
+    finally:
+        stop.close()

@@ -75,7 +75,8 @@ def _say(line: str) -> None:
     """One line on stderr from a signal handler: ``os.write``, unbuffered, because the handler
     may interrupt the main thread inside a write to ``sys.stderr`` (a log line), where
     ``print`` would raise "reentrant call" into whatever the trainer was doing."""
+    rank = os.environ.get("RANK")  # torchrun's: each rank says it, tagged like its log lines
     try:
-        os.write(2, (line + "\n").encode())
+        os.write(2, (f"[rank{rank}] " if rank else "").encode() + (line + "\n").encode())
     except OSError:
         pass
