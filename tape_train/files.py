@@ -102,14 +102,32 @@ def atomic_path(path: str | os.PathLike, *, mode: int | None = None,
         raise
 
 
-def free_bytes(path: str | os.PathLike) -> int | None:
-    """Bytes available to this user on the filesystem holding ``path`` (its nearest existing
-    parent); ``None`` if that cannot be asked."""
+def nearest_existing(path: str | os.PathLike) -> Path:
+    """``path`` itself when it exists, else its nearest ancestor that does (where a
+    ``mkdir -p path`` would start writing)."""
     probe = Path(path)
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
+    return probe
+
+
+def unwritable_reason(directory: str | os.PathLike) -> str | None:
+    """Why ``directory`` (existing or to be made) cannot hold new files of this user: its
+    nearest existing part is a file, or a directory without write permission; ``None`` when
+    permissions allow it (checked before a long job, not a guarantee)."""
+    existing = nearest_existing(directory)
+    if not existing.is_dir():
+        return f"{existing} exists and is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user"
+    return None
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Bytes available to this user on the filesystem holding ``path`` (its nearest existing
+    parent); ``None`` if that cannot be asked."""
     try:
-        return shutil.disk_usage(probe).free
+        return shutil.disk_usage(nearest_existing(path)).free
     except OSError:
         return None
 

@@ -319,13 +319,11 @@ def _check_out(out: str) -> None:
     if not out.strip():
         raise ValueError(f"--out {out!r} is empty (an unset shell variable?): name the report "
                          f"directory, e.g. --out eval_results (--out . for this one)")
-    existing = Path(out)
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ValueError(f"--out {out}: {existing} exists and is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out}: {existing} is not writable by this user")
+    from tape_train.files import unwritable_reason
+
+    reason = unwritable_reason(out)
+    if reason is not None:
+        raise ValueError(f"--out {out}: {reason}")
 
 
 def _read_checkpoints(args, tag_dirs: list[Path], settings) -> list[_Checkpoint]:

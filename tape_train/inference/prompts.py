@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tape_train.files import unwritable_reason
 from tape_train.hints import did_you_mean
 
 STDIN = "-"
@@ -169,13 +170,9 @@ def check_out(out: str, prompts_path: str) -> None:
     if prompts_path != STDIN and target.exists() and os.path.samefile(target, prompts_path):
         raise PromptError(f"--out {out}: is the --prompts file; write the completions to "
                           f"another file")
-    existing = target.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise PromptError(f"--out {out}: {existing} exists and is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise PromptError(f"--out {out}: {existing} is not writable by this user")
+    reason = unwritable_reason(target.parent)
+    if reason is not None:
+        raise PromptError(f"--out {out}: {reason}")
 
 
 def sample_seed(seed: int, prompt: str, sample: int) -> int:

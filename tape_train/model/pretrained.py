@@ -102,9 +102,9 @@ def _check_export_parent(out_dir: Path) -> None:
     write in (probed with a temporary file, removed at once)."""
     import tempfile
 
-    existing = out_dir.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    from tape_train.files import nearest_existing
+
+    existing = nearest_existing(out_dir.parent)
     if not existing.is_dir():
         raise NotADirectoryError(f"{existing} is a file, so --out {out_dir} cannot be created "
                                  f"under it; choose another --out")

@@ -459,15 +459,14 @@ def checkpoint_bytes(cfg) -> int:
 
 
 def _check_run_dir(cfg, report: Report) -> None:
+    from tape_train.files import human_bytes, nearest_existing
+
     run_dir = Path(cfg.train.run_dir)
-    existing = run_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         report.problem(f"train.run_dir={run_dir}: exists and is not a directory")
         return
     from tape_train.checkpoint_layout import checkpoint_root, list_tags, why_incomplete
-    from tape_train.files import human_bytes
 
     # Its checkpoints directory too, when there is one: a save there fails only after a
     # checkpoint interval's work.
