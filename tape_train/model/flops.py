@@ -10,8 +10,13 @@ Counted analytically (the DeepSpeed profiler is wrong under ZeRO-3). Conventions
   12U. ``recompute=True`` counts FlashAttention-2 style kernels that recompute P in the
   backward (+1U; spec §4 table: 7U vs 13U; w separate calls: 7wU = 21U).
 - Each encoding's own parameters and per-block state-update FLOPs come from its
-  ``EncodingSpec`` (TAPE: W_pa mixing, K_n formation and application, W_x); elementwise work
-  (modulation, norms, softmax) is not counted, by convention.
+  ``EncodingSpec`` (TAPE: W_pa mixing — not with ``tape_post_attn: rowsum``, a per-head
+  scale —, K_n formation and application, W_x); elementwise work (modulation, norms, softmax,
+  the loss) is not counted, by convention. Not counted either: FIRE's bias MLP, computed once
+  per micro-batch over the N×N distances (6·N²·h·(M+1) training FLOPs per micro-batch: per
+  token it depends on the micro-batch; 125m, N=1024, micro-batch 1: 0.3 %), and what
+  activation checkpointing recomputes (model FLOPs, not hardware FLOPs).
+- ``tests/test_flop_count.py`` checks all of it against ``FlopCounterMode`` on one real step.
 """
 
 from __future__ import annotations
