@@ -241,3 +241,12 @@ def test_a_cpu_peak_measured_on_a_busy_machine_is_flagged(monkeypatch):
     # Once cached, a busy machine no longer matters: the idle measurement is used.
     monkeypatch.setattr(peak_module, "busy_cpu", lambda: "load 9.0 on 2 cores")
     assert peak_module.device_peak_tflops(cpu, torch.float32, None)[2] is False
+
+
+def test_the_console_shows_an_mfu_against_a_possibly_low_peak_as_an_upper_bound():
+    from tape_train.train.metrics import format_summary
+
+    m = {"loss": 4.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "mfu": 0.412,
+         "step_time_s": 0.2, "data_wait_frac": 0.0, "tokens_seen": 1000}
+    assert "| mfu <=41.2% |" in format_summary(1, 10, m, mfu_at_most=True)
+    assert "| mfu 41.2% |" in format_summary(1, 10, m)  # control: a trusted peak

@@ -707,7 +707,8 @@ class Trainer:
                 if step % cfg.logging.interval == 0 or step == max_steps:
                     self._log_step(step, metrics)
                 if step % cfg.logging.console_interval == 0 or step == max_steps:
-                    self._console(format_summary(step, max_steps, metrics), bar)
+                    at_most = bool(self._mfu_basis and self._mfu_basis["peak_may_be_low"])
+                    self._console(format_summary(step, max_steps, metrics, at_most), bar)
                 if cfg.eval.enabled and step % cfg.eval.interval == 0 and step < max_steps:
                     self.evaluate()
                 if self.state.bad_steps_in_row >= cfg.train.max_bad_steps:
