@@ -5,9 +5,9 @@ backward of a tiny fp32 model on the eager backend. Eager attention computes the
 logits and P·V, where the FLOP model counts the causal half (spec §4's U = N·C per token),
 so, for a micro-batch of b sequences of N tokens (L blocks, S of them carrying TAPE's state):
 
-    counted = b·N·training_flops_per_token(cfg, N)           # what MFU divides by
-            + b·N·N·C·(L·u₁ + S·(u_w − u₁))                  # the masked half eager computes
-            + 6·N²·h·(M + 1)   (FIRE only)                    # its bias MLP, once per micro-batch
+    counted = b·N·training_flops_per_token(cfg, N)     # what MFU divides by
+            + b·N·N·C·(L·u₁ + S·(u_w − u₁))            # the masked half eager computes
+            + 6·N²·h·(M + 1)   (FIRE only)              # its MLP, once per micro-batch
 
 with u₁ = 6 (QKᵀ + PV, backward twice the forward) and u_w = 12 for TAPE's 3D-wide value.
 FIRE's MLP (1 → h → M over the N×N distances, shared by the batch) is not in the FLOP model:
@@ -66,8 +66,8 @@ CASES = [(pe, {}) for pe in POSITIONAL_ENCODINGS] + [
     ("tape", {"num_layers": 1}), ("fire", {"fire_hidden": 16})]
 
 
-@pytest.mark.parametrize("pe,overrides", CASES,
-                         ids=[f"{pe}-{'-'.join(map(str, o.items())) or 'plain'}" for pe, o in CASES])
+@pytest.mark.parametrize("pe,overrides", CASES, ids=[
+    f"{pe}-{'-'.join(map(str, o.items())) or 'plain'}" for pe, o in CASES])
 def test_flop_model_matches_a_count_of_the_real_step(pe, overrides):
     cfg = _config(pe, **overrides)
     for batch, length in ((2, 16), (1, 24)):
