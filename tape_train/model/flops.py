@@ -102,6 +102,9 @@ def describe(cfg: ModelConfig, seq_len: int) -> str:
             f"{flops / 1e9:8.3f} GFLOP")
 
 
+DEFAULT_ENCODINGS = ("tape", "rope")  # what `tape-model info` compares unless --pe says
+
+
 def _length(value: str) -> int:
     if not value.isdigit() or int(value) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive number of tokens, got {value!r}")
@@ -114,19 +117,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sizes", nargs="*", default=["tiny", "125m", "350m", "1b", "7b"],
                         help="named sizes (configs/model/*.yaml) or YAML paths (default: "
                              "tiny 125m 350m 1b 7b)")
-    parser.add_argument("--pe", nargs="+", default=["tape", "rope"], choices=POSITIONAL_ENCODINGS,
-                        help="positional encodings to compare (default: tape rope)")
+    parser.add_argument("--pe", nargs="+", default=None, choices=POSITIONAL_ENCODINGS,
+                        help="positional encodings to compare (default: "
+                             f"{' '.join(DEFAULT_ENCODINGS)}; a YAML file's own pe is not used)")
     parser.add_argument("--seq-len", type=_length, nargs="+", default=[1024],
                         help="sequence lengths of the FLOP count (default: 1024)")
     args = parser.parse_args(argv)
     for size in args.sizes:
         for seq_len in args.seq_len:
             flops = {}
-            for pe in args.pe:
+            for pe in args.pe or DEFAULT_ENCODINGS:
                 try:
                     cfg = load_model_config(size, pe=pe)
                 except (OSError, ValueError) as exc:  # a missing or invalid size: one line
-                    print(f"tape-model: error: {exc}", file=sys.stderr)
+                    message = str(exc)
+                    if size not in message:  # a shape the encoding refuses: which file, which pe
+                        message = f"{size} with pe={pe}: {message}"
+                        if args.pe is None:
+                            message += (f" (pe={pe} is one of the defaults: name the encodings "
+                                        "to compare with --pe)")
+                    print(f"tape-model: error: {message}", file=sys.stderr)
                     return 2
                 flops[pe] = training_flops_per_token(cfg, seq_len)
                 print(describe(cfg, seq_len))
