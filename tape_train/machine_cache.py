@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 from collections.abc import Callable
@@ -92,7 +93,9 @@ def cached(name: str, key: str, measure: Callable[[], float], keep: bool = True
     except (OSError, ValueError):
         table = {}
     value = table.get(full_key)
-    if isinstance(value, (int, float)) and value > 0:
+    # A damaged entry (0, negative, Infinity: json reads it) is measured again, never used:
+    # an infinite GEMM peak would make every MFU 0.
+    if isinstance(value, (int, float)) and 0 < value < math.inf:
         return float(value), True
     value = float(measure())
     if not keep:

@@ -59,6 +59,29 @@ def test_tape_model_info_takes_a_yaml_file_without_yaml_in_its_name(tmp_path, mo
     assert "model config '' is empty" in capsys.readouterr().err
 
 
+def test_tape_model_info_names_the_file_and_encoding_a_shape_error_is_about(tmp_path,
+                                                                          monkeypatch, capsys):
+    """A model YAML the config refuses (GQA with TAPE, a hidden size no head count divides)
+    said what was wrong but not in which file, nor that the encoding was the default one."""
+    from tape_train.model.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    shape = "vocab_size: 97\nhidden_size: 64\nnum_layers: 2\nintermediate_size: 96\n"
+    (tmp_path / "gqa.yaml").write_text(shape + "num_heads: 4\nnum_kv_heads: 2\n")
+    assert main(["info", "gqa.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tape-model: error: gqa.yaml with pe=tape: model.num_kv_heads=2 (GQA)")
+    assert err.endswith("(pe=tape is one of the defaults: name the encodings to compare with "
+                        "--pe)\n")
+    assert main(["info", "gqa.yaml", "--pe", "rope", "fire"]) == 0  # control: encodings with GQA
+    assert "gqa pe=fire" in capsys.readouterr().out
+    (tmp_path / "odd.yaml").write_text(shape + "num_heads: 3\n")
+    assert main(["info", "odd.yaml", "--pe", "rope"]) == 2
+    assert capsys.readouterr().err == ("tape-model: error: odd.yaml with pe=rope: "
+                                       "model.hidden_size (64) must be divisible by "
+                                       "model.num_heads (3)\n")
+
+
 def test_tape_model_info_names_the_closest_size_and_lists_them_all(tmp_path, monkeypatch,
                                                                     capsys):
     from tape_train.model.cli import main

@@ -388,6 +388,44 @@ def test_compiled_end_to_end_rows_follow_their_eager_row(monkeypatch, tmp_path):
     assert (compiled["compile"], compiled["micro_batch"]) == (True, 8)
 
 
+def test_an_end_to_end_mfu_above_100_percent_is_never_a_result(monkeypatch, tmp_path):
+    """The GPU report's MFU goes through the trainer's guard: above the device peak the peak
+    (or the GPU's identification) is wrong, so the row gets no `mfu`, which the targets and
+    the table then treat as not measured; a plausible one is kept (the control)."""
+    import time as _time
+
+    import trainer_process
+    from gpu import end_to_end, render
+    from gpu.common import Budget
+
+    class FakeChild:
+        def __init__(self, name, log, factory, recipe, overrides):
+            self.tokens_per_s = {"rope": 1e12, "tape": 1e11}[name.split("_")[1]]
+
+        def result(self, timeout=None):
+            return None
+
+        def call(self, method, *args, timeout=None):
+            return {"micro_batch": args[0], "oom": args[0] > 1, "step_s": 1.0,
+                    "tokens_per_s": self.tokens_per_s, "loss": 1.0, "finite": True,
+                    "flops_per_token": 4.0, "peak_mem_gib": 1.0}
+
+        def close(self, timeout=None):
+            return None
+
+    monkeypatch.setattr(trainer_process, "Child", FakeChild)
+    plan = {"sizes": ["1b"], "encodings": ["rope", "tape"], "seq_len": 32,
+            "max_micro_batch": 4, "warmup": 0, "steps": 1, "overrides": []}
+    rows = []
+    end_to_end.end_to_end(REPO / "configs/train/demo.yaml", tmp_path, plan, 1.0,
+                          Budget(60.0, _time.monotonic() + 60.0), rows, lambda: None)
+    rope, tape = rows
+    assert "mfu" not in rope and "4.0 achieved vs 1.0 peak" in rope["mfu_above_peak"]
+    assert tape["mfu"] == pytest.approx(0.4) and "mfu_above_peak" not in tape
+    data = {"sections": {"end_to_end": {"status": "done", "results": rows}}}
+    assert render.evaluate_targets(data)["rope_mfu"]["status"] == "not measured"
+
+
 class _RetryingTrainer:
     """What ``TrainerProbe.measure`` uses of a trainer, on a faked CUDA rank whose allocator
     retries twice in every step."""

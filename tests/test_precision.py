@@ -199,3 +199,54 @@ def test_flash_backend_asks_for_the_deterministic_backward(monkeypatch):
     finally:
         restore()
     assert seen == [False, True]
+
+
+def test_a_damaged_cached_peak_is_measured_again(tmp_path):
+    """An entry json reads as Infinity (or 0, or negative) is not a peak: every MFU against an
+    infinite one would be 0. It is measured again and the entry replaced."""
+    import json
+
+    path = machine_cache.cache_dir() / "measurements.json"
+    path.parent.mkdir(parents=True)
+    key = f"x/{machine_cache.machine_key()}/k"
+    for damaged in ("Infinity", "0", "-1.5"):
+        path.write_text(f'{{"{key}": {damaged}}}')
+        assert machine_cache.cached("x", "k", lambda: 0.25) == (0.25, False)
+        assert json.loads(path.read_text())[key] == 0.25
+    assert machine_cache.cached("x", "k", lambda: 9.0) == (0.25, True)  # control: kept now
+
+
+def test_a_cpu_peak_measured_on_a_busy_machine_is_flagged(monkeypatch):
+    """Measured under load, the GEMM peak may be low and every MFU against it too high: the
+    trainer gets a flag (it warns and records it in the start event), and the peak is not
+    cached. Measured on an idle machine: no flag, cached."""
+    import torch
+
+    from tape_train.train import peak as peak_module
+
+    monkeypatch.setattr(peak_module, "measure_gemm_peak_tflops", lambda dtype: 0.125)
+    monkeypatch.setattr(peak_module, "busy_cpu", lambda: "load 9.0 on 2 cores")
+    cpu = torch.device("cpu")
+    peak, source, low = peak_module.device_peak_tflops(cpu, torch.float32, None)
+    assert (peak, low) == (0.125, True) and "may be low" in source
+    assert peak_module.device_peak_tflops(cpu, torch.float32, None)[2]  # still not cached
+    # A configured peak is the user's word: no flag even on a busy machine.
+    assert peak_module.device_peak_tflops(cpu, torch.float32, 2.0) == (
+        2.0, "logging.peak_tflops", False)
+    monkeypatch.setattr(peak_module, "busy_cpu", lambda: None)  # negative control: idle
+    assert peak_module.device_peak_tflops(cpu, torch.float32, None) == (
+        0.125, f"measured float32 GEMM peak, {torch.get_num_threads()} threads", False)
+    peak, source, low = peak_module.device_peak_tflops(cpu, torch.float32, None)
+    assert (peak, low) == (0.125, False) and source.startswith("cached")
+    # Once cached, a busy machine no longer matters: the idle measurement is used.
+    monkeypatch.setattr(peak_module, "busy_cpu", lambda: "load 9.0 on 2 cores")
+    assert peak_module.device_peak_tflops(cpu, torch.float32, None)[2] is False
+
+
+def test_the_console_shows_an_mfu_against_a_possibly_low_peak_as_an_upper_bound():
+    from tape_train.train.metrics import format_summary
+
+    m = {"loss": 4.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "mfu": 0.412,
+         "step_time_s": 0.2, "data_wait_frac": 0.0, "tokens_seen": 1000}
+    assert "| mfu <=41.2% |" in format_summary(1, 10, m, mfu_at_most=True)
+    assert "| mfu 41.2% |" in format_summary(1, 10, m)  # control: a trusted peak

@@ -53,17 +53,26 @@ def _startup_scenarios(run_dir: str, ext_dir: str) -> dict:
         Path(run_dir, "config.yaml").read_text())["train"]["dtype"]
     records = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
     out["guarded_mfu"] = [r.get("mfu") for r in records if r["kind"] == "train"]
+    out["start_basis"] = [r["mfu_basis"] for r in records if r.get("event") == "start"][0]
 
     # 2. Resume on a machine where `auto` means bf16: keeps the checkpoint's fp32, not refused;
-    #    a sensible peak gives an MFU in (0, 1].
+    #    a sensible peak gives an MFU in (0, 1]: a CPU peak measured (faked) on a busy machine,
+    #    so the resume event flags it as possibly low.
+    from tape_train import machine_cache
+    from tape_train.train import peak
+
+    os.environ[machine_cache.CACHE_ENV] = os.path.join(os.path.dirname(run_dir), "peak-cache")
+    peak.busy_cpu = lambda: "load 9.0 on 2 cores"
+    peak.measure_gemm_peak_tflops = lambda dtype: 1e6
     loop.resolve_dtype = fake_machine("bf16")
     resolved.clear()
-    out["resume_code"] = trainer("train.max_steps=3", "logging.peak_tflops=1e6").run()
+    out["resume_code"] = trainer("train.max_steps=3").run()
     out["resolved_on_resume"] = list(resolved)
     out["resume_config_dtype"] = yaml.safe_load(
         Path(run_dir, "config.yaml").read_text())["train"]["dtype"]
     records = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
     out["resumed_mfu"] = [r.get("mfu") for r in records if r["kind"] == "train"][-1]
+    out["resume_basis"] = [r["mfu_basis"] for r in records if r.get("event") == "resume"][-1]
     tag = find_latest_complete(run_dir)
     out["checkpoint_dtype"] = read_marker(tag)["dtype"]
     out["launch_dir"] = read_marker(tag)["launch_dir"]  # what relative data paths mean
@@ -106,6 +115,13 @@ def test_dtype_resume_mfu_guard_and_stop_during_startup(tmp_path, monkeypatch):
     assert r["resume_config_dtype"] == "fp32" and r["checkpoint_dtype"] == "fp32"  # ... fp32
     assert r["launch_dir"] == os.getcwd()
     assert 0 < r["resumed_mfu"] <= 1                  # negative control: a real peak shows MFU
+    # What every MFU divides by is in the start/resume event; a peak measured under load is
+    # flagged there (and warned about), a configured one is not.
+    start, resume = r["start_basis"], r["resume_basis"]
+    assert start["peak_tflops_per_rank"] == 1e-9 and start["peak_source"] == "logging.peak_tflops"
+    assert start["peak_may_be_low"] is False and start["flops_per_token"] > 0
+    assert resume["peak_tflops_per_rank"] == 1e6 and resume["peak_may_be_low"] is True
+    assert "machine busy (load 9.0 on 2 cores)" in resume["peak_source"]
     assert r["sigterm_code"] == 75
     assert r["checkpoints_unchanged"] and r["metrics_unchanged"]
     assert r["still_resumable_at"] == 3

@@ -216,6 +216,8 @@ def end_to_end(recipe: Path, work: Path, plan: dict, peak_tflops: float | None,
     starts at the eager row's micro-batch (compiling each new shape costs a minute)."""
     from trainer_process import BenchmarkError, Child, trainer_overrides
 
+    from tape_train.train.peak import checked_mfu
+
     n = plan["seq_len"]
     work.mkdir(parents=True, exist_ok=True)
     eager_best: dict = {}
@@ -268,7 +270,13 @@ def end_to_end(recipe: Path, work: Path, plan: dict, peak_tflops: float | None,
             if "profile" in best:
                 row["profile"] = best["profile"]
             if peak_tflops:
-                row["mfu"] = best["tokens_per_s"] * row["flops_per_token"] / (peak_tflops * 1e12)
+                achieved = best["tokens_per_s"] * row["flops_per_token"]
+                mfu = checked_mfu(achieved, peak_tflops)
+                if mfu is None:  # above 100 %: the peak is wrong, never a result
+                    row["mfu_above_peak"] = (f"{achieved / 1e12:.1f} achieved vs {peak_tflops} "
+                                             "peak TFLOP/s: MFU not reported")
+                else:
+                    row["mfu"] = mfu
         flush()
         if row["status"].startswith("partial"):
             raise OutOfTime(row["status"])

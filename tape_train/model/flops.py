@@ -10,8 +10,13 @@ Counted analytically (the DeepSpeed profiler is wrong under ZeRO-3). Conventions
   12U. ``recompute=True`` counts FlashAttention-2 style kernels that recompute P in the
   backward (+1U; spec §4 table: 7U vs 13U; w separate calls: 7wU = 21U).
 - Each encoding's own parameters and per-block state-update FLOPs come from its
-  ``EncodingSpec`` (TAPE: W_pa mixing, K_n formation and application, W_x); elementwise work
-  (modulation, norms, softmax) is not counted, by convention.
+  ``EncodingSpec`` (TAPE: W_pa mixing — not with ``tape_post_attn: rowsum``, a per-head
+  scale —, K_n formation and application, W_x); elementwise work (modulation, norms, softmax,
+  the loss) is not counted, by convention. Not counted either: FIRE's bias MLP, computed once
+  per micro-batch over the N×N distances (6·N²·h·(M+1) training FLOPs per micro-batch: per
+  token it depends on the micro-batch; 125m, N=1024, micro-batch 1: 0.3 %), and what
+  activation checkpointing recomputes (model FLOPs, not hardware FLOPs).
+- ``tests/test_flop_count.py`` checks all of it against ``FlopCounterMode`` on one real step.
 """
 
 from __future__ import annotations
@@ -97,6 +102,9 @@ def describe(cfg: ModelConfig, seq_len: int) -> str:
             f"{flops / 1e9:8.3f} GFLOP")
 
 
+DEFAULT_ENCODINGS = ("tape", "rope")  # what `tape-model info` compares unless --pe says
+
+
 def _length(value: str) -> int:
     if not value.isdigit() or int(value) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive number of tokens, got {value!r}")
@@ -109,19 +117,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sizes", nargs="*", default=["tiny", "125m", "350m", "1b", "7b"],
                         help="named sizes (configs/model/*.yaml) or YAML paths (default: "
                              "tiny 125m 350m 1b 7b)")
-    parser.add_argument("--pe", nargs="+", default=["tape", "rope"], choices=POSITIONAL_ENCODINGS,
-                        help="positional encodings to compare (default: tape rope)")
+    parser.add_argument("--pe", nargs="+", default=None, choices=POSITIONAL_ENCODINGS,
+                        help="positional encodings to compare (default: "
+                             f"{' '.join(DEFAULT_ENCODINGS)}; a YAML file's own pe is not used)")
     parser.add_argument("--seq-len", type=_length, nargs="+", default=[1024],
                         help="sequence lengths of the FLOP count (default: 1024)")
     args = parser.parse_args(argv)
     for size in args.sizes:
         for seq_len in args.seq_len:
             flops = {}
-            for pe in args.pe:
+            for pe in args.pe or DEFAULT_ENCODINGS:
                 try:
                     cfg = load_model_config(size, pe=pe)
                 except (OSError, ValueError) as exc:  # a missing or invalid size: one line
-                    print(f"tape-model: error: {exc}", file=sys.stderr)
+                    message = str(exc)
+                    if size not in message:  # a shape the encoding refuses: which file, which pe
+                        message = f"{size} with pe={pe}: {message}"
+                        if args.pe is None:
+                            message += (f" (pe={pe} is one of the defaults: name the encodings "
+                                        "to compare with --pe)")
+                    print(f"tape-model: error: {message}", file=sys.stderr)
                     return 2
                 flops[pe] = training_flops_per_token(cfg, seq_len)
                 print(describe(cfg, seq_len))

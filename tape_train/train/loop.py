@@ -237,7 +237,7 @@ class Trainer:
             "layout": relayout.current_layout(self.grid),
             "relayout_from": self._relayout.saved if resumed_from and self._relayout else None,
             "superseded_checkpoints": superseded,
-            "code_version": ckpt.code_version()})
+            "code_version": ckpt.code_version(), "mfu_basis": self._mfu_basis})
 
     def _set_aside_newer_checkpoints(self) -> str | None:
         """After a resume from an older tag than the run dir's newest (``--resume-from``), move
@@ -567,12 +567,21 @@ class Trainer:
         self.flops_per_token = training_flops_per_token(self.cfg.model, self.cfg.train.seq_len)
         self.peak_tflops = None
         self._mfu_warned = False
+        self._mfu_basis: dict | None = None
         if self.rank == 0:
-            self.peak_tflops, source = device_peak_tflops(self.dist.device, self.dtype,
-                                                          self.cfg.logging.peak_tflops)
-            log.info("MFU: %.3f GFLOP/token (train, N=%d); peak %s TFLOP/s per rank (%s)",
-                     self.flops_per_token / 1e9, self.cfg.train.seq_len,
-                     f"{self.peak_tflops:.2f}" if self.peak_tflops else "unknown", source)
+            self.peak_tflops, source, low = device_peak_tflops(self.dist.device, self.dtype,
+                                                               self.cfg.logging.peak_tflops)
+            # What every `mfu` of this process divides by, recorded in the start/resume event.
+            self._mfu_basis = {"flops_per_token": self.flops_per_token,
+                               "peak_tflops_per_rank": self.peak_tflops,
+                               "peak_source": source, "peak_may_be_low": low}
+            (log.warning if low else log.info)(
+                "MFU: %.3f GFLOP/token (train, N=%d); peak %s TFLOP/s per rank (%s)%s",
+                self.flops_per_token / 1e9, self.cfg.train.seq_len,
+                f"{self.peak_tflops:.3g}" if self.peak_tflops else "unknown", source,
+                ": every MFU of this run may be too high by as much; set "
+                "logging.peak_tflops, or start on an idle machine, which measures the peak "
+                "again and caches it" if low else "")
         tdist.barrier()  # the other ranks must not compete with the peak measurement
 
     # ------------------------------------------------------------------------------------------
@@ -698,7 +707,8 @@ class Trainer:
                 if step % cfg.logging.interval == 0 or step == max_steps:
                     self._log_step(step, metrics)
                 if step % cfg.logging.console_interval == 0 or step == max_steps:
-                    self._console(format_summary(step, max_steps, metrics), bar)
+                    at_most = bool(self._mfu_basis and self._mfu_basis["peak_may_be_low"])
+                    self._console(format_summary(step, max_steps, metrics, at_most), bar)
                 if cfg.eval.enabled and step % cfg.eval.interval == 0 and step < max_steps:
                     self.evaluate()
                 if self.state.bad_steps_in_row >= cfg.train.max_bad_steps:

@@ -74,18 +74,26 @@ def measure_gemm_peak_tflops(dtype: torch.dtype, budget_s: float = CPU_PEAK_BUDG
     return gemm_tflops(dtype, size, budget_s)
 
 
-def cpu_peak_tflops(dtype: torch.dtype) -> tuple[float, str]:
-    """The cached (else measured now) CPU GEMM peak for ``dtype`` and this thread count. A
-    peak measured while the machine is busier than it has cores is used but not cached (it is
-    low: the next start measures again)."""
+def measured_cpu_peak(dtype: torch.dtype) -> tuple[float, str, bool]:
+    """The cached (else measured now) CPU GEMM peak for ``dtype`` and this thread count, where
+    it came from, and whether it may be low. A peak measured while the machine is busier than
+    it has cores is used but not cached (the next start measures again) and flagged: it may
+    be low, so an MFU against it may be too high."""
     threads = torch.get_num_threads()
     name = str(dtype).replace("torch.", "")
     busy = busy_cpu()
     peak, was_cached = cached("gemm_peak_tflops", f"{name}/{threads}",
                               lambda: measure_gemm_peak_tflops(dtype), keep=busy is None)
     how = "cached measurement" if was_cached else "measured"
-    note = f"; machine busy ({busy}): not cached, may be low" if busy and not was_cached else ""
-    return peak, f"{how} {name} GEMM peak, {threads} threads{note}"
+    low = bool(busy) and not was_cached
+    note = f"; machine busy ({busy}): not cached, may be low" if low else ""
+    return peak, f"{how} {name} GEMM peak, {threads} threads{note}", low
+
+
+def cpu_peak_tflops(dtype: torch.dtype) -> tuple[float, str]:
+    """``measured_cpu_peak`` without the flag: (peak, where it came from)."""
+    peak, source, _ = measured_cpu_peak(dtype)
+    return peak, source
 
 
 def gpu_table_peak(name: str, dtype: torch.dtype, tf32: bool) -> float | None:
@@ -107,19 +115,21 @@ def tf32_matmuls(dtype: torch.dtype) -> bool:
 
 
 def device_peak_tflops(device: torch.device, dtype: torch.dtype, configured: float | None
-                       ) -> tuple[float | None, str]:
-    """Peak TFLOP/s per rank for MFU and where it came from (None: unknown, no MFU)."""
+                       ) -> tuple[float | None, str, bool]:
+    """Peak TFLOP/s per rank for MFU, where it came from (None: unknown, no MFU), and whether
+    it may be low (a CPU peak measured on a busy machine: MFU against it may be too high)."""
     if configured is not None:
-        return configured, "logging.peak_tflops"
+        return configured, "logging.peak_tflops", False
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         tf32 = tf32_matmuls(dtype)
         peak = gpu_table_peak(name, dtype, tf32)
         if peak is None:
-            return None, f"no table peak for {name!r} in {dtype}: set logging.peak_tflops for MFU"
+            return (None, f"no table peak for {name!r} in {dtype}: set logging.peak_tflops "
+                    "for MFU", False)
         kind = "bf16" if dtype == torch.bfloat16 else ("tf32" if tf32 else "fp32")
-        return peak, f"published dense {kind} peak of {name}"
-    return cpu_peak_tflops(dtype)
+        return peak, f"published dense {kind} peak of {name}", False
+    return measured_cpu_peak(dtype)
 
 
 def checked_mfu(achieved_flops: float, peak_tflops: float | None) -> float | None:

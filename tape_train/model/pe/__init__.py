@@ -21,7 +21,9 @@ def _tape_state_params(cfg) -> int:
 def _tape_state_flops(cfg) -> float:
     m, p, d = cfg.num_heads, cfg.tape_position_size, cfg.head_dim
     w_x = 2 * cfg.hidden_size * p
-    w_pa = 2 * (2 * m * m * d)           # two tables, (M×M)·(M×D) per token
+    # Two tables, (M×M)·(M×D) per token; `rowsum` scales each head by one number instead (an
+    # elementwise product: not counted).
+    w_pa = 2 * (2 * m * m * d) if cfg.tape_post_attn == "headmix" else 0
     k_form = 2 * m * m * p               # K_n = W_dn·diag(g)·W_up
     k_apply = 2 * (2 * m * m * d)        # two tables
     return w_x + w_pa + k_form + k_apply

@@ -1,0 +1,93 @@
+"""The FLOP model (``tape_train.model.flops``) against a count of one real training step.
+
+``torch.utils.flop_counter.FlopCounterMode`` counts every matrix product of one forward +
+backward of a tiny fp32 model on the eager backend. Eager attention computes the full N×N
+logits and P·V, where the FLOP model counts the causal half (spec §4's U = N·C per token),
+so, for a micro-batch of b sequences of N tokens (L blocks, S of them carrying TAPE's state):
+
+    counted = b·N·training_flops_per_token(cfg, N)     # what MFU divides by
+            + b·N·N·C·(L·u₁ + S·(u_w − u₁))            # the masked half eager computes
+            + 6·N²·h·(M + 1)   (FIRE only)              # its MLP, once per micro-batch
+
+with u₁ = 6 (QKᵀ + PV, backward twice the forward) and u_w = 12 for TAPE's 3D-wide value.
+FIRE's MLP (1 → h → M over the N×N distances, shared by the batch) is not in the FLOP model:
+its cost is per micro-batch, not per token, and small (125m, N=1024, micro-batch 1: 0.3 %).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from tape_train.model.config import POSITIONAL_ENCODINGS, ModelConfig
+from tape_train.model.flops import attention_units, training_flops_per_token
+from tape_train.model.transformer import TransformerLM
+
+
+def _config(pe: str, **overrides) -> ModelConfig:
+    shape = dict(vocab_size=61, hidden_size=32, num_layers=3, num_heads=4, intermediate_size=48,
+                 tape_position_size=8, fire_hidden=8, max_seq_len=32, attn_backend="eager")
+    return ModelConfig(pe=pe, **{**shape, **overrides})
+
+
+def _counted(cfg: ModelConfig, batch: int, length: int, checkpointing: bool = False) -> int:
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    model.reset_parameters()
+    for p in model.parameters():  # zero-init TAPE weights still get their products counted
+        torch.nn.init.normal_(p, std=0.02)
+    if checkpointing:
+        from tape_train.train.engine import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model)
+    ids = torch.randint(0, cfg.vocab_size, (batch, length))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(ids, labels=ids).loss_sum.backward()
+    return counter.get_total_flops()
+
+
+def _expected(cfg: ModelConfig, batch: int, length: int) -> int:
+    tokens = batch * length
+    model = training_flops_per_token(cfg, length) * tokens
+    plain = attention_units(cfg.pe, value_width=1)
+    state_layers = cfg.encoding.state_layers(cfg.num_layers)
+    units = cfg.num_layers * plain + state_layers * (attention_units(cfg.pe) - plain)
+    masked_half = units * length * cfg.hidden_size * tokens
+    fire = 6 * length * length * cfg.fire_hidden * (cfg.num_heads + 1) if cfg.pe == "fire" else 0
+    return round(model + masked_half + fire)
+
+
+CASES = [(pe, {}) for pe in POSITIONAL_ENCODINGS] + [
+    (pe, {"num_kv_heads": 2}) for pe in POSITIONAL_ENCODINGS if pe != "tape"] + [
+    ("tape", {"tie_embeddings": True}), ("rope", {"tie_embeddings": True}),
+    ("tape", {"tape_post_attn": "rowsum"}), ("tape", {"tape_train_offset": True}),
+    ("tape", {"num_layers": 1}), ("fire", {"fire_hidden": 16})]
+
+
+@pytest.mark.parametrize("pe,overrides", CASES, ids=[
+    f"{pe}-{'-'.join(map(str, o.items())) or 'plain'}" for pe, o in CASES])
+def test_flop_model_matches_a_count_of_the_real_step(pe, overrides):
+    cfg = _config(pe, **overrides)
+    for batch, length in ((2, 16), (1, 24)):
+        assert _counted(cfg, batch, length) == _expected(cfg, batch, length)
+
+
+def test_rowsum_does_no_head_mixing_product():
+    """`tape_post_attn: rowsum` scales each head of Ê by one number: the two (M×M)·(M×D)
+    products per token of `headmix` are not done, and the FLOP model does not count them
+    (it did: MFU was too high by their share)."""
+    headmix, rowsum = _config("tape"), _config("tape", tape_post_attn="rowsum")
+    tokens, state_layers = 32, headmix.num_layers - 1
+    w_pa = 3 * 2 * (2 * headmix.num_heads ** 2 * headmix.head_dim) * state_layers * tokens
+    assert _counted(headmix, 2, 16) - _counted(rowsum, 2, 16) == w_pa
+    assert (training_flops_per_token(headmix, 16) - training_flops_per_token(rowsum, 16)
+            ) * tokens == w_pa
+
+
+def test_activation_checkpointing_recomputes_flops_mfu_does_not_count():
+    """MFU counts model FLOPs: the trainer's FLOPs per token come from the model config alone,
+    while a checkpointed step really does more products (the recomputed forward)."""
+    cfg = _config("tape")
+    assert _counted(cfg, 2, 16, checkpointing=True) > _counted(cfg, 2, 16) == _expected(cfg, 2, 16)
