@@ -174,7 +174,9 @@ class TrainerProbe:
             return {"micro_batch": micro_batch, "oom": True, "error": str(exc).splitlines()[0]}
         step = statistics.median(times)
         res = {"micro_batch": micro_batch, "oom": False, "step_s": step,
-               "tokens_per_s": micro_batch * cfg.train.seq_len / step,
+               # a step is grad_accum_steps micro-batches (the plan keeps 1; an override may not)
+               "tokens_per_s": (micro_batch * cfg.train.grad_accum_steps * cfg.train.seq_len
+                                / step),
                "loss": losses[-1], "finite": all(x == x for x in losses),
                "flops_per_token": self.flops_per_token}
         if cfg.train.compile:
