@@ -436,7 +436,8 @@ class _RetryingTrainer:
         from tape_train.train.cuda_allocator import choose_allocator_setting
 
         self.cfg = SimpleNamespace(model=SimpleNamespace(vocab_size=50),
-                                   train=SimpleNamespace(seq_len=8, compile=False))
+                                   train=SimpleNamespace(seq_len=8, grad_accum_steps=1,
+                                                         compile=False))
         self.dist = SimpleNamespace(cuda_allocator=choose_allocator_setting(True, {}))
         self.retries = 3  # before the probe: set-up's and an earlier micro-batch's
 
