@@ -166,6 +166,12 @@ def test_the_dry_run_warns_when_another_run_holds_the_run_directory(corpus, tmp_
     try:
         assert holder.stdout.readline().strip() == "held"
         rc, out, err = dry_run(args)
+        # tape-submit's own duplicate check leaves the lock to its preflight: said once.
+        submit_err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(submit_err):
+            submit_rc = submit.main(["--config", str(corpus / "run.yaml"), "--cpus-per-task",
+                                     "1", "--dry-run", "--log-dir", str(tmp_path / "logs"),
+                                     f"train.run_dir={run_dir}"])
     finally:
         holder.kill()
         holder.wait()
@@ -173,6 +179,9 @@ def test_the_dry_run_warns_when_another_run_holds_the_run_directory(corpus, tmp_
     warned = [ln for ln in err.splitlines() if "in use by another run" in ln]
     assert len(warned) == 1 and f"pid {holder.pid}" in warned[0], err
     assert "preflight: warning: train.run_dir: run directory" in warned[0]
+    submit_warned = [ln for ln in submit_err.getvalue().splitlines()
+                     if "in use by another run" in ln]
+    assert submit_rc == 0 and len(submit_warned) == 1, submit_err.getvalue()
     rc, out, err = dry_run(args)  # the holder is dead: its lock would be taken over
     assert rc == 0 and "in use by another run" not in err, err
 

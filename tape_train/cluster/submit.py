@@ -244,15 +244,16 @@ def partition_limit_errors(partition: str | None, jobs: list[tuple[str, int, str
     return errors
 
 
-def duplicate_warnings(job_name: str, run_dir: Path) -> list[str]:
+def duplicate_warnings(job_name: str, run_dir: Path, check_lock: bool = True) -> list[str]:
     """A second job for a run that is already queued or running: both are accepted, and the
     one that starts second fails its start-up checks while the other holds the run directory.
-    Said at submission, from the run directory's lock and the user's queued jobs of this name
-    (the run directory of a pending job is not visible to Slurm: the name is the hint)."""
+    Said at submission, from the run directory's lock (``check_lock``: not when the preflight
+    runs, which says it) and the user's queued jobs of this name (the run directory of a
+    pending job is not visible to Slurm: the name is the hint)."""
     from tape_train.train.run_lock import lock_refusal
 
     found = []
-    refusal = lock_refusal(run_dir)
+    refusal = lock_refusal(run_dir) if check_lock else None
     if refusal:
         found.append(f"{refusal} (this job, if it starts before that run ends, fails its "
                      f"start-up checks)")
@@ -402,12 +403,11 @@ def _main(argv: list[str] | None) -> int:
                       f"environment, which the job inherits): unless the nodes' interpreter "
                       f"can, the job fails its start-up checks (No module named 'tape_train'); "
                       f"give the Python of the environment tape-train is installed in")
-    if not any(arg.startswith("--dependency") for arg in args.sbatch_arg):
-        for message in duplicate_warnings(opts.job_name, run_dir):
-            warnings.warn(message)
-
     # The trainer's own checks; another --train-module has its own arguments.
     check = not args.no_preflight and args.train_module == "tape_train.train.cli"
+    if not any(arg.startswith("--dependency") for arg in args.sbatch_arg):
+        for message in duplicate_warnings(opts.job_name, run_dir, check_lock=not check):
+            warnings.warn(message)
     scripts = [train_script] + ([eval_script] if eval_script is not None else [])
     overriding = overriding_environment(scripts)
     if args.dry_run:
