@@ -564,7 +564,8 @@ class Trainer:
     def _setup_mfu(self) -> None:
         from tape_train.model.flops import training_flops_per_token
 
-        self.flops_per_token = training_flops_per_token(self.cfg.model, self.cfg.train.seq_len)
+        self.flops_per_token = training_flops_per_token(
+            self.cfg.model, self.cfg.train.seq_len, micro_batch=self.cfg.train.micro_batch_size)
         self.peak_tflops = None
         self._mfu_warned = False
         self._mfu_basis: dict | None = None
