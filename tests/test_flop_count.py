@@ -107,3 +107,29 @@ def test_activation_checkpointing_recomputes_flops_mfu_does_not_count():
     while a checkpointed step really does more products (the recomputed forward)."""
     cfg = _config("tape")
     assert _counted(cfg, 2, 16, checkpointing=True) > _counted(cfg, 2, 16) == _expected(cfg, 2, 16)
+
+
+def test_trainer_and_plan_count_fire_at_the_runs_micro_batch():
+    """The trainer's MFU basis and the preflight's time plan take FLOPs per token at the run's
+    `train.micro_batch_size` (FIRE's MLP share differs at micro-batch 1: negative control)."""
+    from types import SimpleNamespace
+
+    from tape_train.config import load_run_config
+    from tape_train.train import preflight
+    from tape_train.train.loop import Trainer
+
+    cfg = load_run_config(None, ["model=tiny", "model.pe=fire", "model.fire_hidden=1024",
+                                 "train.seq_len=64", "train.micro_batch_size=4",
+                                 "logging.peak_tflops=1.0"])
+    at_run = training_flops_per_token(cfg.model, 64, micro_batch=4)
+    at_one = training_flops_per_token(cfg.model, 64, micro_batch=1)
+    assert f"{at_run / 1e9:.3f}" != f"{at_one / 1e9:.3f}"  # a wide MLP: the plan's line shows it
+
+    trainer = SimpleNamespace(cfg=cfg, rank=0, dtype=torch.float32,
+                              dist=SimpleNamespace(device=torch.device("cpu")))
+    Trainer._setup_mfu(trainer)
+    assert trainer.flops_per_token == trainer._mfu_basis["flops_per_token"] == at_run
+
+    report = preflight.Report()
+    preflight._plan_time(cfg, SimpleNamespace(dp=1, world_size=1), "cpu", None, 0.5, report)
+    assert f"{at_run / 1e9:.3f} GFLOP per token" in report.lines[0]
