@@ -93,8 +93,9 @@ def test_fire_mlp_is_counted_once_per_micro_batch():
     one, three = _counted(cfg, 1, n), _counted(cfg, 3, n)
     assert three - 3 * one == -2 * mlp  # one MLP in each count, not one per sequence
     assert three == _expected(cfg, 3, n)
-    wrong = round(_expected(cfg, 3, n) + 3 * n * (training_flops_per_token(cfg, n, micro_batch=1)
-                                                  - training_flops_per_token(cfg, n, micro_batch=3)))
+    told_one = training_flops_per_token(cfg, n, micro_batch=1)
+    told_three = training_flops_per_token(cfg, n, micro_batch=3)
+    wrong = round(_expected(cfg, 3, n) + 3 * n * (told_one - told_three))
     assert wrong - three == 2 * mlp
     for pe in ("rope", "tape", "t5"):  # no per-micro-batch work: the micro-batch changes nothing
         other = _config(pe)
