@@ -103,8 +103,11 @@ def main() -> int:
             row = {"shape": shape, "seq_len": n, "tokens_per_s": tps}
             if "tape" in tps and "rope" in tps:
                 measured = tps["tape"] / tps["rope"]
-                predicted = (training_flops_per_token(load_model_config(shape, pe="rope"), n)
-                             / training_flops_per_token(load_model_config(shape, pe="tape"), n))
+                batch = max(1, args.tokens_per_step // n)  # what throughput() ran
+                predicted = (training_flops_per_token(load_model_config(shape, pe="rope"), n,
+                                                      micro_batch=batch)
+                             / training_flops_per_token(load_model_config(shape, pe="tape"), n,
+                                                        micro_batch=batch))
                 row.update(measured_ratio=measured, predicted_ratio=predicted,
                            ratio_of_ratios=measured / predicted)
             results["throughput"].append(row)

@@ -232,7 +232,9 @@ def measure_training(args, work: Path) -> dict:
 
     configs = {(pe, n): load_run_config(args.recipe, overrides(pe, n))
                for n in args.seq_lens for pe in args.encodings}
-    flops = {key: training_flops_per_token(cfg.model, key[1]) for key, cfg in configs.items()}
+    flops = {key: training_flops_per_token(cfg.model, key[1],
+                                           micro_batch=cfg.train.micro_batch_size)
+             for key, cfg in configs.items()}
     # The precision the trainers will resolve (``auto``: the same cached per-machine choice).
     from tape_train.precision import resolve_dtype
 

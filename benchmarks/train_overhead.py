@@ -164,7 +164,8 @@ def main(argv=None) -> int:
         args.max_seq_len = max(load_model_config(args.model).max_seq_len, args.seq_len)
     model_cfg = load_model_config(args.model, pe=args.pe, max_seq_len=args.max_seq_len)
     tokens_per_step = args.seq_len * args.micro_batch * args.grad_accum
-    flops_per_token = training_flops_per_token(model_cfg, args.seq_len)
+    flops_per_token = training_flops_per_token(model_cfg, args.seq_len,
+                                               micro_batch=args.micro_batch)
     dtype = precision.torch_dtype
     peak = measure_gemm_peak_tflops(dtype)
     print(f"model {args.model} pe={args.pe} N={args.seq_len} max_seq_len={args.max_seq_len} "

@@ -54,7 +54,7 @@ def test_quick_run_writes_a_consistent_report(tmp_path):
         # FLOPs come from the one FLOP model, for the config that actually ran.
         cfg = load_run_config(ROOT / "configs/train/demo.yaml",
                               [f"model.pe={row['pe']}", *SHRINK]).model
-        assert row["flops_per_token"] == training_flops_per_token(cfg, 64)
+        assert row["flops_per_token"] == training_flops_per_token(cfg, 64, micro_batch=2)
     [ratio] = training["tape_vs_rope"]
     tape, rope = training["rows"]
     assert ratio["time_ratio"] == pytest.approx(tape["step_s"] / rope["step_s"])

@@ -31,6 +31,27 @@ def test_tape_model_info_names_an_unknown_size_in_one_line(capsys):
         assert f"argument {flag}: expected at least one argument" in capsys.readouterr().err
 
 
+def test_tape_model_info_counts_fire_per_micro_batch(capsys):
+    """FIRE's MLP is shared by a micro-batch: its line names the micro-batch, and a larger one
+    costs less per token; RoPE's line has no micro-batch (negative control); 0 is refused."""
+    from tape_train.model.cli import main
+
+    def per_token(*argv):
+        assert main(["info", "tiny", "--pe", "fire", "rope", *argv]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        return {line.split()[1]: (line, float(line.split()[-2])) for line in lines}
+
+    one, eight = per_token(), per_token("--micro-batch", "8")
+    assert "@N=1024, b=1:" in one["pe=fire"][0] and "@N=1024, b=8:" in eight["pe=fire"][0]
+    assert eight["pe=fire"][1] < one["pe=fire"][1]
+    assert "@N=1024:" in one["pe=rope"][0] and one["pe=rope"] == eight["pe=rope"]
+    with pytest.raises(SystemExit) as exc:
+        main(["info", "tiny", "--micro-batch", "0"])
+    assert exc.value.code == 2
+    assert "--micro-batch: expected a positive number of sequences, got '0'" in (
+        capsys.readouterr().err)
+
+
 def test_tape_model_info_takes_a_yaml_file_without_yaml_in_its_name(tmp_path, monkeypatch,
                                                                     capsys):
     """An existing file named without `.yaml` was looked up as a shipped name only: `model

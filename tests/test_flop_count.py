@@ -5,13 +5,12 @@ backward of a tiny fp32 model on the eager backend. Eager attention computes the
 logits and P·V, where the FLOP model counts the causal half (spec §4's U = N·C per token),
 so, for a micro-batch of b sequences of N tokens (L blocks, S of them carrying TAPE's state):
 
-    counted = b·N·training_flops_per_token(cfg, N)     # what MFU divides by
+    counted = b·N·training_flops_per_token(cfg, N, micro_batch=b)   # what MFU multiplies by
             + b·N·N·C·(L·u₁ + S·(u_w − u₁))            # the masked half eager computes
-            + 6·N²·h·(M + 1)   (FIRE only)              # its MLP, once per micro-batch
 
 with u₁ = 6 (QKᵀ + PV, backward twice the forward) and u_w = 12 for TAPE's 3D-wide value.
-FIRE's MLP (1 → h → M over the N×N distances, shared by the batch) is not in the FLOP model:
-its cost is per micro-batch, not per token, and small (125m, N=1024, micro-batch 1: 0.3 %).
+FIRE's MLP (1 → h → M over the N×N distances, shared by the micro-batch) is in the FLOP
+model as each token's share of 6·N²·h·(M+1) per micro-batch, hence ``micro_batch``.
 """
 
 from __future__ import annotations
@@ -50,13 +49,12 @@ def _counted(cfg: ModelConfig, batch: int, length: int, checkpointing: bool = Fa
 
 def _expected(cfg: ModelConfig, batch: int, length: int) -> int:
     tokens = batch * length
-    model = training_flops_per_token(cfg, length) * tokens
+    model = training_flops_per_token(cfg, length, micro_batch=batch) * tokens
     plain = attention_units(cfg.pe, value_width=1)
     state_layers = cfg.encoding.state_layers(cfg.num_layers)
     units = cfg.num_layers * plain + state_layers * (attention_units(cfg.pe) - plain)
     masked_half = units * length * cfg.hidden_size * tokens
-    fire = 6 * length * length * cfg.fire_hidden * (cfg.num_heads + 1) if cfg.pe == "fire" else 0
-    return round(model + masked_half + fire)
+    return round(model + masked_half)
 
 
 CASES = [(pe, {}) for pe in POSITIONAL_ENCODINGS] + [
@@ -82,8 +80,27 @@ def test_rowsum_does_no_head_mixing_product():
     tokens, state_layers = 32, headmix.num_layers - 1
     w_pa = 3 * 2 * (2 * headmix.num_heads ** 2 * headmix.head_dim) * state_layers * tokens
     assert _counted(headmix, 2, 16) - _counted(rowsum, 2, 16) == w_pa
-    assert (training_flops_per_token(headmix, 16) - training_flops_per_token(rowsum, 16)
-            ) * tokens == w_pa
+    assert (training_flops_per_token(headmix, 16, micro_batch=2)
+            - training_flops_per_token(rowsum, 16, micro_batch=2)) * tokens == w_pa
+
+
+def test_fire_mlp_is_counted_once_per_micro_batch():
+    """FIRE's MLP runs once per micro-batch over the N×N distances, whatever b is: the real
+    step's count grows by exactly that much less than b-fold, and the FLOP model, given the
+    micro-batch, follows it; told the wrong micro-batch (negative control), it does not."""
+    cfg, n = _config("fire"), 16
+    mlp = 6 * n * n * cfg.fire_hidden * (cfg.num_heads + 1)
+    one, three = _counted(cfg, 1, n), _counted(cfg, 3, n)
+    assert three - 3 * one == -2 * mlp  # one MLP in each count, not one per sequence
+    assert three == _expected(cfg, 3, n)
+    told_one = training_flops_per_token(cfg, n, micro_batch=1)
+    told_three = training_flops_per_token(cfg, n, micro_batch=3)
+    wrong = round(_expected(cfg, 3, n) + 3 * n * (told_one - told_three))
+    assert wrong - three == 2 * mlp
+    for pe in ("rope", "tape", "t5"):  # no per-micro-batch work: the micro-batch changes nothing
+        other = _config(pe)
+        assert (training_flops_per_token(other, n, micro_batch=1)
+                == training_flops_per_token(other, n, micro_batch=3))
 
 
 def test_activation_checkpointing_recomputes_flops_mfu_does_not_count():
@@ -91,3 +108,29 @@ def test_activation_checkpointing_recomputes_flops_mfu_does_not_count():
     while a checkpointed step really does more products (the recomputed forward)."""
     cfg = _config("tape")
     assert _counted(cfg, 2, 16, checkpointing=True) > _counted(cfg, 2, 16) == _expected(cfg, 2, 16)
+
+
+def test_trainer_and_plan_count_fire_at_the_runs_micro_batch():
+    """The trainer's MFU basis and the preflight's time plan take FLOPs per token at the run's
+    `train.micro_batch_size` (FIRE's MLP share differs at micro-batch 1: negative control)."""
+    from types import SimpleNamespace
+
+    from tape_train.config import load_run_config
+    from tape_train.train import preflight
+    from tape_train.train.loop import Trainer
+
+    cfg = load_run_config(None, ["model=tiny", "model.pe=fire", "model.fire_hidden=1024",
+                                 "train.seq_len=64", "train.micro_batch_size=4",
+                                 "logging.peak_tflops=1.0"])
+    at_run = training_flops_per_token(cfg.model, 64, micro_batch=4)
+    at_one = training_flops_per_token(cfg.model, 64, micro_batch=1)
+    assert f"{at_run / 1e9:.3f}" != f"{at_one / 1e9:.3f}"  # a wide MLP: the plan's line shows it
+
+    trainer = SimpleNamespace(cfg=cfg, rank=0, dtype=torch.float32,
+                              dist=SimpleNamespace(device=torch.device("cpu")))
+    Trainer._setup_mfu(trainer)
+    assert trainer.flops_per_token == trainer._mfu_basis["flops_per_token"] == at_run
+
+    report = preflight.Report()
+    preflight._plan_time(cfg, SimpleNamespace(dp=1, world_size=1), "cpu", None, 0.5, report)
+    assert f"{at_run / 1e9:.3f} GFLOP per token" in report.lines[0]

@@ -128,6 +128,66 @@ def test_dtype_resume_mfu_guard_and_stop_during_startup(tmp_path, monkeypatch):
     assert r["shm_op"] is None and r["extensions"] == []
 
 
+def _console_lines_of_every_rank(run_dir: str, cache_dir: str) -> dict:
+    import contextlib
+    import io
+    import json
+
+    import torch.distributed as dist
+
+    from tape_train import machine_cache
+    from tape_train.config import load_run_config
+    from tape_train.train import loop, peak
+
+    rank = dist.get_rank()
+    os.environ[machine_cache.CACHE_ENV] = cache_dir
+    # Rank 0 measures (a faked busy machine: the peak may be low, `mfu <=`); no other rank may.
+    peak.busy_cpu = lambda: "load 9.0 on 2 cores"
+
+    def measure(dtype):
+        assert rank == 0, f"rank {rank} measured the peak"
+        return 1e6
+
+    peak.measure_gemm_peak_tflops = measure
+    out: dict = {}
+    for all_ranks in (True, False):  # False: the negative control, rank 0 alone prints
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            code = loop.Trainer(load_run_config(None, OVERRIDES + [
+                f"train.run_dir={run_dir}-{all_ranks}", "train.max_steps=2",
+                f"logging.all_ranks={str(all_ranks).lower()}", "logging.console_interval=1",
+                "logging.progress_bar=false"])).run()
+        out[all_ranks] = {"code": code, "lines": [line for line in stdout.getvalue().splitlines()
+                                                  if "step " in line and "| loss" in line]}
+        if rank == 0:
+            records = [json.loads(line) for line in
+                       Path(f"{run_dir}-{all_ranks}", "metrics.jsonl").read_text().splitlines()]
+            out[all_ranks]["mfu"] = [r["mfu"] for r in records if r["kind"] == "train"]
+    return out
+
+
+@pytest.mark.distributed
+def test_all_ranks_console_lines_carry_mfu(tmp_path, monkeypatch):
+    """With `logging.all_ranks` every rank's line shows the MFU against rank 0's peak (sent
+    once at start-up, flagged `<=` as rank 0's is); rank 0's lines and metrics are as without
+    it, and without it the other ranks print no line (negative control)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    r0, r1 = run_distributed_test(_console_lines_of_every_rank, world_size=2,
+                                  args=(str(tmp_path / "run"), str(tmp_path / "cache")),
+                                  timeout=300)
+    for rank, r in enumerate((r0, r1)):
+        assert r[True]["code"] == r[False]["code"] == 0
+        lines = r[True]["lines"]
+        assert [line.split(" | ")[0] for line in lines] == [f"[rank{rank}] step 1/2",
+                                                             f"[rank{rank}] step 2/2"], lines
+        assert all(" | mfu <=" in line for line in lines), lines
+    assert [line.split(" | ")[0] for line in r0[False]["lines"]] == ["step 1/2", "step 2/2"]
+    assert all(" | mfu <=" in line for line in r0[False]["lines"])
+    assert r1[False]["lines"] == []
+    for all_ranks in (True, False):  # rank 0 writes the metrics either way
+        assert len(r0[all_ranks]["mfu"]) == 2 and all(0 < m <= 1 for m in r0[all_ranks]["mfu"])
+
+
 CLIS = ["tape-train", "tape-eval", "tape-export", "tape-generate", "tape-data",
         "tape-tokenizer", "tape-model", "tape-submit"]
 

@@ -107,7 +107,8 @@ class TrainerProbe:
         self.trainer = build_trainer(recipe, overrides)
         self.device = self.trainer.dist.device
         cfg = self.trainer.cfg
-        self.flops_per_token = training_flops_per_token(cfg.model, cfg.train.seq_len)
+        self.flops_per_token = training_flops_per_token(
+            cfg.model, cfg.train.seq_len, micro_batch=cfg.train.micro_batch_size)
 
     def losses(self, steps: int) -> list[float]:
         """Per-step loss of ``steps`` real steps on the recipe's (synthetic) data."""

@@ -12,10 +12,14 @@ Counted analytically (the DeepSpeed profiler is wrong under ZeRO-3). Conventions
 - Each encoding's own parameters and per-block state-update FLOPs come from its
   ``EncodingSpec`` (TAPE: W_pa mixing — not with ``tape_post_attn: rowsum``, a per-head
   scale —, K_n formation and application, W_x); elementwise work (modulation, norms, softmax,
-  the loss) is not counted, by convention. Not counted either: FIRE's bias MLP, computed once
-  per micro-batch over the N×N distances (6·N²·h·(M+1) training FLOPs per micro-batch: per
-  token it depends on the micro-batch; 125m, N=1024, micro-batch 1: 0.3 %), and what
-  activation checkpointing recomputes (model FLOPs, not hardware FLOPs).
+  the loss) is not counted, by convention; nor is what activation checkpointing recomputes
+  (model FLOPs, not hardware FLOPs).
+- Work an encoding does once per micro-batch, shared by its b sequences, is counted per token
+  as its share, so the count per token takes the micro-batch size: FIRE's bias MLP
+  (1 → h → M over the N×N distances, ``EncodingSpec.micro_batch_flops``) costs
+  6·N²·h·(M+1) training FLOPs per micro-batch, 6·N·h·(M+1)/b per token (125m, N=1024, b=1:
+  0.3 % of the total). Every caller passes the micro-batch its tokens are computed in
+  (``train.micro_batch_size`` for a run).
 - ``tests/test_flop_count.py`` checks all of it against ``FlopCounterMode`` on one real step.
 """
 
@@ -65,17 +69,22 @@ def attention_units(pe: str, recompute: bool = False, separate_calls: bool = Fal
     return 3 * forward + (1 if recompute else 0)      # backward = 2 × forward (+ QKᵀ again)
 
 
-def forward_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: bool = False) -> float:
-    """Forward FLOPs per token (weight matmuls + causal attention core + TAPE updates)."""
-    return training_flops_per_token(cfg, seq_len, recompute) / 3.0
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: bool = False, *,
+                            micro_batch: int) -> float:
+    """Forward FLOPs per token (weight matmuls + causal attention core + TAPE updates + the
+    token's share of per-micro-batch work such as FIRE's MLP)."""
+    return training_flops_per_token(cfg, seq_len, recompute, micro_batch=micro_batch) / 3.0
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: bool = False,
-                             separate_calls: bool = False) -> float:
-    """Training (forward + backward) FLOPs per token at sequence length ``seq_len``.
+                             separate_calls: bool = False, *, micro_batch: int) -> float:
+    """Training (forward + backward) FLOPs per token at sequence length ``seq_len`` with
+    ``micro_batch`` sequences per forward/backward (``train.micro_batch_size``).
 
-    This is the number MFU divides by: MFU = tokens/s · this / peak FLOP/s.
+    This is the number MFU multiplies tokens/s by: MFU = tokens/s · this / peak FLOP/s.
     """
+    if micro_batch < 1:
+        raise ValueError(f"micro_batch must be >= 1 sequence, got {micro_batch!r}")
     c, d = cfg.hidden_size, cfg.head_dim
     m, mkv, f = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     spec = cfg.encoding
@@ -90,25 +99,33 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: bool = F
         # Every block but the last attends with the encoding's wide value and updates E.
         extra_attention = (attention_units(cfg.pe, recompute, separate_calls) - plain) * unit
         total += state_layers * (extra_attention + 3.0 * spec.state_flops(cfg))
-    return total + 6.0 * c * cfg.vocab_size
+    # Done once per micro-batch of b·N tokens (FIRE's MLP): each token's share.
+    shared = 3.0 * spec.micro_batch_flops(cfg, seq_len) / (micro_batch * seq_len)
+    return total + shared + 6.0 * c * cfg.vocab_size
 
 
-def describe(cfg: ModelConfig, seq_len: int) -> str:
+def describe(cfg: ModelConfig, seq_len: int, micro_batch: int = 1) -> str:
     counts = count_parameters(cfg)
-    flops = training_flops_per_token(cfg, seq_len)
+    flops = training_flops_per_token(cfg, seq_len, micro_batch=micro_batch)
+    # The micro-batch is named only where it changes the count (FIRE's per-micro-batch MLP).
+    batch = f", b={micro_batch}" if cfg.encoding.micro_batch_flops(cfg, seq_len) else ""
     return (f"{cfg.name:>6} pe={cfg.pe:<6} params {counts['total'] / 1e6:9.2f}M "
             f"(non-embedding {counts['non_embedding'] / 1e6:8.2f}M, positional "
-            f"{counts['positional'] / 1e3:8.1f}k)  train FLOPs/token @N={seq_len}: "
+            f"{counts['positional'] / 1e3:8.1f}k)  train FLOPs/token @N={seq_len}{batch}: "
             f"{flops / 1e9:8.3f} GFLOP")
 
 
 DEFAULT_ENCODINGS = ("tape", "rope")  # what `tape-model info` compares unless --pe says
 
 
-def _length(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number of tokens, got {value!r}")
-    return int(value)
+def _positive(what: str):
+    def parse(value: str) -> int:
+        if not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(f"expected a positive number of {what}, got "
+                                             f"{value!r}")
+        return int(value)
+    return parse
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,8 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pe", nargs="+", default=None, choices=POSITIONAL_ENCODINGS,
                         help="positional encodings to compare (default: "
                              f"{' '.join(DEFAULT_ENCODINGS)}; a YAML file's own pe is not used)")
-    parser.add_argument("--seq-len", type=_length, nargs="+", default=[1024],
+    parser.add_argument("--seq-len", type=_positive("tokens"), nargs="+", default=[1024],
                         help="sequence lengths of the FLOP count (default: 1024)")
+    parser.add_argument("--micro-batch", type=_positive("sequences"), default=1,
+                        help="sequences per forward/backward (train.micro_batch_size): FIRE's "
+                             "bias MLP is computed once per micro-batch, so its share per token "
+                             "depends on it (default: 1)")
     args = parser.parse_args(argv)
     for size in args.sizes:
         for seq_len in args.seq_len:
@@ -138,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                                         "to compare with --pe)")
                     print(f"tape-model: error: {message}", file=sys.stderr)
                     return 2
-                flops[pe] = training_flops_per_token(cfg, seq_len)
-                print(describe(cfg, seq_len))
+                flops[pe] = training_flops_per_token(cfg, seq_len, micro_batch=args.micro_batch)
+                print(describe(cfg, seq_len, args.micro_batch))
             if "tape" in flops and "rope" in flops:
                 print(f"{'':>6} TAPE/RoPE training FLOPs at N={seq_len}: "
                       f"{flops['tape'] / flops['rope']:.3f}")

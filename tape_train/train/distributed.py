@@ -158,6 +158,16 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return work.to(tensor.device)
 
 
+def broadcast_floats(values: list[float], src: int = 0) -> list[float]:
+    """Rank ``src``'s ``values`` on every rank (the list as given without a group); each
+    rank passes a list of the same length. A collective: every rank waits for ``src``."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    dist.broadcast(tensor, src=src)
+    return tensor.tolist()
+
+
 def all_reduce_max_int(value: int) -> int:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return int(value)

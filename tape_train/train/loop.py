@@ -564,13 +564,16 @@ class Trainer:
     def _setup_mfu(self) -> None:
         from tape_train.model.flops import training_flops_per_token
 
-        self.flops_per_token = training_flops_per_token(self.cfg.model, self.cfg.train.seq_len)
+        self.flops_per_token = training_flops_per_token(
+            self.cfg.model, self.cfg.train.seq_len, micro_batch=self.cfg.train.micro_batch_size)
         self.peak_tflops = None
+        self._peak_may_be_low = False
         self._mfu_warned = False
         self._mfu_basis: dict | None = None
         if self.rank == 0:
             self.peak_tflops, source, low = device_peak_tflops(self.dist.device, self.dtype,
                                                                self.cfg.logging.peak_tflops)
+            self._peak_may_be_low = low
             # What every `mfu` of this process divides by, recorded in the start/resume event.
             self._mfu_basis = {"flops_per_token": self.flops_per_token,
                                "peak_tflops_per_rank": self.peak_tflops,
@@ -582,7 +585,13 @@ class Trainer:
                 ": every MFU of this run may be too high by as much; set "
                 "logging.peak_tflops, or start on an idle machine, which measures the peak "
                 "again and caches it" if low else "")
-        tdist.barrier()  # the other ranks must not compete with the peak measurement
+        # Rank 0's peak on every rank (`logging.all_ranks` lines show MFU too), sent once here,
+        # not per step. It is the job's per-rank peak (MFU divides by it times the world size),
+        # and measuring on every rank at once would have CPU ranks compete for the cores. The
+        # broadcast also holds the other ranks until rank 0 has measured, for the same reason.
+        peak, low = tdist.broadcast_floats([self.peak_tflops or 0.0,
+                                            float(self._peak_may_be_low)])
+        self.peak_tflops, self._peak_may_be_low = peak or None, bool(low)
 
     # ------------------------------------------------------------------------------------------
     # The loop
@@ -664,7 +673,8 @@ class Trainer:
         if self.peak_tflops:
             achieved = tokens_per_s * self.flops_per_token / self.dist.world_size  # per rank
             metrics["mfu"] = checked_mfu(achieved, self.peak_tflops)
-            if metrics["mfu"] is None and not self._mfu_warned:
+            if (metrics["mfu"] is None and not self._mfu_warned
+                    and (self.rank == 0 or self.cfg.logging.all_ranks)):
                 self._mfu_warned = True
                 log.warning("MFU would be %.0f%% (%.3f achieved vs %.3f peak TFLOP/s per rank): "
                             "the peak is wrong, MFU is not reported; set logging.peak_tflops",
@@ -707,8 +717,8 @@ class Trainer:
                 if step % cfg.logging.interval == 0 or step == max_steps:
                     self._log_step(step, metrics)
                 if step % cfg.logging.console_interval == 0 or step == max_steps:
-                    at_most = bool(self._mfu_basis and self._mfu_basis["peak_may_be_low"])
-                    self._console(format_summary(step, max_steps, metrics, at_most), bar)
+                    self._console(format_summary(step, max_steps, metrics,
+                                                 self._peak_may_be_low), bar)
                 if cfg.eval.enabled and step % cfg.eval.interval == 0 and step < max_steps:
                     self.evaluate()
                 if self.state.bad_steps_in_row >= cfg.train.max_bad_steps:

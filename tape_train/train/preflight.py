@@ -715,7 +715,7 @@ def _plan_time(cfg, grid, device_type: str, gpu_name: str | None, mfu: float,
     from tape_train.model.flops import count_parameters, training_flops_per_token
 
     n = cfg.train.seq_len
-    per_token = training_flops_per_token(cfg.model, n)
+    per_token = training_flops_per_token(cfg.model, n, micro_batch=cfg.train.micro_batch_size)
     params = count_parameters(cfg.model)["total"]
     tokens = global_batch(cfg, grid.dp) * n
     report.info(f"model: {params / 1e6:.2f}M parameters; {per_token / 1e9:.3f} GFLOP per token "

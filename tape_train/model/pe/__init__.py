@@ -34,6 +34,12 @@ def _fire_params(cfg) -> int:
     return (h + h) + (h * m + m) + 2                         # MLP 1→h→M, c and L
 
 
+def _fire_micro_batch_flops(cfg, seq_len: int) -> float:
+    # The MLP 1→h→M on every (i, j) of the N×N distances, full square (not the causal half),
+    # once per micro-batch: the positions are (1, N), shared by its sequences.
+    return 2.0 * seq_len * seq_len * cfg.fire_hidden * (1 + cfg.num_heads)
+
+
 ENCODINGS: dict[str, EncodingSpec] = {spec.name: spec for spec in (
     EncodingSpec("tape", "tape_train.model.pe.tape:TapeEncoding",
                  "TAPE: a per-head positional state E updated by every block (spec §2)",
@@ -49,7 +55,8 @@ ENCODINGS: dict[str, EncodingSpec] = {spec.name: spec for spec in (
                  "RoPE at randomly sampled training positions", rotary=True,
                  random_positions=True),
     EncodingSpec("fire", "tape_train.model.pe.fire:FIRE", "learned MLP bias of log distance",
-                 dense_bias=True, shared_params=_fire_params),
+                 dense_bias=True, shared_params=_fire_params,
+                 micro_batch_flops=_fire_micro_batch_flops),
     EncodingSpec("xpos", "tape_train.model.pe.xpos:XPos", "RoPE with a length decay",
                  rotary=True),
     EncodingSpec("t5", "tape_train.model.pe.t5:T5Bias", "bucketed relative bias table",

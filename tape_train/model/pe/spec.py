@@ -19,6 +19,10 @@ def _no_count(cfg) -> int:
     return 0
 
 
+def _no_micro_batch_flops(cfg, seq_len: int) -> float:
+    return 0.0
+
+
 @dataclass(frozen=True)
 class EncodingSpec:
     """Capabilities of one positional encoding.
@@ -47,6 +51,10 @@ class EncodingSpec:
         state_params: parameters of one block's state-update module, from the config.
         state_flops: forward FLOPs per token of one block's state update (weight products).
         shared_params: parameters of the model-level encoding module (FIRE's MLP, T5's table).
+        micro_batch_flops: forward FLOPs of the model-level encoding module per micro-batch at
+            sequence length N, ``(cfg, seq_len)``: work done once and shared by the
+            micro-batch's sequences (FIRE's MLP over the N×N distances), so per token it
+            depends on the micro-batch size.
     """
 
     name: str
@@ -63,6 +71,7 @@ class EncodingSpec:
     state_params: Callable[..., int] = _no_count
     state_flops: Callable[..., float] = _no_count
     shared_params: Callable[..., int] = _no_count
+    micro_batch_flops: Callable[..., float] = _no_micro_batch_flops
 
     @property
     def flash_ok(self) -> bool:
