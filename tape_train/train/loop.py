@@ -579,7 +579,7 @@ class Trainer:
                                "peak_tflops_per_rank": self.peak_tflops,
                                "peak_source": source, "peak_may_be_low": low}
             (log.warning if low else log.info)(
-                "MFU: %.3f GFLOP/token (train, N=%d); peak %s TFLOP/s per rank (%s)%s",
+                "MFU: %.3g GFLOP/token (train, N=%d); peak %s TFLOP/s per rank (%s)%s",
                 self.flops_per_token / 1e9, self.cfg.train.seq_len,
                 f"{self.peak_tflops:.3g}" if self.peak_tflops else "unknown", source,
                 ": every MFU of this run may be too high by as much; set "
