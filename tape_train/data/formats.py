@@ -110,6 +110,44 @@ class Shard:
         can resume after moving the data)."""
         return [Path(self.path).name if self.kind != "hub" else self.path, self.size]
 
+    def content_sample(self) -> str | None:
+        """A digest of a few samples of the file's bytes (``content_sample``), which the
+        resume check compares beside name and size; ``None`` for a Hub shard, or a file that
+        cannot be read now (its reading then fails with its own error)."""
+        if self.kind == "hub":
+            return None
+        try:
+            return content_sample(self.path, self.size)
+        except OSError:
+            return None
+
+
+# A file's content sample: CONTENT_SAMPLES chunks of CONTENT_SAMPLE_BYTES, evenly spaced from
+# its head to its tail (the whole file when it is smaller than that): at most 128 KiB read per
+# file, whatever its size. Modification times are not used (a copy of the corpus to
+# node-local scratch changes them and must still resume).
+CONTENT_SAMPLES = 8
+CONTENT_SAMPLE_BYTES = 16 * 1024
+
+
+def content_sample(path: str | os.PathLike, size: int) -> str:
+    """xxh3-64 (hex) of the first ``size`` bytes' samples: the head, the tail and evenly
+    spaced chunks between. An edit in place that keeps the size is seen when it touches a
+    sample (always, for a file of up to 128 KiB). Raises ``OSError``."""
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    digest.update(str(size).encode())
+    span = CONTENT_SAMPLES * CONTENT_SAMPLE_BYTES
+    with open(path, "rb") as fh:
+        if size <= span:
+            digest.update(fh.read(size))
+        else:
+            for i in range(CONTENT_SAMPLES):
+                fh.seek((size - CONTENT_SAMPLE_BYTES) * i // (CONTENT_SAMPLES - 1))
+                digest.update(fh.read(CONTENT_SAMPLE_BYTES))
+    return digest.hexdigest()
+
 
 def resolve_local_shards(source: SourceConfig, split: str = "train") -> list[Shard]:
     """Files of ``source.path`` (files, dirs, globs), sorted; a prepared directory contributes
