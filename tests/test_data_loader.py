@@ -276,7 +276,8 @@ def test_a_file_edited_in_place_at_the_same_size_is_named(tok, corpus, tmp_path,
     expected = take(loader, 2)
     old = json.loads(json.dumps(state))
     for source in old["fingerprint_inputs"]["sources"]:
-        source.pop("content", None), source.pop("content_digest", None)
+        for key in ("content", "content_digest", "content_rule"):
+            source.pop(key, None)
 
     # An unchanged copy (the files rewritten, so their mtimes are new) resumes exactly.
     copy = tmp_path / "scratch"
@@ -304,6 +305,9 @@ def test_a_file_edited_in_place_at_the_same_size_is_named(tok, corpus, tmp_path,
     # Negative control: without the content samples (a state saved before them) the edit is
     # not seen, and the state resumes its stream as before.
     assert resume_differences(old, cfg, tok, SEQ, 1) == []
+    other_rule = json.loads(json.dumps(state))  # samples taken by another rule: not compared
+    other_rule["fingerprint_inputs"]["sources"][0]["content_rule"] = "another rule"
+    assert resume_differences(other_rule, cfg, tok, SEQ, 1) == []
     part1.write_bytes(original)
     resumed = build_train_loader(cfg, tok, SEQ, 2, seed=1)
     resumed.load_state_dict(old)
@@ -323,15 +327,17 @@ def test_a_file_edited_in_place_at_the_same_size_is_named(tok, corpus, tmp_path,
 
 
 def test_content_sample_reads_head_tail_and_spaced_chunks(tmp_path, monkeypatch):
-    """A large file is sampled, not read whole: an edit in the head, the tail or a sampled
-    chunk changes the sample, one between two chunks does not (the documented bound); a file
-    that cannot be read has no sample (it is then compared on name and size only)."""
+    """A file of up to 1 MiB is read whole: an edit anywhere changes its sample. A larger one
+    is sampled (1 MiB read): an edit in the head, the tail or a sampled chunk changes the
+    sample, one between two chunks does not (the documented bound); a file that cannot be
+    read has no sample (it is then compared on name and size only)."""
     import builtins
 
     from tape_train.data import formats
 
     span = formats.CONTENT_SAMPLES * formats.CONTENT_SAMPLE_BYTES
-    size = 16 * span
+    assert span <= 1 << 20 and formats.CONTENT_WHOLE_BYTES <= 1 << 20
+    size = 4 * formats.CONTENT_WHOLE_BYTES
     path = tmp_path / "big.jsonl"
     original = bytes(range(256)) * (size // 256)
     path.write_bytes(original)
@@ -372,6 +378,13 @@ def test_content_sample_reads_head_tail_and_spaced_chunks(tmp_path, monkeypatch)
     assert edited_at(size - 1) != base
     assert edited_at(3 * step + 5) != base
     assert edited_at(formats.CONTENT_SAMPLE_BYTES + 10) == base  # between two samples
+    whole = formats.CONTENT_WHOLE_BYTES
+    path.write_bytes(original[:whole])
+    base = formats.content_sample(path, whole)
+    data = bytearray(original[:whole])
+    data[whole // 2 + 7] ^= 0xFF  # the middle of a file read whole
+    path.write_bytes(bytes(data))
+    assert formats.content_sample(path, whole) != base
     small = tmp_path / "small.txt"
     small.write_bytes(b"abc")
     shard = formats.Shard("text", str(small), size=3)

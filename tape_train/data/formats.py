@@ -111,7 +111,7 @@ class Shard:
         return [Path(self.path).name if self.kind != "hub" else self.path, self.size]
 
     def content_sample(self) -> str | None:
-        """A digest of a few samples of the file's bytes (``content_sample``), which the
+        """A digest of the file's bytes, or of samples of them (``content_sample``), which the
         resume check compares beside name and size; ``None`` for a Hub shard, or a file that
         cannot be read now (its reading then fails with its own error)."""
         if self.kind == "hub":
@@ -122,25 +122,29 @@ class Shard:
             return None
 
 
-# A file's content sample: CONTENT_SAMPLES chunks of CONTENT_SAMPLE_BYTES, evenly spaced from
-# its head to its tail (the whole file when it is smaller than that): at most 128 KiB read per
-# file, whatever its size. Modification times are not used (a copy of the corpus to
-# node-local scratch changes them and must still resume).
-CONTENT_SAMPLES = 8
-CONTENT_SAMPLE_BYTES = 16 * 1024
+# A file's content sample: the whole file up to CONTENT_WHOLE_BYTES; a larger one in
+# CONTENT_SAMPLES chunks of CONTENT_SAMPLE_BYTES, evenly spaced from its head to its tail. At
+# most 1 MiB is read per file, whatever its size. Modification times are not used (a copy of
+# the corpus to node-local scratch changes them and must still resume).
+CONTENT_WHOLE_BYTES = 1 << 20
+CONTENT_SAMPLES = 16
+CONTENT_SAMPLE_BYTES = 32 * 1024
+# Names the rule above in a state (xxh3-64; whole up to N bytes, else K chunks of B bytes):
+# samples taken by another rule are not compared.
+CONTENT_RULE = f"xxh3/{CONTENT_WHOLE_BYTES}/{CONTENT_SAMPLES}x{CONTENT_SAMPLE_BYTES}"
 
 
 def content_sample(path: str | os.PathLike, size: int) -> str:
-    """xxh3-64 (hex) of the first ``size`` bytes' samples: the head, the tail and evenly
-    spaced chunks between. An edit in place that keeps the size is seen when it touches a
-    sample (always, for a file of up to 128 KiB). Raises ``OSError``."""
+    """xxh3-64 (hex) of the first ``size`` bytes of a file of up to 1 MiB, else of samples of
+    them: the head, the tail and evenly spaced chunks between. An edit in place that keeps
+    the size is seen anywhere in a file of up to 1 MiB, in a larger one when it touches a
+    sample. Raises ``OSError``."""
     import xxhash
 
     digest = xxhash.xxh3_64()
     digest.update(str(size).encode())
-    span = CONTENT_SAMPLES * CONTENT_SAMPLE_BYTES
     with open(path, "rb") as fh:
-        if size <= span:
+        if size <= CONTENT_WHOLE_BYTES:
             digest.update(fh.read(size))
         else:
             for i in range(CONTENT_SAMPLES):

@@ -33,12 +33,13 @@ def digest(obj: object) -> str:
 
 
 def source_inputs(source, files: list[list], unit: str, settings: dict,
-                  content: list | None = None) -> dict:
+                  content: list | None = None, content_rule: str | None = None) -> dict:
     """What a state records of one source: ``files`` are its files' identities
     ``[name, amount, ...]`` (``amount`` in ``unit``: bytes or tokens), ``settings`` the source's
     keys that enter its digest besides them (``{"weight": 1.0, ...}``), ``content`` a content
     sample per file (``None`` for a file not read) or ``None`` (not sampled: Hub sources,
-    token shards). The content does not enter ``digest`` (older states compare as before)."""
+    token shards), taken by ``content_rule`` (samples by another rule are not compared). The
+    content does not enter ``digest`` (older states compare as before)."""
     files_digest = digest(files)
     entry = {"key": source.key, "name": source.name, "unit": unit, "settings": dict(settings),
              "digest": digest([settings, files_digest]), "files_digest": files_digest,
@@ -46,6 +47,7 @@ def source_inputs(source, files: list[list], unit: str, settings: dict,
     if len(files) <= LISTED_FILES:
         entry["files"] = [list(f) for f in files]
     if content is not None:
+        entry["content_rule"] = content_rule
         if None not in content:  # a file not read now: compared one by one only
             entry["content_digest"] = digest(content)
         if len(files) <= LISTED_FILES:
@@ -174,9 +176,10 @@ def _file_changes(then: dict, now: dict) -> list[str]:
 def _content_changes(then: dict, now: dict) -> list[str]:
     """The files of a source whose content sample differs at the same name and size; empty
     where either side has no samples (a state saved before them, a Hub source, token shards)
-    or a file could not be read."""
+    or a file could not be read, or the samples were taken by another rule."""
     before, after = then.get("content_digest"), now.get("content_digest")
-    if before is not None and before == after:
+    if (before is not None and before == after) \
+            or then.get("content_rule") != now.get("content_rule"):
         return []
     files = (then.get("files"), now.get("files"), then.get("content"), now.get("content"))
     if not all(isinstance(f, list) for f in files) or len(files[0]) != len(files[2]) \

@@ -585,7 +585,7 @@ def _check_resume_data(cfg, tag: Path, tokenizer, text_shards: list | None,
     the same, and rank 0 continues rank 0 on any layout) against the data as it is now: a
     source file added, removed, re-ordered, of another size or edited at the same size, a
     directory re-prepared, a weight, the tokenizer or a packing option changed. Reads file
-    names, sizes, manifests and a content sample of each raw file (at most 128 KiB each).
+    names, sizes, manifests and a content sample of each raw file (at most 1 MiB each).
     Hub sources are not compared (they are listed only online)."""
     from tape_train.data import DataError
     from tape_train.data.loader import resume_differences
