@@ -6,11 +6,11 @@ seq_len, seed, packing options, …) and, since states name what changed,
 ``fingerprint_inputs``: per source its config key, name, digest and file list (name and size,
 or token shard and token count; at most ``LISTED_FILES`` per source), the tokenizer's path and
 the packing options one by one. A source of local raw files also records a content sample
-of each file (``content``: ``formats.content_sample``, beside ``files``; ``content_digest``
-when every file was read), so that a file edited in place at the same size is noticed too. The inputs are not
-part of the fingerprint (states saved before them keep their fingerprint and resume as
-before; their mismatches are only described less precisely, and a state without content
-samples is compared on names and sizes only).
+of each file (``content``: ``formats.content_sample``, beside ``files``; ``content_rule``;
+``content_digest`` when every file was read), so that a file edited in place at the same
+size is noticed too. The inputs are not part of the fingerprint (states saved before them
+keep their fingerprint and resume as before; their mismatches are only described less
+precisely, and a state without content samples is compared on names and sizes only).
 """
 
 from __future__ import annotations
