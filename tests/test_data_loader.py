@@ -257,6 +257,143 @@ def test_a_changed_corpus_is_named_file_by_file(tok, corpus, tmp_path):
     assert differences(shuffled) == "packing (data.shuffle_buffer: saved 7, now 8)"
 
 
+def test_a_file_edited_in_place_at_the_same_size_is_named(tok, corpus, tmp_path, monkeypatch):
+    """Same name, same size, other bytes: refused in one line naming the file, by the loader
+    and by ``resume_differences`` (the preflight's check); a state saved before content
+    samples (negative control: the same state without them) resumes as before, on names and
+    sizes only; an unchanged copy with new modification times resumes with the same stream."""
+    import os
+    import shutil
+
+    from tape_train.data import state as state_module
+    from tape_train.data.loader import resume_differences
+
+    data = _changed_corpus(tmp_path, corpus)
+    cfg = make_cfg(data, prefetch=0)
+    loader = build_train_loader(cfg, tok, SEQ, 2, seed=1)
+    take(loader, 2)
+    state = json.loads(json.dumps(loader.state_dict()))
+    expected = take(loader, 2)
+    old = json.loads(json.dumps(state))
+    for source in old["fingerprint_inputs"]["sources"]:
+        for key in ("content", "content_digest", "content_rule"):
+            source.pop(key, None)
+
+    # An unchanged copy (the files rewritten, so their mtimes are new) resumes exactly.
+    copy = tmp_path / "scratch"
+    shutil.copytree(data["root"], copy, copy_function=shutil.copyfile)
+    for f in copy.rglob("*.jsonl"):
+        os.utime(f, (1, 1))
+    moved = make_cfg({**data, "root": copy}, prefetch=0, sources=[
+        {"path": str(copy / "a"), "weight": 2.0, "name": str(data["root"] / "a")},
+        {"path": str(copy / "b"), "weight": 1.0, "name": str(data["root"] / "b")}])
+    assert resume_differences(state, moved, tok, SEQ, 1) == []
+    resumed = build_train_loader(moved, tok, SEQ, 2, seed=1)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(x, y) for x, y in zip(take(resumed, 2), expected))
+
+    part1 = data["root"] / "a" / "part1.jsonl"
+    original = part1.read_bytes()
+    edited = original.replace(b"[A001]", b"[A999]", 1)
+    assert edited != original and len(edited) == len(original)
+    part1.write_bytes(edited)
+    line = (f"sources (data.sources[0] ({data['root'] / 'a'}): part1.jsonl changed (same "
+            f"{len(original)} bytes, other content))")
+    assert resume_differences(state, cfg, tok, SEQ, 1) == [line]
+    with pytest.raises(DataError, match=re.escape(f"data fingerprint differs in {line}. Pass")):
+        build_train_loader(cfg, tok, SEQ, 2, seed=1).load_state_dict(state)
+    # Negative control: without the content samples (a state saved before them) the edit is
+    # not seen, and the state resumes its stream as before.
+    assert resume_differences(old, cfg, tok, SEQ, 1) == []
+    other_rule = json.loads(json.dumps(state))  # samples taken by another rule: not compared
+    other_rule["fingerprint_inputs"]["sources"][0]["content_rule"] = "another rule"
+    assert resume_differences(other_rule, cfg, tok, SEQ, 1) == []
+    part1.write_bytes(original)
+    resumed = build_train_loader(cfg, tok, SEQ, 2, seed=1)
+    resumed.load_state_dict(old)
+    assert all(torch.equal(x, y) for x, y in zip(take(resumed, 2), expected))
+
+    # Alongside another change (the seed) the edit is still named; more than LISTED_FILES
+    # files: the source is named without its files.
+    part1.write_bytes(edited)
+    assert resume_differences(state, cfg, tok, SEQ, 2) == [line, "seed (saved 1, now 2)"]
+    monkeypatch.setattr(state_module, "LISTED_FILES", 2)
+    part1.write_bytes(original)
+    many = build_train_loader(cfg, tok, SEQ, 2, seed=1).state_dict()
+    part1.write_bytes(edited)
+    assert resume_differences(many, cfg, tok, SEQ, 1) == [
+        f"sources (data.sources[0] ({data['root'] / 'a'}): the content of some of its 3 files "
+        f"changed at the same sizes (more than 2: not named in the checkpoint))"]
+
+
+def test_content_sample_reads_head_tail_and_spaced_chunks(tmp_path, monkeypatch):
+    """A file of up to 1 MiB is read whole: an edit anywhere changes its sample. A larger one
+    is sampled (1 MiB read): an edit in the head, the tail or a sampled chunk changes the
+    sample, one between two chunks does not (the documented bound); a file that cannot be
+    read has no sample (it is then compared on name and size only)."""
+    import builtins
+
+    from tape_train.data import formats
+
+    span = formats.CONTENT_SAMPLES * formats.CONTENT_SAMPLE_BYTES
+    assert span <= 1 << 20 and formats.CONTENT_WHOLE_BYTES <= 1 << 20
+    size = 4 * formats.CONTENT_WHOLE_BYTES
+    path = tmp_path / "big.jsonl"
+    original = bytes(range(256)) * (size // 256)
+    path.write_bytes(original)
+    reads = []
+    real_open = builtins.open
+
+    class Counting:
+        def __init__(self, fh):
+            self.fh = fh
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+        def seek(self, offset):
+            return self.fh.seek(offset)
+
+        def read(self, n):
+            data = self.fh.read(n)
+            reads.append(len(data))
+            return data
+
+    monkeypatch.setattr(builtins, "open", lambda *a, **k: Counting(real_open(*a, **k)))
+    base = formats.content_sample(path, size)
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert sum(reads) == span and len(reads) == formats.CONTENT_SAMPLES
+
+    def edited_at(offset: int) -> str:
+        data = bytearray(original)
+        data[offset] ^= 0xFF
+        path.write_bytes(bytes(data))
+        return formats.content_sample(path, size)
+
+    step = (size - formats.CONTENT_SAMPLE_BYTES) // (formats.CONTENT_SAMPLES - 1)
+    assert edited_at(0) != base
+    assert edited_at(size - 1) != base
+    assert edited_at(3 * step + 5) != base
+    assert edited_at(formats.CONTENT_SAMPLE_BYTES + 10) == base  # between two samples
+    whole = formats.CONTENT_WHOLE_BYTES
+    path.write_bytes(original[:whole])
+    base = formats.content_sample(path, whole)
+    data = bytearray(original[:whole])
+    data[whole // 2 + 7] ^= 0xFF  # the middle of a file read whole
+    path.write_bytes(bytes(data))
+    assert formats.content_sample(path, whole) != base
+    small = tmp_path / "small.txt"
+    small.write_bytes(b"abc")
+    shard = formats.Shard("text", str(small), size=3)
+    assert shard.content_sample() == formats.content_sample(small, 3)
+    small.unlink()
+    assert shard.content_sample() is None
+    assert formats.Shard("hub", "hub:x/default/train#0", hub_index=0).content_sample() is None
+
+
 def test_a_state_saved_before_it_named_its_files_gets_the_digests(tok, corpus, tmp_path,
                                                                    monkeypatch):
     """States saved before ``fingerprint_inputs`` (and sources of more than

@@ -420,6 +420,14 @@ def test_a_resume_after_the_corpus_changed_is_refused_by_the_dry_run_naming_the_
     rc, out, err = dry_run([*args, "--allow-config-change"])
     assert rc == 0 and not error_lines(err)
     assert "b.jsonl changed" in err and "allowed by --allow-config-change" in err
+    edited = original.replace(b" the ", b" THE ", 1)  # edited in place: the same size
+    assert edited != original and len(edited) == len(original)
+    (data / "b.jsonl").write_bytes(edited)
+    rc, out, err = dry_run(args)
+    assert rc == 1
+    (line,) = error_lines(err)
+    assert f"data fingerprint differs in sources (data.sources[0] ({data}): b.jsonl changed " \
+           f"(same {len(original)} bytes, other content)). Restore the data" in line
     (data / "b.jsonl").write_bytes(original)
     write_jsonl(data / "c.jsonl", ["a document added after the checkpoint"])
     rc, out, err = dry_run(args)

@@ -73,6 +73,47 @@ def test_lock_whose_pid_now_belongs_to_another_process_is_taken_over(tmp_path, c
         RunLock(tmp_path).acquire()
 
 
+def test_a_lock_copied_with_its_run_directory_is_taken_over(tmp_path, caplog):
+    """``cp -r runs/a runs/b`` while a trains: b's copy of a's lock records directory a (other
+    path, other inode), so b starts, with one log line saying so, and a keeps its lock.
+    Negative controls, while a's holder lives: a itself under another path (a symlink), a lock
+    naming a's inode under another path (a bind mount, another mount point, a moved
+    directory), and a copied lock that records no directory (older tape-train) are refused."""
+    import shutil
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    holder = RunLock(a).acquire()
+    recorded = json.loads((a / LOCK_NAME).read_text())["run_dir"]
+    assert recorded["path"] == str(a.resolve()) and recorded["ino"] == os.stat(a).st_ino
+    shutil.copytree(a, b)
+    assert lock_refusal(b) is None  # the start-up checks agree with the trainer
+    with caplog.at_level("WARNING", logger="tape_train.train"):
+        copy = RunLock(b).acquire()
+    (line,) = [r.getMessage() for r in caplog.records if "took over" in r.getMessage()]
+    assert line.startswith(f"took over the lock of run directory {b} from host ")
+    assert line.endswith(f"it was copied with the directory: the lock was taken in "
+                         f"{a.resolve()} (inode {os.stat(a).st_ino}), this is {b.resolve()} "
+                         f"(inode {os.stat(b).st_ino}), which that run does not use")
+    holder.verify()  # a's run still holds a
+    copy.verify()
+    assert json.loads((b / LOCK_NAME).read_text())["run_dir"]["path"] == str(b.resolve())
+    copy.release()
+
+    link = tmp_path / "link"
+    link.symlink_to(a, target_is_directory=True)
+    with pytest.raises(RunLockError, match="in use by another run"):
+        RunLock(link).acquire()
+    lock = json.loads((a / LOCK_NAME).read_text())
+    (b / LOCK_NAME).write_text(json.dumps(
+        {**lock, "run_dir": {**lock["run_dir"], "ino": os.stat(b).st_ino}}))
+    with pytest.raises(RunLockError, match="in use by another run"):
+        RunLock(b).acquire()  # another path, the same inode: the same directory
+    (b / LOCK_NAME).write_text(json.dumps({k: v for k, v in lock.items() if k != "run_dir"}))
+    with pytest.raises(RunLockError, match="in use by another run"):
+        RunLock(b).acquire()
+    holder.release()
+
+
 def test_lock_of_a_dead_pid_on_another_host_is_not_taken(tmp_path):
     _write_lock(tmp_path, host="some-other-node", pid=_dead_pid())
     with pytest.raises(RunLockError, match="host some-other-node"):

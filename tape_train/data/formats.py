@@ -110,6 +110,48 @@ class Shard:
         can resume after moving the data)."""
         return [Path(self.path).name if self.kind != "hub" else self.path, self.size]
 
+    def content_sample(self) -> str | None:
+        """A digest of the file's bytes, or of samples of them (``content_sample``), which the
+        resume check compares beside name and size; ``None`` for a Hub shard, or a file that
+        cannot be read now (its reading then fails with its own error)."""
+        if self.kind == "hub":
+            return None
+        try:
+            return content_sample(self.path, self.size)
+        except OSError:
+            return None
+
+
+# A file's content sample: the whole file up to CONTENT_WHOLE_BYTES; a larger one in
+# CONTENT_SAMPLES chunks of CONTENT_SAMPLE_BYTES, evenly spaced from its head to its tail. At
+# most 1 MiB is read per file, whatever its size. Modification times are not used (a copy of
+# the corpus to node-local scratch changes them and must still resume).
+CONTENT_WHOLE_BYTES = 1 << 20
+CONTENT_SAMPLES = 16
+CONTENT_SAMPLE_BYTES = 32 * 1024
+# Names the rule above in a state (xxh3-64; whole up to N bytes, else K chunks of B bytes):
+# samples taken by another rule are not compared.
+CONTENT_RULE = f"xxh3/{CONTENT_WHOLE_BYTES}/{CONTENT_SAMPLES}x{CONTENT_SAMPLE_BYTES}"
+
+
+def content_sample(path: str | os.PathLike, size: int) -> str:
+    """xxh3-64 (hex) of the first ``size`` bytes of a file of up to 1 MiB, else of samples of
+    them: the head, the tail and evenly spaced chunks between. An edit in place that keeps
+    the size is seen anywhere in a file of up to 1 MiB, in a larger one when it touches a
+    sample. Raises ``OSError``."""
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    digest.update(str(size).encode())
+    with open(path, "rb") as fh:
+        if size <= CONTENT_WHOLE_BYTES:
+            digest.update(fh.read(size))
+        else:
+            for i in range(CONTENT_SAMPLES):
+                fh.seek((size - CONTENT_SAMPLE_BYTES) * i // (CONTENT_SAMPLES - 1))
+                digest.update(fh.read(CONTENT_SAMPLE_BYTES))
+    return digest.hexdigest()
+
 
 def resolve_local_shards(source: SourceConfig, split: str = "train") -> list[Shard]:
     """Files of ``source.path`` (files, dirs, globs), sorted; a prepared directory contributes

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from tape_train.data.config import DataConfig, DataError
-from tape_train.data.formats import SkipLog
+from tape_train.data.formats import CONTENT_RULE, SkipLog
 from tape_train.data.packing import pack_documents, wrap_document
 from tape_train.data.sources import (DocumentStream, SourceCursor, iter_held_out_texts,
                                      shared_shard_warning)
@@ -60,7 +60,8 @@ def text_fingerprint(cfg: DataConfig, shards: list, tokenizer, seq_len: int, see
     sources have ``shards`` (per source: all ranks' ``Shard`` list, or ``None`` where it is not
     known here — a Hub source offline — which leaves ``fields["sources"]`` ``None``).
     ``rank_share``: ``documents`` sharding over more than one rank. Nothing is read but the
-    file names and sizes the shards carry."""
+    file names and sizes the shards carry and, for the inputs, a content sample of each local
+    file (``Shard.content_sample``: at most 1 MiB of it)."""
     per_source = [None if found is None else
                   [source.weight, source.text_field, [s.identity for s in found]]
                   for source, found in zip(cfg.sources, shards)]
@@ -79,8 +80,10 @@ def text_fingerprint(cfg: DataConfig, shards: list, tokenizer, seq_len: int, see
     }
     inputs = {
         "sources": [None if p is None else source_inputs(
-            source, p[2], "bytes", {"weight": source.weight, "text_field": source.text_field})
-            for source, p in zip(cfg.sources, per_source)],
+            source, p[2], "bytes", {"weight": source.weight, "text_field": source.text_field},
+            None if any(s.kind == "hub" for s in found) else [s.content_sample() for s in found],
+            CONTENT_RULE)
+            for source, p, found in zip(cfg.sources, per_source, shards)],
         "tokenizer": getattr(tokenizer, "path", None),
         "packing": {**options, "documents sharding over dp > 1 ranks":
                     rank_share},
@@ -92,7 +95,7 @@ def resume_differences(state: dict, cfg: DataConfig, tokenizer, seq_len: int, se
                        text_shards: list | None = None) -> list[str]:
     """What a loader built now from ``cfg`` would find changed in the saved loader ``state``
     (a checkpoint's, before any loader exists), one ``"<field> (<what changed>)"`` each;
-    empty when it fits. Reads no corpus content: a text source's file names and sizes
+    empty when it fits. Reads a text source's file names, sizes and content samples
     (``text_shards``, per source, where already resolved), a token source's manifests. Hub
     sources are listed only online: not compared. The data-parallel layout is not compared
     (``train.relayout`` rules on it); a text ``documents`` state is fingerprinted on the
@@ -229,9 +232,10 @@ class TrainLoader:
         if state.get("fingerprint") != self.fingerprint:
             self._adopt_file_level_hub_shards(state)
         problems = []
-        if state.get("fingerprint") != self.fingerprint:
-            problems.append("data fingerprint differs in " + ", ".join(state_differences(
-                state, self.fingerprint_fields, self.fingerprint_inputs)))
+        differences = state_differences(state, self.fingerprint_fields, self.fingerprint_inputs)
+        if differences or state.get("fingerprint") != self.fingerprint:
+            # (the same fingerprint differs only in a file edited at the same size)
+            problems.append("data fingerprint differs in " + ", ".join(differences))
         if state.get("sharding") != self.cfg.sharding:
             problems.append(f"sharding mode differs (saved {state.get('sharding')!r}, "
                             f"now {self.cfg.sharding!r})")

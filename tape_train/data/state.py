@@ -5,9 +5,12 @@ A state carries ``fingerprint`` (a digest of ``fingerprint_fields``: sources, to
 seq_len, seed, packing options, …) and, since states name what changed,
 ``fingerprint_inputs``: per source its config key, name, digest and file list (name and size,
 or token shard and token count; at most ``LISTED_FILES`` per source), the tokenizer's path and
-the packing options one by one. The inputs are not part of the fingerprint (states saved
-before them keep their fingerprint and resume as before; their mismatches are only described
-less precisely).
+the packing options one by one. A source of local raw files also records a content sample
+of each file (``content``: ``formats.content_sample``, beside ``files``; ``content_rule``;
+``content_digest`` when every file was read), so that a file edited in place at the same
+size is noticed too. The inputs are not part of the fingerprint (states saved before them
+keep their fingerprint and resume as before; their mismatches are only described less
+precisely, and a state without content samples is compared on names and sizes only).
 """
 
 from __future__ import annotations
@@ -29,16 +32,26 @@ def digest(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def source_inputs(source, files: list[list], unit: str, settings: dict) -> dict:
+def source_inputs(source, files: list[list], unit: str, settings: dict,
+                  content: list | None = None, content_rule: str | None = None) -> dict:
     """What a state records of one source: ``files`` are its files' identities
     ``[name, amount, ...]`` (``amount`` in ``unit``: bytes or tokens), ``settings`` the source's
-    keys that enter its digest besides them (``{"weight": 1.0, ...}``)."""
+    keys that enter its digest besides them (``{"weight": 1.0, ...}``), ``content`` a content
+    sample per file (``None`` for a file not read) or ``None`` (not sampled: Hub sources,
+    token shards), taken by ``content_rule`` (samples by another rule are not compared). The
+    content does not enter ``digest`` (older states compare as before)."""
     files_digest = digest(files)
     entry = {"key": source.key, "name": source.name, "unit": unit, "settings": dict(settings),
              "digest": digest([settings, files_digest]), "files_digest": files_digest,
              "count": len(files)}
     if len(files) <= LISTED_FILES:
         entry["files"] = [list(f) for f in files]
+    if content is not None:
+        entry["content_rule"] = content_rule
+        if None not in content:  # a file not read now: compared one by one only
+            entry["content_digest"] = digest(content)
+        if len(files) <= LISTED_FILES:
+            entry["content"] = list(content)
     return entry
 
 
@@ -51,20 +64,23 @@ def state_differences(state: dict, fields: dict, inputs: dict) -> list[str]:
     listed only online): it is not compared, except that the sources that are known (local
     files) are compared one by one when the state lists them."""
     unknown = [k for k, v in fields.items() if v is None]
-    if not unknown and state.get("fingerprint") == digest(fields):
-        return []
-    saved = state.get("fingerprint_fields")
-    saved = saved if isinstance(saved, dict) else {}
     saved_inputs = state.get("fingerprint_inputs")
     saved_inputs = saved_inputs if isinstance(saved_inputs, dict) else {}
+    if not unknown and state.get("fingerprint") == digest(fields):
+        # Same names and sizes: only a file's content (where both sides sampled it) can differ.
+        changes = _source_changes(saved_inputs.get("sources"), inputs.get("sources"))
+        return [f"sources ({'; '.join(changes)})"] if changes else []
+    saved = state.get("fingerprint_fields")
+    saved = saved if isinstance(saved, dict) else {}
     parts = []
     for key in list(fields) + [k for k in saved if k not in fields]:
         now, then = fields.get(key), saved.get(key)
+        if key == "sources" and (key in unknown or now == then):
+            changes = _source_changes(saved_inputs.get("sources"), inputs.get("sources"))
+            if changes:
+                parts.append(f"sources ({'; '.join(changes)})")
+            continue
         if key in unknown:
-            if key == "sources":
-                changes = _source_changes(saved_inputs.get("sources"), inputs.get("sources"))
-                if changes:
-                    parts.append(f"sources ({'; '.join(changes)})")
             continue
         if now != then:
             parts.append(f"{key} ({_describe(key, then, now, saved_inputs, inputs)})")
@@ -94,8 +110,9 @@ def _describe(key: str, then, now, saved_inputs: dict, inputs: dict) -> str:
 
 
 def _source_changes(saved: object, now: object) -> list[str]:
-    """Which sources changed and how (their settings, files added, removed, resized or
-    re-ordered); empty when the state does not list its sources (saved before it did)."""
+    """Which sources changed and how (their settings, files added, removed, resized,
+    re-ordered or edited at the same size); empty when the state does not list its sources
+    (saved before it did)."""
     if not isinstance(saved, list) or not isinstance(now, list):
         return []
     def names(entries: list) -> str:
@@ -107,15 +124,17 @@ def _source_changes(saved: object, now: object) -> list[str]:
         out.append(f"data.sources: {len(saved)} source(s) then ({names(saved)}), {len(now)} "
                    f"now ({names(now)})")
     for then, current in zip(saved, now):
-        if current is None or not isinstance(then, dict) \
-                or then.get("digest") == current.get("digest"):
-            continue  # unknown here (a Hub source), or unchanged
+        if current is None or not isinstance(then, dict):
+            continue  # unknown here (a Hub source)
+        edited = _content_changes(then, current)
+        if then.get("digest") == current.get("digest") and not edited:
+            continue  # unchanged
         renamed = f"; saved as {then.get('name')}" if then.get("name") != current["name"] else ""
         label = f"{current['key']} ({current['name']}{renamed})"
         before = then.get("settings") or {}
         what = [f"{k}: saved {before.get(k)!r}, now {v!r}"
                 for k, v in current["settings"].items() if before.get(k) != v]
-        what += _file_changes(then, current)
+        what += _file_changes(then, current) + edited
         out.append(f"{label}: {', '.join(what) or 'its files differ'}")
     return out
 
@@ -150,6 +169,37 @@ def _file_changes(then: dict, now: dict) -> list[str]:
                                                                  for name in added]
     if not items and before != after:
         return ["the same files in another order"]
+    more = f" and {len(items) - _NAMED} more change(s)" if len(items) > _NAMED else ""
+    return [", ".join(items[:_NAMED]) + more] if items else []
+
+
+def _content_changes(then: dict, now: dict) -> list[str]:
+    """The files of a source whose content sample differs at the same name and size; empty
+    where either side has no samples (a state saved before them, a Hub source, token shards)
+    or a file could not be read, or the samples were taken by another rule."""
+    before, after = then.get("content_digest"), now.get("content_digest")
+    if (before is not None and before == after) \
+            or then.get("content_rule") != now.get("content_rule"):
+        return []
+    files = (then.get("files"), now.get("files"), then.get("content"), now.get("content"))
+    if not all(isinstance(f, list) for f in files) or len(files[0]) != len(files[2]) \
+            or len(files[1]) != len(files[3]):
+        if before is None or after is None or then.get("files_digest") != now.get("files_digest"):
+            return []  # not sampled, or names or sizes differ: told by _file_changes
+        return [f"the content of some of its {now.get('count')} files changed at the same "
+                f"sizes (more than {LISTED_FILES}: not named in the checkpoint)"]
+    unit = now.get("unit", "bytes")
+    remaining: dict[tuple, list] = {}
+    for identity, sample in zip(files[1], files[3]):
+        remaining.setdefault(tuple(identity), []).append(sample)
+    items = []
+    for identity, sample in zip(files[0], files[2]):
+        pending = remaining.get(tuple(identity))
+        if not pending:
+            continue  # removed or resized: told by _file_changes
+        current = pending.pop(0)
+        if sample is not None and current is not None and sample != current:
+            items.append(f"{identity[0]} changed (same {identity[1]} {unit}, other content)")
     more = f" and {len(items) - _NAMED} more change(s)" if len(items) > _NAMED else ""
     return [", ".join(items[:_NAMED]) + more] if items else []
 

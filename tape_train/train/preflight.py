@@ -583,9 +583,10 @@ def _check_resume_data(cfg, tag: Path, tokenizer, text_shards: list | None,
                        allow_config_change: bool, report: Report) -> None:
     """The data-loader state a resume would load (saved rank 0's: every rank's fingerprint is
     the same, and rank 0 continues rank 0 on any layout) against the data as it is now: a
-    source file added, removed, re-ordered or of another size, a directory re-prepared, a
-    weight, the tokenizer or a packing option changed. Reads file names, sizes and manifests,
-    no corpus text. Hub sources are not compared (they are listed only online)."""
+    source file added, removed, re-ordered, of another size or edited at the same size, a
+    directory re-prepared, a weight, the tokenizer or a packing option changed. Reads file
+    names, sizes, manifests and a content sample of each raw file (at most 1 MiB each).
+    Hub sources are not compared (they are listed only online)."""
     from tape_train.data import DataError
     from tape_train.data.loader import resume_differences
     from tape_train.train import checkpoint as ckpt

@@ -3,11 +3,19 @@
 The lock file is created by hard-linking a private, fully written file to the lock name (the
 link is atomic and fails if the name exists, on local filesystems and on NFS, Lustre, GPFS;
 a reader never sees a lock without content). It holds JSON naming its holder: host, pid and
-its start, Slurm job id, restart count and cluster name, start time. Only rank 0 takes it;
+its start, Slurm job id, restart count and cluster name, start time, and the run directory it
+was taken in (resolved path, device and inode). Only rank 0 takes it;
 the trainer makes the verdict collective, so every rank of a refused run stops before
 touching anything.
 
-A lock is *stale*, and taken over with a log line, when its holder
+A lock is *stale*, and taken over with a log line, when it was copied with its directory
+(``cp -r runs/a runs/b`` while ``a`` trains): the directory it records differs from the one it
+is found in both in resolved path and in inode number. The same directory under another path
+(a symlink, a bind mount, another mount point on another node) keeps its inode number, a
+moved one (``mv``) too: those are not copies. (The device number is recorded but not
+compared: another client of the same network file system may number its mount otherwise.)
+A lock that records no directory (older tape-train) is judged by its holder alone. Or when its
+holder
 
 * ran on this host and its pid no longer exists (a killed run, a crashed node that came back),
   or now belongs to another process: the lock records the holder's start (boot id and start
@@ -74,6 +82,33 @@ def _identity() -> dict:
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "pid_start": process_start(os.getpid()),
             "token": f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"}
+
+
+def directory_identity(directory: str | os.PathLike) -> dict | None:
+    """What a lock records of the run directory it is taken in: ``{"path": resolved path,
+    "dev": st_dev, "ino": st_ino}``; ``None`` when it cannot be seen (not created yet)."""
+    try:
+        path = Path(directory).resolve()
+        st = os.stat(path)
+    except (OSError, RuntimeError):
+        return None
+    return {"path": str(path), "dev": st.st_dev, "ino": st.st_ino}
+
+
+def copied_from(holder: dict, here: dict | None) -> str | None:
+    """Why ``holder``'s lock is a copy made with its directory, found now in the directory
+    ``here`` (``directory_identity``): the directory it was taken in differs from ``here`` in
+    resolved path AND in inode number; ``None`` otherwise, or when either is not known."""
+    then = holder.get("run_dir")
+    if not isinstance(then, dict) or not isinstance(here, dict):
+        return None
+    path, ino = then.get("path"), then.get("ino")
+    if not isinstance(path, str) or not isinstance(ino, int) or isinstance(ino, bool):
+        return None
+    if path == here["path"] or ino == here["ino"]:
+        return None  # this very directory (perhaps under another path, or moved)
+    return (f"it was copied with the directory: the lock was taken in {path} (inode {ino}), "
+            f"this is {here['path']} (inode {here['ino']}), which that run does not use")
 
 
 def describe_holder(holder: dict) -> str:
@@ -158,6 +193,9 @@ def slurm_job_ended(job_id: str) -> tuple[bool | None, str]:
 def stale_reason(holder: dict, me: dict) -> tuple[str | None, str | None]:
     """``(why holder's lock may be taken over by me, None)``, or ``(None, what keeps it)``:
     the note the refusal adds (``None``: nothing to add to naming the holder)."""
+    copied = copied_from(holder, me.get("run_dir"))
+    if copied:
+        return copied, None
     job = holder.get("slurm_job_id")
     job = None if job in (None, "") else str(job)
     if job and job == me.get("slurm_job_id") \
@@ -234,7 +272,7 @@ class RunLock:
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         self.path = Path(run_dir) / LOCK_NAME
-        self.me = _identity()
+        self.me = {**_identity(), "run_dir": directory_identity(run_dir)}
         self.held = False
 
     def acquire(self) -> RunLock:
@@ -244,6 +282,7 @@ class RunLock:
         except OSError as exc:
             raise RunLockError(f"cannot create run directory {self.path.parent}: "
                                f"{exc.strerror or exc}") from exc
+        self.me["run_dir"] = directory_identity(self.path.parent)  # now that it exists
         for _ in range(3):  # a takeover race with another starter is retried, then refused
             if self._create():
                 self.held = True
