@@ -330,14 +330,22 @@ def test_content_sample_reads_head_tail_and_spaced_chunks(tmp_path, monkeypatch)
     """A file of up to 1 MiB is read whole: an edit anywhere changes its sample. A larger one
     is sampled (1 MiB read): an edit in the head, the tail or a sampled chunk changes the
     sample, one between two chunks does not (the documented bound); a file that cannot be
-    read has no sample (it is then compared on name and size only)."""
+    read has no sample (it is then compared on name and size only). A source of many files
+    reads less of each, within a budget per source."""
     import builtins
 
     from tape_train.data import formats
 
-    span = formats.CONTENT_SAMPLES * formats.CONTENT_SAMPLE_BYTES
-    assert span <= 1 << 20 and formats.CONTENT_WHOLE_BYTES <= 1 << 20
-    size = 4 * formats.CONTENT_WHOLE_BYTES
+    assert formats.content_plan(1) == (1 << 20, f"xxh3/{1 << 20}/16")
+    assert formats.content_plan(64)[0] == 1 << 20
+    assert formats.content_plan(65)[0] == 1 << 19
+    assert formats.content_plan(1024)[0] == 64 << 10
+    assert formats.content_plan(10 ** 6)[0] == 8 << 10            # the floor per file
+    for n in (1, 64, 65, 1000, 8192):
+        assert formats.content_plan(n)[0] * n <= max(formats.CONTENT_BUDGET, n * (8 << 10))
+    span = 1 << 20
+    chunk = span // formats.CONTENT_SAMPLES
+    size = 4 * span
     path = tmp_path / "big.jsonl"
     original = bytes(range(256)) * (size // 256)
     path.write_bytes(original)
@@ -373,12 +381,14 @@ def test_content_sample_reads_head_tail_and_spaced_chunks(tmp_path, monkeypatch)
         path.write_bytes(bytes(data))
         return formats.content_sample(path, size)
 
-    step = (size - formats.CONTENT_SAMPLE_BYTES) // (formats.CONTENT_SAMPLES - 1)
+    step = (size - chunk) // (formats.CONTENT_SAMPLES - 1)
     assert edited_at(0) != base
     assert edited_at(size - 1) != base
     assert edited_at(3 * step + 5) != base
-    assert edited_at(formats.CONTENT_SAMPLE_BYTES + 10) == base  # between two samples
-    whole = formats.CONTENT_WHOLE_BYTES
+    assert edited_at(chunk + 10) == base  # between two samples
+    small_plan = formats.content_plan(1024)[0]
+    assert formats.content_sample(path, size, small_plan) != base      # another rule
+    whole = span
     path.write_bytes(original[:whole])
     base = formats.content_sample(path, whole)
     data = bytearray(original[:whole])

@@ -110,46 +110,57 @@ class Shard:
         can resume after moving the data)."""
         return [Path(self.path).name if self.kind != "hub" else self.path, self.size]
 
-    def content_sample(self) -> str | None:
+    def content_sample(self, per_file: int = 1 << 20) -> str | None:
         """A digest of the file's bytes, or of samples of them (``content_sample``), which the
         resume check compares beside name and size; ``None`` for a Hub shard, or a file that
         cannot be read now (its reading then fails with its own error)."""
         if self.kind == "hub":
             return None
         try:
-            return content_sample(self.path, self.size)
+            return content_sample(self.path, self.size, per_file)
         except OSError:
             return None
 
 
-# A file's content sample: the whole file up to CONTENT_WHOLE_BYTES; a larger one in
-# CONTENT_SAMPLES chunks of CONTENT_SAMPLE_BYTES, evenly spaced from its head to its tail. At
-# most 1 MiB is read per file, whatever its size. Modification times are not used (a copy of
-# the corpus to node-local scratch changes them and must still resume).
-CONTENT_WHOLE_BYTES = 1 << 20
+# A file's content sample reads at most ``per_file`` bytes of it: the whole file up to that
+# size, else CONTENT_SAMPLES chunks of per_file / CONTENT_SAMPLES bytes, evenly spaced from its
+# head to its tail. ``per_file`` is 1 MiB for a source of up to 64 files and shrinks with more
+# (CONTENT_BUDGET per source, at least CONTENT_MIN_PER_FILE per file), so that every rank's
+# loader reads a bounded amount of a large corpus (1024 files: 64 KiB each; the page cache of
+# a shared file system then serves the ranks of a node). Modification times are not used (a
+# copy of the corpus to node-local scratch changes them and must still resume).
+CONTENT_MAX_PER_FILE = 1 << 20
+CONTENT_BUDGET = 64 << 20
+CONTENT_MIN_PER_FILE = 8 << 10
 CONTENT_SAMPLES = 16
-CONTENT_SAMPLE_BYTES = 32 * 1024
-# Names the rule above in a state (xxh3-64; whole up to N bytes, else K chunks of B bytes):
-# samples taken by another rule are not compared.
-CONTENT_RULE = f"xxh3/{CONTENT_WHOLE_BYTES}/{CONTENT_SAMPLES}x{CONTENT_SAMPLE_BYTES}"
 
 
-def content_sample(path: str | os.PathLike, size: int) -> str:
-    """xxh3-64 (hex) of the first ``size`` bytes of a file of up to 1 MiB, else of samples of
-    them: the head, the tail and evenly spaced chunks between. An edit in place that keeps
-    the size is seen anywhere in a file of up to 1 MiB, in a larger one when it touches a
-    sample. Raises ``OSError``."""
+def content_plan(n_files: int) -> tuple[int, str]:
+    """``(per_file, rule)`` for a source of ``n_files`` files: the bytes read of each (a power
+    of two) and the name a state records (samples taken by another rule are not compared)."""
+    per_file = CONTENT_MAX_PER_FILE
+    while per_file > CONTENT_MIN_PER_FILE and per_file * n_files > CONTENT_BUDGET:
+        per_file //= 2
+    return per_file, f"xxh3/{per_file}/{CONTENT_SAMPLES}"
+
+
+def content_sample(path: str | os.PathLike, size: int, per_file: int = 1 << 20) -> str:
+    """xxh3-64 (hex) of the first ``size`` bytes of a file of up to ``per_file`` bytes, else of
+    samples of them: the head, the tail and evenly spaced chunks between (``per_file`` bytes
+    in all). An edit in place that keeps the size is seen anywhere in a file read whole, in a
+    larger one when it touches a sample. Raises ``OSError``."""
     import xxhash
 
     digest = xxhash.xxh3_64()
     digest.update(str(size).encode())
+    chunk = per_file // CONTENT_SAMPLES
     with open(path, "rb") as fh:
-        if size <= CONTENT_WHOLE_BYTES:
+        if size <= per_file:
             digest.update(fh.read(size))
         else:
             for i in range(CONTENT_SAMPLES):
-                fh.seek((size - CONTENT_SAMPLE_BYTES) * i // (CONTENT_SAMPLES - 1))
-                digest.update(fh.read(CONTENT_SAMPLE_BYTES))
+                fh.seek((size - chunk) * i // (CONTENT_SAMPLES - 1))
+                digest.update(fh.read(chunk))
     return digest.hexdigest()
 
 

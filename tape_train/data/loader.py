@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from tape_train.data.config import DataConfig, DataError
-from tape_train.data.formats import CONTENT_RULE, SkipLog
+from tape_train.data.formats import SkipLog, content_plan
 from tape_train.data.packing import pack_documents, wrap_document
 from tape_train.data.sources import (DocumentStream, SourceCursor, iter_held_out_texts,
                                      shared_shard_warning)
@@ -61,7 +61,8 @@ def text_fingerprint(cfg: DataConfig, shards: list, tokenizer, seq_len: int, see
     known here — a Hub source offline — which leaves ``fields["sources"]`` ``None``).
     ``rank_share``: ``documents`` sharding over more than one rank. Nothing is read but the
     file names and sizes the shards carry and, for the inputs, a content sample of each local
-    file (``Shard.content_sample``: at most 1 MiB of it)."""
+    file (``Shard.content_sample``: at most 1 MiB of it, less in a source of many files:
+    ``formats.content_plan``)."""
     per_source = [None if found is None else
                   [source.weight, source.text_field, [s.identity for s in found]]
                   for source, found in zip(cfg.sources, shards)]
@@ -81,14 +82,22 @@ def text_fingerprint(cfg: DataConfig, shards: list, tokenizer, seq_len: int, see
     inputs = {
         "sources": [None if p is None else source_inputs(
             source, p[2], "bytes", {"weight": source.weight, "text_field": source.text_field},
-            None if any(s.kind == "hub" for s in found) else [s.content_sample() for s in found],
-            CONTENT_RULE)
+            *_content_samples(found))
             for source, p, found in zip(cfg.sources, per_source, shards)],
         "tokenizer": getattr(tokenizer, "path", None),
         "packing": {**options, "documents sharding over dp > 1 ranks":
                     rank_share},
     }
     return fields, inputs
+
+
+def _content_samples(found: list) -> tuple[list | None, str | None]:
+    """``(content sample per file, rule)`` of one source's local files; ``(None, None)`` for a
+    Hub source (not sampled)."""
+    if any(s.kind == "hub" for s in found):
+        return None, None
+    per_file, rule = content_plan(len(found))
+    return [s.content_sample(per_file) for s in found], rule
 
 
 def resume_differences(state: dict, cfg: DataConfig, tokenizer, seq_len: int, seed: int,
