@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -584,10 +585,25 @@ def diff_configs(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
     is the key's default is no difference: that version behaved as the default does."""
     flat_old, flat_new = _flatten(old), _flatten(new)
     defaults = _section_defaults()
-    return [(k, flat_old.get(k, "<absent>"), flat_new.get(k, "<absent>"))
-            for k in sorted(set(flat_old) | set(flat_new))
-            if flat_old.get(k, "<absent>") != flat_new.get(k, "<absent>")
-            and not (k not in flat_old and k in defaults and flat_new[k] == defaults[k])]
+    diffs = [(k, flat_old.get(k, "<absent>"), flat_new.get(k, "<absent>"))
+             for k in sorted(set(flat_old) | set(flat_new))
+             if flat_old.get(k, "<absent>") != flat_new.get(k, "<absent>")
+             and not (k not in flat_old and k in defaults and flat_new[k] == defaults[k])]
+    # A list entry only one side has (a source added or removed) is one difference, the
+    # whole entry, not one per field.
+    out, whole = [], set()
+    for key, _, _ in diffs:
+        entry = re.match(r".*?\[\d+\](?=\.)", key)
+        if entry is None:
+            continue
+        fields = {side: {k[entry.end() + 1:]: v for k, v in flat.items()
+                         if k.startswith(entry.group() + ".")}
+                  for side, flat in (("old", flat_old), ("new", flat_new))}
+        if (not fields["old"] or not fields["new"]) and entry.group() not in whole:
+            whole.add(entry.group())
+            out.append((entry.group(), fields["old"] or "<absent>", fields["new"] or "<absent>"))
+    out += [d for d in diffs if not any(d[0].startswith(w + ".") for w in whole)]
+    return sorted(out, key=lambda d: d[0])
 
 
 def _section_defaults() -> dict[str, Any]:
@@ -727,6 +743,13 @@ def _section_to_dict(section: Any) -> dict:
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of nested mappings; a list of mappings (``data.sources``) is flattened by
+    index (``data.sources[0].path``), so that a difference names the field that differs."""
+    if isinstance(data, list) and data and all(isinstance(item, dict) for item in data):
+        flat: dict[str, Any] = {}
+        for i, item in enumerate(data):
+            flat.update(_flatten(item, f"{prefix.rstrip('.')}[{i}]."))
+        return flat
     if not isinstance(data, dict):
         return {prefix.rstrip("."): data}
     out: dict[str, Any] = {}

@@ -295,6 +295,48 @@ def test_diff_and_protected_keys(tmp_path):
     assert diff_configs(old, old) == []
 
 
+def test_a_resume_may_move_the_data_but_not_change_it(tmp_path):
+    """Where the data lies (a local source's path, its default label, the tokenizer file) is a
+    `moved` change, which the resume data check rules on; what it is (a source added, a
+    weight, a Hub dataset instead of files) stays protected, and a difference is named by
+    the source's field, not as the whole `data.sources` list."""
+    from tape_train.train.relayout import classify_changes, protected_differences
+
+    path = _write(tmp_path, BASE)
+
+    def changes(old: list[str], new: list[str]):
+        return classify_changes(diff_configs(load_run_config(path, old).to_dict(),
+                                             load_run_config(path, new).to_dict()))
+
+    here = ["data.sources=[a/corpus]", "data.tokenizer=a/tok.model", "train.max_steps=4"]
+    there = ["data.sources=[/scratch/corpus]", "data.tokenizer=/scratch/tok.model",
+             "train.max_steps=6"]
+    moved = changes(here, there)
+    assert moved.moved == [("data.sources[0].path", "a/corpus", "/scratch/corpus"),
+                           ("data.tokenizer", "a/tok.model", "/scratch/tok.model")]
+    assert moved.applied == [("train.max_steps", 4, 6)]  # the label moved with the path
+    assert moved.protected == moved.layout == []
+    assert protected_differences(diff_configs(load_run_config(path, here).to_dict(),
+                                              load_run_config(path, there).to_dict())) == []
+    # A path list, and an explicit name changed (a label): still no protected change.
+    listed = changes(["data.sources=[{path: [a/x, a/y], name: web}]"],
+                     ["data.sources=[{path: [b/x, b/y], name: web2}]"])
+    assert [k for k, _, _ in listed.moved] == ["data.sources[0].path"]
+    assert listed.applied == [("data.sources[0].name", "web", "web2")]
+    # Negative controls: what the data is.
+    added = changes(here, ["data.sources=[a/corpus, b/more]", *here[1:]])
+    (key, old, new), = added.protected  # the source added: one difference, the whole entry
+    assert key == "data.sources[1]" and old == "<absent>" and new["path"] == "b/more"
+    assert not added.moved and not added.applied
+    weighted = changes(here, ["data.sources=[{path: a/corpus, weight: 2}]", *here[1:]])
+    assert [k for k, _, _ in weighted.protected] == ["data.sources[0].weight"]
+    hub = changes(here, ["data.sources=[{hub: a/corpus}]", *here[1:]])
+    assert {"data.sources[0].hub", "data.sources[0].path"} <= {k for k, _, _ in hub.protected}
+    assert not hub.moved
+    # Held-out sources were always free to change; flattening them keeps them so.
+    assert changes(here, [*here, "data.eval_sources=[b/held]"]).protected == []
+
+
 def test_offload_needs_its_zero_stage_and_may_change_on_resume(tmp_path):
     from tape_train.train.relayout import protected_differences
 

@@ -439,6 +439,49 @@ def test_a_resume_after_the_corpus_changed_is_refused_by_the_dry_run_naming_the_
     assert dry_run(args)[0] == 0
 
 
+def test_a_resume_from_data_moved_elsewhere_is_checked_by_what_it_is(corpus, tmp_path):
+    """The corpus and the tokenizer copied to another place (node-local scratch) and named
+    there: the dry run and a real run's start-up checks accept it, with one line saying the
+    data moved, because the data check finds the same data; moved to a copy that differs,
+    the data check refuses it in one line naming the file. A genuinely protected change is
+    named alone, with its old and new value, not with the changes a resume may make."""
+    import shutil
+
+    from tape_train.config import load_run_config
+
+    data = _corpus_copy(corpus, tmp_path)
+    tokenizer = load_run_config(corpus / "run.yaml").data.tokenizer
+    overrides = [f"train.run_dir={tmp_path / 'run'}", f"data.sources=[{data}]"]
+    tag = _checkpoint_with_loader_state(load_run_config(corpus / "run.yaml", overrides))
+    scratch = tmp_path / "scratch"
+    shutil.copytree(data, scratch / "data")
+    shutil.copy(tokenizer, scratch / "tok.model")
+    moved = [f"train.run_dir={tmp_path / 'run'}", f"data.sources=[{scratch / 'data'}]",
+             f"data.tokenizer={scratch / 'tok.model'}", "train.max_steps=6"]
+    args = ["--config", str(corpus / "run.yaml"), "--dry-run", *moved]
+    rc, out, err = dry_run(args)
+    assert rc == 0 and not error_lines(err), err
+    (line,) = [ln for ln in out.splitlines() if "the data moved" in ln]
+    assert f"data.sources[0].path: '{data}' -> '{scratch / 'data'}'" in line
+    assert f"data.tokenizer: '{tokenizer}' -> '{scratch / 'tok.model'}'" in line
+    assert f"resume: the data-loader state of {tag.name} fits the data" in out
+    # A real run's start-up checks pass too (up to importing DeepSpeed).
+    proc = _run_trainer(corpus, moved)
+    assert NO_DEEPSPEED in proc.stderr and not error_lines(proc.stderr), proc.stderr
+    # Negative controls: the copy differs; a protected key changes beside harmless ones.
+    (scratch / "data" / "a.jsonl").write_bytes((data / "a.jsonl").read_bytes()[:-100])
+    for refused in (dry_run(args)[2], _run_trainer(corpus, moved).stderr):
+        (line,) = error_lines(refused)
+        assert f"resume from {tag}: its data-loader state does not fit the data" in line
+        assert f"(data.sources[0] ({scratch / 'data'}; saved as {data}): a.jsonl changed (" \
+            in line
+        assert NO_DEEPSPEED not in refused and "Traceback" not in refused
+    rc, out, err = dry_run([*args, f"data.sources=[{data}]", "model.num_layers=3"])
+    assert rc == 1
+    (line,) = error_lines(err)
+    assert line.endswith("these config changes would corrupt the run: model.num_layers: 4 -> 3")
+
+
 @pytest.mark.parametrize("sharding", ["global", "documents"])
 def test_the_data_check_of_a_resume_on_another_world_size(corpus, tmp_path, sharding):
     """A state saved on 2 data-parallel ranks fits the unchanged data at 2 ranks, and, in

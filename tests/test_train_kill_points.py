@@ -122,3 +122,42 @@ def test_a_corpus_changed_between_runs_is_refused_on_resume_in_one_line(tmp_path
     straight = _train(tmp_path / "straight", extra=data)
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert _records(run_dir)["losses"] == _records(tmp_path / "straight")["losses"]
+
+
+def test_a_corpus_and_tokenizer_moved_between_runs_resume_exactly(tmp_path):
+    """The corpus and its tokenizer moved to another directory (node-local scratch, a moved
+    project) and named there: the resume goes on with one line saying the data moved and
+    was found the same, and the losses after it equal those of a run never stopped. The
+    refusal of a genuinely protected change names that key alone, with both values."""
+    from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+
+    corpus = write_jsonl(tmp_path / "data" / "train.jsonl", real_text_documents(120))
+    train_small_tokenizer(tmp_path / "data", vocab_size=512, max_bytes=200_000)
+
+    def data(where: Path) -> list[str]:
+        return [f"data.sources=[{where / corpus.name}]",
+                f"data.tokenizer={where / 'small-bpe.model'}", "model.vocab_size=512",
+                "train.synthetic_data=false", "eval.interval=0", "data.eval_fraction=0.1",
+                "train.decay=constant"]  # lr independent of max_steps
+
+    run_dir = tmp_path / "run"
+    first = _train(run_dir, extra=[*data(corpus.parent), "train.max_steps=2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    scratch = (tmp_path / "data").rename(tmp_path / "scratch")
+    # Negative control: a protected change is refused alone, not with max_steps (applied).
+    refused = _train(run_dir, extra=[*data(scratch), "model.num_layers=3"])
+    assert refused.returncode == 1
+    [line] = [ln for ln in refused.stderr.splitlines() if "refusing to resume" in ln]
+    assert line.endswith(f"{run_dir / 'checkpoints' / 'step_00000002'}: these config changes "
+                         f"would corrupt the run: model.num_layers: 2 -> 3. Use another "
+                         f"train.run_dir for a new run, or pass --allow-config-change to "
+                         f"resume anyway (the run then differs from the one that was saved)")
+    assert "train.max_steps" not in refused.stderr and "data.sources" not in refused.stderr
+    resumed = _train(run_dir, extra=data(scratch))
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+    [moved] = [ln for ln in resumed.stderr.splitlines() if "the data moved" in ln]
+    assert f"data.sources[0].path: '{corpus}' -> '{scratch / corpus.name}'" in moved
+    assert "the resume data check found the same data there" in moved
+    straight = _train(tmp_path / "straight", extra=data(scratch))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert _records(run_dir)["losses"] == _records(tmp_path / "straight")["losses"]

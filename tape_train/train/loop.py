@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tape_train.config import RunConfig, diff_configs
+from tape_train.config import RunConfig
 from tape_train.data.config import DataError
 from tape_train.devices import DeviceError, LaunchError, check_device, launch_int
 from tape_train.eval.perplexity import UnmeasuredLengthError
@@ -30,7 +30,6 @@ from tape_train.train import checkpoint as ckpt
 from tape_train.train import distributed as tdist
 from tape_train.train import relayout
 from tape_train.train import restarts
-from tape_train.train.relayout import protected_differences
 from tape_train.train.engine import build_engine, count_target_tokens, forward_backward
 from tape_train.host_memory import keep_freed_memory
 from tape_train.train.cuda_allocator import RetryWatch
@@ -118,6 +117,8 @@ class Trainer:
         # Tags skipped at resume because a file failed its checksum: rotation keeps
         # checkpoint.keep intact ones besides them (they are rewritten when the replay gets there).
         self._damaged_tags: set[str] = set()
+        # The checkpoint whose data-loader state the start-up checks found to fit the data.
+        self._resume_data_fits: Path | None = None
         self.lock: RunLock | None = None
         self.watchdog: Watchdog | None = None
         self._restore_algorithms = None
@@ -287,6 +288,7 @@ class Trainer:
             report.problem(str(exc))
         if report.problems:
             raise PreflightError(report.problems)
+        self._resume_data_fits = report.resume_data_fits
         self._preflight_summary = (f"preflight: inputs checked in "
                                    f"{time.perf_counter() - start:.1f} s"
                                    + "".join(f"; warning: {w}" for w in report.warnings))
@@ -534,28 +536,33 @@ class Trainer:
         self.dtype = choice.torch_dtype
 
     def _check_config(self, marker: dict, tag_dir: Path) -> None:
-        diffs = diff_configs(marker.get("config", {}), self.cfg.to_dict())
-        protected = protected_differences(diffs)
-        layout_keys = [k for k in protected if k.startswith(relayout.LAYOUT_KEYS)]
-        if layout_keys or self._relayout is not None:
-            # Layout and batch geometry may change if the run continues the same way.
-            found = relayout.problems(marker, self.cfg, self.grid)
-            if found and not self.allow_config_change:
-                where = self._relayout.describe() if self._relayout else "same layout"
-                raise ckpt.CheckpointError(
-                    f"refusing to resume from {tag_dir} ({where}): " + "; ".join(found)
-                    + ". Pass --allow-config-change to resume anyway (the run then differs "
-                      "from the one that was saved)")
-            protected = [k for k in protected if k not in layout_keys]
-        if not diffs:
-            return
-        lines = "\n".join(f"  {k}: {old!r} -> {new!r}" for k, old, new in diffs)
-        log.warning("config differs from checkpoint %s:\n%s", tag_dir, lines)
-        if protected and not self.allow_config_change:
+        """The preflight's rule (``relayout.resume_config_problems``) on the checkpoint this
+        run chose: a refusal names only what would corrupt the run, one ``key: old -> new``
+        each; a moved corpus or tokenizer is one line, the other changes are listed and
+        applied."""
+        found, changes = relayout.resume_config_problems(marker, self.cfg, self.grid)
+        where = f" ({self._relayout.describe()})" if self._relayout is not None else ""
+        if found and not self.allow_config_change:
             raise ckpt.CheckpointError(
-                f"refusing to resume from {tag_dir}: these changes would corrupt the run: "
-                f"{', '.join(protected)} (checkpoint vs now:\n{lines}\n). Use another "
-                f"train.run_dir for a new run, or pass --allow-config-change if you mean it")
+                f"refusing to resume from {tag_dir}{where}: " + "; ".join(found)
+                + ". Use another train.run_dir for a new run, or pass --allow-config-change "
+                  "to resume anyway (the run then differs from the one that was saved)")
+        for line in found:
+            log.warning("resuming from %s%s although %s (allowed by --allow-config-change)",
+                        tag_dir, where, line)
+        if changes.moved and not self.cfg.train.synthetic_data:
+            checked = self._resume_data_fits is not None \
+                and self._resume_data_fits.resolve() == Path(tag_dir).resolve()
+            log.info("resuming from %s: the data moved (%s); %s", tag_dir,
+                     changes.describe("moved"),
+                     "the resume data check found the same data there (file names, sizes, "
+                     "content samples, token manifests, the tokenizer's sha256)" if checked else
+                     "the data loader compares what it is with the checkpoint's when it loads "
+                     "its state")
+        listed = sorted(changes.layout + changes.applied + changes.protected)
+        if listed:
+            lines = "\n".join(f"  {k}: {old!r} -> {new!r}" for k, old, new in listed)
+            log.warning("config differs from checkpoint %s:\n%s", tag_dir, lines)
         lr_change = lr_change_at_resume((marker.get("config") or {}).get("train") or {},
                                         self.cfg.train, int(marker.get("step") or 0))
         if lr_change is not None:

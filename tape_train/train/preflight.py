@@ -52,6 +52,9 @@ class Report:
     lines: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # The checkpoint whose data-loader state the resume data check found to fit the data as
+    # it is now (None: none checked, or it does not fit).
+    resume_data_fits: Path | None = None
 
     def info(self, line: str) -> None:
         self.lines.append(line)
@@ -537,7 +540,6 @@ def _resume_tag(cfg, resume_from, report: Report, quiet: bool = False) -> Path |
 
 
 def _check_resume(cfg, grid, tag: Path, allow_config_change: bool, report: Report) -> None:
-    from tape_train.config import diff_configs
     from tape_train.train import checkpoint as ckpt
     from tape_train.train import relayout
 
@@ -558,14 +560,10 @@ def _check_resume(cfg, grid, tag: Path, allow_config_change: bool, report: Repor
                     f"{newest.name}: the run will move the checkpoints after step {step} to "
                     f"{root / ckpt.SUPERSEDED}/<time>/ (nothing is deleted) and continue from "
                     f"step {step}")
-    found = relayout.problems(marker, cfg, grid)
-    from tape_train.train.relayout import protected_differences
-
-    protected = [k for k in protected_differences(diff_configs(marker.get("config", {}),
-                                                               cfg.to_dict()))
-                 if not k.startswith(relayout.LAYOUT_KEYS)]
-    if protected:
-        found.append(f"these config changes would corrupt the run: {', '.join(protected)}")
+    found, changes = relayout.resume_config_problems(marker, cfg, grid)
+    if changes.moved:  # whether it is the same data there: _check_resume_data
+        report.info(f"resume: the data moved ({changes.describe('moved')}); the data check "
+                    f"below compares what it is, not where it lies")
     from tape_train.train.optim import lr_change_at_resume
 
     lr_change = lr_change_at_resume((marker.get("config") or {}).get("train") or {}, cfg.train,
@@ -607,6 +605,7 @@ def _check_resume_data(cfg, tag: Path, tokenizer, text_shards: list | None,
     hub = any(s.hub is not None for s in cfg.data.sources)
     unchecked = " (Hub sources not compared: listed only online)" if hub else ""
     if not differences:
+        report.resume_data_fits = tag
         report.info(f"resume: the data-loader state of {tag.name} fits the data "
                     f"(fingerprint {state['fingerprint']}){unchecked}")
         return

@@ -19,6 +19,7 @@ deterministic but different random stream.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # Config keys whose change between a checkpoint and a resumed run would silently corrupt the
@@ -33,19 +34,90 @@ HARMLESS_KEYS = ("model.name", "model.attn_backend", "data.prefetch", "data.eval
                  "data.eval_max_documents", "data.eval_min_tokens",
                  "data.skip_bad_records", "parallel.offload_optimizer", "parallel.offload_params",
                  "parallel.zero3_gather_blocks")
-
-
-def protected_differences(diffs: list[tuple[str, object, object]]) -> list[str]:
-    """Keys of ``diff_configs(saved, current)`` that a resume must not change. ``train.dtype:
-    auto`` is not a change: a resumed ``auto`` run keeps the checkpoint's resolved dtype."""
-    return [key for key, _, new in diffs
-            if key.startswith(PROTECTED_KEYS) and not key.startswith(HARMLESS_KEYS)
-            and not (key == "train.dtype" and new == "auto")]
-
+# A source's label (logs and messages only; it defaults to the path, so it moves with it).
+_LABEL = re.compile(r"data\.sources\[\d+\]\.name")
+# Keys that say only where the data lies: a local source's path, the tokenizer file. A resume
+# may change them: what the data is (file names, sizes and content samples, token manifests,
+# the tokenizer's sha256) is compared by the resume data check (``data.loader.
+# resume_differences``, in the preflight before DeepSpeed) and by the loader's fingerprint
+# when it loads its state, which refuse other data at the new place.
+_LOCATION = re.compile(r"data\.(tokenizer|sources\[\d+\]\.path)")
 
 # Config keys a layout change may legitimately change (checked by ``problems`` instead).
 LAYOUT_KEYS = ("parallel.dp", "parallel.sp", "parallel.tp", "train.micro_batch_size",
                "train.grad_accum_steps")
+
+
+@dataclass(frozen=True)
+class ConfigChanges:
+    """``diff_configs(saved, current)`` of a resume, by what a resume may do with each
+    ``(key, old, new)``: ``protected`` would corrupt the run; ``layout`` (the layout and batch
+    split) may change when the run continues the same way (``problems``); ``moved`` says only
+    where the data lies (the data check compares what it is); ``applied`` is taken as it is
+    now (``train.max_steps``, ``train.lr``, logging, evaluation, ...)."""
+
+    protected: list
+    layout: list
+    moved: list
+    applied: list
+
+    def describe(self, which: str) -> str:
+        """``key: old -> new`` of the changes of one kind, ``; ``-separated."""
+        return "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in getattr(self, which))
+
+
+def classify_changes(diffs: list[tuple[str, object, object]]) -> ConfigChanges:
+    """The one rule of what a resume may change, for the preflight and the trainer alike.
+    ``train.dtype: auto`` is not a change: a resumed ``auto`` run keeps the checkpoint's
+    resolved dtype."""
+    out: dict[str, list] = {"protected": [], "layout": [], "moved": [], "applied": []}
+    paths = {key: (old, new) for key, old, new in diffs if key.endswith(".path")}
+    for key, old, new in diffs:
+        if _LOCATION.fullmatch(key) and _is_path(old) and _is_path(new):
+            kind = "moved"
+        elif _LABEL.fullmatch(key) and [old, new] == [
+                _default_name(p) for p in paths.get(key[:-len("name")] + "path", ())]:
+            continue  # the default label, the path: it moved with it
+        elif not key.startswith(PROTECTED_KEYS) or key.startswith(HARMLESS_KEYS) \
+                or _LABEL.fullmatch(key) or (key == "train.dtype" and new == "auto"):
+            kind = "applied"
+        else:
+            kind = "layout" if key.startswith(LAYOUT_KEYS) else "protected"
+        out[kind].append((key, old, new))
+    return ConfigChanges(**out)
+
+
+def _default_name(path: object) -> object:
+    """A source's ``name`` when none is given (``SourceConfig``): its path, a list joined."""
+    return ",".join(path) if isinstance(path, list) else path
+
+
+def _is_path(value: object) -> bool:
+    """A local path (or list of them) on this side of a change, not an absent key or a Hub
+    source's ``path: null``."""
+    return bool(value) and value != "<absent>" and (isinstance(value, str) or (
+        isinstance(value, list) and all(isinstance(v, str) for v in value)))
+
+
+def protected_differences(diffs: list[tuple[str, object, object]]) -> list[str]:
+    """Keys of ``diff_configs(saved, current)`` that a resume must not change, the layout keys
+    included (``problems`` rules on those)."""
+    changes = classify_changes(diffs)
+    return [key for key, _, _ in changes.protected + changes.layout]
+
+
+def resume_config_problems(marker: dict, cfg, grid) -> tuple[list[str], ConfigChanges]:
+    """Why resuming the checkpoint of ``marker`` with ``cfg`` on ``grid`` would not continue
+    the same run (one line each; empty: it would), and its config changes. The preflight
+    (dry run, tape-submit, Slurm start-up checks) and the trainer both rule with this."""
+    from tape_train.config import diff_configs
+
+    changes = classify_changes(diff_configs(marker.get("config") or {}, cfg.to_dict()))
+    found = problems(marker, cfg, grid)
+    if changes.protected:
+        found.append("these config changes would corrupt the run: "
+                     + changes.describe("protected"))
+    return found, changes
 
 
 @dataclass(frozen=True)
