@@ -89,46 +89,14 @@ def test_kill_during_the_final_evaluation_is_finished_by_the_rerun(tmp_path):
     assert _records(run_dir) == expected
 
 
-def test_a_corpus_changed_between_runs_is_refused_on_resume_in_one_line(tmp_path):
-    from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
-
-    corpus = write_jsonl(tmp_path / "data" / "train.jsonl", real_text_documents(120))
-    train_small_tokenizer(tmp_path / "data", vocab_size=512, max_bytes=200_000)
-    data = [f"data.sources=[{corpus}]", f"data.tokenizer={tmp_path / 'data' / 'small-bpe.model'}",
-            "model.vocab_size=512", "train.synthetic_data=false", "eval.interval=0",
-            "data.eval_fraction=0.1", "train.decay=constant"]  # lr independent of max_steps
-    run_dir = tmp_path / "run"
-    first = _train(run_dir, extra=[*data, "train.max_steps=2"])
-    assert first.returncode == 0, first.stderr[-3000:]
-    original = corpus.read_bytes()
-    corpus.write_bytes(original + b'{"text": "a document added after the checkpoint"}\n')
-    changed = _train(run_dir, extra=data)
-    assert changed.returncode == 1
-    # Refused by the start-up checks, before the process group and DeepSpeed, naming the file.
-    [line] = [ln for ln in changed.stderr.splitlines() if "error" in ln.lower()]
-    assert line.startswith(f"tape-train: preflight: error: resume from "
-                           f"{run_dir / 'checkpoints' / 'step_00000002'}: its data-loader state "
-                           f"does not fit the data this run would read: data fingerprint differs "
-                           f"in sources (data.sources[0] ({corpus}): train.jsonl changed "
-                           f"({len(original)} -> {corpus.stat().st_size} bytes))")
-    assert "--allow-config-change" in line and "Traceback" not in changed.stderr
-    assert "tape-train: world size" not in changed.stderr  # logged once the group is up
-    # Negative control: the corpus as it was resumes, and exactly: the losses of steps 3-4
-    # equal those of a run never stopped.
-    corpus.write_bytes(original)
-    resumed = _train(run_dir, extra=data)
-    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
-    assert "tape-train: world size" in resumed.stderr
-    straight = _train(tmp_path / "straight", extra=data)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    assert _records(run_dir)["losses"] == _records(tmp_path / "straight")["losses"]
-
-
-def test_a_corpus_and_tokenizer_moved_between_runs_resume_exactly(tmp_path):
-    """The corpus and its tokenizer moved to another directory (node-local scratch, a moved
-    project) and named there: the resume goes on with one line saying the data moved and
-    was found the same, and the losses after it equal those of a run never stopped. The
-    refusal of a genuinely protected change names that key alone, with both values."""
+def test_a_changed_corpus_is_refused_and_a_moved_one_resumes_exactly(tmp_path):
+    """Between two runs of one run dir: the corpus changed is refused by the start-up checks
+    in one line naming the file; a protected change is refused naming that key alone (not
+    the applied max_steps, not the moved data); the corpus as it was, moved with its
+    tokenizer to another directory (node-local scratch, a moved project) and named there,
+    resumes with one line saying the data moved and was found the same, and the losses after
+    it equal those of a run never stopped. (One run dir for all of it: each run is a process
+    start on a busy machine.)"""
     from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
 
     corpus = write_jsonl(tmp_path / "data" / "train.jsonl", real_text_documents(120))
@@ -143,8 +111,23 @@ def test_a_corpus_and_tokenizer_moved_between_runs_resume_exactly(tmp_path):
     run_dir = tmp_path / "run"
     first = _train(run_dir, extra=[*data(corpus.parent), "train.max_steps=2"])
     assert first.returncode == 0, first.stderr[-3000:]
+    original = corpus.read_bytes()
+    corpus.write_bytes(original + b'{"text": "a document added after the checkpoint"}\n')
+    changed = _train(run_dir, extra=data(corpus.parent))
+    assert changed.returncode == 1
+    # Refused by the start-up checks, before the process group and DeepSpeed, naming the file.
+    [line] = [ln for ln in changed.stderr.splitlines() if "error" in ln.lower()]
+    assert line.startswith(f"tape-train: preflight: error: resume from "
+                           f"{run_dir / 'checkpoints' / 'step_00000002'}: its data-loader state "
+                           f"does not fit the data this run would read: data fingerprint differs "
+                           f"in sources (data.sources[0] ({corpus}): train.jsonl changed "
+                           f"({len(original)} -> {corpus.stat().st_size} bytes))")
+    assert "--allow-config-change" in line and "Traceback" not in changed.stderr
+    assert "tape-train: world size" not in changed.stderr  # logged once the group is up
+
+    corpus.write_bytes(original)
     scratch = (tmp_path / "data").rename(tmp_path / "scratch")
-    # Negative control: a protected change is refused alone, not with max_steps (applied).
+    # A protected change is refused alone, not with max_steps (applied) or the moved data.
     refused = _train(run_dir, extra=[*data(scratch), "model.num_layers=3"])
     assert refused.returncode == 1
     [line] = [ln for ln in refused.stderr.splitlines() if "refusing to resume" in ln]
@@ -153,8 +136,10 @@ def test_a_corpus_and_tokenizer_moved_between_runs_resume_exactly(tmp_path):
                          f"train.run_dir for a new run, or pass --allow-config-change to "
                          f"resume anyway (the run then differs from the one that was saved)")
     assert "train.max_steps" not in refused.stderr and "data.sources" not in refused.stderr
+    # Negative control of both refusals: the corpus as it was, moved, resumes, and exactly.
     resumed = _train(run_dir, extra=data(scratch))
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+    assert "tape-train: world size" in resumed.stderr
     [moved] = [ln for ln in resumed.stderr.splitlines() if "the data moved" in ln]
     assert f"data.sources[0].path: '{corpus}' -> '{scratch / corpus.name}'" in moved
     assert "the resume data check found the same data there" in moved
