@@ -318,6 +318,8 @@ def test_a_failed_collective_is_described_with_the_phase_it_ended():
 # and save on their own, with the caller's own work in between): its phases end with the calls.
 _CALL_BY_CALL = """
 import sys, time
+import torch._dynamo  # torch's optimizer imports it on first use: seconds on a busy machine,
+                      # in a start-up phase whose allowance here is 5 s (not what is tested)
 from test_train_faults import OVERRIDES
 from tape_train.config import load_run_config
 from tape_train.train.loop import Trainer
