@@ -764,3 +764,42 @@ def test_checkpoints_trained_with_different_tokenizers_of_one_size_are_refused(t
     assert main(["--checkpoint", str(tmp_path / "a"), str(tmp_path / "a-copy"), *args]) == 0
     assert main(["--checkpoint", str(tmp_path / "a"), str(tmp_path / "b"), *args,
                  "--tokenizer", bpe.path]) == 0
+
+
+def test_a_checkpoint_rotated_away_while_another_is_evaluated_is_said_as_such(tmp_path, capsys,
+                                                                              monkeypatch):
+    """tape-eval checks every checkpoint first and reads each one's weights at its turn: a run
+    still training deletes its older tags meanwhile (checkpoint.keep). The error used to be the
+    bare 'checkpoint path ... does not exist' of a typo, after the first model's evaluation."""
+    import shutil
+
+    from tape_train.eval import perplexity
+
+    make_checkpoint(tmp_path / "a", "tape", seed=1)
+    make_checkpoint(tmp_path / "b", "rope", seed=2)
+    tag_b = tmp_path / "b" / "checkpoints" / "step_00000005"
+    real = perplexity.evaluate_perplexity
+    rotate = {"now": True}
+
+    def evaluate_then_rotate(*args, **kwargs):
+        results = real(*args, **kwargs)
+        if rotate["now"] and tag_b.exists():
+            shutil.rmtree(tag_b)                  # what the live run's rotation does
+        return results
+
+    monkeypatch.setattr(perplexity, "evaluate_perplexity", evaluate_then_rotate)
+    out = tmp_path / "o"
+    args = ["--checkpoint", str(tmp_path / "a"), str(tag_b), "--label", "A", "B",
+            "--lengths", "8", "--max-tokens", "16", "--dtype", "fp32", "--out", str(out),
+            "--no-progress"]
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"checkpoint {tag_b} was deleted after tape-eval checked it at the start" in err
+    assert "(evaluated since, and not reported: A)" in err and "checkpoint.keep" in err
+    assert not (out / "eval.json").exists()
+    # Negative control: with the tag left in place both are evaluated.
+    make_checkpoint(tmp_path / "b", "rope", seed=2)
+    rotate["now"] = False
+    assert main(args) == 0
+    assert (out / "eval.json").is_file()

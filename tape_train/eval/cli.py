@@ -390,6 +390,7 @@ def run(args) -> int:
     from tape_train.devices import pick_device
     from tape_train.eval.perplexity import evaluate_perplexity
     from tape_train.eval.report import format_table, write_reports
+    from tape_train.checkpoint_layout import CheckpointError, deleted_while_read
     from tape_train.loading import load_model_from_checkpoint, resolve_checkpoint
     from tape_train.model import TransformerLM
 
@@ -434,7 +435,16 @@ def run(args) -> int:
 
     runs = []
     for i, c in enumerate(checkpoints):
-        _, state, _ = load_model_from_checkpoint(c.tag_dir, map_dtype=None, verify=False)
+        try:
+            _, state, _ = load_model_from_checkpoint(c.tag_dir, map_dtype=None, verify=False)
+        except CheckpointError as exc:  # its run, still training, rotated it away meanwhile
+            done = ", ".join(r["label"] for r in runs)
+            vanished = deleted_while_read(
+                c.tag_dir, exc, when="after tape-eval checked it at the start" + (
+                    f" (evaluated since, and not reported: {done})" if runs else ""))
+            if vanished is None:
+                raise
+            raise vanished from None
         model = TransformerLM(c.model_cfg)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
