@@ -803,3 +803,37 @@ def test_a_checkpoint_rotated_away_while_another_is_evaluated_is_said_as_such(tm
     rotate["now"] = False
     assert main(args) == 0
     assert (out / "eval.json").is_file()
+
+
+def test_labels_keep_their_own_cell_and_show_literally_in_the_plot(tmp_path, monkeypatch):
+    """A `|` in a --label shifted every number of its row under another header (a newline
+    split the row); in the plot `$5 vs $10` became TeX math and a leading `_` hid the line
+    from the legend."""
+    import re
+
+    from matplotlib.axes import Axes
+
+    labels = ["TAPE | ours\nv2", "cost $5 vs $10", "_baseline", "RoPE"]
+    runs = [{"label": label, "train_seq_len": 8,
+             "results": [_result(8, "nonoverlap", 10.0 + i), _result(16, "nonoverlap", 11.0 + i)]}
+            for i, label in enumerate(labels)]
+    table = report.format_table(runs)
+    header, _, *rows = table.strip().splitlines()
+    cells = lambda line: re.split(r"(?<!\\)\|", line)  # noqa: E731 - unescaped pipes
+    assert len(rows) == 2 * len(labels)
+    assert all(len(cells(row)) == len(cells(header)) for row in rows), table
+    assert rows[0].startswith(r"| TAPE \| ours v2 | nonoverlap | 8 |")
+    shown = []
+    legend = Axes.legend
+
+    def record(ax, *args, **kwargs):
+        shown.extend(ax.get_legend_handles_labels()[1])
+        return legend(ax, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "legend", record)
+    report.plot_perplexity_vs_length(runs, tmp_path / "p.png")
+    assert shown[:4] == ["TAPE | ours\nv2", r"cost \$5 vs \$10", " _baseline", "RoPE"]
+    # The JSON keeps the labels as given.
+    report.write_json(tmp_path / "eval.json", runs)
+    assert [m["label"] for m in json.loads((tmp_path / "eval.json").read_text())["models"]] \
+        == labels

@@ -27,6 +27,20 @@ def _measured(r: dict) -> bool:
     return r.get("measured", True)
 
 
+def table_cell(text: str) -> str:
+    """A label as one Markdown table cell: a ``|`` would start a new column and a line break
+    end the row, shifting every number after it under another header."""
+    return " ".join(str(text).splitlines()).replace("|", "\\|")
+
+
+def plot_text(text: str) -> str:
+    """A label as matplotlib shows it literally: ``$`` pairs are not TeX math (``cost $5 vs
+    $10`` lost its dollars and went italic), and a leading ``_`` does not hide the line from
+    the legend (matplotlib's convention for unlabelled artists)."""
+    text = str(text).replace("$", "\\$")
+    return f" {text}" if text.startswith("_") else text
+
+
 def format_table(runs: list[dict]) -> str:
     """Markdown table, one row per (model, protocol, length): ppl, loss, bpb, tokens scored,
     and what really reached the length L (documents, full-length windows, their tokens).
@@ -54,7 +68,7 @@ def format_table(runs: list[dict]) -> str:
             if r.get("capped"):
                 caps.add(r.get("max_tokens"))
                 cut = f" {CAPPED_MARK}"
-            lines.append(f"| {run['label']} | {r['protocol']} | {r['length']} | {ratio} | "
+            lines.append(f"| {table_cell(run['label'])} | {r['protocol']} | {r['length']} | {ratio} | "
                          f"{stride} | {_num(r, 'perplexity', 3)}{mark} | {_num(r, 'loss', 4)} | "
                          f"{_num(r, 'bits_per_byte', 4)} | {r['tokens']}{cut} | "
                          f"{r.get('documents_at_length', '–')} | "
@@ -171,7 +185,7 @@ def plot_perplexity_vs_length(runs: list[dict], path: str | os.PathLike) -> Path
                             and math.isfinite(r["perplexity"]))
             if points:
                 xs, ys, thin = zip(*points)
-                line, = ax.plot(xs, ys, marker="o", label=run["label"])
+                line, = ax.plot(xs, ys, marker="o", label=plot_text(run["label"]))
                 hollow = [(x, y) for x, y, t in points if t]
                 if hollow:
                     hx, hy = zip(*hollow)
