@@ -837,3 +837,34 @@ def test_labels_keep_their_own_cell_and_show_literally_in_the_plot(tmp_path, mon
     report.write_json(tmp_path / "eval.json", runs)
     assert [m["label"] for m in json.loads((tmp_path / "eval.json").read_text())["models"]] \
         == labels
+
+
+def test_checkpoints_trained_on_different_data_are_flagged(tmp_path, capsys, caplog):
+    """Run b held out nothing of the text whose hashed 50 % run a held out: scored on a's
+    held-out documents, b was scored on text it trained on, and nothing said so."""
+    from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+
+    tok = train_small_tokenizer(tmp_path / "tok", vocab_size=512, max_bytes=200_000)
+    write_jsonl(tmp_path / "text.jsonl", real_text_documents(max_documents=12))
+    source = [{"path": str(tmp_path / "text.jsonl")}]
+    for name, held_out, weight in (("a", 0.5, 1.0), ("a-too", 0.5, 2.0), ("b", 0.0, 1.0)):
+        data = {"sources": [dict(source[0], weight=weight)], "tokenizer": tok.path,
+                "eval_fraction": held_out}
+        make_checkpoint(tmp_path / name, "tape", seed=3, vocab_size=512, data=data)
+    out = tmp_path / "o"
+    args = ["--lengths", "8", "--protocols", "nonoverlap", "--max-tokens", "40",
+            "--out", str(out), "--no-progress", "--dtype", "fp32"]
+    with caplog.at_level(logging.WARNING, logger="tape_train.eval"):
+        assert main(["--checkpoint", str(tmp_path / "a"), str(tmp_path / "b"), *args]) == 0
+    warned = [r.getMessage() for r in caplog.records if "trained on other data" in r.getMessage()]
+    assert len(warned) == 1 and str(tmp_path / "b") in warned[0]
+    assert "data.eval_fraction" in warned[0] and "may have seen in training" in warned[0]
+    settings = json.loads((out / "eval.json").read_text())["settings"]
+    assert "trained on different data" in settings["data"]
+    assert "trained on different data" in (out / "eval.md").read_text()
+    # Control: the same documents (another mixture weight only) are not flagged.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tape_train.eval"):
+        assert main(["--checkpoint", str(tmp_path / "a"), str(tmp_path / "a-too"), *args]) == 0
+    assert not [r for r in caplog.records if "other data" in r.getMessage()]
+    assert "different data" not in json.loads((out / "eval.json").read_text())["settings"]["data"]

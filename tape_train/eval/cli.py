@@ -296,6 +296,49 @@ def _check_same_tokenizer(checkpoints: list[_Checkpoint], used: str) -> None:
                 f"choose one for all)")
 
 
+# What decides which documents a run trained on (and so which ones it never saw): its sources
+# (weights aside: they mix the same documents) and what it held out of them.
+_TRAINING_DATA_KEYS = ("sources", "eval_sources", "eval_fraction", "format")
+
+
+def _training_data(meta: dict) -> dict | None:
+    """The part of a run's data config that decides which documents it trained on; None for a
+    run trained on synthetic tokens (or with no data section)."""
+    from tape_train.data import DataConfig
+
+    config = meta.get("config") or {}
+    if (config.get("train") or {}).get("synthetic_data") or not config.get("data"):
+        return None
+    data = dict(config["data"])
+    try:  # the stored form of every source, so equal settings compare equal however written
+        data = DataConfig.from_dict(data).to_dict()
+    except (TypeError, ValueError):
+        pass
+    picked = {key: data.get(key) for key in _TRAINING_DATA_KEYS}
+    picked["sources"] = [{k: v for k, v in source.items() if k not in ("weight", "name")}
+                         if isinstance(source, dict) else source
+                         for source in picked.get("sources") or []]
+    return picked
+
+
+def _other_training_data(checkpoints: list[_Checkpoint], data_arg: str | None) -> str | None:
+    """A warning when the checkpoints trained on different data (other sources, or other
+    documents held out of them), else None. Without ``--data`` every one is scored on the
+    first one's held-out documents, which another may have trained on (one that held out
+    nothing, or other sources): its perplexity would be flattered."""
+    first = _training_data(checkpoints[0].meta)
+    differ = [c for c in checkpoints[1:] if _training_data(c.meta) != first]
+    if not differ:
+        return None
+    names = ", ".join(str(c.tag_dir) for c in differ)
+    keys = ", ".join(f"data.{k}" for k in _TRAINING_DATA_KEYS)
+    where = ("the held-out documents of --data" if data_arg is not None else
+             f"the held-out documents of the first checkpoint's data ({checkpoints[0].tag_dir})")
+    return (f"{names}: trained on other data than {checkpoints[0].tag_dir} ({keys} differ); "
+            f"every checkpoint is scored on {where}, which a checkpoint trained on other data "
+            f"may have seen in training: compare with care")
+
+
 def _default_label(tag_dir: Path, meta: dict, model_cfg) -> str:
     parent = tag_dir.parent
     run = parent.parent.name if parent.name == "checkpoints" else parent.name
@@ -361,6 +404,11 @@ def _held_out(args, checkpoints: list[_Checkpoint], max_tokens: int | None):
     source, description, tokenizer = _documents(args, first.meta, longest, first.model_cfg)
     if tokenizer is not None and args.tokenizer is None:
         _check_same_tokenizer(checkpoints[1:], tokenizer)
+    other_data = _other_training_data(checkpoints, args.data)
+    if other_data is not None:
+        log.warning("%s", other_data)
+        description += ("; the checkpoints were trained on different data, so these documents "
+                        "may be training text for some of them (the log's warning names them)")
     docs = materialize_documents(source, max_tokens)
     if not docs:
         raise ValueError(f"no held-out document of {description} has two or more tokens: "
