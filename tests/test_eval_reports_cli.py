@@ -868,3 +868,29 @@ def test_checkpoints_trained_on_different_data_are_flagged(tmp_path, capsys, cap
         assert main(["--checkpoint", str(tmp_path / "a"), str(tmp_path / "a-too"), *args]) == 0
     assert not [r for r in caplog.records if "other data" in r.getMessage()]
     assert "different data" not in json.loads((out / "eval.json").read_text())["settings"]["data"]
+
+
+@pytest.mark.parametrize("rope_train_len", [8, 16])
+def test_each_training_length_line_says_whose_it_is(tmp_path, monkeypatch, rope_train_len):
+    """Models trained at different lengths got two dashed lines and one legend entry,
+    'training length', for the first: which line belonged to which model was not said."""
+    from matplotlib.axes import Axes
+
+    runs = [{"label": label, "train_seq_len": train_len,
+             "results": [_result(n, "nonoverlap", 10.0 + i) for n in (8, 16, 32)]}
+            for i, (label, train_len) in enumerate((("TAPE", 8), ("RoPE", rope_train_len),
+                                                    ("ALiBi", 8)))]
+    shown = []
+    legend = Axes.legend
+
+    def record(ax, *args, **kwargs):
+        shown.extend(ax.get_legend_handles_labels()[1])
+        return legend(ax, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "legend", record)
+    report.plot_perplexity_vs_length(runs, tmp_path / "p.png")
+    lines = [label for label in shown if label.startswith("training length")]
+    if rope_train_len == 8:   # control: one training length, one plain entry
+        assert lines == ["training length"]
+    else:
+        assert lines == ["training length 8: TAPE, ALiBi", "training length 16: RoPE"]

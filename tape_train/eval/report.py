@@ -195,8 +195,12 @@ def plot_perplexity_vs_length(runs: list[dict], path: str | os.PathLike) -> Path
                             f"few tokens (< {_few_tokens()} at full length)")
                     few_labelled = True
         for i, train_len in enumerate(train_lens):
-            ax.axvline(train_len, color="0.4", linestyle="--", linewidth=1,
-                       label="training length" if i == 0 else None)
+            # Several: each line says whose it is (a bare "training length" named only one).
+            trained = ", ".join(plot_text(run["label"]) for run in runs
+                                if run.get("train_seq_len") == train_len)
+            ax.axvline(train_len, color="0.4", linestyle=("--", ":", "-.")[i % 3], linewidth=1,
+                       label="training length" if len(train_lens) == 1 else
+                       f"training length {train_len}: {trained}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         # Plain numbers on both axes: 512 reads better than 2^9 next to a table.
