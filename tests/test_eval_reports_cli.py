@@ -894,3 +894,24 @@ def test_each_training_length_line_says_whose_it_is(tmp_path, monkeypatch, rope_
         assert lines == ["training length"]
     else:
         assert lines == ["training length 8: TAPE, ALiBi", "training length 16: RoPE"]
+
+
+def test_a_report_inside_a_checkpoint_is_refused_before_evaluating(tmp_path, capsys):
+    """`--out runs/x/checkpoints/step_N/eval` was written, and deleted with the tag when the
+    run, still training, rotated it (checkpoint.keep)."""
+    make_checkpoint(tmp_path / "run", "rope", seed=4)
+    tag = tmp_path / "run" / "checkpoints" / "step_00000005"
+    args = ["--checkpoint", str(tmp_path / "run"), "--lengths", "8", "--protocols",
+            "nonoverlap", "--max-tokens", "16", "--dtype", "fp32", "--no-progress"]
+    for out in (tag, tag / "eval"):
+        assert main([*args, "--out", str(out)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err == (f"tape-eval: error: --out {out} is inside the checkpoint {tag}, which "
+                       f"training deletes with everything in it as it saves newer checkpoints "
+                       f"(checkpoint.keep): write the report elsewhere, e.g. --out "
+                       f"{tmp_path / 'run' / 'eval'}")
+        assert not (out / "eval.json").exists()
+    # Controls: beside the checkpoints, and a directory of one's own named like a tag.
+    for out in (tmp_path / "run" / "eval", tmp_path / "reports" / "step_00000005"):
+        assert main([*args, "--out", str(out)]) == 0
+        assert (out / "eval.json").is_file()

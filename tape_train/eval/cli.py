@@ -362,11 +362,22 @@ def _check_out(out: str) -> None:
     if not out.strip():
         raise ValueError(f"--out {out!r} is empty (an unset shell variable?): name the report "
                          f"directory, e.g. --out eval_results (--out . for this one)")
+    from tape_train.checkpoint_layout import CHECKPOINT_DIR, MARKER, step_of_tag
     from tape_train.files import unwritable_reason
 
     reason = unwritable_reason(out)
     if reason is not None:
         raise ValueError(f"--out {out}: {reason}")
+    # A checkpoint's tag directory is the trainer's: its rotation (checkpoint.keep) deletes
+    # the tag with everything in it, a report written there too.
+    path = Path(out).absolute()
+    for inside in (path, *path.parents):
+        if (inside / MARKER).is_file() or (step_of_tag(inside.name) is not None
+                                           and inside.parent.name == CHECKPOINT_DIR):
+            raise ValueError(
+                f"--out {out} is inside the checkpoint {inside}, which training deletes with "
+                f"everything in it as it saves newer checkpoints (checkpoint.keep): write the "
+                f"report elsewhere, e.g. --out {inside.parent.parent / 'eval'}")
 
 
 def _read_checkpoints(args, tag_dirs: list[Path], settings) -> list[_Checkpoint]:
