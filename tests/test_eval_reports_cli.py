@@ -915,3 +915,30 @@ def test_a_report_inside_a_checkpoint_is_refused_before_evaluating(tmp_path, cap
     for out in (tmp_path / "run" / "eval", tmp_path / "reports" / "step_00000005"):
         assert main([*args, "--out", str(out)]) == 0
         assert (out / "eval.json").is_file()
+
+
+def test_the_plot_says_when_the_cap_cut_the_data_and_which_lengths_have_no_point(tmp_path,
+                                                                                monkeypatch):
+    """The table marks capped token counts (‡) and unmeasured lengths (n/a); the plot showed
+    neither: a capped curve looked like the whole held-out set, a missing point like a gap."""
+    from matplotlib.figure import Figure
+
+    said = []
+    supxlabel = Figure.supxlabel
+    monkeypatch.setattr(Figure, "supxlabel",
+                        lambda fig, text, **kw: said.append(text) or supxlabel(fig, text, **kw))
+
+    def runs(capped, unmeasured):
+        results = [dict(_result(n, "nonoverlap", 10.0), capped=capped, max_tokens=300,
+                        measured=True) for n in (8, 16, 32)]
+        if unmeasured:
+            results[2].update(measured=False, perplexity=math.nan)
+        return [{"label": "TAPE", "train_seq_len": 8, "results": results}]
+
+    report.plot_perplexity_vs_length(runs(True, True), tmp_path / "p.png")
+    text = " ".join(said.pop().split())          # wrapped to the figure's width
+    assert "only the first 300 predictions of the held-out set (max_tokens cut it)" in text
+    assert "no point at L = 32: no held-out document reaches it" in text
+    # Control: the whole held-out set, every length reached: nothing to say.
+    report.plot_perplexity_vs_length(runs(False, False), tmp_path / "p.png")
+    assert said == []

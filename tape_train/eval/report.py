@@ -217,7 +217,29 @@ def plot_perplexity_vs_length(runs: list[dict], path: str | os.PathLike) -> Path
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
     axes[0].set_ylabel("perplexity")
+    caption = plot_caption(runs)
+    if caption:  # wrapped to the figure's width (about 17 small characters per inch)
+        import textwrap
+
+        fig.supxlabel(textwrap.fill(caption, int(17 * fig.get_figwidth())), fontsize="small",
+                      color="0.3")
     return write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
+
+
+def plot_caption(runs: list[dict]) -> str:
+    """What the plot's points leave unsaid and the table marks (‡, n/a): that ``max_tokens``
+    cut the held-out set, and which lengths have no point because nothing reached them."""
+    results = [r for run in runs for r in run["results"]]
+    notes = []
+    caps = sorted({r.get("max_tokens") for r in results if r.get("capped")}, key=str)
+    if caps:
+        notes.append(f"every point scores only the first {', '.join(map(str, caps))} "
+                     f"predictions of the held-out set (max_tokens cut it)")
+    missing = sorted({r["length"] for r in results if not _measured(r)})
+    if missing:
+        notes.append("no point at L = " + ", ".join(map(str, missing)) +
+                     ": no held-out document reaches it (n/a in the table)")
+    return "; ".join(notes)
 
 
 def write_reports(out_dir: str | os.PathLike, runs: list[dict],
