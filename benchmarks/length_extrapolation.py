@@ -122,7 +122,17 @@ def run_summary(run_dir: Path) -> dict:
             "steps": train_records[-1]["step"], "tokens": train_records[-1]["tokens_seen"]}
 
 
-def write_results(exp, table, summaries, out_dir: Path, results_md: Path) -> None:
+def few_token_cells(report: dict) -> set[tuple[str, str, int]]:
+    """(encoding, protocol, length) cells where a run's perplexity rests on fewer than
+    tape-eval's FEW_TOKENS predictions at full length (its table's †)."""
+    return {(model["label"].rsplit("-seed", 1)[0], r["protocol"], r["length"])
+            for model in report["models"] for r in model["results"]
+            if r.get("few_tokens") and r.get("measured", True)}
+
+
+def write_results(exp, table, summaries, out_dir: Path, results_md: Path,
+                  few: set[tuple[str, str, int]] = frozenset(),
+                  config: str = "configs/experiments/length-extrapolation.yaml") -> None:
     ev = exp["eval"]
     lengths, protocols = ev["lengths"], ev["protocols"]
     train_len = int(exp["train_overrides"]["train.seq_len"])
@@ -138,7 +148,7 @@ def write_results(exp, table, summaries, out_dir: Path, results_md: Path) -> Non
               f"so", file=sys.stderr)
     lines = ["# Length extrapolation at small scale", "",
              f"`tiny` models ({exp['recipe']}, overrides in "
-             "`configs/experiments/length-extrapolation.yaml`), trained at L = "
+             f"`{config}`), trained at L = "
              f"{train_len} {budget}, evaluated on the held-out demo corpus "
              f"(at most {ev['max_tokens']} scored tokens per length and protocol). Cells are "
              "perplexity; with several seeds, mean ± half the range. Produced by "
@@ -153,11 +163,18 @@ def write_results(exp, table, summaries, out_dir: Path, results_md: Path) -> Non
         for pe, cells in table.items():
             growth = [hi / lo for hi, lo in zip(cells[(protocol, longest)],
                                                 cells[(protocol, train_len)])]  # NaN: n/a
-            lines.append(f"| {pe} | " + " | ".join(cell(cells[(protocol, n)]) for n in lengths)
-                         + f" | {cell(growth, 3)} |")
+            marked = [cell(cells[(protocol, n)]) + (" †" if (pe, protocol, n) in few else "")
+                      for n in lengths]
+            lines.append(f"| {pe} | " + " | ".join(marked) + f" | {cell(growth, 3)} |")
         lines.append("")
     lines += ["The last column is the extrapolation in one number: below 1, the model uses "
               "the context beyond its training length; above 1, it degrades there.", ""]
+    if few:
+        from tape_train.eval.perplexity import FEW_TOKENS
+
+        lines += [f"†: rests on fewer than {FEW_TOKENS} predictions scored by full-length "
+                  "windows (in at least one seed): a rough estimate; raise the evaluation's "
+                  "max_tokens or use longer held-out documents.", ""]
     if any(math.isnan(v) for cells in table.values() for vs in cells.values() for v in vs):
         lines += ["n/a: no held-out document reaches this length, so nothing was measured at "
                   "it (tape-eval's `measured: false`); use longer held-out documents.", ""]
@@ -216,7 +233,8 @@ def main() -> int:
         report = json.loads((out_dir / "eval" / "eval.json").read_text())
     else:
         report = evaluate(exp, runs, run_root, out_dir / "eval")
-    write_results(exp, aggregate(report), summaries, out_dir, results_md)
+    write_results(exp, aggregate(report), summaries, out_dir, results_md,
+                  few=few_token_cells(report), config=args.config)
     return 0
 
 

@@ -212,12 +212,12 @@ def test_length_extrapolation_report_says_what_was_not_measured(tmp_path, monkey
     `inf` (and its ratio `inf`); runs of different token budgets were called 'one budget'."""
     bench = _length_extrapolation(monkeypatch)
 
-    def result(protocol, length, ppl):
+    def result(protocol, length, ppl, few=False):
         return {"protocol": protocol, "length": length, "perplexity": ppl,
-                "measured": ppl is not None}
+                "measured": ppl is not None, "few_tokens": few or ppl is None}
 
     report = {"models": [{"label": f"{pe}-seed1", "results": [
-        result("nonoverlap", 64, 10.0 + i), result("nonoverlap", 128, 11.0 + i),
+        result("nonoverlap", 64, 10.0 + i), result("nonoverlap", 128, 11.0 + i, few=i == 1),
         result("nonoverlap", 256, None)]} for i, pe in enumerate(("tape", "rope"))]}
     exp = {"recipe": "configs/train/demo.yaml", "train_overrides": {"train.seq_len": 64},
            "eval": {"lengths": [64, 128, 256], "protocols": ["nonoverlap"],
@@ -226,10 +226,14 @@ def test_length_extrapolation_report_says_what_was_not_measured(tmp_path, monkey
                  "rope-seed1": {"steps": 20 if budgets_differ else 10,
                                 "tokens": 1280 if budgets_differ else 640, "loss": 5.0}}
     md = tmp_path / "results.md"
-    bench.write_results(exp, bench.aggregate(report), summaries, tmp_path, md)
+    bench.write_results(exp, bench.aggregate(report), summaries, tmp_path, md,
+                        few=bench.few_token_cells(report), config="exp.yaml")
     text = md.read_text()
-    assert "inf" not in text
+    assert "inf" not in text and "overrides in `exp.yaml`" in text
     assert "| tape | 10.00 | 11.00 | n/a | n/a |" in text
+    # tape-eval's † (few tokens at full length) is kept, for the cell it marks only.
+    assert "| rope | 11.00 | 12.00 † | n/a | n/a |" in text
+    assert "†: rests on fewer than 1000 predictions" in text
     assert "n/a: no held-out document reaches this length" in text
     assert ("DIFFERENT token budgets (640, 1,280 tokens" in text) == budgets_differ
     assert ("under one token budget" in text) != budgets_differ
