@@ -88,6 +88,8 @@ def plot(table, lengths, protocols, train_len, path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    from tape_train.eval.report import length_axes
+
     fig = Figure(figsize=(5.4 * len(protocols), 4.3), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(protocols), sharey=True, squeeze=False)[0]
@@ -101,11 +103,11 @@ def plot(table, lengths, protocols, train_len, path: Path) -> None:
             if any(h > l for h, l in zip(hi, lo)):
                 ax.fill_between(lengths, lo, hi, color=line.get_color(), alpha=0.2)
         ax.axvline(train_len, color="0.4", linestyle="--", linewidth=1, label="training length")
-        ax.set(xscale="log", yscale="log", xlabel="context length L (tokens)",
-               title=f"{protocol} windows")
-        ax.set_xscale("log", base=2)
+        length_axes(ax, sorted(set(lengths) | {train_len}))  # plain numbers, as tape-eval's
+        ax.set(xlabel="context length L (tokens)", title=f"{protocol} windows")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
+    # One legend, beside the panels: inside, one per panel, it covered curves.
+    axes[-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1))
     axes[0].set_ylabel("perplexity (held-out demo corpus)")
     fig.savefig(path, format="png", dpi=120)
 

@@ -238,3 +238,29 @@ def test_length_extrapolation_report_says_what_was_not_measured(tmp_path, monkey
     assert ("DIFFERENT token budgets (640, 1,280 tokens" in text) == budgets_differ
     assert ("under one token budget" in text) != budgets_differ
     assert (tmp_path / "ppl_vs_length.png").stat().st_size > 0
+
+
+def test_length_extrapolation_plot_reads_like_tape_evals(tmp_path, monkeypatch):
+    """The results plot labelled lengths 2^8..2^12 and perplexities 3.465 x 10^2, and drew a
+    legend inside each panel, over the curves of seven encodings."""
+    from matplotlib.axes import Axes
+    from matplotlib.ticker import ScalarFormatter
+
+    bench = _length_extrapolation(monkeypatch)
+    legends, axes = [], []
+    legend = Axes.legend
+
+    def record(ax, *args, **kwargs):
+        legends.append(kwargs)
+        axes.append(ax)
+        return legend(ax, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "legend", record)
+    table = {pe: {(p, n): [300.0 + i + n / 1000] for p in ("nonoverlap", "sliding")
+                  for n in (64, 128, 256)} for i, pe in enumerate(("tape", "rope"))}
+    bench.plot(table, [64, 128, 256], ["nonoverlap", "sliding"], 64, tmp_path / "p.png")
+    assert len(legends) == 1 and legends[0].get("bbox_to_anchor") == (1.02, 1)
+    ax = axes[0]
+    assert list(ax.get_xticks()) == [64, 128, 256]
+    assert isinstance(ax.xaxis.get_major_formatter(), ScalarFormatter)
+    assert ax.yaxis.get_minor_formatter()(300.0) == "300"

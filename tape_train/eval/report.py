@@ -167,8 +167,6 @@ def plot_perplexity_vs_length(runs: list[dict], path: str | os.PathLike) -> Path
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import LogFormatter, NullFormatter, ScalarFormatter
-
     protocols = sorted({r["protocol"] for run in runs for r in run["results"]})
     if not protocols:
         raise ValueError("nothing to plot: no results")
@@ -201,16 +199,8 @@ def plot_perplexity_vs_length(runs: list[dict], path: str | os.PathLike) -> Path
             ax.axvline(train_len, color="0.4", linestyle=("--", ":", "-.")[i % 3], linewidth=1,
                        label="training length" if len(train_lens) == 1 else
                        f"training length {train_len}: {trained}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        # Plain numbers on both axes: 512 reads better than 2^9 next to a table.
         lengths = sorted({r["length"] for run in runs for r in run["results"]} | set(train_lens))
-        ax.set_xticks(lengths)
-        ax.xaxis.set_major_formatter(ScalarFormatter())
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlim(lengths[0] / 1.3, lengths[-1] * 1.3)
-        ax.yaxis.set_major_formatter(LogFormatter())
-        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+        length_axes(ax, lengths)
         ax.set_xlabel("context length L (tokens)")
         ax.set_title(protocol + (" (sliding window)" if protocol == "sliding" else
                                  " (non-overlapping windows)"))
@@ -224,6 +214,22 @@ def plot_perplexity_vs_length(runs: list[dict], path: str | os.PathLike) -> Path
         fig.supxlabel(textwrap.fill(caption, int(17 * fig.get_figwidth())), fontsize="small",
                       color="0.3")
     return write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
+
+
+def length_axes(ax, lengths: list[int]) -> None:
+    """log2 length axis and log perplexity axis, both in plain numbers (512 reads better than
+    2^9 next to a table, 346 better than 3.46 x 10^2), ticks at the lengths evaluated.
+    Shared with ``benchmarks/length_extrapolation.py``."""
+    from matplotlib.ticker import LogFormatter, NullFormatter, ScalarFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(lengths)
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlim(lengths[0] / 1.3, lengths[-1] * 1.3)
+    ax.yaxis.set_major_formatter(LogFormatter())
+    ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
 
 
 def plot_caption(runs: list[dict]) -> str:
