@@ -861,6 +861,9 @@ def test_checkpoints_trained_on_different_data_are_flagged(tmp_path, capsys, cap
     assert "data.eval_fraction" in warned[0] and "may have seen in training" in warned[0]
     settings = json.loads((out / "eval.json").read_text())["settings"]
     assert "trained on different data" in settings["data"]
+    # It says which text was scored (it said "checkpoint data config" alone).
+    assert settings["data"].startswith(f"checkpoint data config (0.5 of the documents of "
+                                       f"{tmp_path / 'text.jsonl'} (by text hash))")
     assert "trained on different data" in (out / "eval.md").read_text()
     # Control: the same documents (another mixture weight only) are not flagged.
     caplog.clear()
@@ -942,3 +945,18 @@ def test_the_plot_says_when_the_cap_cut_the_data_and_which_lengths_have_no_point
     # Control: the whole held-out set, every length reached: nothing to say.
     report.plot_perplexity_vs_length(runs(False, False), tmp_path / "p.png")
     assert said == []
+
+
+def test_the_report_names_the_held_out_documents(tmp_path):
+    from tape_train.data import DataConfig
+    from tape_train.eval.cli import held_out_words
+
+    cfg = DataConfig.from_dict({"sources": [{"path": "train.jsonl"}],
+                                "eval_sources": [{"path": "books.jsonl"}],
+                                "eval_fraction": 0.05, "eval_min_tokens": 4096,
+                                "eval_max_documents": 16})
+    assert held_out_words(cfg) == ("data.eval_sources books.jsonl; then 0.05 of the documents "
+                                   "of train.jsonl (by text hash); documents of >= 4096 "
+                                   "tokens; the first 16 documents")
+    assert held_out_words(DataConfig.from_dict({"sources": ["a.jsonl"]})) == \
+        "no held-out source"

@@ -229,7 +229,31 @@ def _data_config(arg: str | None, meta_config: dict, tokenizer_arg: str | None):
         desc = f"data config {arg}"
     if tokenizer_arg is not None:
         cfg.tokenizer = tokenizer_arg
-    return cfg, desc
+    return cfg, f"{desc} ({held_out_words(cfg)})"
+
+
+def held_out_words(cfg) -> str:
+    """Which documents a ``DataConfig`` holds out, in words, for the report (in
+    ``iter_eval_documents``' order): "checkpoint data config" alone did not say what text was
+    scored."""
+    from tape_train.data.formats import is_prepared_dir
+
+    parts = []
+    if cfg.eval_sources:
+        parts.append("data.eval_sources " + ", ".join(str(s.name) for s in cfg.eval_sources))
+    prepared = [str(s.name) for s in cfg.sources
+                if any(Path(p).is_dir() and is_prepared_dir(Path(p)) for p in s.paths)]
+    if prepared:
+        parts.append("the eval split of " + ", ".join(prepared))
+    if cfg.eval_fraction > 0:
+        parts.append(f"{cfg.eval_fraction:g} of the documents of "
+                     + ", ".join(str(s.name) for s in cfg.sources) + " (by text hash)")
+    words = "; then ".join(parts) or "no held-out source"
+    if cfg.eval_min_tokens is not None:
+        words += f"; documents of >= {cfg.eval_min_tokens} tokens"
+    if cfg.eval_max_documents is not None:
+        words += f"; the first {cfg.eval_max_documents} documents"
+    return words
 
 
 def _documents(args, meta: dict, longest: int, model_cfg):

@@ -68,8 +68,8 @@ def format_table(runs: list[dict]) -> str:
             if r.get("capped"):
                 caps.add(r.get("max_tokens"))
                 cut = f" {CAPPED_MARK}"
-            lines.append(f"| {table_cell(run['label'])} | {r['protocol']} | {r['length']} | {ratio} | "
-                         f"{stride} | {_num(r, 'perplexity', 3)}{mark} | {_num(r, 'loss', 4)} | "
+            lines.append(f"| {table_cell(run['label'])} | {r['protocol']} | {r['length']} | "
+                         f"{ratio} | {stride} | {_num(r, 'perplexity', 3)}{mark} | {_num(r, 'loss', 4)} | "
                          f"{_num(r, 'bits_per_byte', 4)} | {r['tokens']}{cut} | "
                          f"{r.get('documents_at_length', '–')} | "
                          f"{r.get('windows_at_length', '–')} | "
