@@ -148,11 +148,15 @@ def write_results(exp, table, summaries, out_dir: Path, results_md: Path,
                   f"below), so the rows do not compare")
         print(f"warning: the runs saw different numbers of tokens ({seen}): the report says "
               f"so", file=sys.stderr)
+    # `max_tokens: null` (the docs' way to score the whole long-document set) read "at most
+    # None scored tokens".
+    scored = ("every held-out prediction" if ev.get("max_tokens") is None else
+              f"at most {ev['max_tokens']} scored tokens")
     lines = ["# Length extrapolation at small scale", "",
              f"`tiny` models ({exp['recipe']}, overrides in "
              f"`{config}`), trained at L = "
              f"{train_len} {budget}, evaluated on the held-out demo corpus "
-             f"(at most {ev['max_tokens']} scored tokens per length and protocol). Cells are "
+             f"({scored} per length and protocol). Cells are "
              "perplexity; with several seeds, mean ± half the range. Produced by "
              "`python benchmarks/length_extrapolation.py`.", "",
              f"![perplexity vs context length]({os.path.relpath(plot_path, results_md.parent)})",

@@ -238,6 +238,10 @@ def test_length_extrapolation_report_says_what_was_not_measured(tmp_path, monkey
     assert ("DIFFERENT token budgets (640, 1,280 tokens" in text) == budgets_differ
     assert ("under one token budget" in text) != budgets_differ
     assert (tmp_path / "ppl_vs_length.png").stat().st_size > 0
+    assert "(at most 1000 scored tokens per length and protocol)" in text
+    exp["eval"]["max_tokens"] = None     # the whole held-out set (read "at most None")
+    bench.write_results(exp, bench.aggregate(report), summaries, tmp_path, md)
+    assert "(every held-out prediction per length and protocol)" in md.read_text()
 
 
 def test_length_extrapolation_plot_reads_like_tape_evals(tmp_path, monkeypatch):
