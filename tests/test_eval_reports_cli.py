@@ -663,7 +663,7 @@ def test_rank_zero_reads_the_inputs_once_and_an_input_error_is_printed_once(tmp_
     assert proc.returncode != 0
     assert len(errors(proc)) == 1 and "no-such-data.yaml" in errors(proc)[0], proc.stderr[-3000:]
     assert errors(proc)[0].startswith("tape-eval: error: ")
-    assert reads.read_text().split("\n")[:2] == ["checksums 0", "held-out 0"]
+    assert not reads.exists()   # found before any checkpoint or data is read, on any rank
     assert not (tmp_path / "o").exists()
     # A damaged checkpoint: found by rank 0's read-back, one line, the others stop quietly.
     shard = tmp_path / "run" / "checkpoints" / "step_00000005" / "mp_rank_00_model_states.pt"
@@ -960,3 +960,32 @@ def test_the_report_names_the_held_out_documents(tmp_path):
                                    "tokens; the first 16 documents")
     assert held_out_words(DataConfig.from_dict({"sources": ["a.jsonl"]})) == \
         "no held-out source"
+
+
+def test_a_missing_data_config_is_refused_before_the_checkpoints_are_read(tmp_path, capsys,
+                                                                          monkeypatch):
+    """A mistyped --data was found only after every checkpoint had been read back against its
+    checksums (minutes for a large one)."""
+    from tape_train import loading
+
+    make_checkpoint(tmp_path / "run", "tape", seed=1)
+    resolved = []
+    real_resolve = loading.resolve_checkpoint
+    monkeypatch.setattr(loading, "resolve_checkpoint",
+                        lambda *a, **k: resolved.append(a) or real_resolve(*a, **k))
+    args = ["--checkpoint", str(tmp_path / "run"), "--lengths", "8", "--protocols",
+            "nonoverlap", "--out", str(tmp_path / "o"), "--no-progress", "--data"]
+    assert main([*args, str(tmp_path / "no-such-data.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert "tape-eval: error: data config" in err and "no-such-data.yaml' not found" in err
+    assert resolved == []
+    # Control: a data config that exists goes on to the checkpoints.
+    from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+
+    tok = train_small_tokenizer(tmp_path / "tok", vocab_size=512, max_bytes=100_000)
+    write_jsonl(tmp_path / "heldout.jsonl", real_text_documents(max_documents=4))
+    (tmp_path / "data.yaml").write_text(json.dumps({
+        "sources": [{"path": str(tmp_path / "heldout.jsonl")}], "tokenizer": tok.path,
+        "eval_sources": [{"path": str(tmp_path / "heldout.jsonl")}]}))
+    main([*args, str(tmp_path / "data.yaml")])
+    assert len(resolved) == 1

@@ -480,6 +480,12 @@ def run(args) -> int:
     def read_inputs():
         max_tokens, settings = _checked_settings(args)
         _check_out(args.out)
+        if args.data is not None and not Path(args.data).is_dir():
+            # A missing or malformed --data before the checkpoints' checksums (minutes for a
+            # large one); it is read again, with the checkpoint's settings, for the documents.
+            from tape_train.data import load_data_config
+
+            load_data_config(args.data)
         if alone:  # the device before the checkpoints (a large one's checksums take minutes)
             pick_device(args.device, launch_int("LOCAL_RANK"), "--device")
         # Which checkpoints (a missing, incomplete or damaged one fails here).
