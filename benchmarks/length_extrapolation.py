@@ -7,6 +7,12 @@ all of them at growing context lengths, and write ``docs/results.md`` with a plo
 Every step is resumable: training auto-resumes from the run directory (a finished run
 returns at once) and evaluation is rerun from the checkpoints. The configuration is
 ``configs/experiments/length-extrapolation.yaml``.
+
+A partial run (``--max-steps``, ``--eval-max-tokens`` or a subset of ``--encodings``) writes
+its report under ``<run root>/report`` and, with ``--max-steps``, trains under
+``<run_root>-partial`` (``--run-root``, ``--out-dir`` and ``--results`` override): it never
+replaces the published ``docs/results.md`` and plot, nor trains the experiment's own runs
+under another schedule.
 """
 
 from __future__ import annotations
@@ -56,17 +62,22 @@ def evaluate(exp: dict, runs: list[tuple[str, int]], run_root: Path, out: Path) 
 
 
 def aggregate(report: dict) -> dict[str, dict[tuple[str, int], list[float]]]:
-    """encoding → (protocol, length) → perplexities over seeds."""
+    """encoding → (protocol, length) → perplexities over seeds; NaN where nothing was
+    measured (no held-out window reached the length: ``measured`` false, perplexity null)."""
     table: dict[str, dict[tuple[str, int], list[float]]] = {}
     for model in report["models"]:
         pe = model["label"].rsplit("-seed", 1)[0]
         for r in model["results"]:
-            ppl = r["perplexity"] if r["perplexity"] is not None else math.inf
+            ppl = r["perplexity"]
+            if ppl is None or not r.get("measured", True):
+                ppl = math.nan
             table.setdefault(pe, {}).setdefault((r["protocol"], r["length"]), []).append(ppl)
     return table
 
 
 def cell(values: list[float], digits: int = 2) -> str:
+    if any(math.isnan(v) for v in values):
+        return "n/a"
     if len(values) == 1:
         return f"{values[0]:.{digits}f}"
     return (f"{statistics.mean(values):.{digits}f} ± "
@@ -77,12 +88,14 @@ def plot(table, lengths, protocols, train_len, path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    from tape_train.eval.report import length_axes
+
     fig = Figure(figsize=(5.4 * len(protocols), 4.3), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(protocols), sharey=True, squeeze=False)[0]
     for ax, protocol in zip(axes, protocols):
         for pe, cells in table.items():
-            means = [statistics.mean(cells[(protocol, n)]) for n in lengths]
+            means = [statistics.mean(cells[(protocol, n)]) for n in lengths]  # NaN: a gap
             lo = [min(cells[(protocol, n)]) for n in lengths]
             hi = [max(cells[(protocol, n)]) for n in lengths]
             line, = ax.plot(lengths, means, marker="o", label=pe,
@@ -90,11 +103,11 @@ def plot(table, lengths, protocols, train_len, path: Path) -> None:
             if any(h > l for h, l in zip(hi, lo)):
                 ax.fill_between(lengths, lo, hi, color=line.get_color(), alpha=0.2)
         ax.axvline(train_len, color="0.4", linestyle="--", linewidth=1, label="training length")
-        ax.set(xscale="log", yscale="log", xlabel="context length L (tokens)",
-               title=f"{protocol} windows")
-        ax.set_xscale("log", base=2)
+        length_axes(ax, sorted(set(lengths) | {train_len}))  # plain numbers, as tape-eval's
+        ax.set(xlabel="context length L (tokens)", title=f"{protocol} windows")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="small")
+    # One legend, beside the panels: inside, one per panel, it covered curves.
+    axes[-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1))
     axes[0].set_ylabel("perplexity (held-out demo corpus)")
     fig.savefig(path, format="png", dpi=120)
 
@@ -111,17 +124,39 @@ def run_summary(run_dir: Path) -> dict:
             "steps": train_records[-1]["step"], "tokens": train_records[-1]["tokens_seen"]}
 
 
-def write_results(exp, table, summaries, out_dir: Path, results_md: Path) -> None:
+def few_token_cells(report: dict) -> set[tuple[str, str, int]]:
+    """(encoding, protocol, length) cells where a run's perplexity rests on fewer than
+    tape-eval's FEW_TOKENS predictions at full length (its table's †)."""
+    return {(model["label"].rsplit("-seed", 1)[0], r["protocol"], r["length"])
+            for model in report["models"] for r in model["results"]
+            if r.get("few_tokens") and r.get("measured", True)}
+
+
+def write_results(exp, table, summaries, out_dir: Path, results_md: Path,
+                  few: set[tuple[str, str, int]] = frozenset(),
+                  config: str = "configs/experiments/length-extrapolation.yaml") -> None:
     ev = exp["eval"]
     lengths, protocols = ev["lengths"], ev["protocols"]
     train_len = int(exp["train_overrides"]["train.seq_len"])
     plot_path = out_dir / "ppl_vs_length.png"
     plot(table, lengths, protocols, train_len, plot_path)
+    budgets = sorted({t["tokens"] for t in summaries.values()})
+    budget = "under one token budget"
+    if len(budgets) > 1:  # e.g. a run resumed to more steps, or left short by a kill
+        seen = ", ".join(f"{b:,}" for b in budgets)
+        budget = (f"under DIFFERENT token budgets ({seen} tokens; see the training runs "
+                  f"below), so the rows do not compare")
+        print(f"warning: the runs saw different numbers of tokens ({seen}): the report says "
+              f"so", file=sys.stderr)
+    # `max_tokens: null` (the docs' way to score the whole long-document set) read "at most
+    # None scored tokens".
+    scored = ("every held-out prediction" if ev.get("max_tokens") is None else
+              f"at most {ev['max_tokens']} scored tokens")
     lines = ["# Length extrapolation at small scale", "",
              f"`tiny` models ({exp['recipe']}, overrides in "
-             "`configs/experiments/length-extrapolation.yaml`), trained at L = "
-             f"{train_len} under one token budget, evaluated on the held-out demo corpus "
-             f"(at most {ev['max_tokens']} scored tokens per length and protocol). Cells are "
+             f"`{config}`), trained at L = "
+             f"{train_len} {budget}, evaluated on the held-out demo corpus "
+             f"({scored} per length and protocol). Cells are "
              "perplexity; with several seeds, mean ± half the range. Produced by "
              "`python benchmarks/length_extrapolation.py`.", "",
              f"![perplexity vs context length]({os.path.relpath(plot_path, results_md.parent)})",
@@ -133,13 +168,23 @@ def write_results(exp, table, summaries, out_dir: Path, results_md: Path) -> Non
                   "|---|" + "---:|" * (len(lengths) + 1)]
         for pe, cells in table.items():
             growth = [hi / lo for hi, lo in zip(cells[(protocol, longest)],
-                                                cells[(protocol, train_len)])]
-            lines.append(f"| {pe} | " + " | ".join(cell(cells[(protocol, n)]) for n in lengths)
-                         + f" | {cell(growth, 3)} |")
+                                                cells[(protocol, train_len)])]  # NaN: n/a
+            marked = [cell(cells[(protocol, n)]) + (" †" if (pe, protocol, n) in few else "")
+                      for n in lengths]
+            lines.append(f"| {pe} | " + " | ".join(marked) + f" | {cell(growth, 3)} |")
         lines.append("")
     lines += ["The last column is the extrapolation in one number: below 1, the model uses "
-              "the context beyond its training length; above 1, it degrades there.", "",
-              f"Held-out text: {ev.get('data_note', 'see the experiment config')}.", ""]
+              "the context beyond its training length; above 1, it degrades there.", ""]
+    if few:
+        from tape_train.eval.perplexity import FEW_TOKENS
+
+        lines += [f"†: rests on fewer than {FEW_TOKENS} predictions scored by full-length "
+                  "windows (in at least one seed): a rough estimate; raise the evaluation's "
+                  "max_tokens or use longer held-out documents.", ""]
+    if any(math.isnan(v) for cells in table.values() for vs in cells.values() for v in vs):
+        lines += ["n/a: no held-out document reaches this length, so nothing was measured at "
+                  "it (tape-eval's `measured: false`); use longer held-out documents.", ""]
+    lines += [f"Held-out text: {ev.get('data_note', 'see the experiment config')}.", ""]
     lines += ["## Training runs", "",
               "Same data order, token budget and schedule for every run; throughput per "
               "encoding is measured separately, on an idle machine, in "
@@ -160,23 +205,29 @@ def main() -> int:
     parser.add_argument("--config", default="configs/experiments/length-extrapolation.yaml")
     parser.add_argument("--encodings", nargs="+", help="subset of the experiment's encodings")
     parser.add_argument("--max-steps", type=int, help="override train.max_steps (smoke runs)")
-    parser.add_argument("--run-root", help="override run_root")
-    parser.add_argument("--results", default="docs/results.md")
+    parser.add_argument("--run-root", help="override run_root (with --max-steps: "
+                        "<run_root>-partial)")
+    parser.add_argument("--results", help="the Markdown report (default: docs/results.md; a "
+                        "partial run: <run root>/report/results.md)")
     parser.add_argument("--skip-train", action="store_true", help="evaluate existing runs only")
     parser.add_argument("--skip-eval", action="store_true",
                         help="rewrite the results from the last evaluation's eval.json")
     parser.add_argument("--eval-max-tokens", type=int, help="override eval.max_tokens (smoke runs)")
-    parser.add_argument("--out-dir", help="override out_dir (plots and eval outputs)")
+    parser.add_argument("--out-dir", help="override out_dir (plots and eval outputs; a "
+                        "partial run: <run root>/report)")
     args = parser.parse_args()
     exp = yaml.safe_load((ROOT / args.config).read_text())
     encodings = args.encodings or exp["encodings"]
     unknown = sorted(set(encodings) - set(exp["encodings"]))
     if unknown:
         parser.error(f"--encodings {unknown} not in {args.config}: {exp['encodings']}")
-    run_root = ROOT / (args.run_root or exp["run_root"])
+    for option, value in (("--max-steps", args.max_steps),
+                          ("--eval-max-tokens", args.eval_max_tokens)):
+        if value is not None and value < 1:
+            parser.error(f"{option} must be a positive integer, got {value}")
+    run_root, out_dir, results_md = output_paths(args, exp, encodings)
     if args.eval_max_tokens:
         exp["eval"]["max_tokens"] = args.eval_max_tokens
-    out_dir = ROOT / (args.out_dir or exp["out_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
     extra = [f"train.max_steps={args.max_steps}"] if args.max_steps else []
     runs = runs_of(exp, encodings)
@@ -188,8 +239,42 @@ def main() -> int:
         report = json.loads((out_dir / "eval" / "eval.json").read_text())
     else:
         report = evaluate(exp, runs, run_root, out_dir / "eval")
-    write_results(exp, aggregate(report), summaries, out_dir, ROOT / args.results)
+    write_results(exp, aggregate(report), summaries, out_dir, results_md,
+                  few=few_token_cells(report), config=args.config)
     return 0
+
+
+def output_paths(args: argparse.Namespace, exp: dict, encodings: list[str]
+                 ) -> tuple[Path, Path, Path]:
+    """(run root, out dir, results Markdown) of this invocation.
+
+    A partial run (fewer steps, a smaller evaluation cap, a subset of the encodings) writes its
+    report under ``<run root>/report``, not over the published ``docs/results.md``, its plot
+    and evaluation; with ``--max-steps`` its runs are ``<run_root>-partial`` as well (the
+    experiment's own runs, trained to other ``max_steps``, would no longer share one schedule
+    and budget). ``--run-root``, ``--out-dir`` and ``--results`` override each of these.
+    """
+    partial = [option for option, used in (
+        ("--max-steps", args.max_steps is not None),
+        ("--eval-max-tokens", args.eval_max_tokens is not None),
+        ("--encodings", set(encodings) != set(exp["encodings"]))) if used]
+    if args.run_root:
+        run_root = ROOT / args.run_root
+    else:
+        run_root = ROOT / (exp["run_root"] + ("-partial" if args.max_steps is not None else ""))
+    report = run_root / "report"
+    if args.out_dir:
+        out_dir = ROOT / args.out_dir
+    else:
+        out_dir = report if partial else ROOT / exp["out_dir"]
+    if args.results:
+        results = ROOT / args.results
+    else:
+        results = report / "results.md" if partial else ROOT / "docs" / "results.md"
+    if partial:
+        print(f"partial run ({', '.join(partial)}): runs in {run_root}, report {results}, "
+              f"plot and evaluation in {out_dir}", flush=True)
+    return run_root, out_dir, results
 
 
 if __name__ == "__main__":

@@ -330,17 +330,20 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
     return found
 
 
-def deleted_while_read(tag_dir: Path, exc: BaseException) -> CheckpointError | None:
+def deleted_while_read(tag_dir: Path, exc: BaseException,
+                       when: str = "while it was being read") -> CheckpointError | None:
     """The error for a reader whose checkpoint went away under it (``exc``: what the read
     raised), or ``None`` while the tag is still there. A training run on the same run dir
     deletes its older tags (``checkpoint.keep``) as it saves newer ones, so a long
     ``tape-export`` or ``tape-eval`` of a live run can lose its tag half-way: say so, and what
-    to do, instead of the bare ``No such file`` of whichever file came next."""
+    to do, instead of the bare ``No such file`` of whichever file came next. ``when`` says
+    since when it was relied on (``tape-eval`` checks every checkpoint at the start and reads
+    each one's weights only at its turn)."""
     tag_dir = Path(tag_dir)
     if (tag_dir / MARKER).is_file():
         return None
     return CheckpointError(
-        f"checkpoint {tag_dir} was deleted while it was being read ({exc}): a training run on "
+        f"checkpoint {tag_dir} was deleted {when} ({exc}): a training run on "
         f"this run directory deletes its older checkpoints as it saves newer ones "
         f"(checkpoint.keep); run this again (it reads the newest complete one), or copy the "
         f"tag directory elsewhere first and read the copy")

@@ -4,6 +4,7 @@ quiet cores): it spawns three trainers. Timeouts are hang guards, far above the 
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -162,3 +163,108 @@ def test_bad_scratch_output_or_sizes_are_named_before_measuring(tmp_path, args, 
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert message.format(tmp=tmp_path) in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing written
+
+
+def _length_extrapolation(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import length_extrapolation
+
+    return length_extrapolation
+
+
+@pytest.mark.parametrize("options, partial", [
+    ({}, False),                                      # the experiment: the published report
+    ({"encodings": ["rope", "tape"]}, False),         # all of them, in another order
+    ({"max_steps": 20}, True),
+    ({"eval_max_tokens": 512}, True),
+    ({"encodings": ["tape"]}, True),
+])
+def test_length_extrapolation_partial_run_leaves_the_published_report(monkeypatch, options,
+                                                                       partial):
+    """The documented smoke run (`--encodings tape rope --max-steps 20`) used to train into
+    the experiment's run directories and overwrite docs/results.md and its plot."""
+    bench = _length_extrapolation(monkeypatch)
+    exp = {"encodings": ["tape", "rope"], "run_root": "runs/x", "out_dir": "docs/results"}
+    args = argparse.Namespace(**{"encodings": None, "max_steps": None, "eval_max_tokens": None,
+                                 "run_root": None, "out_dir": None, "results": None,
+                                 **options})
+    encodings = args.encodings or exp["encodings"]
+    run_root, out_dir, results = bench.output_paths(args, exp, encodings)
+    published = (ROOT / "docs" / "results.md", ROOT / "docs" / "results")
+    if not partial:
+        assert (results, out_dir) == published
+        assert run_root == ROOT / "runs" / "x"
+        return
+    assert results != published[0] and out_dir != published[1]
+    assert results.parent == out_dir == run_root / "report"
+    partial_runs = ROOT / "runs" / "x-partial"
+    assert run_root == (partial_runs if "max_steps" in options else ROOT / "runs" / "x")
+    # Named places still win.
+    args.run_root, args.out_dir, args.results = "r", "o", "o/res.md"
+    assert bench.output_paths(args, exp, encodings) == (ROOT / "r", ROOT / "o",
+                                                        ROOT / "o" / "res.md")
+
+
+@pytest.mark.parametrize("budgets_differ", [False, True])
+def test_length_extrapolation_report_says_what_was_not_measured(tmp_path, monkeypatch,
+                                                                budgets_differ):
+    """A length no held-out document reached (perplexity null, `measured: false`) used to read
+    `inf` (and its ratio `inf`); runs of different token budgets were called 'one budget'."""
+    bench = _length_extrapolation(monkeypatch)
+
+    def result(protocol, length, ppl, few=False):
+        return {"protocol": protocol, "length": length, "perplexity": ppl,
+                "measured": ppl is not None, "few_tokens": few or ppl is None}
+
+    report = {"models": [{"label": f"{pe}-seed1", "results": [
+        result("nonoverlap", 64, 10.0 + i), result("nonoverlap", 128, 11.0 + i, few=i == 1),
+        result("nonoverlap", 256, None)]} for i, pe in enumerate(("tape", "rope"))]}
+    exp = {"recipe": "configs/train/demo.yaml", "train_overrides": {"train.seq_len": 64},
+           "eval": {"lengths": [64, 128, 256], "protocols": ["nonoverlap"],
+                    "max_tokens": 1000}}
+    summaries = {"tape-seed1": {"steps": 10, "tokens": 640, "loss": 5.0},
+                 "rope-seed1": {"steps": 20 if budgets_differ else 10,
+                                "tokens": 1280 if budgets_differ else 640, "loss": 5.0}}
+    md = tmp_path / "results.md"
+    bench.write_results(exp, bench.aggregate(report), summaries, tmp_path, md,
+                        few=bench.few_token_cells(report), config="exp.yaml")
+    text = md.read_text()
+    assert "inf" not in text and "overrides in `exp.yaml`" in text
+    assert "| tape | 10.00 | 11.00 | n/a | n/a |" in text
+    # tape-eval's † (few tokens at full length) is kept, for the cell it marks only.
+    assert "| rope | 11.00 | 12.00 † | n/a | n/a |" in text
+    assert "†: rests on fewer than 1000 predictions" in text
+    assert "n/a: no held-out document reaches this length" in text
+    assert ("DIFFERENT token budgets (640, 1,280 tokens" in text) == budgets_differ
+    assert ("under one token budget" in text) != budgets_differ
+    assert (tmp_path / "ppl_vs_length.png").stat().st_size > 0
+    assert "(at most 1000 scored tokens per length and protocol)" in text
+    exp["eval"]["max_tokens"] = None     # the whole held-out set (read "at most None")
+    bench.write_results(exp, bench.aggregate(report), summaries, tmp_path, md)
+    assert "(every held-out prediction per length and protocol)" in md.read_text()
+
+
+def test_length_extrapolation_plot_reads_like_tape_evals(tmp_path, monkeypatch):
+    """The results plot labelled lengths 2^8..2^12 and perplexities 3.465 x 10^2, and drew a
+    legend inside each panel, over the curves of seven encodings."""
+    from matplotlib.axes import Axes
+    from matplotlib.ticker import ScalarFormatter
+
+    bench = _length_extrapolation(monkeypatch)
+    legends, axes = [], []
+    legend = Axes.legend
+
+    def record(ax, *args, **kwargs):
+        legends.append(kwargs)
+        axes.append(ax)
+        return legend(ax, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "legend", record)
+    table = {pe: {(p, n): [300.0 + i + n / 1000] for p in ("nonoverlap", "sliding")
+                  for n in (64, 128, 256)} for i, pe in enumerate(("tape", "rope"))}
+    bench.plot(table, [64, 128, 256], ["nonoverlap", "sliding"], 64, tmp_path / "p.png")
+    assert len(legends) == 1 and legends[0].get("bbox_to_anchor") == (1.02, 1)
+    ax = axes[0]
+    assert list(ax.get_xticks()) == [64, 128, 256]
+    assert isinstance(ax.xaxis.get_major_formatter(), ScalarFormatter)
+    assert ax.yaxis.get_minor_formatter()(300.0) == "300"

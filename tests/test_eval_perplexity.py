@@ -381,3 +381,20 @@ def test_length_reached_by_only_some_documents_counts_only_those():
     assert r["tokens"] == 39 + 3 * 5 and r["measured"]
     [s] = evaluate_perplexity(model, docs, lengths=[16], protocol="sliding")
     assert s["documents_at_length"] == 1 and s["windows_at_length"] == 4  # ends 16, 24, 32, 39
+
+
+def test_an_unreached_length_advises_a_larger_cap_only_when_the_cap_cut_the_data():
+    """The error always said 'use ... a larger eval max_tokens' and '(within max_tokens if
+    set)', also for a held-out set scored whole, where a larger cap changes nothing."""
+    from tape_train.eval.perplexity import UnmeasuredLengthError
+
+    model, docs = tiny_model(seed=5), documents(seed=5, lengths=(8, 9, 7, 30))
+    with pytest.raises(UnmeasuredLengthError) as whole:
+        evaluate_perplexity(model, docs, lengths=[64])          # every document read
+    assert "(the longest one has 29 predictions)" in str(whole.value)
+    assert "max_tokens" not in str(whole.value)
+    with pytest.raises(UnmeasuredLengthError) as cut:           # the 30-token one is not read
+        evaluate_perplexity(model, docs, lengths=[16], max_tokens=20)
+    assert "(the longest one read within max_tokens has 8 predictions)" in str(cut.value)
+    assert "a larger max_tokens (eval.max_tokens, tape-eval --max-tokens: it cut the " \
+           "held-out set)" in str(cut.value)

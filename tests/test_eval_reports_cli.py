@@ -663,7 +663,7 @@ def test_rank_zero_reads_the_inputs_once_and_an_input_error_is_printed_once(tmp_
     assert proc.returncode != 0
     assert len(errors(proc)) == 1 and "no-such-data.yaml" in errors(proc)[0], proc.stderr[-3000:]
     assert errors(proc)[0].startswith("tape-eval: error: ")
-    assert reads.read_text().split("\n")[:2] == ["checksums 0", "held-out 0"]
+    assert not reads.exists()   # found before any checkpoint or data is read, on any rank
     assert not (tmp_path / "o").exists()
     # A damaged checkpoint: found by rank 0's read-back, one line, the others stop quietly.
     shard = tmp_path / "run" / "checkpoints" / "step_00000005" / "mp_rank_00_model_states.pt"
@@ -764,3 +764,228 @@ def test_checkpoints_trained_with_different_tokenizers_of_one_size_are_refused(t
     assert main(["--checkpoint", str(tmp_path / "a"), str(tmp_path / "a-copy"), *args]) == 0
     assert main(["--checkpoint", str(tmp_path / "a"), str(tmp_path / "b"), *args,
                  "--tokenizer", bpe.path]) == 0
+
+
+def test_a_checkpoint_rotated_away_while_another_is_evaluated_is_said_as_such(tmp_path, capsys,
+                                                                              monkeypatch):
+    """tape-eval checks every checkpoint first and reads each one's weights at its turn: a run
+    still training deletes its older tags meanwhile (checkpoint.keep). The error used to be the
+    bare 'checkpoint path ... does not exist' of a typo, after the first model's evaluation."""
+    import shutil
+
+    from tape_train.eval import perplexity
+
+    make_checkpoint(tmp_path / "a", "tape", seed=1)
+    make_checkpoint(tmp_path / "b", "rope", seed=2)
+    tag_b = tmp_path / "b" / "checkpoints" / "step_00000005"
+    real = perplexity.evaluate_perplexity
+    rotate = {"now": True}
+
+    def evaluate_then_rotate(*args, **kwargs):
+        results = real(*args, **kwargs)
+        if rotate["now"] and tag_b.exists():
+            shutil.rmtree(tag_b)                  # what the live run's rotation does
+        return results
+
+    monkeypatch.setattr(perplexity, "evaluate_perplexity", evaluate_then_rotate)
+    out = tmp_path / "o"
+    args = ["--checkpoint", str(tmp_path / "a"), str(tag_b), "--label", "A", "B",
+            "--lengths", "8", "--max-tokens", "16", "--dtype", "fp32", "--out", str(out),
+            "--no-progress"]
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"checkpoint {tag_b} was deleted after tape-eval checked it at the start" in err
+    assert "(evaluated since, and not reported: A)" in err and "checkpoint.keep" in err
+    assert not (out / "eval.json").exists()
+    # Negative control: with the tag left in place both are evaluated.
+    make_checkpoint(tmp_path / "b", "rope", seed=2)
+    rotate["now"] = False
+    assert main(args) == 0
+    assert (out / "eval.json").is_file()
+
+
+def test_labels_keep_their_own_cell_and_show_literally_in_the_plot(tmp_path, monkeypatch):
+    """A `|` in a --label shifted every number of its row under another header (a newline
+    split the row); in the plot `$5 vs $10` became TeX math and a leading `_` hid the line
+    from the legend."""
+    import re
+
+    from matplotlib.axes import Axes
+
+    labels = ["TAPE | ours\nv2", "cost $5 vs $10", "_baseline", "RoPE"]
+    runs = [{"label": label, "train_seq_len": 8,
+             "results": [_result(8, "nonoverlap", 10.0 + i), _result(16, "nonoverlap", 11.0 + i)]}
+            for i, label in enumerate(labels)]
+    table = report.format_table(runs)
+    header, _, *rows = table.strip().splitlines()
+    cells = lambda line: re.split(r"(?<!\\)\|", line)  # noqa: E731 - unescaped pipes
+    assert len(rows) == 2 * len(labels)
+    assert all(len(cells(row)) == len(cells(header)) for row in rows), table
+    assert rows[0].startswith(r"| TAPE \| ours v2 | nonoverlap | 8 |")
+    shown = []
+    legend = Axes.legend
+
+    def record(ax, *args, **kwargs):
+        shown.extend(ax.get_legend_handles_labels()[1])
+        return legend(ax, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "legend", record)
+    report.plot_perplexity_vs_length(runs, tmp_path / "p.png")
+    assert shown[:4] == ["TAPE | ours\nv2", r"cost \$5 vs \$10", " _baseline", "RoPE"]
+    # The JSON keeps the labels as given.
+    report.write_json(tmp_path / "eval.json", runs)
+    assert [m["label"] for m in json.loads((tmp_path / "eval.json").read_text())["models"]] \
+        == labels
+
+
+def test_checkpoints_trained_on_different_data_are_flagged(tmp_path, capsys, caplog):
+    """Run b held out nothing of the text whose hashed 50 % run a held out: scored on a's
+    held-out documents, b was scored on text it trained on, and nothing said so."""
+    from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+
+    tok = train_small_tokenizer(tmp_path / "tok", vocab_size=512, max_bytes=200_000)
+    write_jsonl(tmp_path / "text.jsonl", real_text_documents(max_documents=12))
+    source = [{"path": str(tmp_path / "text.jsonl")}]
+    for name, held_out, weight in (("a", 0.5, 1.0), ("a-too", 0.5, 2.0), ("b", 0.0, 1.0)):
+        data = {"sources": [dict(source[0], weight=weight)], "tokenizer": tok.path,
+                "eval_fraction": held_out}
+        make_checkpoint(tmp_path / name, "tape", seed=3, vocab_size=512, data=data)
+    out = tmp_path / "o"
+    args = ["--lengths", "8", "--protocols", "nonoverlap", "--max-tokens", "40",
+            "--out", str(out), "--no-progress", "--dtype", "fp32"]
+    with caplog.at_level(logging.WARNING, logger="tape_train.eval"):
+        assert main(["--checkpoint", str(tmp_path / "a"), str(tmp_path / "b"), *args]) == 0
+    warned = [r.getMessage() for r in caplog.records if "trained on other data" in r.getMessage()]
+    assert len(warned) == 1 and str(tmp_path / "b") in warned[0]
+    assert "data.eval_fraction" in warned[0] and "may have seen in training" in warned[0]
+    settings = json.loads((out / "eval.json").read_text())["settings"]
+    assert "trained on different data" in settings["data"]
+    # It says which text was scored (it said "checkpoint data config" alone).
+    assert settings["data"].startswith(f"checkpoint data config (0.5 of the documents of "
+                                       f"{tmp_path / 'text.jsonl'} (by text hash))")
+    assert "trained on different data" in (out / "eval.md").read_text()
+    # Control: the same documents (another mixture weight only) are not flagged.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tape_train.eval"):
+        assert main(["--checkpoint", str(tmp_path / "a"), str(tmp_path / "a-too"), *args]) == 0
+    assert not [r for r in caplog.records if "other data" in r.getMessage()]
+    assert "different data" not in json.loads((out / "eval.json").read_text())["settings"]["data"]
+
+
+@pytest.mark.parametrize("rope_train_len", [8, 16])
+def test_each_training_length_line_says_whose_it_is(tmp_path, monkeypatch, rope_train_len):
+    """Models trained at different lengths got two dashed lines and one legend entry,
+    'training length', for the first: which line belonged to which model was not said."""
+    from matplotlib.axes import Axes
+
+    runs = [{"label": label, "train_seq_len": train_len,
+             "results": [_result(n, "nonoverlap", 10.0 + i) for n in (8, 16, 32)]}
+            for i, (label, train_len) in enumerate((("TAPE", 8), ("RoPE", rope_train_len),
+                                                    ("ALiBi", 8)))]
+    shown = []
+    legend = Axes.legend
+
+    def record(ax, *args, **kwargs):
+        shown.extend(ax.get_legend_handles_labels()[1])
+        return legend(ax, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "legend", record)
+    report.plot_perplexity_vs_length(runs, tmp_path / "p.png")
+    lines = [label for label in shown if label.startswith("training length")]
+    if rope_train_len == 8:   # control: one training length, one plain entry
+        assert lines == ["training length"]
+    else:
+        assert lines == ["training length 8: TAPE, ALiBi", "training length 16: RoPE"]
+
+
+def test_a_report_inside_a_checkpoint_is_refused_before_evaluating(tmp_path, capsys):
+    """`--out runs/x/checkpoints/step_N/eval` was written, and deleted with the tag when the
+    run, still training, rotated it (checkpoint.keep)."""
+    make_checkpoint(tmp_path / "run", "rope", seed=4)
+    tag = tmp_path / "run" / "checkpoints" / "step_00000005"
+    args = ["--checkpoint", str(tmp_path / "run"), "--lengths", "8", "--protocols",
+            "nonoverlap", "--max-tokens", "16", "--dtype", "fp32", "--no-progress"]
+    for out in (tag, tag / "eval"):
+        assert main([*args, "--out", str(out)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err == (f"tape-eval: error: --out {out} is inside the checkpoint {tag}, which "
+                       f"training deletes with everything in it as it saves newer checkpoints "
+                       f"(checkpoint.keep): write the report elsewhere, e.g. --out "
+                       f"{tmp_path / 'run' / 'eval'}")
+        assert not (out / "eval.json").exists()
+    # Controls: beside the checkpoints, and a directory of one's own named like a tag.
+    for out in (tmp_path / "run" / "eval", tmp_path / "reports" / "step_00000005"):
+        assert main([*args, "--out", str(out)]) == 0
+        assert (out / "eval.json").is_file()
+
+
+def test_the_plot_says_when_the_cap_cut_the_data_and_which_lengths_have_no_point(tmp_path,
+                                                                                monkeypatch):
+    """The table marks capped token counts (‡) and unmeasured lengths (n/a); the plot showed
+    neither: a capped curve looked like the whole held-out set, a missing point like a gap."""
+    from matplotlib.figure import Figure
+
+    said = []
+    supxlabel = Figure.supxlabel
+    monkeypatch.setattr(Figure, "supxlabel",
+                        lambda fig, text, **kw: said.append(text) or supxlabel(fig, text, **kw))
+
+    def runs(capped, unmeasured):
+        results = [dict(_result(n, "nonoverlap", 10.0), capped=capped, max_tokens=300,
+                        measured=True) for n in (8, 16, 32)]
+        if unmeasured:
+            results[2].update(measured=False, perplexity=math.nan)
+        return [{"label": "TAPE", "train_seq_len": 8, "results": results}]
+
+    report.plot_perplexity_vs_length(runs(True, True), tmp_path / "p.png")
+    text = " ".join(said.pop().split())          # wrapped to the figure's width
+    assert "only the first 300 predictions of the held-out set (max_tokens cut it)" in text
+    assert "no point at L = 32: no held-out document reaches it" in text
+    # Control: the whole held-out set, every length reached: nothing to say.
+    report.plot_perplexity_vs_length(runs(False, False), tmp_path / "p.png")
+    assert said == []
+
+
+def test_the_report_names_the_held_out_documents(tmp_path):
+    from tape_train.data import DataConfig
+    from tape_train.eval.cli import held_out_words
+
+    cfg = DataConfig.from_dict({"sources": [{"path": "train.jsonl"}],
+                                "eval_sources": [{"path": "books.jsonl"}],
+                                "eval_fraction": 0.05, "eval_min_tokens": 4096,
+                                "eval_max_documents": 16})
+    assert held_out_words(cfg) == ("data.eval_sources books.jsonl; then 0.05 of the documents "
+                                   "of train.jsonl (by text hash); documents of >= 4096 "
+                                   "tokens; the first 16 documents")
+    assert held_out_words(DataConfig.from_dict({"sources": ["a.jsonl"]})) == \
+        "no held-out source"
+
+
+def test_a_missing_data_config_is_refused_before_the_checkpoints_are_read(tmp_path, capsys,
+                                                                          monkeypatch):
+    """A mistyped --data was found only after every checkpoint had been read back against its
+    checksums (minutes for a large one)."""
+    from tape_train import loading
+
+    make_checkpoint(tmp_path / "run", "tape", seed=1)
+    resolved = []
+    real_resolve = loading.resolve_checkpoint
+    monkeypatch.setattr(loading, "resolve_checkpoint",
+                        lambda *a, **k: resolved.append(a) or real_resolve(*a, **k))
+    args = ["--checkpoint", str(tmp_path / "run"), "--lengths", "8", "--protocols",
+            "nonoverlap", "--out", str(tmp_path / "o"), "--no-progress", "--data"]
+    assert main([*args, str(tmp_path / "no-such-data.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert "tape-eval: error: data config" in err and "no-such-data.yaml' not found" in err
+    assert resolved == []
+    # Control: a data config that exists goes on to the checkpoints.
+    from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+
+    tok = train_small_tokenizer(tmp_path / "tok", vocab_size=512, max_bytes=100_000)
+    write_jsonl(tmp_path / "heldout.jsonl", real_text_documents(max_documents=4))
+    (tmp_path / "data.yaml").write_text(json.dumps({
+        "sources": [{"path": str(tmp_path / "heldout.jsonl")}], "tokenizer": tok.path,
+        "eval_sources": [{"path": str(tmp_path / "heldout.jsonl")}]}))
+    main([*args, str(tmp_path / "data.yaml")])
+    assert len(resolved) == 1

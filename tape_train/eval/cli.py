@@ -229,7 +229,31 @@ def _data_config(arg: str | None, meta_config: dict, tokenizer_arg: str | None):
         desc = f"data config {arg}"
     if tokenizer_arg is not None:
         cfg.tokenizer = tokenizer_arg
-    return cfg, desc
+    return cfg, f"{desc} ({held_out_words(cfg)})"
+
+
+def held_out_words(cfg) -> str:
+    """Which documents a ``DataConfig`` holds out, in words, for the report (in
+    ``iter_eval_documents``' order): "checkpoint data config" alone did not say what text was
+    scored."""
+    from tape_train.data.formats import is_prepared_dir
+
+    parts = []
+    if cfg.eval_sources:
+        parts.append("data.eval_sources " + ", ".join(str(s.name) for s in cfg.eval_sources))
+    prepared = [str(s.name) for s in cfg.sources
+                if any(Path(p).is_dir() and is_prepared_dir(Path(p)) for p in s.paths)]
+    if prepared:
+        parts.append("the eval split of " + ", ".join(prepared))
+    if cfg.eval_fraction > 0:
+        parts.append(f"{cfg.eval_fraction:g} of the documents of "
+                     + ", ".join(str(s.name) for s in cfg.sources) + " (by text hash)")
+    words = "; then ".join(parts) or "no held-out source"
+    if cfg.eval_min_tokens is not None:
+        words += f"; documents of >= {cfg.eval_min_tokens} tokens"
+    if cfg.eval_max_documents is not None:
+        words += f"; the first {cfg.eval_max_documents} documents"
+    return words
 
 
 def _documents(args, meta: dict, longest: int, model_cfg):
@@ -296,6 +320,49 @@ def _check_same_tokenizer(checkpoints: list[_Checkpoint], used: str) -> None:
                 f"choose one for all)")
 
 
+# What decides which documents a run trained on (and so which ones it never saw): its sources
+# (weights aside: they mix the same documents) and what it held out of them.
+_TRAINING_DATA_KEYS = ("sources", "eval_sources", "eval_fraction", "format")
+
+
+def _training_data(meta: dict) -> dict | None:
+    """The part of a run's data config that decides which documents it trained on; None for a
+    run trained on synthetic tokens (or with no data section)."""
+    from tape_train.data import DataConfig
+
+    config = meta.get("config") or {}
+    if (config.get("train") or {}).get("synthetic_data") or not config.get("data"):
+        return None
+    data = dict(config["data"])
+    try:  # the stored form of every source, so equal settings compare equal however written
+        data = DataConfig.from_dict(data).to_dict()
+    except (TypeError, ValueError):
+        pass
+    picked = {key: data.get(key) for key in _TRAINING_DATA_KEYS}
+    picked["sources"] = [{k: v for k, v in source.items() if k not in ("weight", "name")}
+                         if isinstance(source, dict) else source
+                         for source in picked.get("sources") or []]
+    return picked
+
+
+def _other_training_data(checkpoints: list[_Checkpoint], data_arg: str | None) -> str | None:
+    """A warning when the checkpoints trained on different data (other sources, or other
+    documents held out of them), else None. Without ``--data`` every one is scored on the
+    first one's held-out documents, which another may have trained on (one that held out
+    nothing, or other sources): its perplexity would be flattered."""
+    first = _training_data(checkpoints[0].meta)
+    differ = [c for c in checkpoints[1:] if _training_data(c.meta) != first]
+    if not differ:
+        return None
+    names = ", ".join(str(c.tag_dir) for c in differ)
+    keys = ", ".join(f"data.{k}" for k in _TRAINING_DATA_KEYS)
+    where = ("the held-out documents of --data" if data_arg is not None else
+             f"the held-out documents of the first checkpoint's data ({checkpoints[0].tag_dir})")
+    return (f"{names}: trained on other data than {checkpoints[0].tag_dir} ({keys} differ); "
+            f"every checkpoint is scored on {where}, which a checkpoint trained on other data "
+            f"may have seen in training: compare with care")
+
+
 def _default_label(tag_dir: Path, meta: dict, model_cfg) -> str:
     parent = tag_dir.parent
     run = parent.parent.name if parent.name == "checkpoints" else parent.name
@@ -319,11 +386,22 @@ def _check_out(out: str) -> None:
     if not out.strip():
         raise ValueError(f"--out {out!r} is empty (an unset shell variable?): name the report "
                          f"directory, e.g. --out eval_results (--out . for this one)")
+    from tape_train.checkpoint_layout import CHECKPOINT_DIR, MARKER, step_of_tag
     from tape_train.files import unwritable_reason
 
     reason = unwritable_reason(out)
     if reason is not None:
         raise ValueError(f"--out {out}: {reason}")
+    # A checkpoint's tag directory is the trainer's: its rotation (checkpoint.keep) deletes
+    # the tag with everything in it, a report written there too.
+    path = Path(out).absolute()
+    for inside in (path, *path.parents):
+        if (inside / MARKER).is_file() or (step_of_tag(inside.name) is not None
+                                           and inside.parent.name == CHECKPOINT_DIR):
+            raise ValueError(
+                f"--out {out} is inside the checkpoint {inside}, which training deletes with "
+                f"everything in it as it saves newer checkpoints (checkpoint.keep): write the "
+                f"report elsewhere, e.g. --out {inside.parent.parent / 'eval'}")
 
 
 def _read_checkpoints(args, tag_dirs: list[Path], settings) -> list[_Checkpoint]:
@@ -361,6 +439,11 @@ def _held_out(args, checkpoints: list[_Checkpoint], max_tokens: int | None):
     source, description, tokenizer = _documents(args, first.meta, longest, first.model_cfg)
     if tokenizer is not None and args.tokenizer is None:
         _check_same_tokenizer(checkpoints[1:], tokenizer)
+    other_data = _other_training_data(checkpoints, args.data)
+    if other_data is not None:
+        log.warning("%s", other_data)
+        description += ("; the checkpoints were trained on different data, so these documents "
+                        "may be training text for some of them (the log's warning names them)")
     docs = materialize_documents(source, max_tokens)
     if not docs:
         raise ValueError(f"no held-out document of {description} has two or more tokens: "
@@ -390,12 +473,19 @@ def run(args) -> int:
     from tape_train.devices import pick_device
     from tape_train.eval.perplexity import evaluate_perplexity
     from tape_train.eval.report import format_table, write_reports
+    from tape_train.checkpoint_layout import CheckpointError, deleted_while_read
     from tape_train.loading import load_model_from_checkpoint, resolve_checkpoint
     from tape_train.model import TransformerLM
 
     def read_inputs():
         max_tokens, settings = _checked_settings(args)
         _check_out(args.out)
+        if args.data is not None and not Path(args.data).is_dir():
+            # A missing or malformed --data before the checkpoints' checksums (minutes for a
+            # large one); it is read again, with the checkpoint's settings, for the documents.
+            from tape_train.data import load_data_config
+
+            load_data_config(args.data)
         if alone:  # the device before the checkpoints (a large one's checksums take minutes)
             pick_device(args.device, launch_int("LOCAL_RANK"), "--device")
         # Which checkpoints (a missing, incomplete or damaged one fails here).
@@ -434,7 +524,16 @@ def run(args) -> int:
 
     runs = []
     for i, c in enumerate(checkpoints):
-        _, state, _ = load_model_from_checkpoint(c.tag_dir, map_dtype=None, verify=False)
+        try:
+            _, state, _ = load_model_from_checkpoint(c.tag_dir, map_dtype=None, verify=False)
+        except CheckpointError as exc:  # its run, still training, rotated it away meanwhile
+            done = ", ".join(r["label"] for r in runs)
+            vanished = deleted_while_read(
+                c.tag_dir, exc, when="after tape-eval checked it at the start" + (
+                    f" (evaluated since, and not reported: {done})" if runs else ""))
+            if vanished is None:
+                raise
+            raise vanished from None
         model = TransformerLM(c.model_cfg)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:

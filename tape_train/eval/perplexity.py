@@ -419,16 +419,18 @@ def check_reachable(lengths: list[int], docs: list) -> None:
 
 def _why_unmeasured(docs: list) -> str:
     longest = max(t.numel() - 1 for t, *_ in docs)
-    return (f"no held-out document reaches it (the longest scored one has {longest} "
-            f"predictions; within max_tokens if set): its perplexity would repeat a shorter "
-            f"length's")
+    within = " read within max_tokens" if getattr(docs, "capped", False) else ""
+    return (f"no held-out document reaches it (the longest one{within} has {longest} "
+            f"predictions): its perplexity would repeat a shorter length's")
 
 
 def _unmeasured(lengths: list[int], docs: list) -> UnmeasuredLengthError:
     named = ", ".join(f"L={n}" for n in lengths)
+    # A larger cap helps only where the cap cut the held-out set.
+    cap = (", a larger max_tokens (eval.max_tokens, tape-eval --max-tokens: it cut the "
+           "held-out set)" if getattr(docs, "capped", False) else "")
     return UnmeasuredLengthError(f"cannot evaluate {named}: {_why_unmeasured(docs)}. Use longer "
-                                 f"held-out documents, a larger eval max_tokens, or shorter "
-                                 f"lengths")
+                                 f"held-out documents{cap} or shorter lengths")
 
 
 def summarize(nll_sum: float, tokens: int, n_bytes: float) -> dict:

@@ -27,6 +27,20 @@ def _measured(r: dict) -> bool:
     return r.get("measured", True)
 
 
+def table_cell(text: str) -> str:
+    """A label as one Markdown table cell: a ``|`` would start a new column and a line break
+    end the row, shifting every number after it under another header."""
+    return " ".join(str(text).splitlines()).replace("|", "\\|")
+
+
+def plot_text(text: str) -> str:
+    """A label as matplotlib shows it literally: ``$`` pairs are not TeX math (``cost $5 vs
+    $10`` lost its dollars and went italic), and a leading ``_`` does not hide the line from
+    the legend (matplotlib's convention for unlabelled artists)."""
+    text = str(text).replace("$", "\\$")
+    return f" {text}" if text.startswith("_") else text
+
+
 def format_table(runs: list[dict]) -> str:
     """Markdown table, one row per (model, protocol, length): ppl, loss, bpb, tokens scored,
     and what really reached the length L (documents, full-length windows, their tokens).
@@ -54,8 +68,8 @@ def format_table(runs: list[dict]) -> str:
             if r.get("capped"):
                 caps.add(r.get("max_tokens"))
                 cut = f" {CAPPED_MARK}"
-            lines.append(f"| {run['label']} | {r['protocol']} | {r['length']} | {ratio} | "
-                         f"{stride} | {_num(r, 'perplexity', 3)}{mark} | {_num(r, 'loss', 4)} | "
+            lines.append(f"| {table_cell(run['label'])} | {r['protocol']} | {r['length']} | "
+                         f"{ratio} | {stride} | {_num(r, 'perplexity', 3)}{mark} | {_num(r, 'loss', 4)} | "
                          f"{_num(r, 'bits_per_byte', 4)} | {r['tokens']}{cut} | "
                          f"{r.get('documents_at_length', '–')} | "
                          f"{r.get('windows_at_length', '–')} | "
@@ -153,8 +167,6 @@ def plot_perplexity_vs_length(runs: list[dict], path: str | os.PathLike) -> Path
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import LogFormatter, NullFormatter, ScalarFormatter
-
     protocols = sorted({r["protocol"] for run in runs for r in run["results"]})
     if not protocols:
         raise ValueError("nothing to plot: no results")
@@ -171,7 +183,7 @@ def plot_perplexity_vs_length(runs: list[dict], path: str | os.PathLike) -> Path
                             and math.isfinite(r["perplexity"]))
             if points:
                 xs, ys, thin = zip(*points)
-                line, = ax.plot(xs, ys, marker="o", label=run["label"])
+                line, = ax.plot(xs, ys, marker="o", label=plot_text(run["label"]))
                 hollow = [(x, y) for x, y, t in points if t]
                 if hollow:
                     hx, hy = zip(*hollow)
@@ -181,25 +193,59 @@ def plot_perplexity_vs_length(runs: list[dict], path: str | os.PathLike) -> Path
                             f"few tokens (< {_few_tokens()} at full length)")
                     few_labelled = True
         for i, train_len in enumerate(train_lens):
-            ax.axvline(train_len, color="0.4", linestyle="--", linewidth=1,
-                       label="training length" if i == 0 else None)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        # Plain numbers on both axes: 512 reads better than 2^9 next to a table.
+            # Several: each line says whose it is (a bare "training length" named only one).
+            trained = ", ".join(plot_text(run["label"]) for run in runs
+                                if run.get("train_seq_len") == train_len)
+            ax.axvline(train_len, color="0.4", linestyle=("--", ":", "-.")[i % 3], linewidth=1,
+                       label="training length" if len(train_lens) == 1 else
+                       f"training length {train_len}: {trained}")
         lengths = sorted({r["length"] for run in runs for r in run["results"]} | set(train_lens))
-        ax.set_xticks(lengths)
-        ax.xaxis.set_major_formatter(ScalarFormatter())
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlim(lengths[0] / 1.3, lengths[-1] * 1.3)
-        ax.yaxis.set_major_formatter(LogFormatter())
-        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+        length_axes(ax, lengths)
         ax.set_xlabel("context length L (tokens)")
         ax.set_title(protocol + (" (sliding window)" if protocol == "sliding" else
                                  " (non-overlapping windows)"))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
     axes[0].set_ylabel("perplexity")
+    caption = plot_caption(runs)
+    if caption:  # wrapped to the figure's width (about 17 small characters per inch)
+        import textwrap
+
+        fig.supxlabel(textwrap.fill(caption, int(17 * fig.get_figwidth())), fontsize="small",
+                      color="0.3")
     return write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=120))
+
+
+def length_axes(ax, lengths: list[int]) -> None:
+    """log2 length axis and log perplexity axis, both in plain numbers (512 reads better than
+    2^9 next to a table, 346 better than 3.46 x 10^2), ticks at the lengths evaluated.
+    Shared with ``benchmarks/length_extrapolation.py``."""
+    from matplotlib.ticker import LogFormatter, NullFormatter, ScalarFormatter
+
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(lengths)
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlim(lengths[0] / 1.3, lengths[-1] * 1.3)
+    ax.yaxis.set_major_formatter(LogFormatter())
+    ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+
+
+def plot_caption(runs: list[dict]) -> str:
+    """What the plot's points leave unsaid and the table marks (‡, n/a): that ``max_tokens``
+    cut the held-out set, and which lengths have no point because nothing reached them."""
+    results = [r for run in runs for r in run["results"]]
+    notes = []
+    caps = sorted({r.get("max_tokens") for r in results if r.get("capped")}, key=str)
+    if caps:
+        notes.append(f"every point scores only the first {', '.join(map(str, caps))} "
+                     f"predictions of the held-out set (max_tokens cut it)")
+    missing = sorted({r["length"] for r in results if not _measured(r)})
+    if missing:
+        notes.append("no point at L = " + ", ".join(map(str, missing)) +
+                     ": no held-out document reaches it (n/a in the table)")
+    return "; ".join(notes)
 
 
 def write_reports(out_dir: str | os.PathLike, runs: list[dict],
