@@ -194,6 +194,34 @@ def test_tape_eval_two_checkpoints_end_to_end(tmp_path, capsys):
         payload["models"][1]["results"][0]["nll_sum"], rel=1e-6)
 
 
+def test_auto_dtype_follows_a_checkpoint_trained_in_fp32(tmp_path, monkeypatch, caplog):
+    """``--dtype auto`` evaluates in fp32 when a checkpoint trained in fp32 (as its scheduled
+    evaluation did: bf16 would move its numbers), even where bf16 is fast; a run trained in
+    bf16 gets the device's choice."""
+    import logging
+
+    from tape_train import precision
+
+    fast = precision.PrecisionChoice("bf16", "bf16 is fast here (test)")
+    monkeypatch.setattr(precision, "resolve_dtype", lambda requested, device_type: fast)
+    make_checkpoint(tmp_path / "fp32", "tape", seed=1, train={"dtype": "fp32"})
+    make_checkpoint(tmp_path / "bf16", "rope", seed=2, train={"dtype": "bf16"})
+    common = ["--lengths", "8", "--max-tokens", "16", "--protocols", "nonoverlap",
+              "--no-progress"]
+
+    def dtype_of(*runs: str) -> str:
+        out = tmp_path / "out"
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            assert main(["--checkpoint", *(str(tmp_path / r) for r in runs), *common,
+                         "--out", str(out)]) == 0
+        return json.loads((out / "eval.json").read_text())["settings"]["dtype"]
+
+    assert dtype_of("fp32", "bf16") == "fp32"
+    assert f"{tmp_path / 'fp32'}" in caplog.text and "trained in fp32" in caplog.text
+    assert dtype_of("bf16") == "bf16"          # negative control: the device's choice
+
+
 def test_a_synthetic_run_is_scored_on_the_documents_its_scheduled_evaluation_used(tmp_path,
                                                                                     caplog):
     """A run trained on synthetic data has random held-out documents sized by its eval

@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto, cpu or cuda (default: auto)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
-                   help="evaluation dtype of the weights (default: auto: bf16 where the device "
+                   help="evaluation dtype of the weights (default: auto: fp32 when a checkpoint "
+                        "trained in fp32, else bf16 where the device "
                         "has fast native bf16, else fp32; tape_train.precision)")
     p.add_argument("--progress", choices=MODES, default="auto",
                    help="progress bars: auto (only on a terminal, never in a redirected log), "
@@ -363,6 +364,15 @@ def _other_training_data(checkpoints: list[_Checkpoint], data_arg: str | None) -
             f"may have seen in training: compare with care")
 
 
+def _trained_in_fp32(checkpoints: list[_Checkpoint]) -> list[str]:
+    """The checkpoints whose run trained in fp32 (its stored ``train.dtype``: a run's ``auto``
+    is stored resolved). ``--dtype auto`` then evaluates every checkpoint in fp32, as that
+    run's own scheduled evaluation did: in bf16 its numbers would move in the 4th digit, as
+    much as the effect a length sweep of a small model measures."""
+    return [str(c.tag_dir) for c in checkpoints
+            if ((c.meta.get("config") or {}).get("train") or {}).get("dtype") == "fp32"]
+
+
 def _default_label(tag_dir: Path, meta: dict, model_cfg) -> str:
     parent = tag_dir.parent
     run = parent.parent.name if parent.name == "checkpoints" else parent.name
@@ -513,6 +523,12 @@ def run(args) -> int:
             return args.dtype
         from tape_train.precision import resolve_dtype
 
+        trained = _trained_in_fp32(checkpoints) if args.dtype == "auto" else []
+        if trained:
+            log.info("precision: fp32 (requested auto: %s trained in fp32, so its scheduled "
+                     "evaluation ran in fp32 too; --dtype bf16 evaluates in bf16)",
+                     ", ".join(trained))
+            return "fp32"
         precision = resolve_dtype(args.dtype, device.type)
         log.info("%s", precision.log_line(args.dtype))
         if precision.warning:
