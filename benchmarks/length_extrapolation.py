@@ -108,7 +108,7 @@ def plot(table, lengths, protocols, train_len, path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     # One legend, beside the panels: inside, one per panel, it covered curves.
     axes[-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1))
-    axes[0].set_ylabel("perplexity (held-out demo corpus)")
+    axes[0].set_ylabel("perplexity (held-out text)")
     fig.savefig(path, format="png", dpi=120)
 
 
@@ -134,7 +134,9 @@ def few_token_cells(report: dict) -> set[tuple[str, str, int]]:
 
 def write_results(exp, table, summaries, out_dir: Path, results_md: Path,
                   few: set[tuple[str, str, int]] = frozenset(),
-                  config: str = "configs/experiments/length-extrapolation.yaml") -> None:
+                  config: str = "configs/experiments/length-extrapolation.yaml",
+                  held_out: str | None = None) -> None:
+    """``held_out``: what tape-eval scored (its ``settings.data``), named in the header."""
     ev = exp["eval"]
     lengths, protocols = ev["lengths"], ev["protocols"]
     train_len = int(exp["train_overrides"]["train.seq_len"])
@@ -155,7 +157,8 @@ def write_results(exp, table, summaries, out_dir: Path, results_md: Path,
     lines = ["# Length extrapolation at small scale", "",
              f"`tiny` models ({exp['recipe']}, overrides in "
              f"`{config}`), trained at L = "
-             f"{train_len} {budget}, evaluated on the held-out demo corpus "
+             f"{train_len} {budget}, evaluated on "
+             f"{held_out or 'the held-out documents of the runs’ data'} "
              f"({scored} per length and protocol). Cells are "
              "perplexity; with several seeds, mean ± half the range. Produced by "
              "`python benchmarks/length_extrapolation.py`.", "",
@@ -240,7 +243,8 @@ def main() -> int:
     else:
         report = evaluate(exp, runs, run_root, out_dir / "eval")
     write_results(exp, aggregate(report), summaries, out_dir, results_md,
-                  few=few_token_cells(report), config=args.config)
+                  few=few_token_cells(report), config=args.config,
+                  held_out=(report.get("settings") or {}).get("data"))
     return 0
 
 

@@ -240,8 +240,13 @@ def test_length_extrapolation_report_says_what_was_not_measured(tmp_path, monkey
     assert (tmp_path / "ppl_vs_length.png").stat().st_size > 0
     assert "(at most 1000 scored tokens per length and protocol)" in text
     exp["eval"]["max_tokens"] = None     # the whole held-out set (read "at most None")
-    bench.write_results(exp, bench.aggregate(report), summaries, tmp_path, md)
-    assert "(every held-out prediction per length and protocol)" in md.read_text()
+    bench.write_results(exp, bench.aggregate(report), summaries, tmp_path, md,
+                        held_out="data config exp.yaml (0.1 of the documents of web)")
+    text = md.read_text()
+    assert "(every held-out prediction per length and protocol)" in text
+    # What tape-eval scored, not "the held-out demo corpus" whatever the config.
+    assert "evaluated on data config exp.yaml (0.1 of the documents of web) (" in text
+    assert "demo corpus" not in text
 
 
 def test_length_extrapolation_plot_reads_like_tape_evals(tmp_path, monkeypatch):
