@@ -115,6 +115,7 @@ def ensure_universal(tag_dir: Path, out_dir: Path | None = None, *,
     tag_dir = Path(tag_dir)
     target = Path(out_dir) if out_dir is not None else tag_dir / UNIVERSAL
     if target.is_dir():
+        _wrap_bare_states(target, tag_dir)  # converted by an older version: see there
         return target
     reason = why_incomplete(tag_dir)
     if reason is not None:
@@ -151,6 +152,7 @@ def ensure_universal(tag_dir: Path, out_dir: Path | None = None, *,
             raise CheckpointError(f"converting {tag_dir} to the universal format failed "
                                   f"({how}); the checkpoint itself is untouched. Last "
                                   f"output:\n{last}")
+        _wrap_bare_states(tmp, tag_dir)
         write_atomic(tmp / "CONVERTED.json", json.dumps(
             {"source": tag_dir.name, "seconds": round(time.perf_counter() - start, 2)}))
         try:
@@ -164,6 +166,33 @@ def ensure_universal(tag_dir: Path, out_dir: Path | None = None, *,
     # the target when it gets the lock, one arriving later before it locks anything.
     target.with_name(f".{target.name}.lock").unlink(missing_ok=True)
     return target
+
+
+def _wrap_bare_states(universal_dir: Path, tag_dir: Path) -> None:
+    """Store every ``zero/<name>/<state>.pt`` of a converted ZeRO-3 checkpoint without tensor
+    parallelism as ``{"param": tensor}``, the form the converter writes for every other
+    checkpoint.
+
+    DeepSpeed 0.19.8's converter writes those states as bare tensors, and its ZeRO-3 loader
+    cuts a tensor-parallel rank's shard only out of the dict form: a resume at tp > 1 from
+    such a checkpoint read the whole weight as if it were the shard and failed with
+    ``start (…) + length (…) exceeds dimension size (…)``. Both forms load the same at tp = 1.
+    Idempotent; files are replaced atomically and in order, so when the last one is a dict
+    every one is (a process killed half-way left a prefix done)."""
+    marker = read_marker(tag_dir)
+    if int(marker.get("zero_stage", 3)) != 3 or saved_layout(marker)["tp"] != 1:
+        return  # the converter wrote dicts
+    paths = sorted(Path(universal_dir).glob("zero/*/*.pt"))
+    if not paths or not torch.is_tensor(_load_state(paths[-1])):
+        return
+    for path in paths:
+        state = _load_state(path)
+        if torch.is_tensor(state):
+            write_atomic(path, lambda fh, state=state: torch.save({"param": state}, fh))
+
+
+def _load_state(path: Path):
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 @contextlib.contextmanager

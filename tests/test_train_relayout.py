@@ -1,6 +1,6 @@
-"""Resume on another parallel layout: the rules (``tape_train.train.relayout``) and a ZeRO-1
-round trip on synthetic data (the ZeRO-3 DP/SP/TP cases on real text are in
-``test_train_resume.py``)."""
+"""Resume on another parallel layout: the rules (``tape_train.train.relayout``), a ZeRO-1
+round trip and a ZeRO-3 TP1 → TP2 resume on synthetic data (the ZeRO-3 DP/SP/TP → 1 cases on
+real text are in ``test_train_resume.py``)."""
 
 from __future__ import annotations
 
@@ -107,3 +107,110 @@ def test_zero1_checkpoint_resumes_on_one_process(tmp_path):
     for step, loss in losses["resumed"].items():
         assert loss == pytest.approx(losses["straight"][step], rel=1e-5, abs=1e-6), step
     assert len({round(v, 5) for v in losses["straight"].values()}) > 3  # the losses move
+
+
+def _zero3_one_rank(run_dir: str) -> dict:
+    """One process, ZeRO-3 without tensor parallelism (grad_accum 2): 8 steps, with the
+    step-4 checkpoint saved on the way. Returns the losses of every step."""
+    from tape_train.train.loop import Trainer
+
+    trainer = Trainer(load_run_config(None, SYNTHETIC + [
+        "parallel.zero_stage=3", "train.grad_accum_steps=2", f"train.run_dir={run_dir}"]))
+    trainer.setup()
+    losses = {}
+    while trainer.state.step < 8:
+        loss = trainer.train_step()["loss"]
+        losses[trainer.state.step] = loss
+        if trainer.state.step == 4:
+            trainer.save()
+    trainer.close()
+    return losses
+
+
+def _zero3_tp2_resume(run_dir: str) -> dict:
+    from tape_train.train.loop import Trainer
+
+    trainer = Trainer(load_run_config(None, SYNTHETIC + [
+        "parallel.zero_stage=3", "parallel.tp=2", "train.grad_accum_steps=2",
+        f"train.run_dir={run_dir}"]))
+    trainer.setup()
+    losses = {}
+    while trainer.state.step < 8:
+        loss = trainer.train_step()["loss"]
+        losses[trainer.state.step] = loss
+    trainer.close()
+    return losses
+
+
+@pytest.mark.distributed
+def test_zero3_checkpoint_without_tensor_parallelism_resumes_at_tp2(tmp_path):
+    """TP1 → TP2: DeepSpeed's converter writes a ZeRO-3 checkpoint without TP as bare tensors,
+    which its loader does not cut into TP shards (the resume failed with "start (…) + length
+    (…) exceeds dimension size (…)"); stored as dicts, the TP2 resume continues the one-process
+    run's losses."""
+    import shutil
+
+    straight = run_distributed_test(_zero3_one_rank, world_size=1,
+                                    args=(str(tmp_path / "one"),), timeout=300)[0]
+    tag = "step_00000004"
+    shutil.copytree(tmp_path / "one" / "checkpoints" / tag,
+                    tmp_path / "tp2" / "checkpoints" / tag)
+    resumed = run_distributed_test(_zero3_tp2_resume, world_size=2,
+                                   args=(str(tmp_path / "tp2"),), timeout=300)
+    assert resumed[0] == resumed[1]
+    assert sorted(resumed[0]) == [5, 6, 7, 8]
+    for step, loss in resumed[0].items():
+        assert loss == pytest.approx(straight[step], rel=1e-5, abs=1e-6), step
+    assert len({round(v, 5) for v in straight.values()}) > 3  # the losses move
+
+
+_BARE_CONVERTER = """import os, sys, torch
+out = sys.argv[sys.argv.index("--output_folder") + 1]
+for name in ("embed.weight", "layers.0.attn.q_proj.weight"):
+    os.makedirs(os.path.join(out, "zero", name))
+    for i, state in enumerate(("exp_avg", "exp_avg_sq", "fp32")):
+        torch.save(torch.arange(6.0) + i, os.path.join(out, "zero", name, state + ".pt"))
+torch.save({"optimizer_state_dict": {}}, os.path.join(out, "zero", "optimizer_state.pt"))
+"""
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_universal_form_of_a_zero3_checkpoint_stores_every_state_as_a_dict(
+        tmp_path, monkeypatch, cached):
+    """What DeepSpeed's ZeRO-3 loader needs to cut TP shards (see the test above), made fast:
+    a converter writing bare tensors, as DeepSpeed's does for ZeRO-3 without TP. Fresh
+    conversions and universal forms cached by an earlier version (one file already done, as
+    a killed pass leaves them) end with every state as ``{"param": tensor}``, values intact;
+    the optimizer's global state is left alone."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    from tape_train import loading
+
+    tag = tmp_path / "checkpoints" / "step_00000004"
+    tag.mkdir(parents=True)
+    (tag / "COMPLETE.json").write_text(json.dumps(
+        {"files": {}, "zero_stage": 3, "layout": {"dp": 2, "sp": 1, "tp": 1}}))
+    script = tmp_path / "converter.py"
+    script.write_text(_BARE_CONVERTER)
+    command = lambda tag_dir, out: [sys.executable, str(script), "--output_folder", str(out)]  # noqa: E731
+    if cached:
+        subprocess.run(command(tag, tag / "universal"), check=True)
+        first = tag / "universal" / "zero" / "embed.weight" / "exp_avg.pt"
+        torch.save({"param": torch.load(first)}, first)
+        monkeypatch.setattr(loading, "converter_command", None)  # must not convert again
+    else:
+        monkeypatch.setattr(loading, "converter_command", command)
+    universal = loading.ensure_universal(tag)
+    files = sorted(universal.glob("zero/*/*.pt"))
+    assert len(files) == 6
+    for path in files:
+        state = torch.load(path, weights_only=False)
+        assert isinstance(state, dict) and set(state) == {"param"}, path
+        offset = ("exp_avg", "exp_avg_sq", "fp32").index(path.stem)
+        assert torch.equal(state["param"], torch.arange(6.0) + offset), path
+    assert torch.load(universal / "zero" / "optimizer_state.pt") == {"optimizer_state_dict": {}}
+    assert loading.read_universal_weights(universal)["embed.weight"].shape == (6,)
