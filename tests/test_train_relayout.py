@@ -62,7 +62,7 @@ def test_each_new_rank_continues_the_saved_rank_at_its_data_parallel_coordinate(
         == [0, 4, 0]
 
 
-def _zero1_round_trip(run_root: str) -> dict:
+def _round_trip(run_root: str, stage: int) -> dict:
     """At 1 process: the uninterrupted run (grad_accum 2), and the resume of the 2-process
     run's step-4 checkpoint (saved by the caller) with grad_accum 2."""
     from tape_train.train.loop import Trainer
@@ -70,7 +70,7 @@ def _zero1_round_trip(run_root: str) -> dict:
     losses = {}
     for name in ("straight", "resumed"):
         trainer = Trainer(load_run_config(None, SYNTHETIC + [
-            "parallel.zero_stage=1", "train.grad_accum_steps=2",
+            f"parallel.zero_stage={stage}", "train.grad_accum_steps=2",
             f"train.run_dir={run_root}/{name}"]))
         trainer.setup()
         losses[name] = {}
@@ -81,11 +81,11 @@ def _zero1_round_trip(run_root: str) -> dict:
     return losses
 
 
-def _train_two_ranks(run_dir: str) -> None:
+def _train_two_ranks(run_dir: str, stage: int) -> None:
     from tape_train.train.loop import Trainer
 
     trainer = Trainer(load_run_config(None, SYNTHETIC + [
-        "parallel.zero_stage=1", "train.max_steps=8", f"train.run_dir={run_dir}"]))
+        f"parallel.zero_stage={stage}", "train.max_steps=8", f"train.run_dir={run_dir}"]))
     trainer.setup()
     for _ in range(4):
         trainer.train_step()
@@ -94,16 +94,20 @@ def _train_two_ranks(run_dir: str) -> None:
 
 
 @pytest.mark.distributed
-def test_zero1_checkpoint_resumes_on_one_process(tmp_path):
+@pytest.mark.parametrize("stage", [0, 1])
+def test_zero_checkpoint_resumes_on_one_process(tmp_path, stage):
+    """DP2 → DP1: ZeRO-1 through the universal form; ZeRO-0 (whole weights in one file)
+    loads directly, which the world-size check of a same-layout resume used to refuse."""
     import shutil
 
-    run_distributed_test(_train_two_ranks, world_size=2, args=(str(tmp_path / "two"),),
+    run_distributed_test(_train_two_ranks, world_size=2, args=(str(tmp_path / "two"), stage),
                          timeout=300)
     shutil.copytree(tmp_path / "two" / "checkpoints", tmp_path / "resumed" / "checkpoints")
-    losses = run_distributed_test(_zero1_round_trip, world_size=1, args=(str(tmp_path),),
+    losses = run_distributed_test(_round_trip, world_size=1, args=(str(tmp_path), stage),
                                   timeout=300)[0]
     assert sorted(losses["resumed"]) == [5, 6, 7, 8]
-    assert (tmp_path / "resumed" / "checkpoints" / "step_00000004" / "universal").is_dir()
+    universal = tmp_path / "resumed" / "checkpoints" / "step_00000004" / "universal"
+    assert universal.is_dir() == (stage == 1)
     for step, loss in losses["resumed"].items():
         assert loss == pytest.approx(losses["straight"][step], rel=1e-5, abs=1e-6), step
     assert len({round(v, 5) for v in losses["straight"].values()}) > 3  # the losses move

@@ -436,7 +436,7 @@ class Trainer:
         moved = self._relayout
         meta, rank_state = ckpt.load_training_state(
             self.engine, tag_dir, self.rank, universal=moved is not None and moved.universal,
-            state_rank=relayout.source_rank(moved.saved, self.grid) if moved else self.rank)
+            other_layout=moved is not None, state_rank=relayout.source_rank(moved.saved, self.grid) if moved else self.rank)
         self.state = TrainState(**meta["train_state"])
         ckpt.restore_rng_state(rank_state["rng"])
         if rank_state.get("loader") is not None:
