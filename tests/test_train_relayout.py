@@ -54,6 +54,22 @@ def test_layout_change_rules_name_what_breaks_and_how_to_fix_it():
     assert not relayout.plan(_marker(dp=2, zero=0), *_now(1, gas=2)).universal
 
 
+def test_a_zero_stage_change_into_or_out_of_zero3_or_zero0_cannot_be_loaded():
+    def why(saved, now):
+        cfg, _ = _now(1)
+        cfg.parallel.zero_stage = now
+        return relayout.unloadable(_marker(zero=saved), cfg)
+
+    assert why(3, 1) == ("parallel.zero_stage changes from 3 to 1: DeepSpeed cannot load a "
+                         "ZeRO-3 checkpoint into a ZeRO-1 engine (universal form included); "
+                         "resume with parallel.zero_stage=3")
+    for saved, now in ((1, 3), (3, 2), (0, 1), (1, 0), (0, 3)):
+        assert f"from {saved} to {now}" in why(saved, now), (saved, now)
+        assert why(saved, now).endswith(f"resume with parallel.zero_stage={saved}")
+    for saved, now in ((1, 2), (2, 1), (3, 3), (0, 0)):
+        assert why(saved, now) is None, (saved, now)
+
+
 def test_each_new_rank_continues_the_saved_rank_at_its_data_parallel_coordinate():
     saved = {"dp": 2, "sp": 2, "tp": 2}  # ranks: dp0 -> 0..3, dp1 -> 4..7
     assert [relayout.source_rank(saved, RankGrid.from_sizes(4, rank=r, tp=2))

@@ -436,7 +436,8 @@ class Trainer:
         moved = self._relayout
         meta, rank_state = ckpt.load_training_state(
             self.engine, tag_dir, self.rank, universal=moved is not None and moved.universal,
-            other_layout=moved is not None, state_rank=relayout.source_rank(moved.saved, self.grid) if moved else self.rank)
+            other_layout=moved is not None,
+            state_rank=relayout.source_rank(moved.saved, self.grid) if moved else self.rank)
         self.state = TrainState(**meta["train_state"])
         ckpt.restore_rng_state(rank_state["rng"])
         if rank_state.get("loader") is not None:
@@ -534,6 +535,9 @@ class Trainer:
         self.dtype = choice.torch_dtype
 
     def _check_config(self, marker: dict, tag_dir: Path) -> None:
+        impossible = relayout.unloadable(marker, self.cfg)
+        if impossible is not None:
+            raise ckpt.CheckpointError(f"cannot resume from {tag_dir}: {impossible}")
         diffs = diff_configs(marker.get("config", {}), self.cfg.to_dict())
         protected = protected_differences(diffs)
         layout_keys = [k for k in protected if k.startswith(relayout.LAYOUT_KEYS)]

@@ -559,11 +559,15 @@ def _check_resume(cfg, grid, tag: Path, allow_config_change: bool, report: Repor
                     f"{root / ckpt.SUPERSEDED}/<time>/ (nothing is deleted) and continue from "
                     f"step {step}")
     found = relayout.problems(marker, cfg, grid)
+    impossible = relayout.unloadable(marker, cfg)
     from tape_train.train.relayout import protected_differences
 
     protected = [k for k in protected_differences(diff_configs(marker.get("config", {}),
                                                                cfg.to_dict()))
-                 if not k.startswith(relayout.LAYOUT_KEYS)]
+                 if not k.startswith(relayout.LAYOUT_KEYS)
+                 and not (impossible and k == "parallel.zero_stage")]
+    if impossible is not None:  # --allow-config-change cannot make it load
+        report.problem(f"resume from {tag}: {impossible}")
     if protected:
         found.append(f"these config changes would corrupt the run: {', '.join(protected)}")
     from tape_train.train.optim import lr_change_at_resume

@@ -48,6 +48,23 @@ LAYOUT_KEYS = ("parallel.dp", "parallel.sp", "parallel.tp", "train.micro_batch_s
                "train.grad_accum_steps")
 
 
+def unloadable(marker: dict, cfg) -> str | None:
+    """Why this run's engine cannot load the checkpoint at all (not even with
+    ``--allow-config-change``), or ``None``.
+
+    Into or out of ZeRO-3: DeepSpeed 0.19.8 names and fills the model-states files per
+    stage (ZeRO-3 ``zero_pp_rank_*_mp_rank_*``, ZeRO-0/1/2 ``mp_rank_*``), in the universal
+    form too, so the engine finds no file it can read and fails in the load with a bare
+    ``AssertionError``. Into or out of ZeRO-0: one side has no optimizer shards. (ZeRO-1 and
+    ZeRO-2 share their files; a change between them is a protected config change.)"""
+    saved, now = int(marker.get("zero_stage", 3)), cfg.parallel.zero_stage
+    if saved == now or {saved, now} == {1, 2}:
+        return None
+    return (f"parallel.zero_stage changes from {saved} to {now}: DeepSpeed cannot load a "
+            f"ZeRO-{saved} checkpoint into a ZeRO-{now} engine (universal form included); "
+            f"resume with parallel.zero_stage={saved}")
+
+
 @dataclass(frozen=True)
 class Relayout:
     """A resume whose layout differs from the checkpoint's.
