@@ -23,7 +23,8 @@ import torch
 
 from tape_train.config import RunConfig, diff_configs
 from tape_train.data.config import DataError
-from tape_train.devices import DeviceError, LaunchError, check_device, launch_int
+from tape_train.devices import (DeviceError, LaunchError, check_device, launch_int,
+                                speaks_for_node)
 from tape_train.eval.perplexity import UnmeasuredLengthError
 from tape_train.files import FileWriteError, write_atomic
 from tape_train.train import checkpoint as ckpt
@@ -955,7 +956,7 @@ class Trainer:
             log.error("%s", exc)
             code, reason = EXIT_ERROR, str(exc)
         except PreflightError as exc:
-            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per node
+            if speaks_for_node():  # once per node
                 for line in exc.problems:
                     print(f"tape-train: preflight: error: {line}", file=sys.stderr, flush=True)
             code = EXIT_ERROR
