@@ -35,8 +35,8 @@ from tape_train.train.relayout import protected_differences
 from tape_train.train.engine import build_engine, count_target_tokens, forward_backward
 from tape_train.host_memory import keep_freed_memory
 from tape_train.train.cuda_allocator import RetryWatch
-from tape_train.train.metrics import (MetricsWriter, format_summary, memory_metrics, read_metrics,
-                                      setup_logging)
+from tape_train.train.metrics import (MetricsWriter, format_summary, memory_metrics,
+                                      quiet_library_deprecations, read_metrics, setup_logging)
 from tape_train.train.optim import LRSchedule, lr_change_at_resume
 from tape_train.train.peak import checked_mfu, device_peak_tflops
 from tape_train.precision import PrecisionChoice, deterministic_algorithms, resolve_dtype
@@ -159,6 +159,7 @@ class Trainer:
                                            cfg.train.cuda_expandable_segments)
         self.rank = self.dist.rank
         setup_logging(self.rank, cfg.logging.all_ranks)
+        quiet_library_deprecations()
         self.profiler = RunProfiler(cfg.profile, self.run_dir, self.rank, self.dist.device,
                                     cfg.train.max_steps)
         self.profiler.record_memory()
