@@ -198,10 +198,10 @@ torch.save({"optimizer_state_dict": {}}, os.path.join(out, "zero", "optimizer_st
 def test_universal_form_of_a_zero3_checkpoint_stores_every_state_as_a_dict(
         tmp_path, monkeypatch, cached):
     """What DeepSpeed's ZeRO-3 loader needs to cut TP shards (see the test above), made fast:
-    a converter writing bare tensors, as DeepSpeed's does for ZeRO-3 without TP. Fresh
-    conversions and universal forms cached by an earlier version (one file already done, as
-    a killed pass leaves them) end with every state as ``{"param": tensor}``, values intact;
-    the optimizer's global state is left alone."""
+    a converter writing bare tensors, as DeepSpeed's does for ZeRO-3 without TP. For a load at
+    tp > 1, fresh conversions and universal forms cached without it (one file already done,
+    as a killed pass leaves them) end with every state as ``{"param": tensor}``, values
+    intact; the optimizer's global state is left alone. A load at tp = 1 rewrites nothing."""
     import json
     import subprocess
     import sys
@@ -224,7 +224,9 @@ def test_universal_form_of_a_zero3_checkpoint_stores_every_state_as_a_dict(
         monkeypatch.setattr(loading, "converter_command", None)  # must not convert again
     else:
         monkeypatch.setattr(loading, "converter_command", command)
-    universal = loading.ensure_universal(tag)
+        bare = loading.ensure_universal(tag, out_dir=tmp_path / "for-tp1")
+        assert torch.is_tensor(torch.load(bare / "zero" / "embed.weight" / "fp32.pt"))
+    universal = loading.ensure_universal(tag, tensor_parallel=True)
     files = sorted(universal.glob("zero/*/*.pt"))
     assert len(files) == 6
     for path in files:
