@@ -190,16 +190,23 @@ def _wrap_bare_states(universal_dir: Path, tag_dir: Path) -> None:
     if int(marker.get("zero_stage", 3)) != 3 or saved_layout(marker)["tp"] != 1:
         return  # the converter wrote dicts
     paths = sorted(Path(universal_dir).glob("zero/*/*.pt"))
-    if not paths or not torch.is_tensor(_load_state(paths[-1])):
+    if not paths or not torch.is_tensor(_load_state(paths[-1], universal_dir)):
         return
     for path in paths:
-        state = _load_state(path)
+        state = _load_state(path, universal_dir)
         if torch.is_tensor(state):
             write_atomic(path, lambda fh, state=state: torch.save({"param": state}, fh))
 
 
-def _load_state(path: Path):
-    return torch.load(path, map_location="cpu", weights_only=False)
+def _load_state(path: Path, universal_dir: Path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - a damaged file surfaces as many types
+        raise CheckpointError(
+            f"{path} of the universal form is unreadable ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); delete "
+            f"{universal_dir} and run again: it is converted anew from the checkpoint, "
+            f"which is untouched") from exc
 
 
 @contextlib.contextmanager

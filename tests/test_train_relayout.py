@@ -236,3 +236,27 @@ def test_universal_form_of_a_zero3_checkpoint_stores_every_state_as_a_dict(
         assert torch.equal(state["param"], torch.arange(6.0) + offset), path
     assert torch.load(universal / "zero" / "optimizer_state.pt") == {"optimizer_state_dict": {}}
     assert loading.read_universal_weights(universal)["embed.weight"].shape == (6,)
+
+
+def test_an_unreadable_file_of_a_cached_universal_form_is_named_with_the_fix(tmp_path):
+    """A damaged state file in a cached universal form (a disk error) is named, with what to
+    do: delete the form, which the next run converts anew; the checkpoint is not touched."""
+    import json
+
+    import torch
+
+    from tape_train import loading
+
+    tag = tmp_path / "checkpoints" / "step_00000004"
+    state = tag / "universal" / "zero" / "norm.weight"
+    state.mkdir(parents=True)
+    (tag / "COMPLETE.json").write_text(json.dumps(
+        {"files": {}, "zero_stage": 3, "layout": {"dp": 2, "sp": 1, "tp": 1}}))
+    torch.save(torch.ones(4), state / "exp_avg.pt")
+    (state / "fp32.pt").write_bytes(b"PK\x03\x04 cut short")
+    with pytest.raises(loading.CheckpointError) as failed:
+        loading.ensure_universal(tag, tensor_parallel=True)
+    message = str(failed.value)
+    assert message.startswith(f"{state / 'fp32.pt'} of the universal form is unreadable (")
+    assert message.endswith(f"delete {tag / 'universal'} and run again: it is converted anew "
+                            f"from the checkpoint, which is untouched")
