@@ -40,6 +40,16 @@ def launch_int(name: str) -> int:
     return value
 
 
+def speaks_for_node() -> bool:
+    """Whether this process reports an error that every process of its node meets alike (a
+    config error, the preflight's problems): the one with ``LOCAL_RANK`` 0, or a process
+    started alone. A malformed ``LOCAL_RANK`` counts as 0, so that its own error is seen."""
+    try:
+        return launch_int("LOCAL_RANK") == 0
+    except LaunchError:
+        return True
+
+
 def check_launch_environment() -> None:
     """Before any start-up work: torchrun's variables are integers, and a ``WORLD_SIZE`` above
     1 comes with the ``RANK`` below it that torchrun gives each process. A ``WORLD_SIZE`` left

@@ -90,7 +90,8 @@ def converter_command(tag_dir: Path, out_dir: Path) -> list[str]:
 
 
 def ensure_universal(tag_dir: Path, out_dir: Path | None = None, *,
-                     tick: Callable[[bool], None] | None = None, tick_s: float = 5.0) -> Path:
+                     tick: Callable[[bool], None] | None = None, tick_s: float = 5.0,
+                     tensor_parallel: bool = False) -> Path:
     """DeepSpeed's universal form of a complete ZeRO checkpoint, converted once.
 
     Converts ``tag_dir`` with ``deepspeed.checkpoint.ds_to_universal`` into a temporary sibling
@@ -109,12 +110,17 @@ def ensure_universal(tag_dir: Path, out_dir: Path | None = None, *,
     at least every ``progress.LOG_EVERY_S`` the time so far and what it wrote), and ``tick``
     (see ``tape_train.progress.run_with_progress``) hears every ``tick_s`` whether it moved,
     also while waiting for another process's conversion.
+
+    ``tensor_parallel``: the caller loads it into an engine with tp > 1 (see
+    ``_wrap_bare_states``; also applied to a form cached earlier without it).
     """
     from tape_train.progress import run_with_progress
 
     tag_dir = Path(tag_dir)
     target = Path(out_dir) if out_dir is not None else tag_dir / UNIVERSAL
     if target.is_dir():
+        if tensor_parallel:
+            _wrap_bare_states(target, tag_dir)
         return target
     reason = why_incomplete(tag_dir)
     if reason is not None:
@@ -151,6 +157,8 @@ def ensure_universal(tag_dir: Path, out_dir: Path | None = None, *,
             raise CheckpointError(f"converting {tag_dir} to the universal format failed "
                                   f"({how}); the checkpoint itself is untouched. Last "
                                   f"output:\n{last}")
+        if tensor_parallel:
+            _wrap_bare_states(tmp, tag_dir)
         write_atomic(tmp / "CONVERTED.json", json.dumps(
             {"source": tag_dir.name, "seconds": round(time.perf_counter() - start, 2)}))
         try:
@@ -164,6 +172,41 @@ def ensure_universal(tag_dir: Path, out_dir: Path | None = None, *,
     # the target when it gets the lock, one arriving later before it locks anything.
     target.with_name(f".{target.name}.lock").unlink(missing_ok=True)
     return target
+
+
+def _wrap_bare_states(universal_dir: Path, tag_dir: Path) -> None:
+    """Store every ``zero/<name>/<state>.pt`` of a converted ZeRO-3 checkpoint without tensor
+    parallelism as ``{"param": tensor}``, the form the converter writes for every other
+    checkpoint.
+
+    DeepSpeed 0.19.8's converter writes those states as bare tensors, and its ZeRO-3 loader
+    cuts a tensor-parallel rank's shard only out of the dict form: a resume at tp > 1 from
+    such a checkpoint read the whole weight as if it were the shard and failed with
+    ``start (…) + length (…) exceeds dimension size (…)``. Both forms load the same at tp = 1,
+    so only a load at tp > 1 pays for this rewrite of every state (once per cached form).
+    Idempotent; files are replaced atomically and in order, so when the last one is a dict
+    every one is (a process killed half-way left a prefix done)."""
+    marker = read_marker(tag_dir)
+    if int(marker.get("zero_stage", 3)) != 3 or saved_layout(marker)["tp"] != 1:
+        return  # the converter wrote dicts
+    paths = sorted(Path(universal_dir).glob("zero/*/*.pt"))
+    if not paths or not torch.is_tensor(_load_state(paths[-1], universal_dir)):
+        return
+    for path in paths:
+        state = _load_state(path, universal_dir)
+        if torch.is_tensor(state):
+            write_atomic(path, lambda fh, state=state: torch.save({"param": state}, fh))
+
+
+def _load_state(path: Path, universal_dir: Path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - a damaged file surfaces as many types
+        raise CheckpointError(
+            f"{path} of the universal form is unreadable ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); delete "
+            f"{universal_dir} and run again: it is converted anew from the checkpoint, "
+            f"which is untouched") from exc
 
 
 @contextlib.contextmanager

@@ -270,3 +270,24 @@ def test_ctrl_c_in_a_command_without_its_own_handler_is_one_line(monkeypatch, ca
     # Negative control: the command's own main lets it through (the traceback Python prints).
     with pytest.raises(KeyboardInterrupt):
         cli.importlib.import_module("tape_train.inference.export").main()
+
+
+@pytest.mark.parametrize("local_rank", [None, "0", "1", "x"])
+def test_a_config_error_is_said_once_per_node_not_once_per_rank(monkeypatch, capsys,
+                                                                local_rank):
+    """Under torchrun every rank loads the config and meets the same error: only LOCAL_RANK 0
+    (or a lone process, or one whose LOCAL_RANK is malformed) prints it, like the preflight's
+    problems; every rank exits 1."""
+    from tape_train.train import cli
+
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert cli.main(["--config", "demo", "parallel.tp=3"]) == 1
+    err = capsys.readouterr().err
+    if local_rank == "1":
+        assert err == ""
+    else:
+        assert err.count("tape-train: config error: ") == 1
+        assert "is not divisible by parallel.tp × parallel.sp = 3 × 1 = 3" in err

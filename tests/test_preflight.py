@@ -236,6 +236,32 @@ def test_resume_that_changes_the_global_batch_is_refused(corpus, tmp_path):
     assert "data.sharding='documents' ties the token stream" in err
 
 
+def test_resume_into_or_out_of_zero3_is_refused_even_when_config_changes_are_allowed(
+        corpus, tmp_path):
+    """DeepSpeed cannot load a ZeRO-1 checkpoint into a ZeRO-3 engine or back (another
+    model-states file per stage, universal form included; the load failed with a bare
+    AssertionError after the engine start): one line naming the fix, which
+    --allow-config-change does not turn into a warning. ZeRO-1 -> 2 stays an ordinary
+    protected change (a warning when allowed)."""
+    from tape_train.config import load_run_config
+
+    run_dir = tmp_path / "run"
+    overrides = [f"train.run_dir={run_dir}", "data.sharding=global"]
+    cfg = load_run_config(corpus / "run.yaml", overrides)
+    tag = _write_marker(run_dir, cfg.to_dict(), dp=2)  # saved at ZeRO-1
+    args = ["--config", str(corpus / "run.yaml"), "--dry-run", "--world-size", "2", *overrides]
+    for extra in ([], ["--allow-config-change"]):
+        rc, out, err = dry_run([*args, "parallel.zero_stage=3", *extra])
+        assert rc == 1
+        (line,) = error_lines(err)
+        assert line.endswith(f"resume from {tag}: parallel.zero_stage changes from 1 to 3: "
+                             f"DeepSpeed cannot load a ZeRO-1 checkpoint into a ZeRO-3 engine "
+                             f"(universal form included); resume with parallel.zero_stage=1")
+    rc, out, err = dry_run([*args, "parallel.zero_stage=2", "--allow-config-change"])
+    assert rc == 0 and not error_lines(err), err
+    assert "parallel.zero_stage" in err  # the allowed change is still said
+
+
 def test_tape_submit_refuses_a_job_that_cannot_resume_on_its_node_count(corpus, tmp_path,
                                                                         monkeypatch):
     from tape_train.config import load_run_config

@@ -305,3 +305,34 @@ def test_cli_installs_stop_handlers_before_importing_the_trainer(monkeypatch, tm
     assert seen["handler_at_import"] not in (signal.SIG_DFL, signal.SIG_IGN, None, before)
     assert seen["stop_given"]
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def _collective_warnings() -> list[str]:
+    """torch's deprecated collectives (what DeepSpeed's ZeRO calls) three times on one gloo
+    rank, the warning registry reset before each call as it is during a step, with every
+    warning shown; then another FutureWarning. Returns the messages shown."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from tape_train.train.metrics import quiet_library_deprecations
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_library_deprecations()
+        for _ in range(3):
+            warnings.filterwarnings("default", message="unrelated")  # resets the registry
+            dist.all_gather_into_tensor(torch.zeros(2), torch.ones(2))
+            dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(2))
+        warnings.warn("another deprecation", FutureWarning)
+    return [str(w.message) for w in seen]
+
+
+@pytest.mark.distributed
+def test_the_deprecated_collectives_of_zero_print_no_warning_per_step():
+    """Each rank printed DeepSpeed's use of torch's deprecated all_gather_into_tensor /
+    reduce_scatter_tensor as a two-line FutureWarning at every step; the trainer ignores
+    exactly those two (another FutureWarning is still shown)."""
+    (shown,) = run_distributed_test(_collective_warnings, world_size=1, timeout=120)
+    assert shown == ["another deprecation"]

@@ -470,12 +470,16 @@ def rotate_checkpoints(root: Path, keep: int,
 
 
 def load_training_state(engine, tag_dir: Path, rank: int, *, universal: bool = False,
+                        other_layout: bool = False,
                         state_rank: int | None = None) -> tuple[dict, dict]:
     """Load engine (weights, optimizer, scheduler) and one rank's state from a complete tag.
 
     Args:
         universal: load ``<tag_dir>/universal`` (see ``ensure_universal``; the engine was built
             with ``checkpoint.load_universal``): the checkpoint's layout differs from this run's.
+        other_layout: the checkpoint's layout differs from this run's and it loads directly
+            (``relayout.Relayout.universal`` false: a ZeRO-0 checkpoint, whose one file of
+            whole weights per tensor-parallel rank suits any dp and sp).
         state_rank: whose ``trainer_state_rank*.pt`` to read (default: ``rank``); on another
             layout the caller maps this rank to one of the saved ranks.
 
@@ -483,7 +487,7 @@ def load_training_state(engine, tag_dir: Path, rank: int, *, universal: bool = F
     """
     tag_dir = Path(tag_dir)
     marker = read_marker(tag_dir)
-    if not universal and marker.get("world_size") != tdist.world_size():
+    if not (universal or other_layout) and marker.get("world_size") != tdist.world_size():
         raise CheckpointError(
             f"checkpoint {tag_dir} was written by {marker.get('world_size')} ranks, this run "
             f"has {tdist.world_size()} but was not set up for a resume on another layout")

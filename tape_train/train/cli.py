@@ -63,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_run_config(args.config, args.overrides)
     except ConfigError as exc:
-        print(f"tape-train: config error: {exc}", file=sys.stderr)
+        from tape_train.devices import speaks_for_node
+
+        if speaks_for_node():  # every rank meets it: said once per node, not once per rank
+            print(f"tape-train: config error: {exc}", file=sys.stderr)
         return 1
     if args.print_config:
         print(cfg.to_yaml(), end="")

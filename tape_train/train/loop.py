@@ -23,7 +23,8 @@ import torch
 
 from tape_train.config import RunConfig
 from tape_train.data.config import DataError
-from tape_train.devices import DeviceError, LaunchError, check_device, launch_int
+from tape_train.devices import (DeviceError, LaunchError, check_device, launch_int,
+                                speaks_for_node)
 from tape_train.eval.perplexity import UnmeasuredLengthError
 from tape_train.files import FileWriteError, write_atomic
 from tape_train.train import checkpoint as ckpt
@@ -33,8 +34,8 @@ from tape_train.train import restarts
 from tape_train.train.engine import build_engine, count_target_tokens, forward_backward
 from tape_train.host_memory import keep_freed_memory
 from tape_train.train.cuda_allocator import RetryWatch
-from tape_train.train.metrics import (MetricsWriter, format_summary, memory_metrics, read_metrics,
-                                      setup_logging)
+from tape_train.train.metrics import (MetricsWriter, format_summary, memory_metrics,
+                                      quiet_library_deprecations, read_metrics, setup_logging)
 from tape_train.train.optim import LRSchedule, lr_change_at_resume
 from tape_train.train.peak import checked_mfu, device_peak_tflops
 from tape_train.precision import PrecisionChoice, deterministic_algorithms, resolve_dtype
@@ -159,6 +160,7 @@ class Trainer:
                                            cfg.train.cuda_expandable_segments)
         self.rank = self.dist.rank
         setup_logging(self.rank, cfg.logging.all_ranks)
+        quiet_library_deprecations()
         self.profiler = RunProfiler(cfg.profile, self.run_dir, self.rank, self.dist.device,
                                     cfg.train.max_steps)
         self.profiler.record_memory()
@@ -438,6 +440,7 @@ class Trainer:
         moved = self._relayout
         meta, rank_state = ckpt.load_training_state(
             self.engine, tag_dir, self.rank, universal=moved is not None and moved.universal,
+            other_layout=moved is not None,
             state_rank=relayout.source_rank(moved.saved, self.grid) if moved else self.rank)
         self.state = TrainState(**meta["train_state"])
         ckpt.restore_rng_state(rank_state["rng"])
@@ -495,7 +498,8 @@ class Trainer:
         error = None
         if self.rank == 0:
             try:
-                ckpt.ensure_universal(tag_dir, tick=beat, tick_s=beat_s)
+                ckpt.ensure_universal(tag_dir, tick=beat, tick_s=beat_s,
+                                      tensor_parallel=self.grid.tp > 1)
             except StoppedDuringSetup:
                 raise  # every rank raised it in the same beat: no final word to pair up
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
@@ -540,6 +544,9 @@ class Trainer:
         run chose: a refusal names only what would corrupt the run, one ``key: old -> new``
         each; a moved corpus or tokenizer is one line, the other changes are listed and
         applied."""
+        impossible = relayout.unloadable(marker, self.cfg)
+        if impossible is not None:  # not even with --allow-config-change
+            raise ckpt.CheckpointError(f"cannot resume from {tag_dir}: {impossible}")
         found, changes = relayout.resume_config_problems(marker, self.cfg, self.grid)
         where = f" ({self._relayout.describe()})" if self._relayout is not None else ""
         if found and not self.allow_config_change:
@@ -968,7 +975,7 @@ class Trainer:
             log.error("%s", exc)
             code, reason = EXIT_ERROR, str(exc)
         except PreflightError as exc:
-            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per node
+            if speaks_for_node():  # once per node
                 for line in exc.problems:
                     print(f"tape-train: preflight: error: {line}", file=sys.stderr, flush=True)
             code = EXIT_ERROR

@@ -175,6 +175,21 @@ def _json_default(obj):
     return repr(obj)
 
 
+# DeepSpeed 0.19.8's ZeRO gathers and reduce-scatters through the collectives torch 2.13
+# deprecates, and the warning registry is reset during every step (a filter change anywhere
+# does that), so each rank printed the same two-line FutureWarning at every step: a log of
+# 100k steps on 64 ranks drowned in them. Nothing in this run can act on it.
+LIBRARY_DEPRECATIONS = (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                        r"is deprecated")
+
+
+def quiet_library_deprecations() -> None:
+    """Ignore the deprecation warnings of ``LIBRARY_DEPRECATIONS``, and only those."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=LIBRARY_DEPRECATIONS, category=FutureWarning)
+
+
 def setup_logging(rank: int, all_ranks: bool) -> None:
     """Rank 0 logs at INFO; other ranks only warnings unless ``all_ranks``."""
     level = logging.INFO if rank == 0 or all_ranks else logging.WARNING

@@ -561,6 +561,9 @@ def _check_resume(cfg, grid, tag: Path, allow_config_change: bool, report: Repor
                     f"{root / ckpt.SUPERSEDED}/<time>/ (nothing is deleted) and continue from "
                     f"step {step}")
     found, changes = relayout.resume_config_problems(marker, cfg, grid)
+    impossible = relayout.unloadable(marker, cfg)
+    if impossible is not None:  # --allow-config-change cannot make it load
+        report.problem(f"resume from {tag}: {impossible}")
     if changes.moved:  # whether it is the same data there: _check_resume_data
         report.info(f"resume: the data moved ({changes.describe('moved')}); the data check "
                     f"below compares what it is, not where it lies")

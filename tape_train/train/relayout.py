@@ -48,6 +48,23 @@ LAYOUT_KEYS = ("parallel.dp", "parallel.sp", "parallel.tp", "train.micro_batch_s
                "train.grad_accum_steps")
 
 
+def unloadable(marker: dict, cfg) -> str | None:
+    """Why this run's engine cannot load the checkpoint at all (not even with
+    ``--allow-config-change``), or ``None``.
+
+    Into or out of ZeRO-3: DeepSpeed 0.19.8 names and fills the model-states files per
+    stage (ZeRO-3 ``zero_pp_rank_*_mp_rank_*``, ZeRO-0/1/2 ``mp_rank_*``), in the universal
+    form too, so the engine finds no file it can read and fails in the load with a bare
+    ``AssertionError``. Into or out of ZeRO-0: one side has no optimizer shards. (ZeRO-1 and
+    ZeRO-2 share their files; a change between them is a protected config change.)"""
+    saved, now = int(marker.get("zero_stage", 3)), cfg.parallel.zero_stage
+    if saved == now or {saved, now} == {1, 2}:
+        return None
+    return (f"parallel.zero_stage changes from {saved} to {now}: DeepSpeed cannot load a "
+            f"ZeRO-{saved} checkpoint into a ZeRO-{now} engine (universal form included); "
+            f"resume with parallel.zero_stage={saved}")
+
+
 @dataclass(frozen=True)
 class ConfigChanges:
     """``diff_configs(saved, current)`` of a resume, by what a resume may do with each
@@ -114,9 +131,12 @@ def resume_config_problems(marker: dict, cfg, grid) -> tuple[list[str], ConfigCh
 
     changes = classify_changes(diff_configs(marker.get("config") or {}, cfg.to_dict()))
     found = problems(marker, cfg, grid)
-    if changes.protected:
+    protected = changes.protected
+    if unloadable(marker, cfg) is not None:  # said on its own, and no flag overrides it
+        protected = [c for c in protected if c[0] != "parallel.zero_stage"]
+    if protected:
         found.append("these config changes would corrupt the run: "
-                     + changes.describe("protected"))
+                     + "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in protected))
     return found, changes
 
 
