@@ -412,3 +412,39 @@ def test_a_shorter_run_than_its_warm_up_says_which_keys_fix_it():
     assert load_run_config("demo", ["train.max_steps=8", "train.warmup_steps=0"]).train.max_steps == 8
     cfg = load_run_config("demo", ["train.max_steps=8", "train.warmup_steps=null"])
     assert cfg.train.warmup_steps is None and 0 <= cfg.train.resolved_warmup_steps <= 8
+
+
+def test_a_refused_resume_lists_only_the_changes_it_refuses(tmp_path):
+    """A resume that changes model.pe (refused) and train.lr (applied) is refused naming
+    model.pe; the error's "checkpoint vs now" lists model.pe alone (it listed every difference,
+    so train.lr read as refused too); the warning before it keeps every difference."""
+    import logging
+    import types
+
+    from tape_train.train import checkpoint as ckpt
+    from tape_train.train.loop import Trainer
+
+    saved = load_run_config(_write(tmp_path, BASE), ["model.pe=rope"]).to_dict()
+    now = load_run_config(_write(tmp_path, BASE), ["model.pe=tape", "train.lr=1e-3"])
+    trainer = types.SimpleNamespace(cfg=now, grid=None, _relayout=None, allow_config_change=False,
+                                    rank=0)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("tape_train.train")
+    logger.addHandler(handler)
+    try:
+        with pytest.raises(ckpt.CheckpointError) as err:
+            Trainer._check_config(trainer, {"config": saved, "step": 3}, tmp_path / "step_3")
+    finally:
+        logger.removeHandler(handler)
+    message = str(err.value)
+    assert "these changes would corrupt the run: model.pe (" in message, message
+    assert "model.pe: 'rope' -> 'tape'" in message
+    assert "train.lr" not in message, message
+    assert any("train.lr: 0.0003 -> 0.001" in r and "model.pe" in r for r in records), records
+    # negative control: with only the harmless change it resumes (no error)
+    same_pe = load_run_config(_write(tmp_path, BASE), ["model.pe=rope", "train.lr=1e-3"])
+    Trainer._check_config(types.SimpleNamespace(cfg=same_pe, grid=None, _relayout=None,
+                                                allow_config_change=False, rank=0),
+                          {"config": saved, "step": 3}, tmp_path / "step_3")

@@ -552,9 +552,13 @@ class Trainer:
         lines = "\n".join(f"  {k}: {old!r} -> {new!r}" for k, old, new in diffs)
         log.warning("config differs from checkpoint %s:\n%s", tag_dir, lines)
         if protected and not self.allow_config_change:
+            # Only the refused keys: the warning above has every difference, and listing a
+            # harmless one (train.lr) here too reads as if it were refused as well.
+            refused = "\n".join(f"  {k}: {old!r} -> {new!r}" for k, old, new in diffs
+                                if k in protected)
             raise ckpt.CheckpointError(
                 f"refusing to resume from {tag_dir}: these changes would corrupt the run: "
-                f"{', '.join(protected)} (checkpoint vs now:\n{lines}\n). Use another "
+                f"{', '.join(protected)} (checkpoint vs now:\n{refused}\n). Use another "
                 f"train.run_dir for a new run, or pass --allow-config-change if you mean it")
         lr_change = lr_change_at_resume((marker.get("config") or {}).get("train") or {},
                                         self.cfg.train, int(marker.get("step") or 0))
