@@ -454,3 +454,33 @@ def test_a_shorter_run_than_its_warm_up_says_which_keys_fix_it():
     assert load_run_config("demo", ["train.max_steps=8", "train.warmup_steps=0"]).train.max_steps == 8
     cfg = load_run_config("demo", ["train.max_steps=8", "train.warmup_steps=null"])
     assert cfg.train.warmup_steps is None and 0 <= cfg.train.resolved_warmup_steps <= 8
+
+
+def test_a_refused_resume_lists_only_the_changes_it_refuses(tmp_path):
+    """A resume that changes model.pe (refused) and train.lr (applied) is refused naming
+    model.pe with both values; train.lr is not in the refusal (listing every difference made
+    it read as refused too)."""
+    import types
+
+    from tape_train.train import checkpoint as ckpt
+    from tape_train.train.loop import Trainer
+
+    saved = load_run_config(_write(tmp_path, BASE), ["model.pe=rope"]).to_dict()
+    now = load_run_config(_write(tmp_path, BASE), ["model.pe=tape", "train.lr=1e-3"])
+
+    def check(cfg):
+        from tape_train.parallel import RankGrid
+
+        trainer = types.SimpleNamespace(cfg=cfg, grid=RankGrid.from_sizes(1), _relayout=None,
+                                        allow_config_change=False, rank=0,
+                                        _resume_data_fits=None)
+        Trainer._check_config(trainer, {"config": saved, "step": 3, "zero_stage": 3,
+                                        "world_size": 1}, tmp_path / "step_3")
+
+    with pytest.raises(ckpt.CheckpointError) as err:
+        check(now)
+    message = str(err.value)
+    assert "these config changes would corrupt the run: model.pe: 'rope' -> 'tape'" in message
+    assert "train.lr" not in message, message
+    # negative control: with only the harmless change it resumes (no error)
+    check(load_run_config(_write(tmp_path, BASE), ["model.pe=rope", "train.lr=1e-3"]))

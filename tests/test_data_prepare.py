@@ -524,7 +524,15 @@ def test_prepare_hub_without_network_says_what_to_do(tmp_path, monkeypatch, caps
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("tape-data: error: --hub: cannot open dataset 'org/corpus'")
     assert "No connection to the Hub" in err and "HF_HUB_OFFLINE=1" in err
+    # said to `tape-data prepare --hub` itself: not "prepare ... (`tape-data prepare --hub`)"
+    assert "run this prepare where the Hub is reachable and copy the prepared directory" in err
+    assert "`tape-data prepare --hub`" not in err, err
     assert not (tmp_path / "o" / "manifest.json").exists()
+    # negative control: a source of a training config is told to prepare it with that command
+    from tape_train.data.config import SourceConfig
+    from tape_train.data.formats import _offline_hint
+    hint = _offline_hint(SourceConfig(hub="org/corpus", key="data.sources[0]"))
+    assert "prepare the corpus where the Hub is reachable (`tape-data prepare --hub`" in hint
     # Already offline (HF_HUB_OFFLINE set): the cache lacks it; not "set HF_HUB_OFFLINE=1" again.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert data_cli.main(["prepare", "--hub", "org/corpus", "--out", str(tmp_path / "o"),

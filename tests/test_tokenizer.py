@@ -141,6 +141,29 @@ def test_cli_rejects_bad_spec_and_missing_input(tmp_path, capsys):
     assert tokenizer_cli.main(["info", str(tmp_path / "missing.model")]) == 1
 
 
+def test_a_missing_input_directory_is_named_and_out_leaves_no_directory(tmp_path, capsys):
+    """The README's `tape-tokenizer train --input data/mine --out data/mine/tokenizer` before
+    `data/mine` exists: the error says the input does not exist (it once created data/mine as
+    --out's parent first, then called it a directory without supported files) and nothing
+    is created; a vocabulary the text cannot fill leaves no new directory either."""
+    missing = tmp_path / "mine"
+    assert tokenizer_cli.main(["train", "--input", str(missing), "--vocab-size", "500",
+                               "--out", str(missing / "tokenizer")]) == 1
+    err = capsys.readouterr().err
+    assert f"tape-tokenizer: error: --input: no such file or directory {str(missing)!r}" in err
+    assert "holds no supported files" not in err and "Traceback" not in err, err
+    assert not missing.exists()
+    corpus = write_jsonl(tmp_path / "c.jsonl", real_text_documents(20))
+    base = ["train", "--input", str(corpus), "--num-threads", "1"]
+    assert tokenizer_cli.main([*base, "--vocab-size", "100000",
+                               "--out", str(tmp_path / "new" / "t")]) == 1
+    assert not (tmp_path / "new").exists()
+    # negative control: a run that trains creates --out's directory
+    assert tokenizer_cli.main([*base, "--vocab-size", "400",
+                               "--out", str(tmp_path / "new" / "t")]) == 0
+    assert (tmp_path / "new" / "t.model").is_file()
+
+
 def test_a_vocabulary_size_the_text_cannot_fill_is_one_line_naming_the_option(tmp_path, capsys):
     """sentencepiece refuses a vocabulary larger than the text yields, or smaller than its
     alphabet, in C++ check text; the CLI says which option, the bound and what to change."""

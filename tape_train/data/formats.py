@@ -560,8 +560,12 @@ def open_hub_dataset(source: SourceConfig):
 def _offline_hint(source: SourceConfig) -> str:
     """What to do when the Hub cannot be reached: with HF_HUB_OFFLINE already set, the cache
     simply lacks the dataset (suggesting the variable again would send the user in a circle)."""
-    prepare = ("prepare the corpus where the Hub is reachable (`tape-data prepare --hub`, "
-               "docs/data.md) and train from the prepared directory")
+    if source.field_key("hub").startswith("--"):  # `tape-data prepare --hub` itself
+        prepare = ("run this prepare where the Hub is reachable and copy the prepared "
+                   "directory here (`tape-data info DIR --verify` checks the copy)")
+    else:
+        prepare = ("prepare the corpus where the Hub is reachable (`tape-data prepare --hub`, "
+                   "docs/data.md) and train from the prepared directory")
     if os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
         return (f". HF_HUB_OFFLINE is set and the Hugging Face cache holds no copy of "
                 f"{source.hub!r} with this config and split: {prepare}, or fill the cache "

@@ -212,7 +212,6 @@ def train_tokenizer(documents: Iterable[str], out_prefix: str | os.PathLike,
     ``<out_prefix>.vocab`` (one ``repr(piece)<TAB>score`` line per id) atomically (temp name,
     then rename) and returns the loaded tokenizer."""
     out_prefix = Path(out_prefix)
-    out_prefix.parent.mkdir(parents=True, exist_ok=True)
     stats: dict = {}
     spm.set_random_generator_seed(spec.seed)
     started = time.monotonic()
@@ -249,6 +248,9 @@ def train_tokenizer(documents: Iterable[str], out_prefix: str | os.PathLike,
     processor = spm.SentencePieceProcessor(model_proto=writer.getvalue())
     vocab = "".join(f"{processor.id_to_piece(i)!r}\t{processor.get_score(i):g}\n"
                     for i in range(processor.get_piece_size()))
+    # Only now: a run that fails (a missing input, a vocabulary the text cannot fill) leaves
+    # no new empty directory behind, which would also hide the missing input on a re-run.
+    out_prefix.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(Path(f"{out_prefix}.vocab"), vocab.encode("utf-8"))
     write_atomic(Path(f"{out_prefix}.model"), writer.getvalue())
     log.info("tokenizer: trained %s vocab=%d on %d documents (%.1f MB) in %.1f s -> %s.model",

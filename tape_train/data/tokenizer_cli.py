@@ -113,10 +113,16 @@ def _spec_from_args(args: argparse.Namespace) -> TokenizerTrainSpec:
 
 def one_pass_documents(inputs: list[str], text_field: str, seed: int,
                        skip_bad: bool) -> Iterator[str]:
-    """One seeded pass (shard order shuffled, 1024-document windows shuffled) over inputs."""
+    """One seeded pass (shard order shuffled, 1024-document windows shuffled) over inputs.
+    The inputs are resolved here, before training starts: a missing or empty input is a
+    ``DataError`` naming ``--input`` now, not from inside sentencepiece's first read."""
     cursor = SourceCursor(SourceConfig(path=inputs, text_field=text_field, key="--input"),
                           index=0, seed=seed, shuffle=True, window_size=1024,
                           eval_fraction=0.0, skip_bad=skip_bad, skips=SkipLog(flags=True))
+    return _one_pass(cursor)
+
+
+def _one_pass(cursor: SourceCursor) -> Iterator[str]:
     while True:
         text = cursor.next_document()
         if cursor.epoch > 0:
@@ -126,10 +132,10 @@ def one_pass_documents(inputs: list[str], text_field: str, seed: int,
 
 def _train(args: argparse.Namespace) -> int:
     spec = _spec_from_args(args)
-    log.info("tokenizer: training %s vocab=%d on %s", spec.model_type, spec.vocab_size,
-             " ".join(args.input))
     documents = one_pass_documents(args.input, args.text_field, spec.seed,
                                    args.skip_bad_records)
+    log.info("tokenizer: training %s vocab=%d on %s", spec.model_type, spec.vocab_size,
+             " ".join(args.input))
     tok = train_tokenizer(documents, args.out, spec)
     record = {"spec": dataclasses.asdict(spec), "inputs": list(args.input),
               "text_field": args.text_field, "read": tok.training_stats,

@@ -218,8 +218,10 @@ class Watchdog:
         if phase is None:
             return
         phase.started += stopped_s
-        log.info("rank %d: this process did not run for %.0f s (a suspended job, SIGSTOP); "
-                 "%s gets that time back", self.rank, stopped_s, phase.name)
+        # Also seen without any stop, on a machine whose cores are all busy: say both.
+        log.info("rank %d: this process did not run for %.0f s (a suspended job, SIGSTOP, or "
+                 "a machine too busy to run it); %s gets that time back", self.rank, stopped_s,
+                 phase.name)
         _backstop(phase.backstop_s(now))
 
     def _overrun(self, phase: _Phase) -> None:
