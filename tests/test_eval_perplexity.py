@@ -313,6 +313,39 @@ def test_heartbeat_is_called_once_per_batch_of_every_length_and_protocol():
     assert beats == sorted(beats) and beats[-1] == model.calls
 
 
+def test_a_long_evaluation_without_a_bar_logs_how_far_it_is(monkeypatch, caplog):
+    """Without a progress bar (a log file, --no-progress) rank 0 logs one line per interval
+    with the tokens scored of the total, the rate and the time left (a long length was
+    silent for minutes); other ranks and runs with a bar log none."""
+    import logging
+
+    from tape_train.eval import perplexity
+
+    clock = iter(float(i) for i in range(10_000))     # one "second" per call
+    monkeypatch.setattr(perplexity, "_clock", lambda: next(clock))
+    monkeypatch.setattr(perplexity, "PROGRESS_LOG_EVERY_S", 3.0)
+    model, docs = tiny_model(), documents()
+    total = sum(len(t) - 1 for t, _ in docs)
+
+    def lines(**kwargs) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tape_train.eval"):
+            evaluate_perplexity(model, docs, lengths=[4], protocol="nonoverlap",
+                                batch_size=1, **kwargs)
+        return [r.getMessage() for r in caplog.records if "tokens/s" in r.getMessage()]
+
+    got = lines()
+    assert got and all(line.startswith("eval nonoverlap L=4: ") for line in got), got
+    assert f" of {total} tokens (" in got[-1] and " left" in got[0], got
+    assert lines(progress=True) == []                 # negative control: a bar draws it
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tape_train.eval"):   # rank 1 of 2: silent
+        perplexity._evaluate_length(model, [(torch.tensor(t), n, None) for t, n in docs
+                                            if len(t) > 1], 4,
+                                    "nonoverlap", None, None, 1, "cpu", False, 1, 2)
+    assert not [r for r in caplog.records if "tokens/s" in r.getMessage()]
+
+
 def test_bad_input_is_named():
     model = RecordingModel()
     with pytest.raises(ValueError, match="document 1: n_bytes"):
