@@ -833,13 +833,27 @@ def test_a_checkpoint_rotated_away_while_another_is_evaluated_is_said_as_such(tm
     assert (out / "eval.json").is_file()
 
 
+def _legend_entries(monkeypatch, runs, path) -> list[str]:
+    """The labels of every legend ``report.plot_perplexity_vs_length`` draws."""
+    from matplotlib.axes import Axes
+
+    shown = []
+    legend = Axes.legend
+
+    def record(ax, *args, **kwargs):
+        shown.extend(ax.get_legend_handles_labels()[1])
+        return legend(ax, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "legend", record)
+    report.plot_perplexity_vs_length(runs, path)
+    return shown
+
+
 def test_labels_keep_their_own_cell_and_show_literally_in_the_plot(tmp_path, monkeypatch):
     """A `|` in a --label shifted every number of its row under another header (a newline
     split the row); in the plot `$5 vs $10` became TeX math and a leading `_` hid the line
     from the legend."""
     import re
-
-    from matplotlib.axes import Axes
 
     labels = ["TAPE | ours\nv2", "cost $5 vs $10", "_baseline", "RoPE"]
     runs = [{"label": label, "train_seq_len": 8,
@@ -851,15 +865,7 @@ def test_labels_keep_their_own_cell_and_show_literally_in_the_plot(tmp_path, mon
     assert len(rows) == 2 * len(labels)
     assert all(len(cells(row)) == len(cells(header)) for row in rows), table
     assert rows[0].startswith(r"| TAPE \| ours v2 | nonoverlap | 8 |")
-    shown = []
-    legend = Axes.legend
-
-    def record(ax, *args, **kwargs):
-        shown.extend(ax.get_legend_handles_labels()[1])
-        return legend(ax, *args, **kwargs)
-
-    monkeypatch.setattr(Axes, "legend", record)
-    report.plot_perplexity_vs_length(runs, tmp_path / "p.png")
+    shown = _legend_entries(monkeypatch, runs, tmp_path / "p.png")
     assert shown[:4] == ["TAPE | ours\nv2", r"cost \$5 vs \$10", " _baseline", "RoPE"]
     # The JSON keeps the labels as given.
     report.write_json(tmp_path / "eval.json", runs)
@@ -905,21 +911,11 @@ def test_checkpoints_trained_on_different_data_are_flagged(tmp_path, capsys, cap
 def test_each_training_length_line_says_whose_it_is(tmp_path, monkeypatch, rope_train_len):
     """Models trained at different lengths got two dashed lines and one legend entry,
     'training length', for the first: which line belonged to which model was not said."""
-    from matplotlib.axes import Axes
-
     runs = [{"label": label, "train_seq_len": train_len,
              "results": [_result(n, "nonoverlap", 10.0 + i) for n in (8, 16, 32)]}
             for i, (label, train_len) in enumerate((("TAPE", 8), ("RoPE", rope_train_len),
                                                     ("ALiBi", 8)))]
-    shown = []
-    legend = Axes.legend
-
-    def record(ax, *args, **kwargs):
-        shown.extend(ax.get_legend_handles_labels()[1])
-        return legend(ax, *args, **kwargs)
-
-    monkeypatch.setattr(Axes, "legend", record)
-    report.plot_perplexity_vs_length(runs, tmp_path / "p.png")
+    shown = _legend_entries(monkeypatch, runs, tmp_path / "p.png")
     lines = [label for label in shown if label.startswith("training length")]
     if rope_train_len == 8:   # control: one training length, one plain entry
         assert lines == ["training length"]
