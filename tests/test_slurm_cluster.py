@@ -719,10 +719,14 @@ def test_a_job_killed_outright_leaves_its_lock_and_the_resubmission_resumes(clus
     # pid: the lock is made to say so (everything else as the killed job wrote it).
     holder["host"] = "gpu-node-9"
     # Negative control, while the job runs: Slurm says so, and its lock is not taken (asked
-    # from this process, outside any job: the cluster name comes from scontrol).
+    # from this process, outside any job: the cluster name comes from scontrol). The lock is
+    # put in another directory as if taken there (a lock copied with its directory is not
+    # the holder's: run_lock takes it over).
+    from tape_train.train.run_lock import directory_identity
+
     copy = tmp_path / "copy"
     copy.mkdir()
-    (copy / LOCK_NAME).write_text(json.dumps(holder))
+    (copy / LOCK_NAME).write_text(json.dumps({**holder, "run_dir": directory_identity(copy)}))
     refusal = lock_refusal(copy)
     assert refusal and refusal.endswith(f"Slurm says job {first} is RUNNING"), refusal
     os.kill(holder["pid"], signal.SIGKILL)
