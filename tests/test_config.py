@@ -281,8 +281,16 @@ def test_parallel_layout_is_checked_against_the_model_before_any_process_group(t
     assert not dist.is_initialized()
 
 
+def protected_differences(diffs) -> list[str]:
+    """The keys a resume must not change (the layout keys included: ``relayout.problems``
+    rules on those)."""
+    from tape_train.train.relayout import classify_changes
+
+    changes = classify_changes(diffs)
+    return [key for key, _, _ in changes.protected + changes.layout]
+
+
 def test_diff_and_protected_keys(tmp_path):
-    from tape_train.train.relayout import protected_differences
 
     old = load_run_config(_write(tmp_path, BASE)).to_dict()
     new = load_run_config(_write(tmp_path, BASE), ["model.hidden_size=128", "train.lr=1e-3",
@@ -300,7 +308,7 @@ def test_a_resume_may_move_the_data_but_not_change_it(tmp_path):
     `moved` change, which the resume data check rules on; what it is (a source added, a
     weight, a Hub dataset instead of files) stays protected, and a difference is named by
     the source's field, not as the whole `data.sources` list."""
-    from tape_train.train.relayout import classify_changes, protected_differences
+    from tape_train.train.relayout import classify_changes
 
     path = _write(tmp_path, BASE)
 
@@ -338,8 +346,6 @@ def test_a_resume_may_move_the_data_but_not_change_it(tmp_path):
 
 
 def test_offload_needs_its_zero_stage_and_may_change_on_resume(tmp_path):
-    from tape_train.train.relayout import protected_differences
-
     path = _write(tmp_path, BASE)
     with pytest.raises(ConfigError, match=r"parallel\.offload_params=cpu needs "
                                           r"parallel\.zero_stage=3 .*got 2"):

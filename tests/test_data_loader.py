@@ -206,18 +206,24 @@ def _changed_corpus(tmp_path, corpus):
     return {**corpus, "root": root}
 
 
+def _state_after_two_batches(tok, corpus, tmp_path):
+    """``(data, cfg, state, expected)``: an editable copy of the corpus, its loader config,
+    the loader's state after two batches and the two batches that follow it."""
+    data = _changed_corpus(tmp_path, corpus)
+    cfg = make_cfg(data, prefetch=0)
+    loader = build_train_loader(cfg, tok, SEQ, 2, seed=1)
+    take(loader, 2)
+    state = json.loads(json.dumps(loader.state_dict()))
+    return data, cfg, state, take(loader, 2)
+
+
 def test_a_changed_corpus_is_named_file_by_file(tok, corpus, tmp_path):
     """What changed since a state was saved (a file grown, added, removed, re-ordered, a
     weight), in the loader's refusal and in ``resume_differences`` (the preflight's check,
     which builds no loader); the unchanged corpus resumes (negative control)."""
     from tape_train.data.loader import resume_differences
 
-    data = _changed_corpus(tmp_path, corpus)
-    cfg = make_cfg(data, prefetch=0)
-    loader = build_train_loader(cfg, tok, SEQ, 2, seed=1)
-    take(loader, 2)
-    state = json.loads(json.dumps(loader.state_dict()))
-    expected = take(loader, 2)
+    data, cfg, state, expected = _state_after_two_batches(tok, corpus, tmp_path)
 
     def differences(config=cfg) -> str:
         return ", ".join(resume_differences(state, config, tok, SEQ, 1))
@@ -268,12 +274,7 @@ def test_a_file_edited_in_place_at_the_same_size_is_named(tok, corpus, tmp_path,
     from tape_train.data import state as state_module
     from tape_train.data.loader import resume_differences
 
-    data = _changed_corpus(tmp_path, corpus)
-    cfg = make_cfg(data, prefetch=0)
-    loader = build_train_loader(cfg, tok, SEQ, 2, seed=1)
-    take(loader, 2)
-    state = json.loads(json.dumps(loader.state_dict()))
-    expected = take(loader, 2)
+    data, cfg, state, expected = _state_after_two_batches(tok, corpus, tmp_path)
     old = json.loads(json.dumps(state))
     for source in old["fingerprint_inputs"]["sources"]:
         for key in ("content", "content_digest", "content_rule"):

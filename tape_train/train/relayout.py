@@ -80,7 +80,12 @@ class ConfigChanges:
 
     def describe(self, which: str) -> str:
         """``key: old -> new`` of the changes of one kind, ``; ``-separated."""
-        return "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in getattr(self, which))
+        return describe_changes(getattr(self, which))
+
+
+def describe_changes(changes: list) -> str:
+    """``key: old -> new`` of ``(key, old, new)`` changes, ``; ``-separated."""
+    return "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in changes)
 
 
 def classify_changes(diffs: list[tuple[str, object, object]]) -> ConfigChanges:
@@ -116,13 +121,6 @@ def _is_path(value: object) -> bool:
         isinstance(value, list) and all(isinstance(v, str) for v in value)))
 
 
-def protected_differences(diffs: list[tuple[str, object, object]]) -> list[str]:
-    """Keys of ``diff_configs(saved, current)`` that a resume must not change, the layout keys
-    included (``problems`` rules on those)."""
-    changes = classify_changes(diffs)
-    return [key for key, _, _ in changes.protected + changes.layout]
-
-
 def resume_config_problems(marker: dict, cfg, grid) -> tuple[list[str], ConfigChanges]:
     """Why resuming the checkpoint of ``marker`` with ``cfg`` on ``grid`` would not continue
     the same run (one line each; empty: it would), and its config changes. The preflight
@@ -136,7 +134,7 @@ def resume_config_problems(marker: dict, cfg, grid) -> tuple[list[str], ConfigCh
         protected = [c for c in protected if c[0] != "parallel.zero_stage"]
     if protected:
         found.append("these config changes would corrupt the run: "
-                     + "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in protected))
+                     + describe_changes(protected))
     return found, changes
 
 
