@@ -44,7 +44,7 @@ FULL = {
     "model": {"model": MODEL_SMALL, "seq": 1000, "batch": 2, "prompt": 300, "new": 8},
     "trainer": {"overrides": ["model.base=tiny", "model.pe=tape", "train.seq_len=256",
                               "train.micro_batch_size=4", "train.grad_accum_steps=2"],
-                "steps": 4, "compile": True},
+                "steps": 4, "compile": True, "runs": None},
     # (D, heads): the 350m, 1b and 125m configs at D=64 and the same widths at D=128,
     # alternating D so that a run cut short still has both head dims.
     "speed": {"head_configs": [(64, 16), (128, 8), (64, 32), (128, 16), (64, 12), (128, 6)],
@@ -54,7 +54,8 @@ FULL = {
               "dtype": "bfloat16", "check_len": 300, "warmup": 2, "reps": 5, "extra": False},
     # compile: [false, true] adds a train.compile row after each eager one (side by side).
     "e2e": {"sizes": ["350m", "1b", "125m"], "encodings": ["tape", "rope"], "seq_len": 2048,
-            "compile": [False], "max_micro_batch": 64, "warmup": 2, "steps": 3,
+            "compile": [False], "min_micro_batch": 1, "max_micro_batch": 64, "warmup": 2,
+            "steps": 3,
             "profile_steps": 1,
             "overrides": ["train.device=auto", "train.dtype=bf16", "parallel.zero_stage=1"]},
 }
@@ -70,13 +71,13 @@ SMOKE = {
     # on a busy 2-core machine it would double this smoke's time.
     "trainer": {"overrides": ["model.base=tiny", "model.pe=tape", "train.seq_len=32",
                               "train.micro_batch_size=2", "train.grad_accum_steps=2",
-                              *_TINY_TRAIN], "steps": 2, "compile": False},
+                              *_TINY_TRAIN], "steps": 2, "compile": False, "runs": None},
     "speed": {"head_configs": [(32, 2)], "lengths": [32], "tokens": 64, "dtype": "float32",
               "warmup": 0, "reps": 1},
     "sweep": {"head_configs": [(32, 2)], "length": 32, "tokens": 32, "dtype": "float32",
               "check_len": 24, "warmup": 0, "reps": 1, "extra": False, "max_per_kernel": 1},
     "e2e": {"sizes": ["tiny"], "encodings": ["tape", "rope"], "seq_len": 32, "compile": [False],
-            "max_micro_batch": 2, "warmup": 1, "steps": 1, "profile_steps": 1,
+            "min_micro_batch": 1, "max_micro_batch": 2, "warmup": 1, "steps": 1, "profile_steps": 1,
             "overrides": ["train.device=cpu", "train.dtype=bf16", "parallel.zero_stage=1",
                           *_TINY_TRAIN]},
 }
@@ -168,9 +169,9 @@ def run_section(name: str, args, plan: dict, report: Report, device, deadline: f
                          "train.synthetic_data=true", "train.max_steps=1000",
                          "eval.interval=0", "logging.tensorboard=false",
                          "logging.progress_bar=false", "logging.peak_tflops=1.0"]
-            trainers = correctness.start_trainers(ROOT / "configs/train/demo.yaml",
-                                                  work / "trainer", overrides,
-                                                  compile_run=tp.get("compile", True))
+            trainers = correctness.start_trainers(
+                ROOT / "configs/train/demo.yaml", work / "trainer", overrides,
+                correctness.trainer_run_names(tp["runs"], tp["compile"]))
             # Model and KV-cache checks while the trainers set up; the many kernel cases last,
             # so that a short budget cuts kernel cases, not whole kinds of check.
             try:
@@ -261,6 +262,13 @@ def main(argv=None) -> int:
         return 2
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     plan = apply_plan_overrides(SMOKE if args.cpu_smoke else FULL, args.plan)
+    from gpu.correctness import trainer_run_names
+
+    try:  # a mistyped run name before any device work
+        trainer_run_names(plan["trainer"]["runs"])
+    except ValueError as exc:
+        print(f"gpu_report: --plan trainer.runs: {exc}", file=sys.stderr)
+        return 2
     facts = device_facts(device)
     out_dir = args.out_dir or ROOT / "docs" / "gpu" / gpu_slug(facts["name"])
     report = Report(out_dir, args.command, args.cpu_smoke)

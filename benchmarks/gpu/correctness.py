@@ -203,33 +203,6 @@ def kv_cache_check(device, model_kw: dict, prompt: int, new: int) -> dict:
             "ok": err <= 10 * FP32_TOL}
 
 
-def start_trainers(recipe: Path, work: Path, common_overrides: list[str],
-                   compile_run: bool = True) -> dict:
-    """Spawn the trainer processes — ZeRO-1/3 × fp32/bf16, ZeRO-3 bf16 twice with
-    ``train.deterministic``, ZeRO-3 fp32 with the optimizer and parameters offloaded to
-    the host (pinned memory, DeepSpeed's CPU Adam), and ZeRO-3 fp32 with ``train.compile`` —
-    which set up in the background while the kernel checks run (``compile_run=False``: not
-    the compiled one). Finish with ``trainer_checks``."""
-    from trainer_process import Child
-
-    from gpu.end_to_end import TrainerProbe
-
-    work.mkdir(parents=True, exist_ok=True)
-    runs = {}
-    variants = [(f"zero{zero}_{dtype}", zero, dtype, [])
-                for zero, dtype in itertools.product((1, 3), ("fp32", "bf16"))]
-    variants += [(name, 3, "bf16", ["train.deterministic=true"]) for name in DETERMINISTIC_RUNS]
-    variants += [(OFFLOAD_RUN, 3, "fp32", ["parallel.offload_optimizer=cpu",
-                                           "parallel.offload_params=cpu"])]
-    # Last: compiling takes the longest, so it is what a short budget skips.
-    variants += [(COMPILE_RUN, 3, "fp32", ["train.compile=true"])] if compile_run else []
-    for name, zero, dtype, extra in variants:
-        overrides = [*common_overrides, f"parallel.zero_stage={zero}", f"train.dtype={dtype}",
-                     f"train.run_dir={work / name}", *extra]
-        runs[name] = Child(name, work / f"{name}.log", TrainerProbe, recipe, overrides)
-    return runs
-
-
 DETERMINISTIC_RUNS = ("zero3_bf16_deterministic", "zero3_bf16_deterministic_again")
 OFFLOAD_RUN = "zero3_fp32_offload"
 OFFLOAD_KEY = "fp32: zero3 offloaded vs on the device"
@@ -237,6 +210,63 @@ COMPILE_RUN = "zero3_fp32_compiled"
 COMPILE_KEY = "fp32: zero3 compiled (train.compile) vs eager"
 DETERMINISTIC_KEY = "bf16 deterministic: run vs the same run again"
 SYNC_RUNS = ("zero1_bf16", "zero3_bf16")  # host syncs counted after their loss steps
+
+# name: (ZeRO stage, dtype, extra overrides), in start order. Last: compiling takes the
+# longest, so it is what a short budget skips.
+TRAINER_RUNS = {
+    **{f"zero{zero}_{dtype}": (zero, dtype, [])
+       for zero, dtype in itertools.product((1, 3), ("fp32", "bf16"))},
+    **{name: (3, "bf16", ["train.deterministic=true"]) for name in DETERMINISTIC_RUNS},
+    OFFLOAD_RUN: (3, "fp32", ["parallel.offload_optimizer=cpu", "parallel.offload_params=cpu"]),
+    COMPILE_RUN: (3, "fp32", ["train.compile=true"]),
+}
+# (comparison, run, reference run): the per-step losses of run against those of reference.
+COMPARISONS = (
+    *((f"zero{zero}: bf16 vs fp32", f"zero{zero}_bf16", f"zero{zero}_fp32") for zero in (1, 3)),
+    *((f"{dtype}: zero3 vs zero1", f"zero3_{dtype}", f"zero1_{dtype}")
+      for dtype in ("fp32", "bf16")),
+    # ZeRO-Offload: the same AdamW update on the host (CPU Adam rounds differently)
+    (OFFLOAD_KEY, OFFLOAD_RUN, "zero3_fp32"),
+    # train.compile: the same model to rounding, ZeRO-3's hooks around the graphs
+    (COMPILE_KEY, COMPILE_RUN, "zero3_fp32"),
+    # train.deterministic: the same run twice gives the same losses, bit for bit
+    (DETERMINISTIC_KEY, *DETERMINISTIC_RUNS),
+)
+
+
+def trainer_run_names(names: list[str] | None, compile_run: bool = True) -> list[str]:
+    """The trainer runs to start, in ``TRAINER_RUNS`` order: ``names`` (``None``: all, less
+    the compiled one unless ``compile_run``). Raises ValueError naming an unknown run."""
+    if names is None:
+        return [n for n in TRAINER_RUNS if compile_run or n != COMPILE_RUN]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"expected a list of run names like [\"zero1_fp32\"], got {names!r}")
+    unknown = [n for n in names if n not in TRAINER_RUNS]
+    if unknown:
+        raise ValueError(f"unknown trainer run(s) {', '.join(map(repr, unknown))}; "
+                         f"one of {', '.join(TRAINER_RUNS)}")
+    return [n for n in TRAINER_RUNS if n in names]
+
+
+def start_trainers(recipe: Path, work: Path, common_overrides: list[str],
+                   names: list[str]) -> dict:
+    """Spawn the trainer processes ``names`` of ``TRAINER_RUNS`` (``trainer_run_names``) —
+    ZeRO-1/3 × fp32/bf16, ZeRO-3 bf16 twice with ``train.deterministic``, ZeRO-3 fp32 with the
+    optimizer and parameters offloaded to the host (pinned memory, DeepSpeed's CPU Adam),
+    ZeRO-3 fp32 with ``train.compile`` — which set up in the background while the kernel
+    checks run. Finish with ``trainer_checks``."""
+    from trainer_process import Child
+
+    from gpu.end_to_end import TrainerProbe
+
+    work.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    for name in names:
+        zero, dtype, extra = TRAINER_RUNS[name]
+        overrides = [*common_overrides, f"parallel.zero_stage={zero}", f"train.dtype={dtype}",
+                     f"train.run_dir={work / name}", *extra]
+        runs[name] = Child(name, work / f"{name}.log", TrainerProbe, recipe, overrides)
+    return runs
 
 
 def host_sync_check(runs: dict) -> dict:
@@ -283,32 +313,18 @@ def trainer_checks(runs: dict, steps: int, budget: Budget, sink: list, flush) ->
     res = {"check": "trainer", "steps": steps, "losses": losses, "failures": failures,
            "skipped_for_time": skipped,
            "bf16_tolerance": TRAIN_BF16_TOL, "zero_tolerance": TRAIN_ZERO_TOL, "comparisons": {}}
-    for zero in (1, 3):
-        a, b = losses.get(f"zero{zero}_bf16"), losses.get(f"zero{zero}_fp32")
-        if a and b:
-            res["comparisons"][f"zero{zero}: bf16 vs fp32"] = max(
-                abs(x - y) / abs(y) for x, y in zip(a, b))
-    for dtype in ("fp32", "bf16"):
-        a, b = losses.get(f"zero3_{dtype}"), losses.get(f"zero1_{dtype}")
-        if a and b:
-            res["comparisons"][f"{dtype}: zero3 vs zero1"] = max(
-                abs(x - y) / abs(y) for x, y in zip(a, b))
-    a, b = losses.get(OFFLOAD_RUN), losses.get("zero3_fp32")
-    if a and b:  # ZeRO-Offload: the same AdamW update on the host (CPU Adam rounds differently)
-        res["comparisons"][OFFLOAD_KEY] = max(abs(x - y) / abs(y) for x, y in zip(a, b))
-    a, b = losses.get(COMPILE_RUN), losses.get("zero3_fp32")
-    if a and b:  # train.compile: the same model to rounding, ZeRO-3's hooks around the graphs
-        res["comparisons"][COMPILE_KEY] = max(abs(x - y) / abs(y) for x, y in zip(a, b))
-    a, b = (losses.get(name) for name in DETERMINISTIC_RUNS)
-    if a and b:  # train.deterministic: the same run twice gives the same losses, bit for bit
-        res["comparisons"][DETERMINISTIC_KEY] = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    expected = [(key, a, b) for key, a, b in COMPARISONS if a in runs and b in runs]
+    for key, a, b in expected:
+        if losses.get(a) and losses.get(b):
+            res["comparisons"][key] = max(abs(x - y) / abs(y)
+                                          for x, y in zip(losses[a], losses[b]))
     finite = all(all(map(_finite, v)) for v in losses.values())
     limits = {k: (0.0 if k == DETERMINISTIC_KEY else TRAIN_BF16_TOL if "bf16 vs" in k else
                   TRAIN_BF16_TOL if k.startswith("bf16") else TRAIN_ZERO_TOL)
               for k in res["comparisons"]}
     res["ok"] = (not failures and finite
                  and all(v <= limits[k] for k, v in res["comparisons"].items()))
-    if res["ok"] and len(res["comparisons"]) < 6 + (COMPILE_RUN in runs):
+    if res["ok"] and len(res["comparisons"]) < len(expected):
         res["ok"] = None  # not judged: runs skipped for time
     sink.append(res)
     flush()

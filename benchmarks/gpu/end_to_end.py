@@ -211,8 +211,9 @@ class TrainerProbe:
 
 def end_to_end(recipe: Path, work: Path, plan: dict, peak_tflops: float | None,
                budget: Budget, sink: list, flush) -> None:
-    """For each (size, encoding, compile) of ``plan``: micro-batch 1, 2, 4, ... until OOM, the
-    cap or the time budget; the last fitting one is the row's result (all probes are kept).
+    """For each (size, encoding, compile) of ``plan``: micro-batch 1, 2, 4, ... (from
+    ``plan["min_micro_batch"]``, default 1) until OOM, the cap or the time budget; the last
+    fitting one is the row's result (all probes are kept).
 
     ``plan["compile"]`` (default ``[False]``): with ``True`` as well, each (size, encoding)
     also runs with ``train.compile=true`` right after its eager row, side by side; that search
@@ -222,6 +223,9 @@ def end_to_end(recipe: Path, work: Path, plan: dict, peak_tflops: float | None,
     from tape_train.train.peak import checked_mfu
 
     n = plan["seq_len"]
+    first_mb = plan.get("min_micro_batch", 1)
+    if not isinstance(first_mb, int) or first_mb < 1:
+        raise ValueError(f"e2e.min_micro_batch must be an integer >= 1, got {first_mb!r}")
     work.mkdir(parents=True, exist_ok=True)
     eager_best: dict = {}
     for size, pe, compiled in itertools.product(plan["sizes"], plan["encodings"],
@@ -240,7 +244,7 @@ def end_to_end(recipe: Path, work: Path, plan: dict, peak_tflops: float | None,
             # Bounded waits: a stuck run fails with its stacks instead of holding the lease.
             child.result(timeout=max(budget.left(), 60.0))
             row["setup_s"] = time.monotonic() - t0
-            mb = eager_best.get((size, pe), 1) if compiled else 1
+            mb = (eager_best.get((size, pe), first_mb) if compiled else first_mb)
             while mb <= plan["max_micro_batch"]:
                 budget.check(f"{name} micro-batch {mb}")
                 probe = child.call("measure", mb, plan["warmup"], plan["steps"],

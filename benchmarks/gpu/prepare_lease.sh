@@ -65,5 +65,6 @@ if (( size_kib + tree_kib > LIMIT_MIB * 1024 )); then
   exit 1
 fi
 echo
-echo "Device runs, one per line (each: carry [\".lease\"], timeout_s 600; copy \$OUT after each):"
+echo "Device runs, one per line (each: carry [\".lease\"], timeout_s 600; copy \$OUT after each;"
+echo "the second only on a warm machine with >= 4 minutes of device time left):"
 cat "$ROOT/benchmarks/gpu/lease_command.txt"
