@@ -195,6 +195,25 @@ def test_lease_command_fits_the_device_tool():
     assert ".lease/" in (REPO / ".gitignore").read_text().split()
 
 
+class _FakeTrainerRun:
+    """A trainer process of the correctness section that reports ``losses`` at once."""
+
+    def __init__(self, losses):
+        self._losses = losses
+
+    def result(self, timeout=None):
+        return None
+
+    def call(self, method, *args, timeout=None):
+        if method == "host_syncs":
+            return {"steps": 1, "micro_batches": 2, "per_step": 0, "sites": {},
+                    "per_micro_batch": {}}
+        return list(self._losses)
+
+    def close(self, timeout=None):
+        return None
+
+
 def test_a_subset_of_trainer_runs_is_judged_on_its_own_comparisons():
     """``--plan trainer.runs=[...]`` starts only those runs: the checks judge the comparisons
     whose two runs were started (a missing one is not needed), and a started run that never
@@ -212,36 +231,21 @@ def test_a_subset_of_trainer_runs_is_judged_on_its_own_comparisons():
     with pytest.raises(ValueError, match="list of run names"):
         correctness.trainer_run_names("zero1_bf16")
 
-    class Run:
-        def __init__(self, losses):
-            self._losses = losses
-
-        def result(self, timeout=None):
-            return None
-
-        def call(self, method, *args, timeout=None):
-            if method == "host_syncs":
-                return {"steps": 1, "micro_batches": 2, "per_step": 0, "sites": {},
-                        "per_micro_batch": {}}
-            return self._losses
-
-        def close(self, timeout=None):
-            return None
-
     def judge(runs):
         sink = []
         correctness.trainer_checks(runs, 2, Budget(60.0, _time.monotonic() + 60.0), sink,
                                    lambda: None)
         return next(r for r in sink if r["check"] == "trainer")
 
-    four = {n: Run([5.0, 4.9]) for n in ("zero1_fp32", "zero1_bf16", "zero3_fp32", "zero3_bf16")}
+    four = {n: _FakeTrainerRun([5.0, 4.9])
+            for n in ("zero1_fp32", "zero1_bf16", "zero3_fp32", "zero3_bf16")}
     res = judge(four)
     assert res["ok"] is True and set(res["comparisons"]) == {
         "zero1: bf16 vs fp32", "zero3: bf16 vs fp32", "fp32: zero3 vs zero1",
         "bf16: zero3 vs zero1"}
-    four["zero3_bf16"] = Run([])          # started, no losses: not judged
+    four["zero3_bf16"] = _FakeTrainerRun([])          # started, no losses: not judged
     assert judge(four)["ok"] is None
-    four["zero3_bf16"] = Run([5.0, 4.9 * 1.1])  # 10 % off fp32: failed
+    four["zero3_bf16"] = _FakeTrainerRun([5.0, 4.9 * 1.1])  # 10 % off fp32: failed
     assert judge(four)["ok"] is False
 
 
@@ -581,30 +585,14 @@ def test_the_trainer_checks_compare_the_compiled_run_with_its_eager_one():
     from gpu import correctness
     from gpu.common import Budget
 
-    class Run:
-        def __init__(self, losses):
-            self._losses = losses
-
-        def result(self, timeout=None):
-            return None
-
-        def call(self, method, *args, timeout=None):
-            if method == "host_syncs":
-                return {"steps": 1, "micro_batches": 2, "per_step": 0, "sites": {},
-                        "per_micro_batch": {}}
-            return list(self._losses)
-
-        def close(self, timeout=None):
-            return None
-
     base = [5.0, 4.9, 4.8]
     names = ["zero1_fp32", "zero1_bf16", "zero3_fp32", "zero3_bf16",
              *correctness.DETERMINISTIC_RUNS, correctness.OFFLOAD_RUN]
 
     def check(compiled_losses):
-        runs = {name: Run(base) for name in names}
+        runs = {name: _FakeTrainerRun(base) for name in names}
         if compiled_losses is not None:
-            runs[correctness.COMPILE_RUN] = Run(compiled_losses)
+            runs[correctness.COMPILE_RUN] = _FakeTrainerRun(compiled_losses)
         sink = []
         correctness.trainer_checks(runs, 3, Budget(60.0, _time.monotonic() + 60.0), sink,
                                    lambda: None)
