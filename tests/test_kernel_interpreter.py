@@ -5,7 +5,8 @@ subprocess (this file executed as a script) that evaluates every case and prints
 pytest process and the other tests of the session never see the variable. Each case compares
 O, Ê⁰, Ê¹ and the gradients of q, k, v, E⁰, E¹ with the fp64 reference
 ``tape_train.kernels.reference.tape_attention_reference``. Tiles are the small
-``INTERPRETER_CONFIGS`` (32×16 / 16×32), so N = 40 spans several blocks with a masked tail.
+``INTERPRETER_CONFIGS`` (32×16 / 16×32), so N = 40 spans several blocks with a masked tail;
+the ``tiles_*`` cases pin, one by one, every tile shape the GPU autotuner may launch.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from tape_train.kernels.tape_attention_configs import HEAD_DIMS, KERNELS, tables_by_element_size
+
 REPO = Path(__file__).resolve().parents[1]
 
-# name -> (N, D, causal, deterministic, dtype, layout)
+# name -> (N, D, causal, deterministic, dtype, layout[, pinned tile labels fwd, bwd_dkv, bwd_dq])
 CASES = {
     "causal_n40_d32_atomic_fp32": (40, 32, True, False, "float32", "contiguous"),
     "causal_n40_d64_deterministic_fp32": (40, 64, True, True, "float32", "contiguous"),
@@ -32,6 +35,34 @@ CASES = {
     "causal_n40_d32_bf16": (40, 32, True, False, "bfloat16", "contiguous"),
     "causal_n40_d32_fp16_fp32e": (40, 32, True, True, "float16", "fp32_e"),
 }
+
+
+def _tile_cases() -> dict:
+    """Every (BLOCK_M, BLOCK_N) of the GPU tables (all archs, both element sizes) in fp32.
+
+    The tiling (causal diagonal, unmasked middle, masked tail) depends on the block shapes, and
+    the tables hold ratios the interpreter's own tiles never show (square, 1:4, 8:1). Per head
+    dim the i-th distinct shape of each kernel run together (warps and stages do not change the
+    interpreter's arithmetic), at N = 1.5 of the largest tile + 7 (its second block a masked
+    tail): causal with the deterministic dq kernel, and bidirectional with atomic dq.
+    """
+    cases = {}
+    for d in HEAD_DIMS:
+        shapes = {kernel: sorted({(c.block_m, c.block_n)
+                                  for table in tables_by_element_size().values()
+                                  for per_dim in table.values() for c in per_dim[d][kernel]})
+                  for kernel in KERNELS}
+        for i in range(max(len(s) for s in shapes.values())):
+            tiles = tuple(shapes[kernel][i % len(shapes[kernel])] for kernel in KERNELS)
+            n = max(max(t) for t in tiles) * 3 // 2 + 7
+            labels = tuple(f"{m}x{k}w4s1" for m, k in tiles)
+            for causal, deterministic in ((True, True), (False, False)):
+                name = f"tiles_d{d}_{'_'.join(labels)}_{'causal' if causal else 'full'}"
+                cases[name] = (n, d, causal, deterministic, "float32", "contiguous", labels)
+    return cases
+
+
+CASES.update(_tile_cases())
 OUTPUTS = ("O", "E0_hat", "E1_hat")
 GRADS = ("q", "k", "v", "e0", "e1")
 
@@ -65,9 +96,11 @@ def _as_layout(torch, x, layout: str, dtype):
 def _run_case(name: str) -> dict:
     import torch
 
-    from tape_train.kernels import tape_attention_reference, tape_attention_triton
+    from tape_train.kernels import (KernelConfig, TapeKernelConfigs, tape_attention_reference,
+                                    tape_attention_triton)
 
-    n, d, causal, deterministic, dtype_name, layout = CASES[name]
+    n, d, causal, deterministic, dtype_name, layout, *tiles = CASES[name]
+    configs = TapeKernelConfigs(*map(KernelConfig.parse, tiles[0])) if tiles else None
     dtype = getattr(torch, dtype_name)
     e_dtype = torch.float32 if layout == "fp32_e" else dtype
     data, grads64 = _make_inputs(torch, n, d, seed=n * 1000 + d)
@@ -88,7 +121,8 @@ def _run_case(name: str) -> dict:
     ref_out, ref_grad = reference(data, torch.float64)
     leaves = [_as_layout(torch, x, layout, e_dtype if i >= 3 else dtype).requires_grad_()
               for i, x in enumerate(data)]
-    outs = tape_attention_triton(*leaves, causal=causal, deterministic=deterministic)
+    outs = tape_attention_triton(*leaves, causal=causal, deterministic=deterministic,
+                                 configs=configs)
     grad_outs = [_as_layout(torch, g, layout, o.dtype) for g, o in zip(grads64, outs)]
     torch.autograd.backward(outs, grad_outs)
 

@@ -84,10 +84,13 @@ def _attention(q, k, v, e0, e1):
     return tuple(torch.einsum("bmij,bmjd->bmid", attn, x) for x in (v, e0, e1))
 
 
-def reference_forward(model: TransformerLM, ids: torch.Tensor):
+def reference_forward(model: TransformerLM, ids: torch.Tensor, weights: dict | None = None):
     """The authors' TAPE decoder in fp64 from the spec. Returns (logits, per-block X outputs,
-    per-block input states (E⁰, E¹)); E enters every block, the last block's is not updated."""
-    cfg, sd = model.cfg, {k: v.double() for k, v in model.state_dict().items()}
+    per-block input states (E⁰, E¹)); E enters every block, the last block's is not updated.
+    ``weights``: the model's state as name → tensor (default: a detached fp64 copy); leaves
+    that require grad get the reference's gradients."""
+    cfg = model.cfg
+    sd = weights if weights is not None else {k: v.double() for k, v in model.state_dict().items()}
     b, n = ids.shape
     m, d, eps = cfg.num_heads, cfg.head_dim, cfg.norm_eps
     half = d // 2
@@ -157,7 +160,8 @@ def test_every_layer_matches_the_independent_reference(post_attn, backend):
     model = live_tape_model(post_attn, backend)
     ids = tokens(batch=2, length=20)
     out, xs = _model_forward(model, ids)
-    ref_logits, ref_xs, ref_states = reference_forward(model, ids)
+    weights = {k: v.detach().clone().requires_grad_() for k, v in model.state_dict().items()}
+    ref_logits, ref_xs, ref_states = reference_forward(model, ids, weights)
     assert len(out.states) == len(ref_states) == LAYERS
     for i, ((e0, e1), (r0, r1)) in enumerate(zip(out.states, ref_states)):
         torch.testing.assert_close(e0.expand_as(r0), r0, rtol=0, atol=1e-10, msg=f"E⁰ in {i}")
@@ -165,6 +169,16 @@ def test_every_layer_matches_the_independent_reference(post_attn, backend):
     for i, (x, r) in enumerate(zip(xs, ref_xs)):
         torch.testing.assert_close(x, r, rtol=0, atol=1e-10, msg=f"X after block {i}")
     torch.testing.assert_close(out.logits, ref_logits, rtol=0, atol=1e-10)
+    # Every parameter's gradient (the model's own autograd functions: modulation, RMSNorm,
+    # SwiGLU, the backend) equals autograd through the reference's plain formulas.
+    probe = torch.randn(out.logits.shape, generator=torch.Generator().manual_seed(5),
+                        dtype=torch.float64)
+    (out.logits * probe).sum().backward()
+    (ref_logits * probe).sum().backward()
+    for name, param in model.named_parameters():
+        want = weights[name].grad
+        torch.testing.assert_close(param.grad, want, rtol=0,
+                                   atol=1e-10 * max(1.0, want.abs().max().item()), msg=name)
     # The comparison is meaningful: E really is contextual at every carrying layer (far from
     # the layer-0 tables, and different between the two sequences of the batch).
     for r0, _ in ref_states[1:]:
