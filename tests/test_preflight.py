@@ -286,7 +286,7 @@ def test_tape_submit_refuses_a_job_that_cannot_resume_on_its_node_count(corpus, 
         return rc, out.getvalue(), err.getvalue()
 
     rc, out, err = submit_with(1)
-    assert rc == 2 and out == ""
+    assert rc == 1 and out == ""
     assert "tape-submit: preflight: error: resume from" in err
     assert "the global batch changes from 4 to 2 sequences" in err
     assert not (tmp_path / "sbatch.calls").exists()
@@ -297,7 +297,7 @@ def test_tape_submit_refuses_a_job_that_cannot_resume_on_its_node_count(corpus, 
 
 def test_tape_submit_dry_run_runs_the_preflight_without_sbatch(corpus, tmp_path, monkeypatch):
     """`tape-submit --dry-run` is how a job is checked before queueing it: it runs the same
-    preflight as a submit (plan and problems on stderr, exit 2 on a problem) and still prints
+    preflight as a submit (plan and problems on stderr, exit 1 on a problem) and still prints
     the script on stdout; sbatch is not needed. `--no-preflight` is the negative control."""
     monkeypatch.setenv("PATH", str(tmp_path / "no-sbatch-here"))
     monkeypatch.chdir(tmp_path)
@@ -320,7 +320,7 @@ def test_tape_submit_dry_run_runs_the_preflight_without_sbatch(corpus, tmp_path,
 
     missing = tmp_path / "no-such.model"
     rc, out, err = dry_run_submit(f"data.tokenizer={missing}")
-    assert rc == 2
+    assert rc == 1
     assert f"tape-submit: preflight: error: data.tokenizer: tokenizer {missing}: no such file" \
         in err
     assert "tape-submit: preflight found 1 problem(s): a submit would refuse this job" in err
