@@ -741,6 +741,25 @@ def test_generate_names_a_bad_prompt_file_and_line_before_loading(flag, content,
     assert err.count("\n") == 1 and not (tmp_path / "o.jsonl").exists()
 
 
+def test_generate_prompt_files_starting_with_a_byte_order_mark_are_read_without_it(tmp_path):
+    """Windows editors start a file with a UTF-8 byte-order mark: --prompts refused such a
+    file at line 1 (`not valid JSON (Unexpected UTF-8 BOM (decode using utf-8-sig) ...)`), and
+    --prompt-file continued a prompt starting with U+FEFF. The mark starting a later line is no
+    encoding mark, and is still refused there."""
+    import codecs
+
+    from tape_train.inference.prompts import PromptError, read_prompt_file, read_prompts
+
+    bom = codecs.BOM_UTF8
+    (tmp_path / "p.jsonl").write_bytes(bom + b'{"id": 1, "prompt": "The"}\n{"prompt": "A"}\n')
+    assert [p.text for p in read_prompts(str(tmp_path / "p.jsonl"))] == ["The", "A"]
+    (tmp_path / "p.txt").write_bytes(bom + b"The end\n")
+    assert read_prompt_file(str(tmp_path / "p.txt")) == "The end\n"
+    (tmp_path / "joined.jsonl").write_bytes(b'{"prompt": "a"}\n' + bom + b'{"prompt": "b"}\n')
+    with pytest.raises(PromptError, match=r"joined\.jsonl:2: not valid JSON"):
+        read_prompts(str(tmp_path / "joined.jsonl"))
+
+
 def test_generate_names_an_empty_standard_input(tmp_path, capsys, monkeypatch):
     import io
 
