@@ -76,6 +76,8 @@ def test_tape_model_info_takes_a_yaml_file_without_yaml_in_its_name(tmp_path, mo
     (tmp_path / "adir").mkdir()
     assert main(["info", "adir"]) == 1
     assert "model config 'adir' is a directory, not a YAML file" in capsys.readouterr().err
+    assert main(["info", "/dev/null"]) == 1  # it said "not found"
+    assert "model config '/dev/null' is not a regular file" in capsys.readouterr().err
     assert main(["info", ""]) == 1
     assert "model config '' is empty" in capsys.readouterr().err
 
