@@ -390,6 +390,12 @@ def test_prepare_hub_errors_are_one_line_and_leave_nothing_complete(tmp_path, pa
     (tmp_path / "j.jsonl").write_text("\n".join(lines) + "\n")
     jsonl = ["--hub", "json", "--data-files", str(tmp_path / "j.jsonl"), "--out", out]
     assert "#0:record 2: text not a string: field 'text' is NoneType" in error(*jsonl)
+    # An empty data file: the builder's bare StopIteration said nothing ("StopIteration: ").
+    (tmp_path / "empty.jsonl").write_text("")
+    empty = str(tmp_path / "empty.jsonl")
+    assert error("--hub", "json", "--data-files", empty, "--out", out).endswith(
+        f"(config=None, split='train', data_files=['{empty}']): StopIteration: no record to "
+        f"read: are the data files empty?")
     assert data_cli.main(["prepare", *jsonl, "--skip-bad-records", "--eval-fraction", "0",
                           "--progress", "off"]) == 0
     assert read_complete_manifest(tmp_path / "o")["splits"]["train"]["documents"] == 4
