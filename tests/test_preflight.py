@@ -122,6 +122,27 @@ def test_each_bad_input_is_one_line_and_exit_1(corpus, name):
     assert "nothing was started" in err
 
 
+@pytest.mark.parametrize("name, is_dir, expected", [
+    ("metrics.jsonl", True, "is a directory; the run writes to it: move it away"),
+    ("tensorboard", False, "is not a directory; the run writes into it: move it away"),
+    ("checkpoints", False, "is not a directory; the run writes into it: move it away"),
+])
+def test_a_file_or_directory_of_the_wrong_kind_in_the_run_dir_is_refused(corpus, tmp_path,
+                                                                         name, is_dir, expected):
+    """A directory named metrics.jsonl, a file named tensorboard or checkpoints: the trainer
+    met them only after DeepSpeed's start-up (a traceback then) or at the first save."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / name).mkdir() if is_dir else (run / name).write_text("x")
+    args = ["--config", str(corpus / "run.yaml"), "--dry-run", f"train.run_dir={run}",
+            "logging.tensorboard=true"]
+    rc, out, err = dry_run(args)
+    assert rc == 1 and error_lines(err) == [
+        f"tape-train: preflight: error: train.run_dir={run}: {run / name} {expected}"], err
+    (run / name).rmdir() if is_dir else (run / name).unlink()  # control
+    assert dry_run(args)[0] == 0
+
+
 def test_an_unwritable_checkpoints_directory_is_refused_by_the_dry_run(corpus, tmp_path,
                                                                        monkeypatch):
     """A run dir that is writable but whose checkpoints directory is not (read-only mount,

@@ -136,3 +136,23 @@ def test_a_full_disk_under_the_metrics_is_one_error_naming_the_file(tmp_path):
     writer.write("train", 1, {"loss": 1.0})
     writer.close()
     assert '"loss": 1.0' in (tmp_path / "ok" / "metrics.jsonl").read_text()
+
+
+def test_a_directory_or_file_in_the_place_of_the_metrics_is_named(tmp_path):
+    """A directory named metrics.jsonl, or a file named tensorboard, in the run dir: an
+    IsADirectoryError / FileExistsError traceback from the trainer's set-up. Now one
+    FileWriteError naming the path."""
+    from tape_train.files import FileWriteError
+    from tape_train.train.metrics import MetricsWriter
+
+    (tmp_path / "a" / "metrics.jsonl").mkdir(parents=True)
+    with pytest.raises(FileWriteError, match=f"^metrics: {tmp_path / 'a' / 'metrics.jsonl'}: "
+                                             f"Is a directory"):
+        MetricsWriter(tmp_path / "a", enabled=True, tensorboard=False)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "tensorboard").write_text("x")
+    with pytest.raises(FileWriteError, match=f"^metrics: {tmp_path / 'b' / 'tensorboard'}: "):
+        MetricsWriter(tmp_path / "b", enabled=True, tensorboard=True)
+    # Negative control: the same run dir without it.
+    (tmp_path / "b" / "tensorboard").unlink()
+    MetricsWriter(tmp_path / "b", enabled=True, tensorboard=True).close()

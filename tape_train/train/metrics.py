@@ -94,15 +94,17 @@ class MetricsWriter:
             from tape_train.train.wandb_sink import WandbSink
 
             self._wandb = WandbSink(run_dir, wandb, run_config or {})
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None:
-            supersede_replayed_rows(run_dir, resume_step)
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        with self._naming_write_errors("metrics.jsonl"):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None:
+                supersede_replayed_rows(run_dir, resume_step)
+            self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             purge = {"purge_step": resume_step + 1} if resume_step is not None else {}
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), **purge)
+            with self._naming_write_errors("tensorboard"):
+                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), **purge)
 
     def write(self, kind: str, step: int, values: dict) -> None:
         if not self.enabled or self._failed:
@@ -145,10 +147,10 @@ class MetricsWriter:
 
     @contextlib.contextmanager
     def _naming_write_errors(self, name: str, quiet: bool = False):
-        """A full disk or a read-only run dir under metrics.jsonl or tensorboard/ (also from
-        TensorBoard's writer thread, which hands its error to the next call): one
-        FileWriteError naming the path, which ends the run in one line like a failed save;
-        later writes are skipped, not failed again."""
+        """A full disk, a read-only run dir, or a directory or file in the place of
+        metrics.jsonl or tensorboard/ (also from TensorBoard's writer thread, which hands its
+        error to the next call): one FileWriteError naming the path, which ends the run in one
+        line like a failed save; later writes are skipped, not failed again."""
         try:
             yield
         except OSError as exc:
