@@ -2,6 +2,13 @@
 
 Every command answers ``--version`` here, before its subsystem is imported; neither that nor
 ``--help`` imports torch (tests/test_train_startup.py holds them to it).
+
+Exit codes, the same for every command: 0 done; 2 a command line argparse refuses (an unknown,
+missing or malformed option: ``usage:`` and ``<command>: error: ...``); 1 every other error,
+one ``<command>: error: ...`` line naming the path, key or value at fault: a file or checkpoint
+that is missing, damaged or incomplete, an option value the command checks itself, a full
+disk, a failed run; 130 Ctrl-C (SIGINT), 141 a closed stdout (SIGPIPE). tape-train adds 75
+(stopped on SIGUSR1/SIGTERM after a checkpoint: requeue).
 """
 
 from __future__ import annotations

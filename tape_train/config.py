@@ -536,6 +536,9 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
         if path.is_dir():
             raise ConfigError(f"config file {path} is a directory; give the run config YAML "
                               f"in it")
+        if path.exists() and not path.is_file():  # every rank reads it: a pipe reads once
+            raise ConfigError(f"config file {path} is not a regular file (a device or a pipe?); "
+                              f"give the run config YAML file")
         if not path.is_file():
             shipped = ", ".join(sorted(p.stem for p in resource_dir("configs/train").glob("*.yaml")))
             raise ConfigError(f"config file {path} does not exist (shipped configs, usable by "

@@ -111,7 +111,8 @@ def read_named_yaml(name_or_path: str, directory: Path, kind: str,
     if not path.is_file():
         names = sorted(p.stem for p in directory.glob("*.yaml"))
         looked = f"{path}" + ("" if path == given else f" and the file {given}")
-        what = "is a directory, not a YAML file" if given.is_dir() else "not found"
+        what = ("is a directory, not a YAML file" if given.is_dir() else
+                "is not a regular file (a device or a pipe?)" if given.exists() else "not found")
         raise (missing or error)(f"{kind} config {name_or_path!r} {what}"
                                  f"{did_you_mean(given.stem, names)}: looked for {looked}; "
                                  f"named {kind} configs: {', '.join(names)}")

@@ -156,7 +156,7 @@ def test_torchrun_variables_that_cannot_be_are_named_before_start_up(tmp_path, c
     assert eval_main(["--checkpoint", str(tmp_path / "nowhere"), "--no-progress"]) == 1
     assert capsys.readouterr().err.startswith(f"tape-eval: error: {message}")
     if list(env) == ["LOCAL_RANK"]:  # all tape-generate reads
-        assert generate_main([str(tmp_path / "nowhere"), "--prompt", "x"]) == 2
+        assert generate_main([str(tmp_path / "nowhere"), "--prompt", "x"]) == 1
         assert capsys.readouterr().err.startswith(f"tape-generate: error: {message}")
 
 
@@ -229,11 +229,11 @@ def test_export_keeps_a_directory_that_is_not_an_export(run_and_tokenizers, tmp_
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
-    assert main([str(run / "run"), "--out", str(out), "--tokenizer", tok]) == 2
+    assert main([str(run / "run"), "--out", str(out), "--tokenizer", tok]) == 1
     assert "is a non-empty directory that is not an export" in capsys.readouterr().err
     assert (out / "notes.txt").read_text() == "keep me"
     (tmp_path / "file").write_text("x")
-    assert main([str(run / "run"), "--out", str(tmp_path / "file"), "--hf"]) == 2
+    assert main([str(run / "run"), "--out", str(tmp_path / "file"), "--hf"]) == 1
     assert "exists and is not a directory" in capsys.readouterr().err
     # An earlier export is replaced.
     assert main([str(run / "run"), "--out", str(tmp_path / "exp"), "--tokenizer", tok]) == 0
@@ -259,7 +259,7 @@ def test_export_refuses_the_current_directory_before_loading(run_and_tokenizers,
     monkeypatch.chdir(tmp_path / cwd)
     monkeypatch.setattr("tape_train.loading.load_model_from_checkpoint",
                         lambda *_: pytest.fail("the checkpoint was loaded"))
-    assert export.main([str(run / "run"), "--out", out, "--tokenizer", tok]) == 2
+    assert export.main([str(run / "run"), "--out", out, "--tokenizer", tok]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"tape-export: error: {message}") and err.count("\n") == 1
     assert [p.name for p in (tmp_path / "here").iterdir()] == ["sub"]
@@ -276,9 +276,9 @@ def test_export_refuses_a_missing_or_too_large_tokenizer(run_and_tokenizers, tmp
 
     run, _, large = run_and_tokenizers
     assert main([str(run / "run"), "--out", str(tmp_path / "a"), "--tokenizer",
-                 str(tmp_path / "nope.model")]) == 2
+                 str(tmp_path / "nope.model")]) == 1
     assert "--tokenizer: tokenizer" in capsys.readouterr().err
-    assert main([str(run / "run"), "--out", str(tmp_path / "b"), "--tokenizer", large]) == 2
+    assert main([str(run / "run"), "--out", str(tmp_path / "b"), "--tokenizer", large]) == 1
     assert "has 600 tokens but the model's vocabulary is 512" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
@@ -304,7 +304,7 @@ def test_export_of_a_tokenizer_without_hugging_face_files(run_and_tokenizers, tm
         m.setattr(loading, "load_model_from_checkpoint",
                   lambda *a, **k: pytest.fail("checkpoint read before the tokenizer check"))
         assert main([str(run / "run"), "--out", str(tmp_path / "hf"), "--hf", "--tokenizer",
-                     str(odd)]) == 2
+                     str(odd)]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"tape-export: error: --tokenizer: tokenizer {odd}: "
                           "remove_extra_whitespaces=true is not supported") and err.count("\n") == 1
@@ -317,7 +317,7 @@ def test_export_of_a_tokenizer_without_hugging_face_files(run_and_tokenizers, tm
     # The run's own tokenizer is checked too (after the checkpoint names it).
     make_checkpoint(tmp_path / "run2", "tape", seed=1, vocab_size=512,
                     data={"tokenizer": str(odd)})
-    assert main([str(tmp_path / "run2"), "--out", str(tmp_path / "hf2"), "--hf"]) == 2
+    assert main([str(tmp_path / "run2"), "--out", str(tmp_path / "hf2"), "--hf"]) == 1
     assert "export without --hf, or bundle another" in capsys.readouterr().err
     # Negative control: the tokenizer it came from gets the files, with and without --hf.
     for flag in ([], ["--hf"]):
@@ -344,7 +344,7 @@ def test_export_checks_where_it_writes_before_reading_the_checkpoint(run_and_tok
     loads = []
     monkeypatch.setattr(loading, "load_model_from_checkpoint",
                         lambda *a, **k: loads.append(a) or real_load(*a, **k))
-    assert main([str(run / "run"), "--out", str(tmp_path / "afile" / "sub" / "x")]) == 2
+    assert main([str(run / "run"), "--out", str(tmp_path / "afile" / "sub" / "x")]) == 1
     err = capsys.readouterr().err
     assert (f"tape-export: error: {tmp_path / 'afile'} is a file, so --out "
             f"{tmp_path / 'afile' / 'sub' / 'x'} cannot be created under it") in err
@@ -357,7 +357,7 @@ def test_export_checks_where_it_writes_before_reading_the_checkpoint(run_and_tok
         return real_tmp(*args, dir=dir, **kwargs)
 
     monkeypatch.setattr(tempfile, "NamedTemporaryFile", unwritable)
-    assert main([str(run / "run"), "--out", str(readonly / "new" / "x")]) == 2
+    assert main([str(run / "run"), "--out", str(readonly / "new" / "x")]) == 1
     err = capsys.readouterr().err
     assert (f"tape-export: error: cannot write in {readonly}, where --out {readonly / 'new' / 'x'}"
             f" goes: Read-only file system") in err
@@ -385,7 +385,7 @@ def test_export_past_a_file_size_limit_is_one_line_and_leaves_nothing(run_and_to
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     err = capsys.readouterr().err
-    assert rc == 2 and "Traceback" not in err
+    assert rc == 1 and "Traceback" not in err
     line = next(ln for ln in err.splitlines() if ln.startswith("tape-export: error: "))
     assert f"{tmp_path / 'x'}" in line and "model.safetensors): File too large" in line
     assert "file-size limit, `ulimit -f`, is 48.8 KiB" in line
@@ -396,7 +396,7 @@ def test_export_past_a_file_size_limit_is_one_line_and_leaves_nothing(run_and_to
 
 def test_export_names_a_model_config_it_cannot_build_in_one_line(tmp_path, capsys):
     """A checkpoint whose recorded model config this code cannot build (a key of another
-    version): one line naming the marker and the key, exit 2, no traceback."""
+    version): one line naming the marker and the key, exit 1, no traceback."""
     import json
 
     from tape_train.inference.export import main
@@ -409,7 +409,7 @@ def test_export_names_a_model_config_it_cannot_build_in_one_line(tmp_path, capsy
     marker["config"]["model"]["new_knob"] = 3
     (tag / ckpt.MARKER).write_text(json.dumps(marker))
     capsys.readouterr()
-    assert main([str(tag), "--out", str(tmp_path / "bad")]) == 2
+    assert main([str(tag), "--out", str(tmp_path / "bad")]) == 1
     err = capsys.readouterr().err
     assert f"tape-export: error: {tag / ckpt.MARKER} [model]: unknown model key(s) 'new_knob'" in err
     assert "Traceback" not in err and not (tmp_path / "bad").exists()
@@ -427,7 +427,7 @@ def test_generate_refuses_bad_sampling_settings(run_and_tokenizers, capsys, args
     from tape_train.inference.generate import main
 
     run, tok, _ = run_and_tokenizers
-    assert main([str(run / "run"), "--prompt", "x", "--tokenizer", tok, *args]) == 2
+    assert main([str(run / "run"), "--prompt", "x", "--tokenizer", tok, *args]) == 1
     assert message in capsys.readouterr().err
 
 
@@ -435,9 +435,9 @@ def test_generate_names_a_bad_tokenizer(run_and_tokenizers, tmp_path, capsys):
     from tape_train.inference.generate import main
 
     run, tok, large = run_and_tokenizers
-    assert main([str(run / "run"), "--prompt", "x", "--tokenizer", str(tmp_path / "no")]) == 2
+    assert main([str(run / "run"), "--prompt", "x", "--tokenizer", str(tmp_path / "no")]) == 1
     assert "no such file" in capsys.readouterr().err
-    assert main([str(run / "run"), "--prompt", "x", "--tokenizer", large]) == 2
+    assert main([str(run / "run"), "--prompt", "x", "--tokenizer", large]) == 1
     assert "has 600 tokens but the model's vocabulary is 512" in capsys.readouterr().err
     assert main([str(run / "run"), "--prompt", "x", "--tokenizer", tok, "--max-new-tokens",
                  "2", "--top-p", "1", "--top-k", "0"]) == 0
@@ -470,7 +470,7 @@ def test_generate_device_is_checked_before_loading_and_cpu_is_the_auto_choice_he
     monkeypatch.setattr(loading, "load_for_inference",
                         lambda *a, **k: loads.append(a) or real_load(*a, **k))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert main([str(run / "run"), "--prompt", "x", "--tokenizer", tok, "--device", "cuda"]) == 2
+    assert main([str(run / "run"), "--prompt", "x", "--tokenizer", tok, "--device", "cuda"]) == 1
     err = capsys.readouterr().err
     assert "--device cuda: no CUDA device here" in err and "Traceback" not in err
     assert loads == []  # refused before the model was read
@@ -510,7 +510,7 @@ def test_tape_submit_checks_eval_lengths_before_submitting(tmp_path, capsys):
     from tape_train.cluster.submit import main
 
     path = _base_yaml(tmp_path)
-    assert main(["--config", str(path), "--dry-run", "--eval-after", "--eval-lengths", "0"]) == 2
+    assert main(["--config", str(path), "--dry-run", "--eval-after", "--eval-lengths", "0"]) == 1
     assert ("--eval-lengths/--eval-arg: tape-eval --lengths 0: --lengths (value 1) must be a "
             "positive integer") in capsys.readouterr().err
     assert main(["--config", str(path), "--dry-run", "--no-preflight", "--eval-after",
@@ -537,7 +537,7 @@ def test_tape_submit_checks_the_evaluation_job_before_submitting(tmp_path, capsy
     from tape_train.cluster.submit import main
 
     path = _base_yaml(tmp_path)
-    assert main(["--config", str(path), "--dry-run", *args]) == 2
+    assert main(["--config", str(path), "--dry-run", *args]) == 1
     err = capsys.readouterr().err
     assert f"tape-submit: error: " in err and message in err
     assert main(["--config", str(path), "--dry-run", "--no-preflight", "--eval-after",
@@ -602,7 +602,7 @@ def test_generate_names_a_prompt_that_is_not_utf8_and_an_hf_export(run_and_token
 
     run, tok, _ = run_and_tokenizers
     base = [str(run / "run"), "--tokenizer", tok, "--max-new-tokens", "1", "--device", "cpu"]
-    assert main([*base, "--prompt", "ab\udcff"]) == 2
+    assert main([*base, "--prompt", "ab\udcff"]) == 1
     err = capsys.readouterr().err
     assert "--prompt is not valid UTF-8 text (byte 0xff at character 2)" in err
     assert "Traceback" not in err
@@ -613,7 +613,7 @@ def test_generate_names_a_prompt_that_is_not_utf8_and_an_hf_export(run_and_token
     assert export_main([str(run / "run"), "--out", str(tmp_path / "plain"),
                         "--tokenizer", tok]) == 0
     capsys.readouterr()
-    assert main([str(tmp_path / "hf"), "--prompt", "x", "--max-new-tokens", "1"]) == 2
+    assert main([str(tmp_path / "hf"), "--prompt", "x", "--max-new-tokens", "1"]) == 1
     err = capsys.readouterr().err
     assert "a Hugging Face export (`tape-export --hf`)" in err and "unknown model key" not in err
     assert main([str(tmp_path / "plain"), "--prompt", "x", "--max-new-tokens", "1"]) == 0
@@ -735,10 +735,29 @@ def test_generate_names_a_bad_prompt_file_and_line_before_loading(flag, content,
         return text.replace("{path}", str(path)).replace("{tmp}", str(tmp_path))
 
     extra = [named(arg) for arg in extra]
-    assert main([str(tmp_path / "nowhere"), flag, str(path), *extra]) == 2
+    assert main([str(tmp_path / "nowhere"), flag, str(path), *extra]) == 1
     err = capsys.readouterr().err
     assert err.startswith("tape-generate: error: " + named(message))
     assert err.count("\n") == 1 and not (tmp_path / "o.jsonl").exists()
+
+
+def test_generate_prompt_files_starting_with_a_byte_order_mark_are_read_without_it(tmp_path):
+    """Windows editors start a file with a UTF-8 byte-order mark: --prompts refused such a
+    file at line 1 (`not valid JSON (Unexpected UTF-8 BOM (decode using utf-8-sig) ...)`), and
+    --prompt-file continued a prompt starting with U+FEFF. The mark starting a later line is no
+    encoding mark, and is still refused there."""
+    import codecs
+
+    from tape_train.inference.prompts import PromptError, read_prompt_file, read_prompts
+
+    bom = codecs.BOM_UTF8
+    (tmp_path / "p.jsonl").write_bytes(bom + b'{"id": 1, "prompt": "The"}\n{"prompt": "A"}\n')
+    assert [p.text for p in read_prompts(str(tmp_path / "p.jsonl"))] == ["The", "A"]
+    (tmp_path / "p.txt").write_bytes(bom + b"The end\n")
+    assert read_prompt_file(str(tmp_path / "p.txt")) == "The end\n"
+    (tmp_path / "joined.jsonl").write_bytes(b'{"prompt": "a"}\n' + bom + b'{"prompt": "b"}\n')
+    with pytest.raises(PromptError, match=r"joined\.jsonl:2: not valid JSON"):
+        read_prompts(str(tmp_path / "joined.jsonl"))
 
 
 def test_generate_names_an_empty_standard_input(tmp_path, capsys, monkeypatch):
@@ -747,11 +766,11 @@ def test_generate_names_an_empty_standard_input(tmp_path, capsys, monkeypatch):
     from tape_train.inference.generate import main
 
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"")))
-    assert main([str(tmp_path / "nowhere"), "--prompt-file", "-"]) == 2
+    assert main([str(tmp_path / "nowhere"), "--prompt-file", "-"]) == 1
     assert capsys.readouterr().err == ("tape-generate: error: --prompt-file -: standard input "
                                        "is empty (nothing was piped in)\n")
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b'{"prompt": 1}\n')))
-    assert main([str(tmp_path / "nowhere"), "--prompts", "-", "--out", "-"]) == 2
+    assert main([str(tmp_path / "nowhere"), "--prompts", "-", "--out", "-"]) == 1
     assert capsys.readouterr().err.startswith("tape-generate: error: <stdin>:1: \"prompt\" is")
 
 

@@ -16,7 +16,7 @@ def test_tape_model_info_names_an_unknown_size_in_one_line(capsys):
 
     assert main(["info", "tiny", "--pe", "rope"]) == 0  # positive control
     assert "tiny pe=rope" in capsys.readouterr().out
-    assert main(["info", "huge"]) == 2
+    assert main(["info", "huge"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("tape-model: error: model config 'huge' not found")
     assert "named model configs: 125m" in err and "Traceback" not in err
@@ -70,13 +70,15 @@ def test_tape_model_info_takes_a_yaml_file_without_yaml_in_its_name(tmp_path, mo
     assert main(["info", "tiny", "--pe", "rope"]) == 0
     assert "tiny pe=rope   params      7.26M" in capsys.readouterr().out
     (tmp_path / "notes").write_text("just some text\n")
-    assert main(["info", "notes"]) == 2
+    assert main(["info", "notes"]) == 1
     assert capsys.readouterr().err == ("tape-model: error: notes: expected a mapping of keys, "
                                        "got str\n")
     (tmp_path / "adir").mkdir()
-    assert main(["info", "adir"]) == 2
+    assert main(["info", "adir"]) == 1
     assert "model config 'adir' is a directory, not a YAML file" in capsys.readouterr().err
-    assert main(["info", ""]) == 2
+    assert main(["info", "/dev/null"]) == 1  # it said "not found"
+    assert "model config '/dev/null' is not a regular file" in capsys.readouterr().err
+    assert main(["info", ""]) == 1
     assert "model config '' is empty" in capsys.readouterr().err
 
 
@@ -89,7 +91,7 @@ def test_tape_model_info_names_the_file_and_encoding_a_shape_error_is_about(tmp_
     monkeypatch.chdir(tmp_path)
     shape = "vocab_size: 97\nhidden_size: 64\nnum_layers: 2\nintermediate_size: 96\n"
     (tmp_path / "gqa.yaml").write_text(shape + "num_heads: 4\nnum_kv_heads: 2\n")
-    assert main(["info", "gqa.yaml"]) == 2
+    assert main(["info", "gqa.yaml"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("tape-model: error: gqa.yaml with pe=tape: model.num_kv_heads=2 (GQA)")
     assert err.endswith("(pe=tape is one of the defaults: name the encodings to compare with "
@@ -97,7 +99,7 @@ def test_tape_model_info_names_the_file_and_encoding_a_shape_error_is_about(tmp_
     assert main(["info", "gqa.yaml", "--pe", "rope", "fire"]) == 0  # control: encodings with GQA
     assert "gqa pe=fire" in capsys.readouterr().out
     (tmp_path / "odd.yaml").write_text(shape + "num_heads: 3\n")
-    assert main(["info", "odd.yaml", "--pe", "rope"]) == 2
+    assert main(["info", "odd.yaml", "--pe", "rope"]) == 1
     assert capsys.readouterr().err == ("tape-model: error: odd.yaml with pe=rope: "
                                        "model.hidden_size (64) must be divisible by "
                                        "model.num_heads (3)\n")
@@ -108,12 +110,12 @@ def test_tape_model_info_names_the_closest_size_and_lists_them_all(tmp_path, mon
     from tape_train.model.cli import main
 
     monkeypatch.chdir(tmp_path)
-    assert main(["info", "tiy"]) == 2
+    assert main(["info", "tiy"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("tape-model: error: model config 'tiy' not found (did you mean "
                           "'tiny'?): looked for ")
     assert "tiy.yaml and the file tiy; named model configs: 125m, 1b, 350m, 7b, tiny\n" in err
-    assert main(["info", "nosuch.yaml"]) == 2  # a path: no named config looked for
+    assert main(["info", "nosuch.yaml"]) == 1  # a path: no named config looked for
     assert capsys.readouterr().err == ("tape-model: error: model config 'nosuch.yaml' not found: "
                                        "looked for nosuch.yaml; named model configs: 125m, 1b, "
                                        "350m, 7b, tiny\n")
@@ -194,6 +196,35 @@ def test_other_usage_errors_keep_argparse_s_message(capsys):
     assert "argument --world-size: invalid int value: 'two'" in err and "e.g." not in err
 
 
+@pytest.mark.parametrize("module, argv", [
+    ("tape_train.train.cli", ["--config", "{missing}.yaml", "--dry-run"]),
+    ("tape_train.eval.cli", ["--checkpoint", "{missing}", "--no-progress"]),
+    ("tape_train.inference.export", ["{missing}", "--out", "{tmp}/out"]),
+    ("tape_train.inference.generate", ["{missing}", "--prompt", "x"]),
+    ("tape_train.model.cli", ["info", "{missing}.yaml"]),
+    ("tape_train.cluster.submit", ["--config", "{missing}.yaml", "--dry-run"]),
+    ("tape_train.data.cli", ["info", "{missing}"]),
+    ("tape_train.data.tokenizer_cli", ["train", "--input", "{missing}", "--spec", "demo",
+                                       "--out", "{tmp}/tok"]),
+])
+def test_every_command_exits_1_for_a_missing_input_and_2_for_a_bad_option(module, argv,
+                                                                           tmp_path, capsys):
+    """One rule (tape_train/cli.py): 2 is argparse's, for a command line it cannot parse; a
+    path that does not exist is an error of its own, exit 1, as every other. tape-eval said 1
+    and tape-export, tape-generate, tape-model and tape-submit said 2 for the same missing
+    path."""
+    import importlib
+
+    main = importlib.import_module(module).main
+    missing = tmp_path / "no-such"
+    assert main([a.format(missing=missing, tmp=tmp_path) for a in argv]) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert " error: " in line and str(missing) in line, line
+    with pytest.raises(SystemExit) as exc:  # the other half of the rule
+        main([*argv[:1], "--no-such-option"])
+    assert exc.value.code == 2
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--top-p", "0"], "--top-p must be in (0, 1] (1 = off), got 0.0"),
     (["--temperature", "-1"], "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
@@ -206,7 +237,7 @@ def test_tape_generate_refuses_bad_options_before_loading(flags, message, tmp_pa
     from tape_train.inference.generate import main
 
     # the model path does not exist either: the options are checked first, in one line
-    assert main([str(tmp_path / "nowhere"), "--prompt", "x", *flags]) == 2
+    assert main([str(tmp_path / "nowhere"), "--prompt", "x", *flags]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"tape-generate: error: {message}") and err.count("\n") == 1
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 import pytest
@@ -235,6 +236,10 @@ def test_malformed_override_and_missing_file(tmp_path):
         load_run_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match=rf"config file {tmp_path} is a directory"):
         load_run_config(tmp_path)  # it said "does not exist"
+    os.mkfifo(tmp_path / "pipe.yaml")  # what `--config <(...)` gives: every rank reads it
+    for special in ("/dev/null", tmp_path / "pipe.yaml"):  # it said "does not exist" too
+        with pytest.raises(ConfigError, match=f"config file {special} is not a regular file"):
+            load_run_config(special)
     with pytest.raises(ConfigError, match="section 'model' is required"):
         load_run_config(_write(tmp_path, "train: {seq_len: 8}\n"))
 

@@ -85,6 +85,28 @@ def test_a_small_corpus_is_written_with_a_warning_on_what_it_lacks(tmp_path, cap
     assert "warning" not in capsys.readouterr().err
 
 
+def test_a_corpus_rebuilt_with_other_options_leaves_none_of_the_old_shards(tmp_path, tok,
+                                                                          capsys):
+    """Preparing into a complete directory with other options replaces its corpus: the old
+    16 shards of which the new manifest lists 4 (and their token shards) stayed beside it,
+    and the directory failed its own `tape-data info --verify` (unlisted shards). A file the
+    old manifest did not list is not the prepare's to delete."""
+    from tape_train.data.verify import verify_corpus
+
+    write_jsonl(tmp_path / "in" / "a.jsonl", real_text_documents(40))
+    out = tmp_path / "out"
+    model = str(tmp_path / "tok.model")
+    shutil.copy(tok.path, model)
+    assert data_cli.main(["prepare", "--input", str(tmp_path / "in"), "--out", str(out),
+                          "--num-shards", "16", "--tokenize", "--tokenizer", model]) == 0
+    (out / "notes.txt").write_text("mine")
+    assert _prepare_input(tmp_path, None, out) == 0  # 4 shards, no token shards
+    listed = {entry["path"] for entry in json.loads((out / "manifest.json").read_text())
+              ["shards"]}
+    assert {p.name for p in out.iterdir()} == listed | {"manifest.json", "notes.txt"}
+    assert verify_corpus(out).ok, verify_corpus(out).problems
+
+
 def test_partial_output_is_never_taken_as_complete(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -368,6 +390,12 @@ def test_prepare_hub_errors_are_one_line_and_leave_nothing_complete(tmp_path, pa
     (tmp_path / "j.jsonl").write_text("\n".join(lines) + "\n")
     jsonl = ["--hub", "json", "--data-files", str(tmp_path / "j.jsonl"), "--out", out]
     assert "#0:record 2: text not a string: field 'text' is NoneType" in error(*jsonl)
+    # An empty data file: the builder's bare StopIteration said nothing ("StopIteration: ").
+    (tmp_path / "empty.jsonl").write_text("")
+    empty = str(tmp_path / "empty.jsonl")
+    assert error("--hub", "json", "--data-files", empty, "--out", out).endswith(
+        f"(config=None, split='train', data_files=['{empty}']): StopIteration: no record to "
+        f"read: are the data files empty?")
     assert data_cli.main(["prepare", *jsonl, "--skip-bad-records", "--eval-fraction", "0",
                           "--progress", "off"]) == 0
     assert read_complete_manifest(tmp_path / "o")["splits"]["train"]["documents"] == 4

@@ -757,7 +757,7 @@ def test_tape_eval_refuses_a_damaged_checkpoint(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
     from tape_train.inference.export import main as export_main
 
-    assert export_main([str(tag), "--out", str(tmp_path / "export")]) == 2
+    assert export_main([str(tag), "--out", str(tmp_path / "export")]) == 1
     assert str(shard) in capsys.readouterr().err and not (tmp_path / "export").exists()
     data[len(data) // 2] ^= 0x01                     # negative control: restored, accepted
     shard.write_bytes(bytes(data))

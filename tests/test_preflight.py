@@ -122,6 +122,27 @@ def test_each_bad_input_is_one_line_and_exit_1(corpus, name):
     assert "nothing was started" in err
 
 
+@pytest.mark.parametrize("name, is_dir, expected", [
+    ("metrics.jsonl", True, "is a directory; the run writes to it: move it away"),
+    ("tensorboard", False, "is not a directory; the run writes into it: move it away"),
+    ("checkpoints", False, "is not a directory; the run writes into it: move it away"),
+])
+def test_a_file_or_directory_of_the_wrong_kind_in_the_run_dir_is_refused(corpus, tmp_path,
+                                                                         name, is_dir, expected):
+    """A directory named metrics.jsonl, a file named tensorboard or checkpoints: the trainer
+    met them only after DeepSpeed's start-up (a traceback then) or at the first save."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / name).mkdir() if is_dir else (run / name).write_text("x")
+    args = ["--config", str(corpus / "run.yaml"), "--dry-run", f"train.run_dir={run}",
+            "logging.tensorboard=true"]
+    rc, out, err = dry_run(args)
+    assert rc == 1 and error_lines(err) == [
+        f"tape-train: preflight: error: train.run_dir={run}: {run / name} {expected}"], err
+    (run / name).rmdir() if is_dir else (run / name).unlink()  # control
+    assert dry_run(args)[0] == 0
+
+
 def test_an_unwritable_checkpoints_directory_is_refused_by_the_dry_run(corpus, tmp_path,
                                                                        monkeypatch):
     """A run dir that is writable but whose checkpoints directory is not (read-only mount,
@@ -286,7 +307,7 @@ def test_tape_submit_refuses_a_job_that_cannot_resume_on_its_node_count(corpus, 
         return rc, out.getvalue(), err.getvalue()
 
     rc, out, err = submit_with(1)
-    assert rc == 2 and out == ""
+    assert rc == 1 and out == ""
     assert "tape-submit: preflight: error: resume from" in err
     assert "the global batch changes from 4 to 2 sequences" in err
     assert not (tmp_path / "sbatch.calls").exists()
@@ -297,7 +318,7 @@ def test_tape_submit_refuses_a_job_that_cannot_resume_on_its_node_count(corpus, 
 
 def test_tape_submit_dry_run_runs_the_preflight_without_sbatch(corpus, tmp_path, monkeypatch):
     """`tape-submit --dry-run` is how a job is checked before queueing it: it runs the same
-    preflight as a submit (plan and problems on stderr, exit 2 on a problem) and still prints
+    preflight as a submit (plan and problems on stderr, exit 1 on a problem) and still prints
     the script on stdout; sbatch is not needed. `--no-preflight` is the negative control."""
     monkeypatch.setenv("PATH", str(tmp_path / "no-sbatch-here"))
     monkeypatch.chdir(tmp_path)
@@ -320,7 +341,7 @@ def test_tape_submit_dry_run_runs_the_preflight_without_sbatch(corpus, tmp_path,
 
     missing = tmp_path / "no-such.model"
     rc, out, err = dry_run_submit(f"data.tokenizer={missing}")
-    assert rc == 2
+    assert rc == 1
     assert f"tape-submit: preflight: error: data.tokenizer: tokenizer {missing}: no such file" \
         in err
     assert "tape-submit: preflight found 1 problem(s): a submit would refuse this job" in err

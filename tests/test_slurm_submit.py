@@ -274,7 +274,7 @@ def test_tape_submit_rejects_bad_config_or_options_before_submitting(tmp_path, m
     monkeypatch.chdir(tmp_path)
     config = write_config(tmp_path)
     rc, out, err = run_submit(["--config", str(config), *extra, "--dry-run"])
-    assert rc == 2 and out == ""
+    assert rc == 1 and out == ""
     assert match in err
 
 
@@ -283,7 +283,7 @@ def test_tape_submit_without_sbatch_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
     config = write_config(tmp_path)
     rc, out, err = run_submit(["--config", str(config)])
-    assert rc == 2 and "sbatch not found on PATH" in err
+    assert rc == 1 and "sbatch not found on PATH" in err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,12 +385,12 @@ def test_a_job_the_partition_would_never_start_is_refused_before_anything_is_wri
     ]
     for extra, message in cases:
         rc, out, err = run_submit(submit_args(tmp_path, *extra))
-        assert rc == 2 and out == "", err
+        assert rc == 1 and out == "", err
         assert message in err and "--ignore-partition-limits" in err, err
         assert not (tmp_path / "logs").exists() and not slurm_client.exists()
     monkeypatch.setenv("SBATCH_PARTITION", "long")   # sbatch's own default partition
     rc, out, err = run_submit(submit_args(tmp_path, "--nodes", "3"))
-    assert rc == 2 and "partition long gives one job (MaxNodes=2)" in err
+    assert rc == 1 and "partition long gives one job (MaxNodes=2)" in err
     monkeypatch.delenv("SBATCH_PARTITION")
     # Negative controls: within the limits, or a partition scontrol does not show (sbatch
     # names it then), or no answer from scontrol: submitted.

@@ -107,3 +107,52 @@ def test_concurrent_start_flipped_bytes_and_replay(tmp_path):
     assert r0["train_steps"] == [1, 2, 3, 4]
     assert r0["superseded"] == [3, 4]                      # the replaced rows, kept aside
     assert r0["tb_loss_steps"] == [1, 2, 3, 4]
+
+
+def test_a_full_disk_under_the_metrics_is_one_error_naming_the_file(tmp_path):
+    """A disk that filled between checkpoints failed the next step's metrics.jsonl line with a
+    bare OSError traceback (and a second one from closing). Now it is one FileWriteError naming
+    the file and the free space, which the trainer logs in one line (exit 1) as it does a
+    failed save; later writes and the close do not fail again. /dev/full fails every write with
+    ENOSPC, as a full disk does."""
+    import os
+
+    from tape_train.files import FileWriteError
+    from tape_train.train.metrics import MetricsWriter
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "metrics.jsonl").symlink_to("/dev/full")
+    writer = MetricsWriter(tmp_path / "full", enabled=True, tensorboard=False)
+    with pytest.raises(FileWriteError, match=r"^metrics: no space left on device writing "
+                                             + str(tmp_path / "full" / "metrics.jsonl")):
+        writer.write("train", 1, {"loss": 1.0})
+    writer.write("train", 2, {"loss": 0.9})
+    writer.flush()
+    writer.close()
+    # Negative control: the same writes on a disk with room.
+    writer = MetricsWriter(tmp_path / "ok", enabled=True, tensorboard=False)
+    writer.write("train", 1, {"loss": 1.0})
+    writer.close()
+    assert '"loss": 1.0' in (tmp_path / "ok" / "metrics.jsonl").read_text()
+
+
+def test_a_directory_or_file_in_the_place_of_the_metrics_is_named(tmp_path):
+    """A directory named metrics.jsonl, or a file named tensorboard, in the run dir: an
+    IsADirectoryError / FileExistsError traceback from the trainer's set-up. Now one
+    FileWriteError naming the path."""
+    from tape_train.files import FileWriteError
+    from tape_train.train.metrics import MetricsWriter
+
+    (tmp_path / "a" / "metrics.jsonl").mkdir(parents=True)
+    with pytest.raises(FileWriteError, match=f"^metrics: {tmp_path / 'a' / 'metrics.jsonl'}: "
+                                             f"Is a directory"):
+        MetricsWriter(tmp_path / "a", enabled=True, tensorboard=False)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "tensorboard").write_text("x")
+    with pytest.raises(FileWriteError, match=f"^metrics: {tmp_path / 'b' / 'tensorboard'}: "):
+        MetricsWriter(tmp_path / "b", enabled=True, tensorboard=True)
+    # Negative control: the same run dir without it.
+    (tmp_path / "b" / "tensorboard").unlink()
+    MetricsWriter(tmp_path / "b", enabled=True, tensorboard=True).close()

@@ -10,8 +10,8 @@ job's layout (data, tokenizer, resume on this node count, memory: the preflight,
 problems on stderr; `--no-preflight` skips it). `--dry-run` runs that preflight too, prints the
 rendered script on stdout (with `--eval-after` the evaluation script follows after a separator
 line) and submits nothing; sbatch need not be installed. The script is printed even when the
-preflight found a problem, but the exit code is then 2, as a submit would refuse the job.
-Without `--dry-run` a preflight problem refuses the job (exit 2, nothing queued); otherwise
+preflight found a problem, but the exit code is then 1, as a submit would refuse the job.
+Without `--dry-run` a preflight problem refuses the job (exit 1, nothing queued); otherwise
 the rendered scripts are kept next to the logs (`<log-dir>/<job-name>.<time>.*.sbatch`),
 the training job is submitted, and its id is printed on stdout (the evaluation job's id on a
 second line with `--eval-after`); progress messages go to stderr.
@@ -318,11 +318,11 @@ def preflight(args: argparse.Namespace, opts: ClusterOptions, train_args: list[s
         if args.dry_run:
             print(f"tape-submit: preflight found {len(report.problems)} problem(s): a submit "
                   f"would refuse this job (--no-preflight submits anyway); the script follows "
-                  f"on stdout for inspection, exit code 2", file=sys.stderr)
+                  f"on stdout for inspection, exit code 1", file=sys.stderr)
         else:
             print(f"tape-submit: preflight found {len(report.problems)} problem(s); nothing "
                   f"was submitted (--no-preflight submits anyway)", file=sys.stderr)
-        return 2
+        return 1
     return 0
 
 
@@ -393,7 +393,7 @@ def _main(argv: list[str] | None) -> int:
     except (RenderError, TrainArgsError, ValueError) as exc:
         # ConfigError is a ValueError: it names the config file, line and key.
         print(f"tape-submit: error: {exc}", file=sys.stderr)
-        return 2
+        return 1
     if shutil.which(args.python) is None:
         warnings.warn(f"--python {args.python}: no such interpreter here; every node needs it "
                       f"at that path, or the job fails its start-up checks (slurmstepd: error: "
@@ -438,7 +438,7 @@ def _main(argv: list[str] | None) -> int:
     if shutil.which("sbatch") is None:
         print("tape-submit: error: sbatch not found on PATH; run on a Slurm login node, or use "
               "--dry-run to print the script", file=sys.stderr)
-        return 2
+        return 1
     if check:
         code = preflight(args, opts, train_args)
         if code:

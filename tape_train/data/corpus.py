@@ -320,11 +320,32 @@ def _write_shards(source: DocumentSource, scratch: PrepareScratch, *, num_shards
     }
 
 
+def _listed_names(directory: Path) -> list[str]:
+    """The file names the manifest in ``directory`` lists; none without a readable one."""
+    from tape_train.data.verify import listed_files
+
+    try:
+        return [item.name for item in listed_files(directory)]
+    except DataError:
+        return []
+
+
 def _move_into_place(scratch: PrepareScratch, out: Path, manifest: dict) -> None:
     """Move the finished shards from the scratch into ``out`` and write the manifest last;
-    repeatable after a kill part-way (a shard already moved is checked by size)."""
+    repeatable after a kill part-way (a shard already moved is checked by size).
+
+    A corpus this one replaces (other options) loses the shards the new manifest does not
+    list, e.g. 16 of them where 4 are written: left beside it they made the directory fail
+    ``tape-data info --verify`` and a glob read them. They go while the old manifest still
+    names them, so a kill here leaves it listing missing files (incomplete, never mistaken
+    for complete) and the re-run finishes the job."""
+    entries = manifest["shards"] + (manifest.get("tokens") or {}).get("shards", [])
+    new = {entry["path"] for entry in entries}
+    for name in _listed_names(out):
+        if name not in new:
+            (out / name).unlink(missing_ok=True)
     (out / MANIFEST_NAME).unlink(missing_ok=True)  # never pair an old manifest with new shards
-    for entry in manifest["shards"] + (manifest.get("tokens") or {}).get("shards", []):
+    for entry in entries:
         source, target = scratch.dir / entry["path"], out / entry["path"]
         if source.is_file():
             os.replace(source, target)

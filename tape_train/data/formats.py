@@ -543,9 +543,13 @@ def open_hub_dataset(source: SourceConfig):
         ds = builder.as_streaming_dataset(split=source.split)
     except Exception as exc:  # network, missing dataset, bad config or split: user-facing
         offline = isinstance(exc, ConnectionError) or "Couldn't reach" in str(exc)
+        files = "" if source.data_files is None else f", data_files={source.data_files!r}"
+        # A builder that met no record (an empty data file) raises a bare StopIteration.
+        why = str(exc)[:300] or ("no record to read: are the data files empty?"
+                                 if isinstance(exc, StopIteration) else "")
         raise DataError(f"{source.field_key('hub')}: cannot open dataset {source.hub!r} "
-                        f"(config={source.config!r}, split={source.split!r}): "
-                        f"{type(exc).__name__}: {str(exc)[:300]}"
+                        f"(config={source.config!r}, split={source.split!r}{files}): "
+                        f"{type(exc).__name__}: {why}"
                         + (_offline_hint(source) if offline else "")) from None
     fields = list(ds.features) if ds.features is not None else None
     if fields is not None and source.text_field not in fields:

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tape-export: error: {'--tokenizer: ' if isinstance(exc, TokenizerError) else ''}"
               f"{exc}",
               file=sys.stderr)
-        return 2
+        return 1
     tokenizer = args.tokenizer or (meta.get("config") or {}).get("data", {}).get("tokenizer")
     if tokenizer and not args.tokenizer and not Path(tokenizer).is_file():
         # The run's own tokenizer may live elsewhere by now; one asked for by name may not.
@@ -72,12 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"tape-export: error: --tokenizer: {exc}" if args.tokenizer else
                   f"tape-export: error: {exc} (bundle another with --tokenizer)", file=sys.stderr)
-            return 2
+            return 1
     problem = unsupported(tokenizer) if tokenizer else None
     if problem and args.hf:  # the run's own tokenizer (a --tokenizer was checked above)
         print(f"tape-export: error: {problem}; --hf needs them (export without --hf, or "
               f"bundle another with --tokenizer)", file=sys.stderr)
-        return 2
+        return 1
     if problem:
         log.warning("%s: the export carries tokenizer.model without the Hugging Face "
                     "tokenizer files", problem)
@@ -103,14 +103,14 @@ def main(argv: list[str] | None = None) -> int:
                                       d, None if problem else tokenizer, cfg))
     except ValueError as exc:
         print(f"tape-export: error: {exc}", file=sys.stderr)
-        return 2
+        return 1
     except OSError as exc:  # disk full, permissions: name the path (the old export is kept)
         from tape_train.files import describe_os_error
 
         print(f"tape-export: error: "
               f"{describe_os_error(exc, args.out, needed=n_params * dtype.itemsize)}",
               file=sys.stderr)
-        return 2
+        return 1
     log.info("exported %s (step %s, %.2fM parameters, %s) to %s", cfg.pe, meta.get("step"),
              n_params / 1e6, dtype_name, out)
     return 0

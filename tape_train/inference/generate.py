@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         device = pick_device(args.device, launch_int("LOCAL_RANK"), "--device")
     except (ValueError, DeviceError) as exc:  # a bad --tokenizer (TokenizerError) included
         print(f"tape-generate: error: {exc}", file=sys.stderr)
-        return 2
+        return 1
     precision = resolve_dtype(args.dtype, device.type)
     if precision.warning:
         print(f"tape-generate: {precision.warning}", file=sys.stderr)
@@ -196,17 +196,17 @@ def main(argv: list[str] | None = None) -> int:
         model, tok_path, _ = load_for_inference(args.model, dtype=precision.torch_dtype)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"tape-generate: error: {exc}", file=sys.stderr)
-        return 2
+        return 1
     tok_path = args.tokenizer or tok_path
     if tok_path is None:
         print("tape-generate: error: no tokenizer bundled with the model; pass --tokenizer",
               file=sys.stderr)
-        return 2
+        return 1
     try:
         tokenizer = load_model_tokenizer(tok_path, model.cfg.vocab_size)
     except TokenizerError as exc:
         print(f"tape-generate: error: {exc}", file=sys.stderr)
-        return 2
+        return 1
     model.to(device)
     if many is not None:
         return _generate_many(model, tokenizer, many, args, device)

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         out = write_tasks(args.out, texts, args.context_chars, args.continuation_chars)
     except (DataError, ValueError, FileNotFoundError) as exc:
         print(f"lm_eval_tasks: {exc}", file=sys.stderr)
-        return 2
+        return 1
     print(f"lm_eval_tasks: {len(texts)} held-out documents -> {out} "
           f"(tasks: {', '.join(n.removesuffix('.yaml') for n in TASKS)})")
     return 0

@@ -1,7 +1,8 @@
 """The prompts of ``tape-generate``: read and checked before the model loads. Torch-free.
 
 ``--prompt-file PATH`` (``-`` = standard input): the whole file, byte for byte decoded as
-UTF-8, is one prompt. ``--prompts PATH.jsonl``: one JSON object per line with a ``"prompt"``
+UTF-8, is one prompt. A UTF-8 byte-order mark starting a file (Windows editors write one) is
+no part of its text, in either kind of file. ``--prompts PATH.jsonl``: one JSON object per line with a ``"prompt"``
 string; its other keys are copied to the output line. Every mistake is a ``PromptError``
 naming the file and, where it applies, the line (``PATH:LINE: ...``).
 
@@ -13,6 +14,7 @@ several with ``--num-samples``).
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -49,6 +51,12 @@ def _source_name(path: str) -> str:
 
 
 def _read_bytes(path: str, flag: str) -> bytes:
+    """The file's bytes without a leading byte-order mark (it was the start of the prompt, or
+    "not valid JSON" at line 1 of --prompts)."""
+    return _read_raw(path, flag).removeprefix(codecs.BOM_UTF8)
+
+
+def _read_raw(path: str, flag: str) -> bytes:
     if path == STDIN:
         if sys.stdin is None:
             raise PromptError(f"{flag} -: there is no standard input to read")

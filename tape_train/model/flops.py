@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                             message += (f" (pe={pe} is one of the defaults: name the encodings "
                                         "to compare with --pe)")
                     print(f"tape-model: error: {message}", file=sys.stderr)
-                    return 2
+                    return 1
                 flops[pe] = training_flops_per_token(cfg, seq_len, micro_batch=args.micro_batch)
                 print(describe(cfg, seq_len, args.micro_batch))
             if "tape" in flops and "rope" in flops:

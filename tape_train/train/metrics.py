@@ -8,6 +8,7 @@ bit-identical to the one computed (the exact-resume test relies on it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -18,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from tape_train.files import FileWriteError, describe_os_error
 
 log = logging.getLogger("tape_train.train")
 
@@ -80,6 +83,8 @@ class MetricsWriter:
                  resume_step: int | None = None, wandb: dict | None = None,
                  run_config: dict | None = None) -> None:
         self.enabled = enabled
+        self.run_dir = run_dir
+        self._failed = False
         self._jsonl = None
         self._tb = None
         self._wandb = None
@@ -89,44 +94,71 @@ class MetricsWriter:
             from tape_train.train.wandb_sink import WandbSink
 
             self._wandb = WandbSink(run_dir, wandb, run_config or {})
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None:
-            supersede_replayed_rows(run_dir, resume_step)
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        with self._naming_write_errors("metrics.jsonl"):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if resume_step is not None:
+                supersede_replayed_rows(run_dir, resume_step)
+            self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             purge = {"purge_step": resume_step + 1} if resume_step is not None else {}
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), **purge)
+            with self._naming_write_errors("tensorboard"):
+                self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), **purge)
 
     def write(self, kind: str, step: int, values: dict) -> None:
-        if not self.enabled:
+        if not self.enabled or self._failed:
             return
         record = {"kind": kind, "step": step, "time": time.time(), **values}
-        self._jsonl.write(json.dumps(record, default=_json_default) + "\n")
         items = scalar_items(kind, values)
+        with self._naming_write_errors("metrics.jsonl"):
+            self._jsonl.write(json.dumps(record, default=_json_default) + "\n")
         if self._tb is not None:
-            for tag, value in items.items():
-                self._tb.add_scalar(tag, value, step)
+            with self._naming_write_errors("tensorboard"):
+                for tag, value in items.items():
+                    self._tb.add_scalar(tag, value, step)
         if self._wandb is not None:
             self._wandb.write(items, step)
 
     def flush(self) -> None:
+        if self._failed:
+            return
         if self._tb is not None:
-            self._tb.flush()
+            with self._naming_write_errors("tensorboard"):
+                self._tb.flush()
         if self._jsonl is not None:
-            self._jsonl.flush()
+            with self._naming_write_errors("metrics.jsonl"):
+                self._jsonl.flush()
 
     def close(self) -> None:
+        # After a failed write (said once, by write or flush) closing fails the same way: the
+        # run is ending on that error already, so the rest is let go quietly.
         if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+            tb, self._tb = self._tb, None
+            with self._naming_write_errors("tensorboard", quiet=self._failed):
+                tb.close()
         if self._wandb is not None:
             self._wandb.close()
             self._wandb = None
         if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
+            jsonl, self._jsonl = self._jsonl, None
+            with self._naming_write_errors("metrics.jsonl", quiet=self._failed):
+                jsonl.close()
+
+    @contextlib.contextmanager
+    def _naming_write_errors(self, name: str, quiet: bool = False):
+        """A full disk, a read-only run dir, or a directory or file in the place of
+        metrics.jsonl or tensorboard/ (also from TensorBoard's writer thread, which hands its
+        error to the next call): one FileWriteError naming the path, which ends the run in one
+        line like a failed save; later writes are skipped, not failed again."""
+        try:
+            yield
+        except OSError as exc:
+            self._failed = True
+            if quiet:
+                return
+            raise FileWriteError(f"metrics: {describe_os_error(exc, self.run_dir / name)}") \
+                from exc
 
 
 def supersede_replayed_rows(run_dir: Path, resume_step: int) -> int:

@@ -471,9 +471,20 @@ def _check_run_dir(cfg, report: Report) -> None:
         return
     from tape_train.checkpoint_layout import checkpoint_root, list_tags, why_incomplete
 
+    root = checkpoint_root(run_dir)
+    # What the run writes into, of the wrong kind (a stray copy, a mistyped mkdir): the trainer
+    # would meet it only after DeepSpeed's start-up, or at the first save.
+    for path, is_dir in ((root, True), (run_dir / "metrics.jsonl", False),
+                         (run_dir / "tensorboard", True)):
+        if path.name == "tensorboard" and not cfg.logging.tensorboard:
+            continue
+        if path.exists() and path.is_dir() != is_dir:
+            report.problem(f"train.run_dir={run_dir}: {path} is "
+                           f"{'not a directory' if is_dir else 'a directory'}; the run writes "
+                           f"{'into' if is_dir else 'to'} it: move it away")
+            return
     # Its checkpoints directory too, when there is one: a save there fails only after a
     # checkpoint interval's work.
-    root = checkpoint_root(run_dir)
     for probe in (existing, root) if root.is_dir() else (existing,):
         try:
             with tempfile.NamedTemporaryFile(dir=probe, prefix=".preflight-"):
