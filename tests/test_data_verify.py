@@ -201,3 +201,33 @@ def test_progress_off_a_terminal_is_log_lines(prepared, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("verify: ")]
     assert lines[0].startswith(f"verify: hashing 4 file(s) of {prepared} (")
     assert any(" (100 %), " in line for line in lines[1:]), lines
+
+
+def test_a_bad_record_in_a_prepared_shard_points_to_verify(copy, tmp_path):
+    """prepare writes valid records only: a malformed one read from its shard (damaged after
+    it was written, yet still a valid zstd stream) names `tape-data info DIR --verify`; the
+    same line in a raw JSONL file does not (there it is the input's own mistake)."""
+    import zstandard
+
+    from tape_train.data import DataError
+    from tape_train.data.formats import Shard, SkipLog, read_documents
+
+    shard = copy / SHARD
+    lines = zstandard.ZstdDecompressor().decompressobj().decompress(shard.read_bytes())
+    lines = lines.splitlines(keepends=True)
+    lines[1] = b'{"text": "cut off\n'
+    shard.write_bytes(zstandard.ZstdCompressor().compress(b"".join(lines)))
+    raw = tmp_path / "raw.jsonl"
+    raw.write_bytes(b"".join(lines))
+
+    def error(path, compression):
+        with pytest.raises(DataError) as info:
+            list(read_documents(Shard("jsonl", str(path), compression), 0, "text", False,
+                                SkipLog()))
+        return str(info.value)
+
+    damaged = error(shard, "zst")
+    assert f"{shard}:2: malformed JSON" in damaged
+    assert f"tape-data info {copy} --verify" in damaged
+    plain = error(raw, "")
+    assert f"{raw}:2: malformed JSON" in plain and "--verify" not in plain

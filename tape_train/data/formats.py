@@ -386,6 +386,17 @@ def read_documents(shard: Shard, start: int, text_field: str, skip_bad: bool,
         raise DataError(f"{shard.path}: unknown shard kind {shard.kind!r}")
 
 
+def _damage_hint(shard: Shard) -> str:
+    """What a bad record means in a shard that ``tape-data prepare`` wrote ("" elsewhere):
+    prepare writes only valid records, so the file was damaged after it was written."""
+    path = Path(shard.path)
+    if not (PREPARED_SHARD.fullmatch(path.name) and is_prepared_dir(path.parent)):
+        return ""
+    return (f"; tape-data prepare wrote this shard with valid records only, so it was damaged "
+            f"since: `tape-data info {path.parent} --verify` checks every shard against its "
+            f"sha256 (copy the directory again, or re-run the prepare)")
+
+
 def _bad(skip_bad: bool, skips: SkipLog, reason: str, where: str, detail: str) -> None:
     if not skip_bad:
         raise DataError(f"{where}: {reason}: {detail} ({skips.skip_option} to skip and "
@@ -438,7 +449,8 @@ def _read_jsonl(shard: Shard, start: int, text_field: str, skip_bad: bool,
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
                 _bad(skip_bad, skips, "invalid UTF-8", where,
-                     f"byte {exc.start} of the line ({raw[exc.start:exc.start + 4]!r})")
+                     f"byte {exc.start} of the line ({raw[exc.start:exc.start + 4]!r})"
+                     + _damage_hint(shard))
                 continue
             try:
                 record = json.loads(line)
@@ -448,7 +460,7 @@ def _read_jsonl(shard: Shard, start: int, text_field: str, skip_bad: bool,
                 _bad(skip_bad, skips, "malformed JSON", where,
                      "a UTF-8 byte-order mark starts this line, not the file (files joined with "
                      "theirs?): save them without BOM" if bom else
-                     f"{exc.msg}: column {exc.colno}")
+                     f"{exc.msg}: column {exc.colno}{_damage_hint(shard)}")
                 continue
             value = record.get(text_field, _MISSING) if isinstance(record, dict) else _MISSING
             text = _check_text(value, where, text_field, record, skip_bad, skips)
@@ -458,7 +470,8 @@ def _read_jsonl(shard: Shard, start: int, text_field: str, skip_bad: bool,
         if isinstance(exc, DataError):
             raise
         raise DataError(f"{shard.path}: cannot read after line {line_no} "
-                        f"({type(exc).__name__}: {exc}); corrupt or truncated file?") from None
+                        f"({type(exc).__name__}: {exc}); corrupt or truncated file?"
+                        f"{_damage_hint(shard)}") from None
     if line_no == 0:
         skips.skip("empty file", shard.path)
 
