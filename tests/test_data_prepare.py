@@ -402,9 +402,15 @@ def test_prepare_hub_errors_are_one_line_and_leave_nothing_complete(tmp_path, pa
     # A file that breaks mid-stream: one line, no manifest, no partial shards left behind.
     (tmp_path / "pq" / "part-3.parquet").write_bytes(b"PAR1 not really parquet PAR1")
     broken = str(tmp_path / "broken")
-    assert "--hub: reading hub:parquet/default/train" in error(
-        "--hub", "parquet", "--data-files", files, "--out", broken)
+    line = error("--hub", "parquet", "--data-files", files, "--out", broken)
+    assert "--hub: reading hub:parquet/default/train" in line
     assert read_complete_manifest(broken) is None and not list(Path(broken).iterdir())
+    # ... in the data itself, so a re-run fails again: it says so, not that a re-run resumes
+    assert line.endswith("the data itself could not be parsed, so a re-run stops here again: "
+                         "fix or leave out that file")
+    (tmp_path / "cut.jsonl").write_bytes(b'{"text": "whole"}\n{"text": "cut\n')
+    line = error("--hub", "json", "--data-files", str(tmp_path / "cut.jsonl"), "--out", broken)
+    assert "(ArrowInvalid: JSON parse error" in line and "a re-run stops here again" in line
 
 
 class _FakeApt:

@@ -208,9 +208,13 @@ def _hub_records(source: SourceConfig, dataset, shards, skip_bad: bool, bar,
         except DataError:
             raise
         except Exception as exc:  # noqa: BLE001 - network or reader errors of datasets
+            # A parse error (pyarrow's ArrowInvalid, json's, UnicodeDecodeError: ValueErrors)
+            # is in the data and comes back on every re-run; anything else (the network) may not.
+            then = ("the data itself could not be parsed, so a re-run stops here again: fix "
+                    "or leave out that file" if isinstance(exc, ValueError) else
+                    "re-running the same command resumes from the last checkpoint, if any")
             raise DataError(f"{source.field_key('hub')}: reading {shard.path} failed "
-                            f"({type(exc).__name__}: {str(exc)[:300]}); re-running the same "
-                            f"command resumes from the last checkpoint, if any") from None
+                            f"({type(exc).__name__}: {str(exc)[:300]}); {then}") from None
         seconds = time.monotonic() - started
         line = (f"{documents} records, {text_bytes / 1e6:.1f} MB of text, "
                 f"{text_bytes / 1e6 / max(seconds, 1e-9):.1f} MB/s")
