@@ -137,7 +137,7 @@ def test_finished_training_exits_0_without_requeue(fake_slurm):
     for part in ("--ntasks-per-node=1", "--cpus-per-task=8", "--nnodes=2", "--nproc_per_node=2",
                  "--max_restarts=3", "--rdzv_backend=c10d", "--rdzv_id=4321",
                  f"--rdzv_endpoint=nodeA:{15000 + JOB_ID % 15000}",
-                 "--rdzv_conf=is_host=$(( SLURM_NODEID == 0 ))",
+                 '--rdzv_conf=is_host=$([[ $SLURMD_NODENAME == "$MASTER_ADDR" ]] && echo 1 || echo 0)',
                  "--signals_to_handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                  "--shutdown_timeout=120", "--wait=180",
                  "-m tape_train.train.cli --config run.yaml train.max_steps=5"):
@@ -244,6 +244,38 @@ def test_usr1_during_the_start_up_checks_requeues_without_training(fake_slurm):
     assert len([c for c in calls if c.startswith("srun")]) == 1
     assert f"scontrol requeue {JOB_ID}" in calls
     assert "before training started" in out
+
+
+# srun that runs the training step's command once per node of the job, as Slurm does: the node
+# names and node ids (SLURM_NODEID) are FAKE_NODES' ("name:id ...").
+PER_NODE_SRUN = r"""#!/bin/bash
+echo "srun $*" >> "$FAKE_DIR/calls"
+[[ "$*" == *tape_train.cluster.preflight* ]] && exit 0
+while [[ $1 == --* ]]; do shift; done
+for node in $FAKE_NODES; do
+    SLURMD_NODENAME=${node%:*} SLURM_NODEID=${node#*:} "$@" >> "$FAKE_DIR/step.out" 2>&1
+done
+exit 0
+"""
+
+
+@pytest.mark.parametrize("nodes", ["nodeA:0 nodeB:1", "nodeB:0 nodeA:1"])
+def test_the_rendezvous_is_hosted_on_the_node_it_names(fake_slurm, nodes):
+    """The endpoint is the first host of the sorted SLURM_JOB_NODELIST (nodeA); the node of that
+    name hosts the store, whatever its SLURM_NODEID. Slurm numbers a step's nodes in its node
+    table's order, which a topology plugin may rank otherwise than by name (topology/block,
+    tree with SwitchAsNodeRank): with is_host on node id 0, nodeB would host a store nobody
+    connects to, and nodeA's torchrun would wait for one nobody serves."""
+    tmp_path, script, env = fake_slurm
+    (tmp_path / "bin" / "srun").write_text(PER_NODE_SRUN)
+    rc, calls, out = run_script(fake_slurm, FAKE_NODES=nodes)
+    assert rc == 0, out
+    runs = [c for c in calls if c.startswith("python -m torch.distributed.run --rdzv_conf")]
+    assert len(runs) == 2, calls
+    hosts = {name: run.split()[3] for name, run in zip(
+        [n.split(":")[0] for n in nodes.split()], runs)}
+    assert hosts == {"nodeA": "--rdzv_conf=is_host=1", "nodeB": "--rdzv_conf=is_host=0"}, runs
+    assert all(f"--rdzv_endpoint=nodeA:{15000 + JOB_ID % 15000}" in run for run in runs)
 
 
 def test_outside_slurm_the_script_refuses_to_run(fake_slurm):
