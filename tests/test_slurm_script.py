@@ -37,8 +37,10 @@ if [[ "$*" == *tape_train.cluster.preflight* ]]; then
 fi
 echo $$ > "$FAKE_DIR/step.pid"
 echo "${PYTORCH_CUDA_ALLOC_CONF-<unset>} ${PYTORCH_ALLOC_CONF-<unset>}" > "$FAKE_DIR/step.alloc_conf"
-trap 'echo "step got USR1" >> "$FAKE_DIR/calls"; exit 1' USR1
-trap 'echo "step got TERM" >> "$FAKE_DIR/calls"; exit 1' TERM
+# FAKE_STOP_HOLD: a stop takes until $FAKE_DIR/release exists (the trainer's checkpoint).
+hold() { [[ -z ${FAKE_STOP_HOLD:-} ]] || until [[ -e "$FAKE_DIR/release" ]]; do sleep 0.05; done; }
+trap 'echo "step got USR1" >> "$FAKE_DIR/calls"; hold; exit 1' USR1
+trap 'echo "step got TERM" >> "$FAKE_DIR/calls"; hold; exit 1' TERM
 if [[ -n ${FAKE_TRAIN_RC:-} ]]; then exit "$FAKE_TRAIN_RC"; fi
 touch "$FAKE_DIR/step.running"
 while :; do sleep 0.05; done
@@ -186,6 +188,43 @@ def test_usr1_is_forwarded_then_the_job_requeues(fake_slurm):
     assert "requeueing job" in out
     # A stop is a stop: no restart verdict is asked for, whatever the trainer recorded.
     assert not any("--restart-verdict" in c for c in calls)
+
+
+def test_further_signals_are_not_forwarded_while_the_step_stops(fake_slurm):
+    """A preemption tool that sends USR1 again (`scancel --signal=USR1 --batch` twice, or a
+    warning on top of it) must not signal the step again: torchrun takes a second signal during
+    its wait for the workers as a reason to send them SIGTERM, and a third ends that wait, so the
+    node's task exits and Slurm (proctrack/cgroup) kills the workers in mid-checkpoint."""
+    tmp_path, script, env = fake_slurm
+    log = tmp_path / "out.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["bash", str(script)], env={**env, "FAKE_STOP_HOLD": "1"},
+                                stdout=out, stderr=subprocess.STDOUT, text=True)
+    calls = tmp_path / "calls"
+
+    def wait_for(what, path, count=1):
+        deadline = time.monotonic() + 20
+        while not (path.exists() and path.read_text().count(what) >= count):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.02)
+
+    try:
+        wait_for("", tmp_path / "step.running")
+        proc.send_signal(signal.SIGUSR1)
+        wait_for("step got USR1", calls)           # forwarded; the step is "checkpointing"
+        for count in (2, 3):
+            proc.send_signal(signal.SIGUSR1)
+            wait_for("caught SIGUSR1", log, count)
+        (tmp_path / "release").touch()
+        assert proc.wait(timeout=30) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = calls.read_text()
+    assert text.count(f"scancel --signal=USR1 {JOB_ID}") == 1, text
+    assert f"scontrol requeue {JOB_ID}" in text
+    assert log.read_text().count("already forwarded") == 2, log.read_text()
 
 
 def test_usr1_when_requeue_is_refused_exits_75(fake_slurm):
