@@ -237,8 +237,10 @@ def test_two_node_probe_rendezvous_and_signal_forwarding(cluster, tmp_path, monk
     # --batch; `--signal=USR1@T` without B:): torchrun exits 1 for a forwarded signal, and the
     # script must still see a stop for a requeue (it used to fail the job: exit 1).
     job_id, out, log = submit_probe(cluster, tmp_path, monkeypatch, ["--max-requeues", "0"])
+    # Submitted from a directory with a space and a '#' (quoted in the #SBATCH lines: unquoted,
+    # sbatch ran the job in the path cut at the '#').
     steps_id, steps_out, steps_log = submit_probe(cluster, tmp_path, monkeypatch,
-                                                  ["--max-requeues", "0"], sub="steps")
+                                                  ["--max-requeues", "0"], sub="steps dir#2")
     # Wait until both ranks are inside their loop, then "preempt" the batch shell only.
     wait_for_probe_loop(cluster, job_id, out, log)
     cluster.run(["scancel", "--signal=USR1", "--batch", str(job_id)])

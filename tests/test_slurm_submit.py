@@ -25,10 +25,12 @@ from tape_train.cluster.render import (
     ClusterOptions,
     RenderError,
     default_template_dir,
+    eval_header,
     parse_time_limit,
     render_eval_script,
     render_train_script,
     replace_blocks,
+    train_header,
 )
 
 TEMPLATES = default_template_dir()
@@ -83,7 +85,8 @@ def test_parse_time_limit_rejects_other_text_naming_the_option(text):
     (dict(gpus_per_node=4, procs_per_node=2), "--procs-per-node 2 is for CPU nodes"),
     (dict(job_name="my job"), "--job-name"),
     (dict(partition="gpu debug"), "--partition"),
-    (dict(log_dir="my logs"), "whitespace"),
+    (dict(log_dir='my "logs"'), "a double quote, a backslash or a line break"),
+    (dict(workdir="/home/a\\b"), "a double quote, a backslash or a line break"),
     (dict(train_module="tape_train/train"), "--train-module"),
     (dict(extra_sbatch=["constraint=a100"]), "--sbatch-arg"),
     (dict(extra_sbatch=["--time=10"]), r"--sbatch-arg '--time=10': --time is set by --time; "
@@ -97,6 +100,20 @@ def test_parse_time_limit_rejects_other_text_naming_the_option(text):
 def test_cluster_options_reject_bad_values_naming_them(kwargs, match):
     with pytest.raises(RenderError, match=match):
         ClusterOptions(**kwargs)
+
+
+def test_paths_with_spaces_or_a_hash_are_quoted_in_the_header():
+    """sbatch ends an #SBATCH value at whitespace and takes an unquoted '#' for a comment:
+    `--chdir=/data/proj#2` ran the job in /data/proj (measured, Slurm 22.05). Such paths are
+    double-quoted (tested with the real sbatch in test_slurm_cluster.py); '%' in the log
+    directory is doubled, as Slurm's filename pattern wants it."""
+    opts = ClusterOptions(workdir="/data/my proj#2", log_dir="/data/my proj#2/logs 100%")
+    for header in (train_header(opts), eval_header(opts, "01:00:00")):
+        assert '#SBATCH --chdir="/data/my proj#2"' in header
+        assert '#SBATCH --output="/data/my proj#2/logs 100%%/%x-%j.out"' in header
+    plain = train_header(ClusterOptions(workdir="/data/p", log_dir="/data/p/logs"))
+    assert "#SBATCH --chdir=/data/p" in plain               # control: plain paths stay bare
+    assert "#SBATCH --output=/data/p/logs/%x-%j.out" in plain
 
 
 def test_short_signal_grace_warns_about_slurms_30s_granularity():
