@@ -315,7 +315,8 @@ if [[ -n ${FAKE_SBATCH_FAIL:-} && " $* " == *"$FAKE_SBATCH_FAIL"* ]]; then
 fi
 n=$(( $(cat "$FAKE_DIR/next_id" 2>/dev/null || echo 40) + 1 ))
 echo "$n" > "$FAKE_DIR/next_id"
-echo "$n"
+[[ -n ${FAKE_SBATCH_BANNER:-} ]] && echo "$FAKE_SBATCH_BANNER"
+echo "$n${FAKE_SBATCH_CLUSTER:+;$FAKE_SBATCH_CLUSTER}"
 """
 FAKE_SCONTROL = r"""#!/bin/bash
 [[ "$*" == "show partition --oneliner"* && -n ${FAKE_PARTITIONS:-} ]] || exit 1
@@ -341,7 +342,8 @@ def slurm_client(tmp_path, monkeypatch):
         (bin_dir / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     monkeypatch.setenv("FAKE_DIR", str(tmp_path))
-    for name in ("FAKE_SBATCH_FAIL", "FAKE_PARTITIONS", "FAKE_QUEUE", "SBATCH_PARTITION"):
+    for name in ("FAKE_SBATCH_FAIL", "FAKE_PARTITIONS", "FAKE_QUEUE", "SBATCH_PARTITION",
+                 "FAKE_SBATCH_BANNER", "FAKE_SBATCH_CLUSTER"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
     return tmp_path / "calls"
@@ -370,6 +372,19 @@ def test_a_refused_submission_leaves_no_script_or_log_directory(tmp_path, slurm_
     rc, out, err = run_submit(submit_args(tmp_path))
     assert rc == 0 and out == "41\n", err
     assert len(list((tmp_path / "logs" / "slurm").glob("tape-run.*.train.sbatch"))) == 1
+
+
+def test_the_job_id_is_read_from_the_last_line_of_sbatch_parsable(tmp_path, slurm_client,
+                                                                  monkeypatch):
+    """`sbatch --parsable` prints `<id>;<cluster>` on a multi-cluster setup, and a site's sbatch
+    wrapper may print a line of its own first: the job is queued either way, and its id is
+    the last line's first field (a banner line first used to read as "no job id", and
+    tape-submit said nothing was submitted about a queued job)."""
+    monkeypatch.setenv("FAKE_SBATCH_BANNER", "Submitting to the gpu partition (site wrapper)")
+    monkeypatch.setenv("FAKE_SBATCH_CLUSTER", "tapetest")
+    rc, out, err = run_submit(submit_args(tmp_path, "--eval-after"))
+    assert rc == 0 and out == "41\n42\n", err
+    assert "--dependency=afterok:41 " in slurm_client.read_text()
 
 
 def test_a_refused_evaluation_says_the_training_is_queued_and_how_to_chain_it(

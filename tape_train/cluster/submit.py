@@ -178,10 +178,12 @@ def _sbatch(args: list[str], drop_env: dict[str, str] | None = None) -> int:
     if proc.returncode != 0:
         raise RuntimeError(f"sbatch {' '.join(args)} failed (exit {proc.returncode}): "
                            f"{proc.stderr.strip() or proc.stdout.strip()}")
-    first = proc.stdout.strip().split(";")[0]
-    if not first.isdigit():
+    # `<id>` or `<id>;<cluster>` on its own line, the last one: a site's sbatch wrapper may
+    # print a line of its own before it.
+    ids = re.findall(r"^(\d+)(?:;\S*)?$", proc.stdout, re.M)
+    if not ids:
         raise RuntimeError(f"sbatch printed no job id: {proc.stdout!r}")
-    return int(first)
+    return int(ids[-1])
 
 
 def _slurm_answer(argv: list[str]) -> str | None:
