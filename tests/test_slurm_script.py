@@ -227,6 +227,18 @@ def test_further_signals_are_not_forwarded_while_the_step_stops(fake_slurm):
     assert log.read_text().count("already forwarded") == 2, log.read_text()
 
 
+def test_an_array_task_signals_and_requeues_only_itself(fake_slurm):
+    """One task of an array has the array's id as its own SLURM_JOB_ID, and to scancel and
+    scontrol that id means every task of the array (measured, Slurm 22.05: a requeue from that
+    task reran the finished tasks too, a forwarded USR1 reached every task's step). The task
+    is addressed as <array id>_<task id>."""
+    rc, calls, out = run_script(fake_slurm, send=signal.SIGUSR1,
+                                SLURM_ARRAY_JOB_ID=str(JOB_ID), SLURM_ARRAY_TASK_ID="3")
+    assert rc == 0, out
+    assert f"scancel --signal=USR1 {JOB_ID}_3" in calls, calls
+    assert f"scontrol requeue {JOB_ID}_3" in calls, calls
+
+
 def test_usr1_when_requeue_is_refused_exits_75(fake_slurm):
     rc, calls, out = run_script(fake_slurm, send=signal.SIGUSR1, FAKE_REQUEUE_RC=1)
     assert rc == 75, out
