@@ -299,27 +299,37 @@ def test_usr1_during_the_start_up_checks_requeues_without_training(fake_slurm):
 
 # srun that runs the training step's command once per node of the job, as Slurm does: the node
 # names and node ids (SLURM_NODEID) are FAKE_NODES' ("name:id ...").
+# As Slurm does, the steps get only SLURM_* variables when the job was submitted with
+# --export=NONE (SLURM_EXPORT_ENV=NONE in the job), unless srun is given --export=ALL.
 PER_NODE_SRUN = r"""#!/bin/bash
 echo "srun $*" >> "$FAKE_DIR/calls"
 [[ "$*" == *tape_train.cluster.preflight* ]] && exit 0
+env=(env)
+if [[ ${SLURM_EXPORT_ENV:-ALL} == NONE && " $* " != *" --export=ALL "* ]]; then
+    env=(env -i FAKE_DIR="$FAKE_DIR" $(env | grep '^SLURM_'))
+fi
 while [[ $1 == --* ]]; do shift; done
 for node in $FAKE_NODES; do
-    SLURMD_NODENAME=${node%:*} SLURM_NODEID=${node#*:} "$@" >> "$FAKE_DIR/step.out" 2>&1
+    "${env[@]}" SLURMD_NODENAME=${node%:*} SLURM_NODEID=${node#*:} "$@" >> "$FAKE_DIR/step.out" 2>&1
 done
 exit 0
 """
 
 
-@pytest.mark.parametrize("nodes", ["nodeA:0 nodeB:1", "nodeB:0 nodeA:1"])
-def test_the_rendezvous_is_hosted_on_the_node_it_names(fake_slurm, nodes):
+@pytest.mark.parametrize("nodes, export", [("nodeA:0 nodeB:1", "ALL"), ("nodeB:0 nodeA:1", "ALL"),
+                                           ("nodeA:0 nodeB:1", "NONE")])
+def test_the_rendezvous_is_hosted_on_the_node_it_names(fake_slurm, nodes, export):
     """The endpoint is the first host of the sorted SLURM_JOB_NODELIST (nodeA); the node of that
     name hosts the store, whatever its SLURM_NODEID. Slurm numbers a step's nodes in its node
     table's order, which a topology plugin may rank otherwise than by name (topology/block,
     tree with SwitchAsNodeRank): with is_host on node id 0, nodeB would host a store nobody
-    connects to, and nodeA's torchrun would wait for one nobody serves."""
+    connects to, and nodeA's torchrun would wait for one nobody serves. A job submitted with
+    --export=NONE (a site's SBATCH_EXPORT=NONE) passes that on to every srun in it: the steps
+    must be given the script's environment (MASTER_ADDR here; PATH: on the test cluster they
+    failed with `execve(): bash: No such file or directory`)."""
     tmp_path, script, env = fake_slurm
     (tmp_path / "bin" / "srun").write_text(PER_NODE_SRUN)
-    rc, calls, out = run_script(fake_slurm, FAKE_NODES=nodes)
+    rc, calls, out = run_script(fake_slurm, FAKE_NODES=nodes, SLURM_EXPORT_ENV=export)
     assert rc == 0, out
     runs = [c for c in calls if c.startswith("python -m torch.distributed.run --rdzv_conf")]
     assert len(runs) == 2, calls
