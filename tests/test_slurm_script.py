@@ -139,7 +139,8 @@ def test_finished_training_exits_0_without_requeue(fake_slurm):
     for part in ("--ntasks-per-node=1", "--cpus-per-task=8", "--nnodes=2", "--nproc_per_node=2",
                  "--max_restarts=3", "--rdzv_backend=c10d", "--rdzv_id=4321",
                  f"--rdzv_endpoint=nodeA:{15000 + JOB_ID % 15000}",
-                 '--rdzv_conf=is_host=$([[ $SLURMD_NODENAME == "$MASTER_ADDR" ]] && echo 1 || echo 0)',
+                 '--rdzv_conf=is_host=$([[ $SLURMD_NODENAME == "$MASTER_ADDR" ]] '
+                 '&& echo 1 || echo 0)',
                  "--signals_to_handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                  "--shutdown_timeout=120", "--wait=180",
                  "-m tape_train.train.cli --config run.yaml train.max_steps=5"):
