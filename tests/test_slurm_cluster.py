@@ -167,7 +167,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 total = torch.tensor([float(rank + 1)])
 dist.all_reduce(total)
 restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-out = os.environ["PROBE_OUT"]
+out = os.environ.get("PROBE_OUT", "probe")   # a job submitted with --export=NONE: the cwd's
 record = {k: os.environ.get(k) for k in (
     "MASTER_ADDR", "MASTER_PORT", "SLURMD_NODENAME", "SLURM_NODEID", "SLURM_JOB_ID",
     "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS", "LOCAL_RANK", "TORCHELASTIC_RUN_ID",
@@ -237,8 +237,14 @@ def test_two_node_probe_rendezvous_and_signal_forwarding(cluster, tmp_path, monk
     # --batch; `--signal=USR1@T` without B:): torchrun exits 1 for a forwarded signal, and the
     # script must still see a stop for a requeue (it used to fail the job: exit 1).
     job_id, out, log = submit_probe(cluster, tmp_path, monkeypatch, ["--max-requeues", "0"])
+    # Submitted from a directory with a space and a '#' (quoted in the #SBATCH lines: unquoted,
+    # sbatch ran the job in the path cut at the '#'), and with SBATCH_EXPORT=NONE, which Slurm
+    # passes on to the job's sruns: the steps failed (`execve(): bash: No such file or
+    # directory`) until the script gave them --export=ALL. The probe then imports from the cwd.
+    monkeypatch.setenv("SBATCH_EXPORT", "NONE")
     steps_id, steps_out, steps_log = submit_probe(cluster, tmp_path, monkeypatch,
-                                                  ["--max-requeues", "0"], sub="steps")
+                                                  ["--max-requeues", "0"], sub="steps dir#2")
+    monkeypatch.delenv("SBATCH_EXPORT")
     # Wait until both ranks are inside their loop, then "preempt" the batch shell only.
     wait_for_probe_loop(cluster, job_id, out, log)
     cluster.run(["scancel", "--signal=USR1", "--batch", str(job_id)])

@@ -189,6 +189,16 @@ def test_usr1_stops_the_prepare_requeues_and_the_rerun_resumes_to_the_same_bytes
     assert files(out) == reference
 
 
+def test_an_array_task_requeues_only_itself(tmp_path, corpus):
+    # One task of an array has the array's id as SLURM_JOB_ID, which scontrol takes for the
+    # whole array (measured: finished tasks were rerun): the task is <array id>_<task id>.
+    out = tmp_path / "out"
+    rc, log = run_job(tmp_path, prepare_args(corpus, out), send=signal.SIGUSR1, out=out,
+                      SLURM_ARRAY_JOB_ID=str(JOB_ID), SLURM_ARRAY_TASK_ID="7")
+    assert rc == 0, log
+    assert calls(tmp_path) == [f"scontrol requeue {JOB_ID}_7"], log
+
+
 def test_bad_input_is_not_requeued(tmp_path, corpus):
     # A bad record after a few checkpoints: the prepare fails with its one-line error; a
     # requeue would fail the same way.

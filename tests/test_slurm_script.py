@@ -37,8 +37,10 @@ if [[ "$*" == *tape_train.cluster.preflight* ]]; then
 fi
 echo $$ > "$FAKE_DIR/step.pid"
 echo "${PYTORCH_CUDA_ALLOC_CONF-<unset>} ${PYTORCH_ALLOC_CONF-<unset>}" > "$FAKE_DIR/step.alloc_conf"
-trap 'echo "step got USR1" >> "$FAKE_DIR/calls"; exit 1' USR1
-trap 'echo "step got TERM" >> "$FAKE_DIR/calls"; exit 1' TERM
+# FAKE_STOP_HOLD: a stop takes until $FAKE_DIR/release exists (the trainer's checkpoint).
+hold() { [[ -z ${FAKE_STOP_HOLD:-} ]] || until [[ -e "$FAKE_DIR/release" ]]; do sleep 0.05; done; }
+trap 'echo "step got USR1" >> "$FAKE_DIR/calls"; hold; exit 1' USR1
+trap 'echo "step got TERM" >> "$FAKE_DIR/calls"; hold; exit 1' TERM
 if [[ -n ${FAKE_TRAIN_RC:-} ]]; then exit "$FAKE_TRAIN_RC"; fi
 touch "$FAKE_DIR/step.running"
 while :; do sleep 0.05; done
@@ -137,7 +139,8 @@ def test_finished_training_exits_0_without_requeue(fake_slurm):
     for part in ("--ntasks-per-node=1", "--cpus-per-task=8", "--nnodes=2", "--nproc_per_node=2",
                  "--max_restarts=3", "--rdzv_backend=c10d", "--rdzv_id=4321",
                  f"--rdzv_endpoint=nodeA:{15000 + JOB_ID % 15000}",
-                 "--rdzv_conf=is_host=$(( SLURM_NODEID == 0 ))",
+                 '--rdzv_conf=is_host=$([[ $SLURMD_NODENAME == "$MASTER_ADDR" ]] '
+                 '&& echo 1 || echo 0)',
                  "--signals_to_handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                  "--shutdown_timeout=120", "--wait=180",
                  "-m tape_train.train.cli --config run.yaml train.max_steps=5"):
@@ -186,6 +189,55 @@ def test_usr1_is_forwarded_then_the_job_requeues(fake_slurm):
     assert "requeueing job" in out
     # A stop is a stop: no restart verdict is asked for, whatever the trainer recorded.
     assert not any("--restart-verdict" in c for c in calls)
+
+
+def test_further_signals_are_not_forwarded_while_the_step_stops(fake_slurm):
+    """A preemption tool that sends USR1 again (`scancel --signal=USR1 --batch` twice, or a
+    warning on top of it) must not signal the step again: torchrun takes a second signal during
+    its wait for the workers as a reason to send them SIGTERM, and a third ends that wait, so the
+    node's task exits and Slurm (proctrack/cgroup) kills the workers in mid-checkpoint."""
+    tmp_path, script, env = fake_slurm
+    log = tmp_path / "out.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["bash", str(script)], env={**env, "FAKE_STOP_HOLD": "1"},
+                                stdout=out, stderr=subprocess.STDOUT, text=True)
+    calls = tmp_path / "calls"
+
+    def wait_for(what, path, count=1):
+        deadline = time.monotonic() + 20
+        while not (path.exists() and path.read_text().count(what) >= count):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.02)
+
+    try:
+        wait_for("", tmp_path / "step.running")
+        proc.send_signal(signal.SIGUSR1)
+        wait_for("step got USR1", calls)           # forwarded; the step is "checkpointing"
+        for count in (2, 3):
+            proc.send_signal(signal.SIGUSR1)
+            wait_for("caught SIGUSR1", log, count)
+        (tmp_path / "release").touch()
+        assert proc.wait(timeout=30) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = calls.read_text()
+    assert text.count(f"scancel --signal=USR1 {JOB_ID}") == 1, text
+    assert f"scontrol requeue {JOB_ID}" in text
+    assert log.read_text().count("already forwarded") == 2, log.read_text()
+
+
+def test_an_array_task_signals_and_requeues_only_itself(fake_slurm):
+    """One task of an array has the array's id as its own SLURM_JOB_ID, and to scancel and
+    scontrol that id means every task of the array (measured, Slurm 22.05: a requeue from that
+    task reran the finished tasks too, a forwarded USR1 reached every task's step). The task
+    is addressed as <array id>_<task id>."""
+    rc, calls, out = run_script(fake_slurm, send=signal.SIGUSR1,
+                                SLURM_ARRAY_JOB_ID=str(JOB_ID), SLURM_ARRAY_TASK_ID="3")
+    assert rc == 0, out
+    assert f"scancel --signal=USR1 {JOB_ID}_3" in calls, calls
+    assert f"scontrol requeue {JOB_ID}_3" in calls, calls
 
 
 def test_usr1_when_requeue_is_refused_exits_75(fake_slurm):
@@ -244,6 +296,48 @@ def test_usr1_during_the_start_up_checks_requeues_without_training(fake_slurm):
     assert len([c for c in calls if c.startswith("srun")]) == 1
     assert f"scontrol requeue {JOB_ID}" in calls
     assert "before training started" in out
+
+
+# srun that runs the training step's command once per node of the job, as Slurm does: the node
+# names and node ids (SLURM_NODEID) are FAKE_NODES' ("name:id ...").
+# As Slurm does, the steps get only SLURM_* variables when the job was submitted with
+# --export=NONE (SLURM_EXPORT_ENV=NONE in the job), unless srun is given --export=ALL.
+PER_NODE_SRUN = r"""#!/bin/bash
+echo "srun $*" >> "$FAKE_DIR/calls"
+[[ "$*" == *tape_train.cluster.preflight* ]] && exit 0
+env=(env)
+if [[ ${SLURM_EXPORT_ENV:-ALL} == NONE && " $* " != *" --export=ALL "* ]]; then
+    env=(env -i FAKE_DIR="$FAKE_DIR" $(env | grep '^SLURM_'))
+fi
+while [[ $1 == --* ]]; do shift; done
+for node in $FAKE_NODES; do
+    "${env[@]}" SLURMD_NODENAME=${node%:*} SLURM_NODEID=${node#*:} "$@" >> "$FAKE_DIR/step.out" 2>&1
+done
+exit 0
+"""
+
+
+@pytest.mark.parametrize("nodes, export", [("nodeA:0 nodeB:1", "ALL"), ("nodeB:0 nodeA:1", "ALL"),
+                                           ("nodeA:0 nodeB:1", "NONE")])
+def test_the_rendezvous_is_hosted_on_the_node_it_names(fake_slurm, nodes, export):
+    """The endpoint is the first host of the sorted SLURM_JOB_NODELIST (nodeA); the node of that
+    name hosts the store, whatever its SLURM_NODEID. Slurm numbers a step's nodes in its node
+    table's order, which a topology plugin may rank otherwise than by name (topology/block,
+    tree with SwitchAsNodeRank): with is_host on node id 0, nodeB would host a store nobody
+    connects to, and nodeA's torchrun would wait for one nobody serves. A job submitted with
+    --export=NONE (a site's SBATCH_EXPORT=NONE) passes that on to every srun in it: the steps
+    must be given the script's environment (MASTER_ADDR here; PATH: on the test cluster they
+    failed with `execve(): bash: No such file or directory`)."""
+    tmp_path, script, env = fake_slurm
+    (tmp_path / "bin" / "srun").write_text(PER_NODE_SRUN)
+    rc, calls, out = run_script(fake_slurm, FAKE_NODES=nodes, SLURM_EXPORT_ENV=export)
+    assert rc == 0, out
+    runs = [c for c in calls if c.startswith("python -m torch.distributed.run --rdzv_conf")]
+    assert len(runs) == 2, calls
+    hosts = {name: run.split()[3] for name, run in zip(
+        [n.split(":")[0] for n in nodes.split()], runs)}
+    assert hosts == {"nodeA": "--rdzv_conf=is_host=1", "nodeB": "--rdzv_conf=is_host=0"}, runs
+    assert all(f"--rdzv_endpoint=nodeA:{15000 + JOB_ID % 15000}" in run for run in runs)
 
 
 def test_outside_slurm_the_script_refuses_to_run(fake_slurm):

@@ -25,10 +25,12 @@ from tape_train.cluster.render import (
     ClusterOptions,
     RenderError,
     default_template_dir,
+    eval_header,
     parse_time_limit,
     render_eval_script,
     render_train_script,
     replace_blocks,
+    train_header,
 )
 
 TEMPLATES = default_template_dir()
@@ -83,7 +85,8 @@ def test_parse_time_limit_rejects_other_text_naming_the_option(text):
     (dict(gpus_per_node=4, procs_per_node=2), "--procs-per-node 2 is for CPU nodes"),
     (dict(job_name="my job"), "--job-name"),
     (dict(partition="gpu debug"), "--partition"),
-    (dict(log_dir="my logs"), "whitespace"),
+    (dict(log_dir='my "logs"'), "a double quote, a backslash or a line break"),
+    (dict(workdir="/home/a\\b"), "a double quote, a backslash or a line break"),
     (dict(train_module="tape_train/train"), "--train-module"),
     (dict(extra_sbatch=["constraint=a100"]), "--sbatch-arg"),
     (dict(extra_sbatch=["--time=10"]), r"--sbatch-arg '--time=10': --time is set by --time; "
@@ -97,6 +100,20 @@ def test_parse_time_limit_rejects_other_text_naming_the_option(text):
 def test_cluster_options_reject_bad_values_naming_them(kwargs, match):
     with pytest.raises(RenderError, match=match):
         ClusterOptions(**kwargs)
+
+
+def test_paths_with_spaces_or_a_hash_are_quoted_in_the_header():
+    """sbatch ends an #SBATCH value at whitespace and takes an unquoted '#' for a comment:
+    `--chdir=/data/proj#2` ran the job in /data/proj (measured, Slurm 22.05). Such paths are
+    double-quoted (tested with the real sbatch in test_slurm_cluster.py); '%' in the log
+    directory is doubled, as Slurm's filename pattern wants it."""
+    opts = ClusterOptions(workdir="/data/my proj#2", log_dir="/data/my proj#2/logs 100%")
+    for header in (train_header(opts), eval_header(opts, "01:00:00")):
+        assert '#SBATCH --chdir="/data/my proj#2"' in header
+        assert '#SBATCH --output="/data/my proj#2/logs 100%%/%x-%j.out"' in header
+    plain = train_header(ClusterOptions(workdir="/data/p", log_dir="/data/p/logs"))
+    assert "#SBATCH --chdir=/data/p" in plain               # control: plain paths stay bare
+    assert "#SBATCH --output=/data/p/logs/%x-%j.out" in plain
 
 
 def test_short_signal_grace_warns_about_slurms_30s_granularity():
@@ -298,7 +315,8 @@ if [[ -n ${FAKE_SBATCH_FAIL:-} && " $* " == *"$FAKE_SBATCH_FAIL"* ]]; then
 fi
 n=$(( $(cat "$FAKE_DIR/next_id" 2>/dev/null || echo 40) + 1 ))
 echo "$n" > "$FAKE_DIR/next_id"
-echo "$n"
+[[ -n ${FAKE_SBATCH_BANNER:-} ]] && echo "$FAKE_SBATCH_BANNER"
+echo "$n${FAKE_SBATCH_CLUSTER:+;$FAKE_SBATCH_CLUSTER}"
 """
 FAKE_SCONTROL = r"""#!/bin/bash
 [[ "$*" == "show partition --oneliner"* && -n ${FAKE_PARTITIONS:-} ]] || exit 1
@@ -324,7 +342,8 @@ def slurm_client(tmp_path, monkeypatch):
         (bin_dir / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     monkeypatch.setenv("FAKE_DIR", str(tmp_path))
-    for name in ("FAKE_SBATCH_FAIL", "FAKE_PARTITIONS", "FAKE_QUEUE", "SBATCH_PARTITION"):
+    for name in ("FAKE_SBATCH_FAIL", "FAKE_PARTITIONS", "FAKE_QUEUE", "SBATCH_PARTITION",
+                 "FAKE_SBATCH_BANNER", "FAKE_SBATCH_CLUSTER"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
     return tmp_path / "calls"
@@ -353,6 +372,19 @@ def test_a_refused_submission_leaves_no_script_or_log_directory(tmp_path, slurm_
     rc, out, err = run_submit(submit_args(tmp_path))
     assert rc == 0 and out == "41\n", err
     assert len(list((tmp_path / "logs" / "slurm").glob("tape-run.*.train.sbatch"))) == 1
+
+
+def test_the_job_id_is_read_from_the_last_line_of_sbatch_parsable(tmp_path, slurm_client,
+                                                                  monkeypatch):
+    """`sbatch --parsable` prints `<id>;<cluster>` on a multi-cluster setup, and a site's sbatch
+    wrapper may print a line of its own first: the job is queued either way, and its id is
+    the last line's first field (a banner line first used to read as "no job id", and
+    tape-submit said nothing was submitted about a queued job)."""
+    monkeypatch.setenv("FAKE_SBATCH_BANNER", "Submitting to the gpu partition (site wrapper)")
+    monkeypatch.setenv("FAKE_SBATCH_CLUSTER", "tapetest")
+    rc, out, err = run_submit(submit_args(tmp_path, "--eval-after"))
+    assert rc == 0 and out == "41\n42\n", err
+    assert "--dependency=afterok:41 " in slurm_client.read_text()
 
 
 def test_a_refused_evaluation_says_the_training_is_queued_and_how_to_chain_it(

@@ -44,6 +44,11 @@ RENDERED_SBATCH_OPTIONS = {
     "per node)", "requeue": "the script", "open-mode": "the script"}
 # Values that end up on an `#SBATCH --key=value` line: no whitespace, no shell/sbatch quoting.
 _SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.,:+@%/=-]+$")
+# sbatch reads an #SBATCH value as one shell-like word (get_argument() in src/sbatch/opt.c, the
+# same from 22.05 to 25.x): whitespace ends it and an unquoted '#' starts a comment (a run in
+# `proj#2` would have run in `proj`), both kept inside double quotes; a backslash escapes the
+# next character, differently between versions, so paths with '"' or '\' are refused.
+_PATH_REFUSED = re.compile(r'["\\\n\r]')
 
 
 class RenderError(ValueError):
@@ -147,9 +152,9 @@ class ClusterOptions:
             raise RenderError(f"--socket-ifname {self.socket_ifname!r} is not an interface "
                               "name (or NCCL-style list/prefix)")
         for name in ("log_dir", "workdir"):
-            if re.search(r"\s", getattr(self, name)):
-                raise RenderError(f"{name} {getattr(self, name)!r} contains whitespace, which "
-                                  "an #SBATCH line cannot hold")
+            if _PATH_REFUSED.search(getattr(self, name)):
+                raise RenderError(f"{name} {getattr(self, name)!r} contains a double quote, a "
+                                  "backslash or a line break, which an #SBATCH line cannot hold")
         if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
                         self.train_module):
             raise RenderError(f"--train-module {self.train_module!r} is not a module name")
@@ -201,8 +206,8 @@ def train_header(opts: ClusterOptions) -> list[str]:
         f"--signal=B:USR1@{opts.signal_grace}",
         "--requeue",
         "--open-mode=append",
-        f"--output={opts.log_dir}/%x-%j.out",
-        f"--chdir={opts.workdir}",
+        _output(opts),
+        f"--chdir={_sbatch_path(opts.workdir)}",
         *opts.extra_sbatch,
     ]
     return [f"#SBATCH {line}" for line in lines]
@@ -225,11 +230,22 @@ def eval_header(opts: ClusterOptions, time: str) -> list[str]:
     lines += [
         "--requeue",
         "--open-mode=append",
-        f"--output={opts.log_dir}/%x-%j.out",
-        f"--chdir={opts.workdir}",
+        _output(opts),
+        f"--chdir={_sbatch_path(opts.workdir)}",
         *opts.extra_sbatch,
     ]
     return [f"#SBATCH {line}" for line in lines]
+
+
+def _sbatch_path(path: str) -> str:
+    """``path`` as an #SBATCH value: double-quoted unless it is plain (see _PATH_REFUSED)."""
+    return path if _SAFE_VALUE.match(path) else f'"{path}"'
+
+
+def _output(opts: ClusterOptions) -> str:
+    """The --output line: the log directory ('%' doubled: Slurm's pattern character), then
+    the job name and id."""
+    return f"--output={_sbatch_path(opts.log_dir.replace('%', '%%') + '/%x-%j.out')}"
 
 
 def _placement(opts: ClusterOptions) -> list[str]:

@@ -23,6 +23,7 @@ import argparse
 import os
 import pwd
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -177,10 +178,12 @@ def _sbatch(args: list[str], drop_env: dict[str, str] | None = None) -> int:
     if proc.returncode != 0:
         raise RuntimeError(f"sbatch {' '.join(args)} failed (exit {proc.returncode}): "
                            f"{proc.stderr.strip() or proc.stdout.strip()}")
-    first = proc.stdout.strip().split(";")[0]
-    if not first.isdigit():
+    # `<id>` or `<id>;<cluster>` on its own line, the last one: a site's sbatch wrapper may
+    # print a line of its own before it.
+    ids = re.findall(r"^(\d+)(?:;\S*)?$", proc.stdout, re.M)
+    if not ids:
         raise RuntimeError(f"sbatch printed no job id: {proc.stdout!r}")
-    return int(first)
+    return int(ids[-1])
 
 
 def _slurm_answer(argv: list[str]) -> str | None:
@@ -428,7 +431,7 @@ def _main(argv: list[str] | None) -> int:
         # Slurm opens the log before the script runs and does not create its directory: a
         # script submitted by hand without it fails at once and writes nothing.
         print(f"tape-submit: dry run, nothing submitted; to submit the script by hand: mkdir -p "
-              f"{log_dir} && sbatch <file>"
+              f"{shlex.quote(str(log_dir))} && sbatch <file>"
               + ("" if eval_script is None else
                  "; the evaluation script (after the '# ---- eval.sbatch' line) is a second "
                  "file: sbatch --dependency=afterok:<training job id> "
@@ -479,7 +482,8 @@ def _main(argv: list[str] | None) -> int:
         print(f"tape-submit: error: {exc}", file=sys.stderr)
         print(f"tape-submit: training job {job_id} is queued without its evaluation; once the "
               f"cause is fixed, chain it by hand: sbatch --dependency=afterok:{job_id} "
-              f"--kill-on-invalid-dep=yes {eval_file} (or `scancel {job_id}`)", file=sys.stderr)
+              f"--kill-on-invalid-dep=yes {shlex.quote(str(eval_file))} (or `scancel {job_id}`)",
+              file=sys.stderr)
         return 1
     return 0
 
