@@ -43,3 +43,34 @@ def test_without_a_group_the_code_is_returned_to_the_caller(tmp_path):
     out = _run(tmp_path, 3, "alone")
     assert out.returncode == 0, out.stderr  # the script itself ends normally
     assert "returned 3" in out.stdout and "atexit ran" in out.stdout
+
+
+@pytest.mark.parametrize("local_rank", ["0", "1"])
+def test_a_refused_resume_is_said_once_per_node_other_errors_by_every_rank(
+        tmp_path, monkeypatch, caplog, local_rank):
+    """Every rank refuses a resume alike (the same marker, the same config): the rank with
+    LOCAL_RANK 0 says it for its node. An error of one rank's own (a damaged file it read) is
+    said by whichever rank meets it."""
+    import logging
+
+    from tape_train.checkpoint_layout import CheckpointError
+    from tape_train.config import load_run_config
+    from tape_train.train import loop
+
+    cfg = load_run_config("demo", [f"train.run_dir={tmp_path / 'run'}"])
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    said = {}
+    for error in (loop.ResumeRefused("refusing to resume from a tag: model.hidden_size"),
+                  CheckpointError("a tag/file.pt: checksum mismatch")):
+        def refuse(self, error=error):
+            raise error
+
+        monkeypatch.setattr(loop.Trainer, "setup", refuse)
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="tape_train"):
+            assert loop.Trainer(cfg).run() == 1
+        said[type(error)] = [r.getMessage() for r in caplog.records
+                             if r.levelno == logging.ERROR]
+    assert said[CheckpointError] == ["a tag/file.pt: checksum mismatch"]
+    assert said[loop.ResumeRefused] == (
+        ["refusing to resume from a tag: model.hidden_size"] if local_rank == "0" else [])

@@ -78,6 +78,11 @@ class StoppedDuringSetup(Exception):
         self.code, self.where, self.signal_name = code, where, signal_name
 
 
+class ResumeRefused(ckpt.CheckpointError):
+    """A resume refused for what the checkpoint's marker and this run's config say: every rank
+    decides it alike, so it is said once per node, not once per rank."""
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -546,11 +551,11 @@ class Trainer:
         applied."""
         impossible = relayout.unloadable(marker, self.cfg)
         if impossible is not None:  # not even with --allow-config-change
-            raise ckpt.CheckpointError(f"cannot resume from {tag_dir}: {impossible}")
+            raise ResumeRefused(f"cannot resume from {tag_dir}: {impossible}")
         found, changes = relayout.resume_config_problems(marker, self.cfg, self.grid)
         where = f" ({self._relayout.describe()})" if self._relayout is not None else ""
         if found and not self.allow_config_change:
-            raise ckpt.CheckpointError(
+            raise ResumeRefused(
                 f"refusing to resume from {tag_dir}{where}: " + "; ".join(found)
                 + ". Use another train.run_dir for a new run, or pass --allow-config-change "
                   "to resume anyway (the run then differs from the one that was saved)")
@@ -972,7 +977,8 @@ class Trainer:
             code, reason = EXIT_OK, ""
         except (ckpt.CheckpointError, RunLockError, UnmeasuredLengthError, FileWriteError,
                 DataError, DeviceError, LaunchError) as exc:  # they name the file, key or value
-            log.error("%s", exc)
+            if not isinstance(exc, ResumeRefused) or speaks_for_node():
+                log.error("%s", exc)
             code, reason = EXIT_ERROR, str(exc)
         except PreflightError as exc:
             if speaks_for_node():  # once per node
