@@ -368,6 +368,60 @@ def _consolidate(tag_dir: Path, map_dtype: torch.dtype | None
     return model_cfg, state, meta
 
 
+@contextlib.contextmanager
+def held_checkpoint(tag_dir: Path):
+    """``tag_dir`` kept readable while the block runs, also if the training run that wrote it
+    deletes it meanwhile (``checkpoint.keep``): every file is opened now and the block reads a
+    private mirror of the tag (same name, in a temp dir) whose entries link to the open files
+    (``/proc/<pid>/fd/N``, the open file itself, deleted or not: for this process and the
+    ones it starts). Yields the mirror, or ``tag_dir`` itself where that cannot be done (no
+    ``/proc``; more files than the open-file limit allows; a tensor-parallel checkpoint
+    without its universal form, which the reader converts into the tag to share it), where a
+    deletion is reported by ``deleted_while_read``."""
+    tag_dir = Path(tag_dir)
+    fd_dir = Path(f"/proc/{os.getpid()}/fd")
+    meta = read_marker(tag_dir)
+    converts = (meta.get("zero_stage", 3) >= 1 and saved_layout(meta)["tp"] > 1
+                and not (tag_dir / UNIVERSAL).is_dir())
+    files = [Path(root) / name for root, _, names in os.walk(tag_dir) for name in names]
+    if converts or not fd_dir.is_dir() or not _fd_room(len(files), fd_dir):
+        yield tag_dir
+        return
+    import tempfile
+
+    scratch = Path(tempfile.mkdtemp(prefix="tape-held-"))
+    mirror, fds = scratch / tag_dir.name, []
+    try:
+        for path in files:
+            try:
+                fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+            except FileNotFoundError as exc:  # the run deleted it just now
+                raise deleted_while_read(tag_dir, exc) or exc from None
+            link = mirror / path.relative_to(tag_dir)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(fd_dir / str(fds[-1]))
+        yield mirror
+    finally:
+        for fd in fds:
+            os.close(fd)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _fd_room(n: int, fd_dir: Path, spare: int = 256) -> bool:
+    """Whether ``n`` more files can be opened with ``spare`` descriptors left over, after
+    raising the soft open-file limit up to the hard one if that is what it takes."""
+    import resource
+
+    want = len(os.listdir(fd_dir)) + n + spare
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if want > soft:
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    return want <= soft
+
+
 def checkpoint_model_config(tag_dir: Path, meta: dict):
     """The ``ModelConfig`` a checkpoint's marker ``meta`` records, runnable on any device (a
     CUDA-only attention backend replaced by ``auto``); read without touching the weights."""

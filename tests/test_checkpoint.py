@@ -204,6 +204,44 @@ def test_a_checkpoint_deleted_while_a_reader_reads_it_is_named_as_such(tmp_path,
     assert "damaged" in str(err.value) and "was deleted while" not in str(err.value)
 
 
+def test_a_held_checkpoint_stays_readable_after_its_run_deletes_it(tmp_path, monkeypatch):
+    """``held_checkpoint``: the block reads a mirror of the tag whose files were opened on
+    entry, so rotation (``_rotate_away``) takes nothing from it; on exit the files are closed
+    and the mirror is gone. It yields the tag itself where it cannot hold it: too few file
+    descriptors, or a tensor-parallel tag without its universal form (converted in the tag)."""
+    import json
+    import os
+
+    from tape_train import loading
+
+    tag = _save(FakeEngine(), tmp_path, 3)
+    files = sorted(str(p.relative_to(tag)) for p in tag.rglob("*") if p.is_file())
+    contents = {name: (tag / name).read_bytes() for name in files}
+    fds_before = len(os.listdir("/proc/self/fd"))
+    with loading.held_checkpoint(tag) as held:
+        assert held != tag and held.name == tag.name
+        _rotate_away(tag)
+        assert sorted(str(p.relative_to(held)) for p in held.rglob("*") if p.is_file()) == files
+        assert {name: (held / name).read_bytes() for name in files} == contents
+        assert ckpt.resolve_checkpoint(held, verify=True) == held  # checksums hold too
+    assert not held.exists() and len(os.listdir("/proc/self/fd")) == fds_before
+
+    tag = _save(FakeEngine(), tmp_path, 4)
+    monkeypatch.setattr(loading, "_fd_room", lambda n, fd_dir: False)
+    with loading.held_checkpoint(tag) as held:
+        assert held == tag
+    monkeypatch.undo()
+    marker = json.loads((tag / ckpt.MARKER).read_text())
+    marker["layout"] = {"dp": 1, "sp": 1, "tp": 2}
+    (tag / ckpt.MARKER).write_text(json.dumps(marker))
+    assert loading.saved_layout(marker)["tp"] == 2
+    with loading.held_checkpoint(tag) as held:
+        assert held == tag
+    (tag / ckpt.UNIVERSAL).mkdir()  # converted already: held like any other
+    with loading.held_checkpoint(tag) as held:
+        assert held != tag
+
+
 def test_a_reader_names_the_run_that_may_be_writing_a_tag_without_its_marker(tmp_path, caplog):
     older = _save(FakeEngine(), tmp_path, 2)
     (tmp_path / "checkpoints" / "step_00000004").mkdir()   # a save under way (or abandoned)

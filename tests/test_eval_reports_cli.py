@@ -794,43 +794,68 @@ def test_checkpoints_trained_with_different_tokenizers_of_one_size_are_refused(t
                  "--tokenizer", bpe.path]) == 0
 
 
-def test_a_checkpoint_rotated_away_while_another_is_evaluated_is_said_as_such(tmp_path, capsys,
-                                                                              monkeypatch):
-    """tape-eval checks every checkpoint first and reads each one's weights at its turn: a run
-    still training deletes its older tags meanwhile (checkpoint.keep). The error used to be the
-    bare 'checkpoint path ... does not exist' of a typo, after the first model's evaluation."""
+def test_a_checkpoint_rotated_away_while_another_is_evaluated_is_still_evaluated(
+        tmp_path, capsys, monkeypatch):
+    """tape-eval checks every checkpoint first and reads each one's weights at its turn; a run
+    still training deletes its older tags meanwhile (checkpoint.keep). Their files are held
+    open from the start, so the deleted one is evaluated all the same, and nothing is left in
+    the temp dir. Where they cannot be held, the error says what happened (it used to be the
+    bare 'checkpoint path ... does not exist' of a typo, after the first model's evaluation)."""
+    import contextlib
     import shutil
+    import tempfile
 
+    from tape_train import loading
     from tape_train.eval import perplexity
 
     make_checkpoint(tmp_path / "a", "tape", seed=1)
     make_checkpoint(tmp_path / "b", "rope", seed=2)
     tag_b = tmp_path / "b" / "checkpoints" / "step_00000005"
     real = perplexity.evaluate_perplexity
-    rotate = {"now": True}
 
     def evaluate_then_rotate(*args, **kwargs):
         results = real(*args, **kwargs)
-        if rotate["now"] and tag_b.exists():
+        if tag_b.exists():
             shutil.rmtree(tag_b)                  # what the live run's rotation does
         return results
 
+    def evaluate(out, *checkpoints) -> int:
+        labels = ["A", "B"][-len(checkpoints):]
+        return main(["--checkpoint", *map(str, checkpoints), "--label", *labels,
+                     "--lengths", "8", "--max-tokens", "16", "--dtype", "fp32",
+                     "--out", str(out), "--no-progress"])
+
+    def perplexities(out) -> dict:
+        models = json.loads((out / "eval.json").read_text())["models"]
+        return {m["label"]: [(r["protocol"], r["length"], r["perplexity"])
+                             for r in m["results"]] for m in models}
+
     monkeypatch.setattr(perplexity, "evaluate_perplexity", evaluate_then_rotate)
-    out = tmp_path / "o"
-    args = ["--checkpoint", str(tmp_path / "a"), str(tag_b), "--label", "A", "B",
-            "--lengths", "8", "--max-tokens", "16", "--dtype", "fp32", "--out", str(out),
-            "--no-progress"]
-    assert main(args) == 1
+    assert evaluate(tmp_path / "o", tmp_path / "a", tag_b) == 0, capsys.readouterr().err
+    assert not tag_b.exists()
+    both = perplexities(tmp_path / "o")
+    assert sorted(both) == ["A", "B"]
+    assert not list(Path(tempfile.gettempdir()).glob("tape-held-*"))
+    # B's numbers are those of B evaluated with its tag in place.
+    make_checkpoint(tmp_path / "b", "rope", seed=2)
+    monkeypatch.setattr(perplexity, "evaluate_perplexity", real)
+    assert evaluate(tmp_path / "o2", tag_b) == 0
+    assert perplexities(tmp_path / "o2")["B"] == both["B"]
+
+    # Without the hold (no /proc, too many files): one line naming what happened.
+    @contextlib.contextmanager
+    def not_held(tag_dir):
+        yield tag_dir
+
+    monkeypatch.setattr(loading, "held_checkpoint", not_held)
+    monkeypatch.setattr(perplexity, "evaluate_perplexity", evaluate_then_rotate)
+    capsys.readouterr()
+    assert evaluate(tmp_path / "o3", tmp_path / "a", tag_b) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert f"checkpoint {tag_b} was deleted after tape-eval checked it at the start" in err
     assert "(evaluated since, and not reported: A)" in err and "checkpoint.keep" in err
-    assert not (out / "eval.json").exists()
-    # Negative control: with the tag left in place both are evaluated.
-    make_checkpoint(tmp_path / "b", "rope", seed=2)
-    rotate["now"] = False
-    assert main(args) == 0
-    assert (out / "eval.json").is_file()
+    assert not (tmp_path / "o3" / "eval.json").exists()
 
 
 def _legend_entries(monkeypatch, runs, path) -> list[str]:

@@ -13,6 +13,7 @@ every N-th batch of windows, and the sums are all-reduced. Rank 0 prints the tab
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -484,7 +485,8 @@ def run(args) -> int:
     from tape_train.eval.perplexity import evaluate_perplexity
     from tape_train.eval.report import format_table, write_reports
     from tape_train.checkpoint_layout import CheckpointError, deleted_while_read
-    from tape_train.loading import load_model_from_checkpoint, resolve_checkpoint
+    from tape_train.loading import (held_checkpoint, load_model_from_checkpoint,
+                                    resolve_checkpoint)
     from tape_train.model import TransformerLM
 
     def read_inputs():
@@ -539,38 +541,42 @@ def run(args) -> int:
     dtype = getattr(torch, DTYPES[dtype_name])
 
     runs = []
-    for i, c in enumerate(checkpoints):
-        try:
-            _, state, _ = load_model_from_checkpoint(c.tag_dir, map_dtype=None, verify=False)
-        except CheckpointError as exc:  # its run, still training, rotated it away meanwhile
-            done = ", ".join(r["label"] for r in runs)
-            vanished = deleted_while_read(
-                c.tag_dir, exc, when="after tape-eval checked it at the start" + (
-                    f" (evaluated since, and not reported: {done})" if runs else ""))
-            if vanished is None:
-                raise
-            raise vanished from None
-        model = TransformerLM(c.model_cfg)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{c.tag_dir}: weights do not match the model config "
-                             f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
-        model.to(device=device, dtype=dtype)
-        label = args.label[i] if args.label else _default_label(c.tag_dir, c.meta, c.model_cfg)
-        if rank == 0:
-            log.info("evaluating %s: %s, %s, step %s, lengths %s", label, c.tag_dir,
-                     c.model_cfg.pe, c.meta.get("step"), c.lengths)
-        results = []
-        for protocol in settings.protocols:
-            results += evaluate_perplexity(
-                model, docs, lengths=c.lengths, protocol=protocol, stride=args.stride,
-                max_tokens=max_tokens, batch_size=args.batch_size, device=device,
-                progress=rank == 0 and show_progress(args.progress), reduce=reduce, dp_rank=rank,
-                dp_size=world)
-        runs.append({"label": label, "checkpoint": str(c.tag_dir), "step": c.meta.get("step"),
-                     "pe": c.model_cfg.pe, "model": c.model_cfg.name,
-                     "train_seq_len": c.train_seq_len, "results": results})
-        del model, state
+    # Every checkpoint's files held open from here: a run still training may delete a tag
+    # (checkpoint.keep) before its turn comes.
+    with contextlib.ExitStack() as held:
+        tag_dirs = [held.enter_context(held_checkpoint(c.tag_dir)) for c in checkpoints]
+        for i, c in enumerate(checkpoints):
+            try:
+                _, state, _ = load_model_from_checkpoint(tag_dirs[i], map_dtype=None, verify=False)
+            except CheckpointError as exc:  # its run, still training, rotated it away meanwhile
+                done = ", ".join(r["label"] for r in runs)
+                vanished = deleted_while_read(
+                    c.tag_dir, exc, when="after tape-eval checked it at the start" + (
+                        f" (evaluated since, and not reported: {done})" if runs else ""))
+                if vanished is None:
+                    raise
+                raise vanished from None
+            model = TransformerLM(c.model_cfg)
+            missing, unexpected = model.load_state_dict(state, strict=False)
+            if missing or unexpected:
+                raise ValueError(f"{c.tag_dir}: weights do not match the model config "
+                                 f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+            model.to(device=device, dtype=dtype)
+            label = args.label[i] if args.label else _default_label(c.tag_dir, c.meta, c.model_cfg)
+            if rank == 0:
+                log.info("evaluating %s: %s, %s, step %s, lengths %s", label, c.tag_dir,
+                         c.model_cfg.pe, c.meta.get("step"), c.lengths)
+            results = []
+            for protocol in settings.protocols:
+                results += evaluate_perplexity(
+                    model, docs, lengths=c.lengths, protocol=protocol, stride=args.stride,
+                    max_tokens=max_tokens, batch_size=args.batch_size, device=device,
+                    progress=rank == 0 and show_progress(args.progress), reduce=reduce,
+                    dp_rank=rank, dp_size=world)
+            runs.append({"label": label, "checkpoint": str(c.tag_dir), "step": c.meta.get("step"),
+                         "pe": c.model_cfg.pe, "model": c.model_cfg.name,
+                         "train_seq_len": c.train_seq_len, "results": results})
+            del model, state
 
     labels = [r["label"] for r in runs]
     if len(set(labels)) != len(labels):
