@@ -6,7 +6,8 @@
 # SIGUSR1/SIGTERM after a checkpoint, 130 Ctrl-C after a checkpoint, 1 error), which torchrun
 # alone would flatten to 1: the trainer writes it to $TAPE_TRAIN_EXIT_FILE and we re-raise it.
 # SIGUSR1/SIGTERM sent to this script are forwarded to the workers (one worker is enough: the
-# ranks agree at the next step boundary).
+# ranks agree at the next step boundary). This script or its torchrun killed with SIGKILL: the
+# workers stop as on SIGTERM (they watch their parent: docs/training.md, "Stopping").
 set -uo pipefail
 
 if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ || "$1" -lt 1 ]]; then
@@ -35,6 +36,9 @@ if ! exit_file="$(mktemp "${TMPDIR:-/tmp}/tape-train-exit.XXXXXX")"; then
 fi
 trap 'rm -f "$exit_file"' EXIT
 export TAPE_TRAIN_EXIT_FILE="$exit_file"
+# This script (or its torchrun) killed outright, with SIGKILL, sends nothing: what it started
+# asks the kernel for a SIGTERM when its parent dies, and stops as for one (checkpoint, 75).
+export TAPE_TRAIN_STOP_WITH_LAUNCHER=1
 
 if [[ "$nproc" -eq 1 ]]; then
     cmd=("$python" -m tape_train.train.cli "$@")

@@ -23,6 +23,11 @@ Slow, a resume on another layout whose universal conversion is slowed down: one 
 moving is not ended, one that stalls is (with its worker process), and a stop signal (to one
 rank, or to every process of the run as Slurm sends it) ends it within seconds with exit 75,
 after which the re-run resumes exactly.
+
+Slow, the launcher killed outright (SIGKILL of torchrun; of the shell that started it, as
+``launch/local.sh``): the workers, in sessions of their own, stop at the next step with a
+checkpoint instead of training on as orphans holding the lock; the re-runs resume exactly.
+Fast: a teardown whose ``destroy_process_group`` never returns still ends the process.
 """
 
 from __future__ import annotations
@@ -641,3 +646,123 @@ def test_a_stop_during_the_conversion_ends_it_at_once_and_the_rerun_resumes_exac
     assert (tag / "universal").is_dir()
     losses = _losses(run_dir)
     assert losses.keys() == {1, 2, 3, 4} and losses == _losses(reference)
+
+
+# ----------------------------------------------------------------------------------------------
+# The launcher killed outright (SIGKILL): the workers stop too, and the re-run continues
+# ----------------------------------------------------------------------------------------------
+
+def _start(tmp_path: Path, run_dir: Path, log: Path, hang_at: str,
+           launcher: bool) -> subprocess.Popen:
+    """torchrun with the hook (rank 0 slowed down by ``hang_at``), in a session of its own,
+    output to ``log`` (a pipe would be held open by orphaned workers). ``launcher``: started
+    by a shell that asks for the launcher watch, as ``launch/local.sh`` does, through the
+    torchrun wrapper it runs."""
+    hook = tmp_path / "hang_hook.py"
+    hook.write_text(_HOOK)
+    # torchrun's SIGTERM leaves the workers 30 s to checkpoint (the module's 3 s is for
+    # stopped ranks, and a loaded machine may need more for a save).
+    env = _env(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", HANG_AT=hang_at)
+    env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = "30"
+    torchrun = [sys.executable, "-m", "tape_train.cluster.torchrun", "--standalone",
+                "--nproc_per_node", "2", str(hook), "--config", "demo", *OVERRIDES,
+                f"train.run_dir={run_dir}"]
+    cmd = (["bash", "-c", 'TAPE_TRAIN_STOP_WITH_LAUNCHER=1 "$@"; exit $?', "bash", *torchrun]
+           if launcher else torchrun)
+    with log.open("w") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def _kill_when(proc: subprocess.Popen, run_dir: Path, step: int) -> list[int]:
+    """Once step ``step``'s loss is logged: SIGKILL ``proc`` alone; returns the workers'
+    pids."""
+    deadline = time.monotonic() + 240
+    while max(_losses(run_dir), default=0) < step:
+        assert proc.poll() is None and time.monotonic() < deadline, "ended before the kill"
+        time.sleep(0.05)
+    workers = []
+    for pid in _descendants(proc.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"tape_train.cluster.torchrun" not in argv and any(
+                a.endswith(b"hang_hook.py") for a in argv):
+            workers.append(pid)
+    assert len(workers) == 2, workers
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return workers
+
+
+def _stops(run_dir: Path) -> list[dict]:
+    from tape_train.train.metrics import read_metrics
+
+    return [e for e in read_metrics(run_dir, "event") if e["event"] == "stop"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_workers_stop_with_a_checkpoint_when_their_launcher_is_killed(tmp_path, slow_reference):
+    """torchrun SIGKILLed during step 2 (rank 0 reads each step's data for 1 s): both workers,
+    in sessions of their own, get SIGTERM from the kernel (their parent died), stop at the step
+    boundary with a checkpoint (exit 75) and end; the lock is free. The re-run, started by a
+    shell that asks for the watch like launch/local.sh, resumes; that shell SIGKILLed during
+    step 4: its torchrun stops (SIGTERM, passed on to the workers), checkpoint again. The last
+    re-run finishes with the uninterrupted run's losses, bit for bit.
+
+    Before the fix the orphans trained on to the end (holding RUN.lock: a re-run meanwhile was
+    refused), writing checkpoints, and no stop was recorded."""
+    run_dir = tmp_path / "run"
+    slow = "data:2,3,4,5,6:0:1"
+    for launcher, kill_after, stop_at in ((False, 1, 2), (True, 3, 4)):
+        log = tmp_path / f"run{stop_at}.log"
+        proc = _start(tmp_path, run_dir, log, slow, launcher)
+        workers = _kill_when(proc, run_dir, kill_after)  # torchrun, or the shell above it
+        killed = time.monotonic()
+        while any(_alive(pid) for pid in workers):  # a hang guard, not a timing assertion
+            assert time.monotonic() - killed < 120, (workers, log.read_text()[-5000:])
+            time.sleep(0.1)
+        err = log.read_text()
+        assert _stops(run_dir)[-1:] and _stops(run_dir)[-1]["step"] == stop_at, err[-5000:]
+        assert _stops(run_dir)[-1]["exit_code"] == 75
+        assert _complete(run_dir, stop_at) and max(_losses(run_dir)) == stop_at
+        assert not (run_dir / "RUN.lock").exists()
+        if not launcher:
+            assert (f"[rank1] tape-train: SIGTERM received (the launcher that started this "
+                    f"process, pid {proc.pid}, is gone): stopping at the next step boundary "
+                    f"after writing a checkpoint") in err, err[-5000:]
+        else:
+            assert "torchrun: stopped by SIGTERM, which its workers were sent too" in err
+
+    final, _ = _train(tmp_path, run_dir)
+    assert final.returncode == 0, final.stderr[-5000:]
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000004'}" in final.stderr
+    assert _losses(run_dir) == slow_reference
+
+
+_TEARDOWN = """
+import datetime, os, sys, time
+import torch.distributed as dist
+from tape_train.train import distributed
+distributed.TEARDOWN_S = 2.0
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=30))
+dist.destroy_process_group = lambda: time.sleep(3600)  # a store gone: a wait without end
+distributed.end_rank(0)
+"""
+
+
+def test_a_teardown_that_cannot_finish_still_ends_the_process(tmp_path):
+    """``destroy_process_group`` that never returns (a peer or torchrun's store gone during
+    the final teardown, seen: 15 minutes, deaf to SIGTERM): the process ends after
+    ``TEARDOWN_S`` (2 s here) with the trainer's code and one line saying so."""
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", _TEARDOWN, str(tmp_path / "store")],
+                            cwd=REPO, env=_env(OMP_NUM_THREADS="1"), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("tape-train: the teardown of the process group did not end within 2 s; exiting "
+            "without it (exit 0)") in result.stderr
+    assert time.monotonic() - start < 60

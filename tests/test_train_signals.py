@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -72,3 +73,64 @@ def test_under_torchrun_the_acknowledgement_names_the_rank(capfd, monkeypatch):
         assert capfd.readouterr().err.startswith("[rank3] tape-train: SIGTERM received: ")
     finally:
         stop.close()
+
+
+def test_the_launcher_watch_is_on_under_torchrun_and_local_sh_and_left_to_slurm_in_a_step():
+    from tape_train.train.signals import launcher_watch_wanted
+
+    assert not launcher_watch_wanted({})  # run by hand: its parent is a shell
+    assert launcher_watch_wanted({"TORCHELASTIC_RUN_ID": "none"})
+    # In a Slurm step slurmstepd ends the step's processes; train.sbatch's paths stay as they were.
+    assert not launcher_watch_wanted({"TORCHELASTIC_RUN_ID": "none", "SLURM_STEP_ID": "0"})
+    assert launcher_watch_wanted({"TAPE_TRAIN_STOP_WITH_LAUNCHER": "1"})  # launch/local.sh
+    assert launcher_watch_wanted({"TAPE_TRAIN_STOP_WITH_LAUNCHER": "1", "SLURM_STEP_ID": "0"})
+    assert not launcher_watch_wanted({"TAPE_TRAIN_STOP_WITH_LAUNCHER": "0",
+                                      "TORCHELASTIC_RUN_ID": "none"})
+
+
+_WATCH = """
+import os, signal, subprocess, sys, time
+from tape_train.train.signals import StopRequest, stop_with_launcher
+stop = StopRequest().install()
+if sys.argv[1] == "gone-before":  # the parent died between the fork and the watch
+    stop.launcher = os.getppid() + 1
+    assert stop_with_launcher(stop.launcher)
+else:  # a parent that dies while this process runs
+    parent = os.fork()
+    if parent:  # the original process: leaves at once, its child carries on
+        os._exit(0)
+    launcher = os.getpid()
+    child = os.fork()
+    if child == 0:
+        stop.launcher = launcher
+        assert stop_with_launcher(launcher)
+        os.kill(launcher, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not stop.local and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("stop code", stop.agreed(lambda v: v), flush=True)
+        os._exit(0)
+    time.sleep(60)  # killed by its child above
+    os._exit(3)
+if sys.argv[1] == "gone-before":
+    print("stop code", stop.agreed(lambda v: v), flush=True)
+"""
+
+
+@pytest.mark.parametrize("when", ["gone-before", "dies-later"])
+def test_a_launcher_that_dies_is_a_stop_request(when, tmp_path):
+    """The kernel's SIGTERM for a dead parent (and the check for one that died before the
+    watch was set up) end in the stop of a SIGTERM: exit 75, said with the launcher's pid."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    with out.open("w") as fh:  # a file: the grandchild outlives the process run here
+        subprocess.run([sys.executable, "-c", _WATCH, when], stdout=fh, stderr=fh, timeout=60)
+    deadline = time.monotonic() + 60
+    while "stop code" not in out.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    text = out.read_text()
+    assert "stop code 75" in text, text
+    assert "tape-train: SIGTERM received (the launcher that started this process, pid " in text
+    assert "is gone): stopping at the next step boundary" in text

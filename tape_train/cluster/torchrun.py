@@ -12,7 +12,8 @@ failure but in one line saying so.
 torchrun itself stopped by a signal (Slurm's SIGTERM at a time limit or ``scancel``, Ctrl-C's
 SIGINT in a terminal) passes it on to its workers and ends; that is one line here, naming the
 signal, and exit code 128 + its number as for a process killed by it (torchrun: a 30-line
-``SignalException`` traceback and exit 1).
+``SignalException`` traceback and exit 1). With ``TAPE_TRAIN_STOP_WITH_LAUNCHER=1`` (set by
+``launch/local.sh``) the death of the process that started it is such a signal (SIGTERM).
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ import sys
 
 
 def main() -> int:
+    import os
+
+    from tape_train.train.signals import WITH_LAUNCHER_ENV, stop_with_launcher
+
+    if os.environ.get(WITH_LAUNCHER_ENV, "").strip() == "1":
+        # Asked by launch/local.sh: its death (SIGKILL) is a SIGTERM here, which torchrun
+        # passes on to the workers (which watch torchrun the same way).
+        stop_with_launcher(os.getppid())
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun

@@ -12,6 +12,7 @@ non-finite losses, ...).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tape_train.config import ConfigError, load_run_config
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    launcher = os.getppid()  # as early as can be: compared again once the watch is set up
     args = build_parser().parse_intermixed_args(argv)  # overrides may follow options
     try:
         cfg = load_run_config(args.config, args.overrides)
@@ -80,11 +82,17 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as exc:
         print(f"tape-train: error: {exc}", file=sys.stderr)
         return 1
-    from tape_train.train.signals import StopRequest
+    from tape_train.train.signals import StopRequest, launcher_watch_wanted, stop_with_launcher
 
     # Before torch and DeepSpeed are imported (seconds): a stop signal from here on is
     # remembered and ends the start-up at its next phase with exit 75, never a bare SIGTERM death.
     stop = StopRequest().install()
+    # A launcher killed outright (SIGKILL) would leave this process training on: its death
+    # is a SIGTERM here, the same stop (tape_train/train/signals.py).
+    if launcher_watch_wanted():
+        stop.launcher = launcher  # before: the watch may signal at once (launcher gone already)
+        if not stop_with_launcher(launcher):
+            stop.launcher = None
     from tape_train.train.distributed import end_rank
     from tape_train.train.loop import Trainer
 

@@ -182,15 +182,51 @@ def end_rank(code: int) -> int:
     (``tape_train.progress.exit_without_finalizing``: gloo's worker threads could abort it at
     exit, and torchrun would count a finished run as a failed attempt). A cleanly finished
     group is destroyed first; after a failure it is left alone (a dead peer must not hold up
-    the exit)."""
+    the exit). Either way the teardown is bounded (``bound_teardown``)."""
     if not (dist.is_available() and dist.is_initialized()):
         return code
+    bound_teardown(code)
     if code == 0:
         dist.destroy_process_group()
     from tape_train.progress import exit_without_finalizing
 
     exit_without_finalizing(code)
     return code  # not reached
+
+
+TEARDOWN_S = 60.0  # from the trainer's return to the process's end (measured: well under 1 s)
+
+
+def bound_teardown(code: int, seconds: float | None = None) -> None:
+    """End this process with ``code`` if its teardown (``destroy_process_group``, the atexit
+    handlers) has not ended it within ``seconds``: a peer or the launcher's store gone at the
+    wrong moment can leave it waiting for many minutes, in C code where a SIGTERM's Python
+    handler never runs. The run's work is done by then (checkpoint written, lock released),
+    so the code stays the trainer's (``seconds``: ``TEARDOWN_S``). faulthandler backs it up
+    (stacks, exit 1) 30 s later, for a wait that holds the GIL."""
+    import faulthandler
+    import threading
+
+    from tape_train.progress import exit_flushed
+
+    seconds = TEARDOWN_S if seconds is None else seconds
+
+    def end() -> None:
+        threading.Event().wait(seconds)
+        rank = os.environ.get("RANK")
+        line = (f"{f'[rank{rank}] ' if rank else ''}tape-train: the teardown of the process "
+                f"group did not end within {seconds:g} s; exiting without it (exit {code})\n")
+        try:  # not logging: the stuck thread may hold a handler's lock
+            os.write(2, line.encode())
+        except OSError:
+            pass
+        exit_flushed(code)
+
+    threading.Thread(target=end, name="tape-train-teardown", daemon=True).start()
+    try:
+        faulthandler.dump_traceback_later(seconds + 30, exit=True)
+    except (AttributeError, ValueError, OSError):  # stderr without a file descriptor
+        pass
 
 
 def world_size() -> int:
