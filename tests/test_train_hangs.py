@@ -674,26 +674,27 @@ def _start(tmp_path: Path, run_dir: Path, log: Path, hang_at: str,
                                 start_new_session=True)
 
 
-def _kill_when(proc: subprocess.Popen, run_dir: Path, step: int) -> list[int]:
-    """Once step ``step``'s loss is logged: SIGKILL ``proc`` alone; returns the workers'
-    pids."""
+def _kill_when(proc: subprocess.Popen, run_dir: Path, step: int) -> tuple[list[int], list[int]]:
+    """Once step ``step``'s loss is logged: SIGKILL ``proc`` alone; returns the workers' pids
+    and those of the torchruns below ``proc`` (the one a shell started)."""
     deadline = time.monotonic() + 240
     while max(_losses(run_dir), default=0) < step:
         assert proc.poll() is None and time.monotonic() < deadline, "ended before the kill"
         time.sleep(0.05)
-    workers = []
+    workers, torchruns = [], []
     for pid in _descendants(proc.pid):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"tape_train.cluster.torchrun" not in argv and any(
-                a.endswith(b"hang_hook.py") for a in argv):
+        if b"tape_train.cluster.torchrun" in argv:
+            torchruns.append(pid)
+        elif any(a.endswith(b"hang_hook.py") for a in argv):
             workers.append(pid)
     assert len(workers) == 2, workers
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    return workers
+    return workers, torchruns
 
 
 def _stops(run_dir: Path) -> list[dict]:
@@ -719,9 +720,11 @@ def test_workers_stop_with_a_checkpoint_when_their_launcher_is_killed(tmp_path, 
     for launcher, kill_after, stop_at in ((False, 1, 2), (True, 3, 4)):
         log = tmp_path / f"run{stop_at}.log"
         proc = _start(tmp_path, run_dir, log, slow, launcher)
-        workers = _kill_when(proc, run_dir, kill_after)  # torchrun, or the shell above it
+        workers, torchruns = _kill_when(proc, run_dir, kill_after)  # torchrun, or its shell
         killed = time.monotonic()
-        while any(_alive(pid) for pid in workers):  # a hang guard, not a timing assertion
+        # torchrun under the shell says how it stopped after its workers ended: waited for
+        # too. A hang guard, not a timing assertion.
+        while any(_alive(pid) for pid in workers + torchruns):
             assert time.monotonic() - killed < 120, (workers, log.read_text()[-5000:])
             time.sleep(0.1)
         err = log.read_text()
