@@ -2,8 +2,8 @@
 
 ``--prompt-file PATH`` (``-`` = standard input): the whole file, byte for byte decoded as
 UTF-8, is one prompt. A UTF-8 byte-order mark starting a file (Windows editors write one) is
-no part of its text, in either kind of file. ``--prompts PATH.jsonl``: one JSON object per line with a ``"prompt"``
-string; its other keys are copied to the output line. Every mistake is a ``PromptError``
+no part of its text, in either kind of file. ``--prompts PATH.jsonl``: one JSON object per
+line with a ``"prompt"`` string; its other keys are copied to the output line. Every mistake is a ``PromptError``
 naming the file and, where it applies, the line (``PATH:LINE: ...``).
 
 Seeding: sample ``k`` of a prompt draws from a generator seeded with :func:`sample_seed`
