@@ -132,6 +132,23 @@ def test_lean_activations_benchmark_compares_like_with_like(tmp_path):
         assert r["plain_s"] > 0 and r["lean_s"] > 0
 
 
+def test_tape_update_benchmark_compares_like_with_like(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tape_update.py"),
+                          "--sizes", "tiny", "--seq-len", "128", "--rounds", "1",
+                          "--trace-sizes", "tiny", "--json", str(tmp_path / "upd.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    res = json.loads((tmp_path / "upd.json").read_text())
+    for r in res["update"]:       # the plain form keeps E' and more; the node, at real head
+        assert 0 < r["node_kept_bytes"] < r["plain_kept_bytes"]       # widths, less than E
+        assert r["D"] < 64 or r["node_kept_bytes"] < r["e_bytes"] < r["plain_kept_bytes"]
+        assert r["plain_us"] > 0 and r["node_us"] > 0 and r["node_ops"] > 0
+    (model,) = res["model"]
+    assert model["node_loss"] == pytest.approx(model["plain_loss"], rel=1e-6)
+    for r in res["trace"]:
+        assert r["rope_gib"] < r["node_gib"] < r["plain_gib"]
+
+
 def test_length_extrapolation_summary_reads_a_log_cut_by_a_kill(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import length_extrapolation

@@ -7,6 +7,7 @@ so, for a micro-batch of b sequences of N tokens (L blocks, S of them carrying T
 
     counted = b·N·training_flops_per_token(cfg, N, micro_batch=b)   # what MFU multiplies by
             + b·N·N·C·(L·u₁ + S·(u_w − u₁))            # the masked half eager computes
+            + b·N·S·state_update_recompute_flops(cfg)  # TAPE's update recomputes W_pa·Ê
 
 with u₁ = 6 (QKᵀ + PV, backward twice the forward) and u_w = 12 for TAPE's 3D-wide value.
 FIRE's MLP (1 → h → M over the N×N distances, shared by the micro-batch) is in the FLOP
@@ -20,7 +21,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tape_train.model.config import POSITIONAL_ENCODINGS, ModelConfig
-from tape_train.model.flops import attention_units, training_flops_per_token
+from tape_train.model.flops import (attention_units, state_update_recompute_flops,
+                                    training_flops_per_token)
 from tape_train.model.transformer import TransformerLM
 
 
@@ -54,7 +56,8 @@ def _expected(cfg: ModelConfig, batch: int, length: int) -> int:
     state_layers = cfg.encoding.state_layers(cfg.num_layers)
     units = cfg.num_layers * plain + state_layers * (attention_units(cfg.pe) - plain)
     masked_half = units * length * cfg.hidden_size * tokens
-    return round(model + masked_half)
+    recomputed = state_layers * state_update_recompute_flops(cfg) * tokens
+    return round(model + masked_half + recomputed)
 
 
 CASES = [(pe, {}) for pe in POSITIONAL_ENCODINGS] + [
@@ -75,11 +78,14 @@ def test_flop_model_matches_a_count_of_the_real_step(pe, overrides):
 def test_rowsum_does_no_head_mixing_product():
     """`tape_post_attn: rowsum` scales each head of Ê by one number: the two (M×M)·(M×D)
     products per token of `headmix` are not done, and the FLOP model does not count them
-    (it did: MFU was too high by their share)."""
+    (it did: MFU was too high by their share). The real step does them a fourth time: the
+    update's backward recomputes E' = E + W_pa·Ê rather than keeping it (not model FLOPs)."""
     headmix, rowsum = _config("tape"), _config("tape", tape_post_attn="rowsum")
     tokens, state_layers = 32, headmix.num_layers - 1
     w_pa = 3 * 2 * (2 * headmix.num_heads ** 2 * headmix.head_dim) * state_layers * tokens
-    assert _counted(headmix, 2, 16) - _counted(rowsum, 2, 16) == w_pa
+    recomputed = state_update_recompute_flops(headmix) * state_layers * tokens
+    assert recomputed == w_pa / 3 and state_update_recompute_flops(rowsum) == 0
+    assert _counted(headmix, 2, 16) - _counted(rowsum, 2, 16) == w_pa + recomputed
     assert (training_flops_per_token(headmix, 16, micro_batch=2)
             - training_flops_per_token(rowsum, 16, micro_batch=2)) * tokens == w_pa
 

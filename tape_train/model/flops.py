@@ -12,8 +12,9 @@ Counted analytically (the DeepSpeed profiler is wrong under ZeRO-3). Conventions
 - Each encoding's own parameters and per-block state-update FLOPs come from its
   ``EncodingSpec`` (TAPE: W_pa mixing — not with ``tape_post_attn: rowsum``, a per-head
   scale —, K_n formation and application, W_x); elementwise work (modulation, norms, softmax,
-  the loss) is not counted, by convention; nor is what activation checkpointing recomputes
-  (model FLOPs, not hardware FLOPs).
+  the loss) is not counted, by convention; nor is what activation checkpointing recomputes,
+  nor the W_pa product TAPE's update recomputes in its backward instead of keeping E'
+  (``state_update_recompute_flops``; model FLOPs, not hardware FLOPs).
 - Work an encoding does once per micro-batch, shared by its b sequences, is counted per token
   as its share, so the count per token takes the micro-batch size: FIRE's bias MLP
   (1 → h → M over the N×N distances, ``EncodingSpec.micro_batch_flops``) costs
@@ -67,6 +68,15 @@ def attention_units(pe: str, recompute: bool = False, separate_calls: bool = Fal
         return 7 * w  # one FlashAttention-2 call per head-dim-wide slice of the value, each 7U
     forward = 1 + w                                   # QKᵀ, then P·V over a w·D-wide value
     return 3 * forward + (1 if recompute else 0)      # backward = 2 × forward (+ QKᵀ again)
+
+
+def state_update_recompute_flops(cfg: ModelConfig) -> float:
+    """FLOPs per token and state-carrying block that TAPE's update does again in its backward
+    (``tape_train.model.pe.tape_update``: E' = E + W_pa·Ê for both tables, rather than keeping
+    E'): hardware FLOPs a real step counts, not model FLOPs (MFU leaves them out)."""
+    if not cfg.encoding.carries_state or cfg.tape_post_attn != "headmix":
+        return 0.0
+    return 2 * (2 * cfg.num_heads ** 2 * cfg.head_dim)
 
 
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int, recompute: bool = False, *,

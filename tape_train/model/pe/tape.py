@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tape_train.model.pe.base import PositionalEncoding, PositionContext, rotary_tables
+from tape_train.model.pe.tape_update import TapeUpdateFunction, mixing_weights
 
 
 class TapeEncoding(PositionalEncoding):
@@ -71,6 +72,15 @@ class TapeStateUpdate(nn.Module):
         does (eagerly, ZeRO-3 also gathers a parameter on attribute access; a compiled graph
         reads the attribute without that).
         """
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # Training: one autograd node (tape_update.py) with the same values; it keeps two
+            # fewer E-sized tensors for the backward. Inference and torch.compile (Inductor
+            # fuses the plain form itself) run the plain form below.
+            dtype = e_hat[0].dtype
+            g = F.silu(self.w_x(y)).to(dtype)
+            return TapeUpdateFunction.apply(
+                *(e.to(dtype) for e in state), *e_hat, g, self.w_pa.to(dtype),
+                self.w_up.to(dtype), self.w_dn.to(dtype), self.cfg.tape_post_attn == "headmix")
         state = tuple(self.after_attention(e, eh) for e, eh in zip(state, e_hat))
         return self.after_mlp(state, y)
 
@@ -96,8 +106,7 @@ class TapeStateUpdate(nn.Module):
         """
         m = self.cfg.num_heads
         g = F.silu(self.w_x(y))                                    # (b, N, P)
-        z = (self.w_dn.t()[:, :, None] * self.w_up[:, None, :]).reshape(-1, m * m)
-        return (g @ z.to(g.dtype)).view(*g.shape[:-1], m, m)
+        return (g @ mixing_weights(self.w_up, self.w_dn).to(g.dtype)).view(*g.shape[:-1], m, m)
 
     def after_mlp(self, state: tuple[torch.Tensor, ...], y: torch.Tensor) -> tuple:
         """E^c_n ← E^c_n + K_n·E^c_n for each table (mixes heads, never channels).
