@@ -49,7 +49,9 @@ FULL = {
     # alternating D so that a run cut short still has both head dims.
     "speed": {"head_configs": [(64, 16), (128, 8), (64, 32), (128, 16), (64, 12), (128, 6)],
               "lengths": [1024, 2048, 4096, 8192, 16384], "tokens": 32768, "dtype": "bfloat16",
-              "warmup": 3, "reps": 10},
+              "warmup": 3, "reps": 10,
+              # TAPE's state update (M, D, P, N): 350m's heads, head dim, gate width and N
+              "update_shape": [16, 64, 64, 2048]},
     "sweep": {"head_configs": [(64, 16), (128, 8)], "length": 4096, "tokens": 32768,
               "dtype": "bfloat16", "check_len": 300, "warmup": 2, "reps": 5, "extra": False},
     # compile: [false, true] adds a train.compile row after each eager one (side by side).
@@ -73,7 +75,7 @@ SMOKE = {
                               "train.micro_batch_size=2", "train.grad_accum_steps=2",
                               *_TINY_TRAIN], "steps": 2, "compile": False, "runs": None},
     "speed": {"head_configs": [(32, 2)], "lengths": [32], "tokens": 64, "dtype": "float32",
-              "warmup": 0, "reps": 1},
+              "warmup": 0, "reps": 1, "update_shape": [2, 32, 8, 32]},
     "sweep": {"head_configs": [(32, 2)], "length": 32, "tokens": 32, "dtype": "float32",
               "check_len": 24, "warmup": 0, "reps": 1, "extra": False, "max_per_kernel": 1},
     "e2e": {"sizes": ["tiny"], "encodings": ["tape", "rope"], "seq_len": 32, "compile": [False],

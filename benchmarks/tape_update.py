@@ -73,22 +73,24 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _update_case(b, n, m, d, p, dtype):
+def update_case(b, n, m, d, p, dtype, device="cpu"):
+    """A state update with random non-zero weights and its inputs (E, Ê, y), on ``device``."""
     cfg = load_model_config("tiny", pe="tape", num_heads=m, hidden_size=m * d,
                             tape_position_size=p)
     torch.manual_seed(0)
-    upd = TapeStateUpdate(cfg).to(dtype)
+    upd = TapeStateUpdate(cfg).to(device=device, dtype=dtype)
     with torch.no_grad():
         for w in upd.parameters():
             w.normal_(std=0.1)
-    state = tuple(torch.randn(b, m, n, d, dtype=dtype, requires_grad=True) for _ in range(2))
-    e_hat = tuple(torch.randn(b, m, n, d, dtype=dtype, requires_grad=True) for _ in range(2))
-    y = torch.randn(b, n, m * d, dtype=dtype, requires_grad=True)
+    kw = dict(dtype=dtype, device=device, requires_grad=True)
+    state = tuple(torch.randn(b, m, n, d, **kw) for _ in range(2))
+    e_hat = tuple(torch.randn(b, m, n, d, **kw) for _ in range(2))
+    y = torch.randn(b, n, m * d, **kw)
     return upd, state, e_hat, y
 
 
 def measure_update(b, n, m, d, p, dtype, rounds: int, calls: int) -> dict:
-    upd, state, e_hat, y = _update_case(b, n, m, d, p, dtype)
+    upd, state, e_hat, y = update_case(b, n, m, d, p, dtype)
     grads = [torch.randn(b, m, n, d, dtype=dtype) for _ in range(2)]
 
     def step():

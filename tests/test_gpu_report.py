@@ -69,7 +69,12 @@ def test_cpu_smoke_report_is_complete_and_finite(tmp_path):
     syncs = checks["host_syncs"]  # judged: 2 micro-batches per step, none read back in each
     assert syncs["ok"] and set(syncs["runs"]) == {"zero1_bf16", "zero3_bf16"}
     assert all(r["micro_batches"] == 2 and r["per_step"] >= 4 for r in syncs["runs"].values())
-    speed = data["sections"]["kernel_speed"]["results"][0]["methods"]
+    update, *attention = data["sections"]["kernel_speed"]["results"]
+    assert update["kind"] == "state_update" and set(update["variants"]) == {"plain", "node"}
+    for v in update["variants"].values():
+        assert v["ms"] > 0 and v["host_ms"] > 0 and v["kept_mib"] > 0
+    assert update["variants"]["node"]["kept_mib"] < update["variants"]["plain"]["kept_mib"]
+    speed = attention[0]["methods"]
     for name in ("tape_fused", "tape_unfused", "rope_flash"):
         assert speed[name]["fwd_bwd_ms"] > 0, name
     e2e = data["sections"]["end_to_end"]["results"]
@@ -88,6 +93,7 @@ def test_cpu_smoke_report_is_complete_and_finite(tmp_path):
     for heading in ("## Targets", "## correctness", "## kernel speed", "## end to end", "## sweep"):
         assert heading in md
     assert "| matmul | " in md and "Where a step's time goes" in md
+    assert "- TAPE state update (one block, both tables;" in md
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["end_to_end.png", "kernel_speed.png"]
 
 

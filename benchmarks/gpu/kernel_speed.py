@@ -8,7 +8,8 @@
 
 Achieved TFLOP/s use the FLOP model of spec §4 in units U = b·H·N²·D (one causal N×N×D
 product): RoPE 2U forward + 5U backward, fused TAPE 4U + 9U (unfused counted the same: the
-work is the same attention). ``sweep`` times every candidate launch config of each fused
+work is the same attention). Before those rows, ``state_update_speed`` times TAPE's state
+update of one block as the model's autograd node and as the plain form. ``sweep`` times every candidate launch config of each fused
 kernel alone and checks each against the fp64 reference at a small shape.
 """
 
@@ -120,10 +121,49 @@ def bench_shape(device, fns: dict, b: int, h: int, n: int, d: int, dtype, warmup
     return out
 
 
+def state_update_speed(device, shape, tokens: int, dtype, warmup: int, reps: int) -> dict:
+    """TAPE's state update of one block (both tables), forward+backward, as the model's
+    autograd node and as the plain form it replaced (benchmarks/tape_update.py), side by side:
+    device ms (CUDA events: includes the device waiting for the host), the host's ms to issue
+    one call, and the bytes kept for the backward beyond E, Ê and y. ``shape`` (M, D, P, N)."""
+    import time
+
+    from tape_train.train.memory import saved_for_backward
+    from tape_update import VARIANTS, update_case, variant
+
+    m, d, p, n = shape
+    b = max(1, tokens // n)
+    upd, state, e_hat, y = update_case(b, n, m, d, p, dtype, device)
+    grads = [torch.randn_like(e_hat[0]) for _ in range(2)]
+
+    def step():
+        torch.autograd.backward(upd(state, e_hat, y), grads)
+
+    row = {"kind": "state_update", "M": m, "D": d, "P": p, "N": n, "batch": b,
+           "e_mib": e_hat[0].numel() * e_hat[0].element_size() / 2**20, "variants": {}}
+    for name in VARIANTS:
+        with variant(name):
+            ms = time_ms(step, device, warmup, reps)
+            start = time.perf_counter()
+            step()                                   # issue only: the host's share of a call
+            host = (time.perf_counter() - start) * 1e3
+            alive = (*state, *e_hat, y, *upd.parameters())
+            kept = saved_for_backward(lambda: upd(state, e_hat, y), alive)[1]
+        row["variants"][name] = {"ms": ms, "host_ms": host, "kept_mib": kept / 2**20}
+    return row
+
+
 def kernel_speed(device, plan: dict, budget: Budget, sink: list, flush) -> None:
-    """Every (D, heads, N) of ``plan`` in order until the budget ends."""
+    """TAPE's state update once, then every (D, heads, N) of ``plan`` in order until the
+    budget ends."""
     fns = methods(deterministic=False, device=device)
     dtype = getattr(torch, plan["dtype"])
+    try:
+        sink.append(state_update_speed(device, plan["update_shape"], plan["tokens"], dtype,
+                                       plan["warmup"], plan["reps"]))
+    except Exception as exc:  # noqa: BLE001 - the attention rows still run
+        sink.append({"kind": "state_update", "error": f"{type(exc).__name__}: {exc}"[:300]})
+    flush()
     for d, heads in plan["head_configs"]:
         for n in plan["lengths"]:
             budget.check(f"kernel speed D={d} heads={heads} N={n}")

@@ -13,10 +13,16 @@ TARGETS = {
 }
 
 
+def attention_rows(data: dict) -> list:
+    """The kernel-speed section's attention-core rows (not its state-update row)."""
+    return [r for r in data["sections"].get("kernel_speed", {}).get("results", [])
+            if "methods" in r]
+
+
 def evaluate_targets(data: dict) -> dict:
     """Each target: met / missed / not measured, the measured value and its gap."""
     out = {}
-    speed = data["sections"].get("kernel_speed", {}).get("results", [])
+    speed = attention_rows(data)
     ratios = []
     for row in speed:
         m = row["methods"]
@@ -152,6 +158,8 @@ def _speed(results: list) -> list[str]:
              "TFLOP/s.", "", "| D | heads | N | batch | " + " | ".join(names) + " | ratio |",
              "|---" * (len(names) + 5) + "|"]
     for r in results:
+        if r.get("kind") == "state_update":
+            continue
         m = r["methods"]
         cells = [f"{m[k]['fwd_bwd_ms']:.2f} / {m[k]['fwd_bwd_tflops']:.0f}" if "fwd_bwd_ms" in
                  m.get(k, {}) else ("error" if k in m else "–") for k in names]
@@ -160,8 +168,22 @@ def _speed(results: list) -> list[str]:
                  else None)
         lines.append(f"| {r['D']} | {r['heads']} | {r['N']} | {r['batch']} | " + " | ".join(cells)
                      + f" | {_f(ratio)} |")
-    errors = {(k, v["error"]) for r in results for k, v in r["methods"].items() if "error" in v}
+    errors = {(k, v["error"]) for r in results for k, v in r.get("methods", {}).items()
+              if "error" in v}
     lines += [f"- {k}: {e}" for k, e in sorted(errors)]
+    for r in results:
+        if r.get("kind") != "state_update":
+            continue
+        if "error" in r:
+            lines.append(f"- TAPE state update: error: {r['error']}")
+            continue
+        v = r["variants"]
+        lines.append(
+            f"- TAPE state update (one block, both tables; M={r['M']} D={r['D']} P={r['P']} "
+            f"N={r['N']} batch {r['batch']}, one table {r['e_mib']:.0f} MiB), fwd+bwd: "
+            + "; ".join(f"{k} {x['ms']:.2f} ms (host {x['host_ms']:.2f} ms to issue), keeps "
+                        f"{x['kept_mib']:.0f} MiB" for k, x in v.items())
+            + f"; node/plain time {_f(v['node']['ms'] / v['plain']['ms'])}")
     return lines
 
 
@@ -259,7 +281,7 @@ def plots(data: dict, out_dir: Path) -> list[str]:
     except ImportError:
         return []
     written = []
-    speed = data["sections"].get("kernel_speed", {}).get("results", [])
+    speed = attention_rows(data)
     groups = sorted({(r["D"], r["heads"]) for r in speed})
     if groups:
         fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.5), squeeze=False)
