@@ -63,13 +63,17 @@ def test_update_node_equals_the_plain_form(mode, broadcast):
 
 @pytest.mark.parametrize("mode", ["headmix", "rowsum"])
 def test_update_node_gradcheck_fp64(mode):
-    upd = _update(mode)
-    state, e_hat, _ = _inputs(upd, b=2, n=3)
-    m, p = upd.cfg.num_heads, upd.cfg.tape_position_size
-    g = torch.randn(2, 3, p, dtype=torch.float64, requires_grad=True)
-    w = [torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in ((m, m), (p, m), (m, p))]
+    # Small enough for finite differences of every input element (b 2, M 3, N 3, D 4, P 5).
+    b, m, n, d, p = 2, 3, 3, 4, 5
+    torch.manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+
+    inputs = (*(leaf(b, m, n, d) for _ in range(4)), leaf(b, n, p), leaf(m, m), leaf(p, m),
+              leaf(m, p))
     assert torch.autograd.gradcheck(
-        lambda *a: TapeUpdateFunction.apply(*a, mode == "headmix"), (*state, *e_hat, g, *w))
+        lambda *a: TapeUpdateFunction.apply(*a, mode == "headmix"), inputs)
 
 
 def test_update_node_one_table_unused_and_views_of_a_joined_output():
