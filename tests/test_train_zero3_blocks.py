@@ -1,7 +1,9 @@
 """``parallel.zero3_gather_blocks``: under ZeRO-3 each decoder block is one DeepSpeed "leaf"
 (its parameters fetched and released together, no hooks on the modules inside it). Every
 parameter is partitioned here (persistence threshold 0, 2 ranks), so the gathers are real:
-the losses equal those of per-module gathering bit for bit."""
+the losses equal those of per-module gathering bit for bit, with activation checkpointing
+(the block's forward runs again inside the backward) and without it (TAPE's update node keeps
+its partitioned weights for the backward, gathered again by then)."""
 
 from __future__ import annotations
 
@@ -15,11 +17,11 @@ OVERRIDES = ["model=tiny", "model.num_layers=2", "model.hidden_size=64", "model.
              "train.warmup_steps=0", "train.dtype=fp32", "train.device=cpu",
              "train.synthetic_data=true", "train.max_steps=6", "checkpoint.interval=100",
              "parallel.zero_stage=3", "parallel.zero3_param_persistence_threshold=0",
-             "train.activation_checkpointing=true", "logging.peak_tflops=1.0",
+             "logging.peak_tflops=1.0",
              "logging.tensorboard=false", "eval.interval=0"]
 
 
-def _per_block_and_per_module(run_dir: str) -> dict:
+def _per_block_and_per_module(run_dir: str, checkpointing: bool) -> dict:
     from deepspeed.utils import z3_leaf_module
 
     from tape_train.config import load_run_config
@@ -29,6 +31,7 @@ def _per_block_and_per_module(run_dir: str) -> dict:
     for name, blocks in (("blocks", True), ("modules", False)):
         trainer = Trainer(load_run_config(None, OVERRIDES + [
             f"parallel.zero3_gather_blocks={str(blocks).lower()}",
+            f"train.activation_checkpointing={str(checkpointing).lower()}",
             f"train.run_dir={run_dir}/{name}"]))
         trainer.setup()
         model = trainer.engine.module
@@ -41,9 +44,10 @@ def _per_block_and_per_module(run_dir: str) -> dict:
 
 
 @pytest.mark.distributed
-def test_whole_block_gathering_gives_the_same_losses_as_per_module(tmp_path):
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_whole_block_gathering_gives_the_same_losses_as_per_module(tmp_path, checkpointing):
     outs = run_distributed_test(_per_block_and_per_module, world_size=2,
-                                args=(str(tmp_path),), timeout=600)
+                                args=(str(tmp_path), checkpointing), timeout=600)
     for out in outs:
         assert out["blocks_leaves"] == ["DecoderBlock", "DecoderBlock"]
         assert out["modules_leaves"] == []                 # control: per-module hooks
