@@ -46,17 +46,12 @@ _VIEWS = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice"
           "unsqueeze", "squeeze", "alias", "as_strided", "detach", "split", "unbind"}
 
 
-def _plain_forward(self, state, e_hat, y):
-    state = tuple(self.after_attention(e, eh) for e, eh in zip(state, e_hat))
-    return self.after_mlp(state, y)
-
-
 @contextlib.contextmanager
 def variant(name: str):
     """Inside: ``TapeStateUpdate`` runs the plain form (``plain``) or the model's (``node``)."""
     saved = TapeStateUpdate.forward
     if name == "plain":
-        TapeStateUpdate.forward = _plain_forward
+        TapeStateUpdate.forward = TapeStateUpdate.plain_update
     try:
         yield
     finally:

@@ -81,6 +81,12 @@ class TapeStateUpdate(nn.Module):
             return TapeUpdateFunction.apply(
                 *(e.to(dtype) for e in state), *e_hat, g, self.w_pa.to(dtype),
                 self.w_up.to(dtype), self.w_dn.to(dtype), self.cfg.tape_post_attn == "headmix")
+        return self.plain_update(state, e_hat, y)
+
+    def plain_update(self, state: tuple[torch.Tensor, ...], e_hat: tuple[torch.Tensor, ...],
+                     y: torch.Tensor) -> tuple:
+        """Both updates through plain autograd (``after_attention`` per table, then
+        ``after_mlp``): what inference and torch.compile run, and the node's reference."""
         state = tuple(self.after_attention(e, eh) for e, eh in zip(state, e_hat))
         return self.after_mlp(state, y)
 
