@@ -36,6 +36,9 @@ if ! exit_file="$(mktemp "${TMPDIR:-/tmp}/tape-train-exit.XXXXXX")"; then
 fi
 trap 'rm -f "$exit_file"' EXIT
 export TAPE_TRAIN_EXIT_FILE="$exit_file"
+# The trainer removes the file instead of writing it once this script is gone (SIGKILLed: the
+# trap above never runs), so no exit-code file is left behind in $TMPDIR.
+export TAPE_TRAIN_EXIT_FILE_READER=$$
 # This script (or its torchrun) killed outright, with SIGKILL, sends nothing: what it started
 # asks the kernel for a SIGTERM when its parent dies, and stops as for one (checkpoint, 75).
 export TAPE_TRAIN_STOP_WITH_LAUNCHER=1

@@ -667,8 +667,12 @@ def _start(tmp_path: Path, run_dir: Path, log: Path, hang_at: str,
     torchrun = [sys.executable, "-m", "tape_train.cluster.torchrun", "--standalone",
                 "--nproc_per_node", "2", str(hook), "--config", "demo", *OVERRIDES,
                 f"train.run_dir={run_dir}"]
-    cmd = (["bash", "-c", 'TAPE_TRAIN_STOP_WITH_LAUNCHER=1 "$@"; exit $?', "bash", *torchrun]
-           if launcher else torchrun)
+    cmd = torchrun
+    if launcher:  # and that names itself the reader of the exit-code file, as local.sh does
+        cmd = ["bash", "-c", 'TAPE_TRAIN_STOP_WITH_LAUNCHER=1 TAPE_TRAIN_EXIT_FILE_READER=$$ "$@";'
+               ' exit $?', "bash", *torchrun]
+        env["TAPE_TRAIN_EXIT_FILE"] = str(tmp_path / "exit-code")
+        (tmp_path / "exit-code").write_text("")
     with log.open("w") as out:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -710,7 +714,8 @@ def test_workers_stop_with_a_checkpoint_when_their_launcher_is_killed(tmp_path, 
     in sessions of their own, get SIGTERM from the kernel (their parent died), stop at the step
     boundary with a checkpoint (exit 75) and end; the lock is free. The re-run, started by a
     shell that asks for the watch like launch/local.sh, resumes; that shell SIGKILLed during
-    step 4: its torchrun stops (SIGTERM, passed on to the workers), checkpoint again. The last
+    step 4: its torchrun stops (SIGTERM, passed on to the workers), checkpoint again, and the
+    exit-code file that shell would have read is removed, not left behind. The last
     re-run finishes with the uninterrupted run's losses, bit for bit.
 
     Before the fix the orphans trained on to the end (holding RUN.lock: a re-run meanwhile was
@@ -738,6 +743,8 @@ def test_workers_stop_with_a_checkpoint_when_their_launcher_is_killed(tmp_path, 
                     f"after writing a checkpoint") in err, err[-5000:]
         else:
             assert "torchrun: stopped by SIGTERM, which its workers were sent too" in err
+            # nobody is left to read the exit code: its file is not left behind
+            assert not (tmp_path / "exit-code").exists()
 
     final, _ = _train(tmp_path, run_dir)
     assert final.returncode == 0, final.stderr[-5000:]

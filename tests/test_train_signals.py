@@ -134,3 +134,31 @@ def test_a_launcher_that_dies_is_a_stop_request(when, tmp_path):
     assert "stop code 75" in text, text
     assert "tape-train: SIGTERM received (the launcher that started this process, pid " in text
     assert "is gone): stopping at the next step boundary" in text
+
+
+def test_the_exit_code_file_is_written_for_its_reader_and_removed_once_the_reader_is_gone(
+        tmp_path, monkeypatch):
+    """launch/local.sh names itself as the reader of ``$TAPE_TRAIN_EXIT_FILE``; SIGKILLed, its
+    own clean-up never runs: the trainer then removes the file instead of writing a code that
+    nobody reads (each such stop left a ``tape-train-exit.*`` file in $TMPDIR)."""
+    import subprocess
+
+    from tape_train.train.loop import EXIT_FILE_ENV, EXIT_FILE_READER_ENV, _write_exit_file
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    path = tmp_path / "tape-train-exit.x"
+    monkeypatch.setenv(EXIT_FILE_ENV, str(path))
+    monkeypatch.delenv("RANK", raising=False)
+    for reader, expected in ((None, "75\n"), (str(os.getpid()), "75\n"), (str(gone.pid), None)):
+        path.write_text("")  # as mktemp leaves it
+        if reader is None:
+            monkeypatch.delenv(EXIT_FILE_READER_ENV, raising=False)
+        else:
+            monkeypatch.setenv(EXIT_FILE_READER_ENV, reader)
+        _write_exit_file(75)
+        assert (path.read_text() if path.exists() else None) == expected, reader
+    monkeypatch.setenv("RANK", "1")  # only rank 0 writes (or removes)
+    path.write_text("")
+    _write_exit_file(75)
+    assert path.read_text() == ""

@@ -49,6 +49,7 @@ log = logging.getLogger("tape_train.train")
 
 EXIT_OK, EXIT_ERROR = 0, 1
 EXIT_FILE_ENV = "TAPE_TRAIN_EXIT_FILE"
+EXIT_FILE_READER_ENV = "TAPE_TRAIN_EXIT_FILE_READER"  # the pid of the launcher that reads it
 
 LoaderFactory = Callable[[int, int], object]  # (dp_rank, dp_size) -> resumable loader
 
@@ -1030,14 +1031,33 @@ class Trainer:
 
 def _write_exit_file(code: int) -> None:
     """Under torchrun a worker's exit code is lost (torchrun exits 1 for any failure): the
-    launcher passes ``TAPE_TRAIN_EXIT_FILE`` and reads the intended code back (75 → requeue)."""
+    launcher passes ``TAPE_TRAIN_EXIT_FILE`` and reads the intended code back (75 → requeue).
+    A launcher that names itself in ``TAPE_TRAIN_EXIT_FILE_READER`` (its pid) and is gone
+    (SIGKILLed: its own clean-up never ran) reads nothing: the file is removed instead."""
     path = os.environ.get(EXIT_FILE_ENV)
     if not path:
         return
     rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        try:
-            write_atomic(path, f"{code}\n")
-        except OSError as exc:
-            log.warning("could not write exit code to %s: %s", path, exc)
+    if rank != 0:
+        return
+    if not _process_alive(os.environ.get(EXIT_FILE_READER_ENV)):
+        Path(path).unlink(missing_ok=True)
+        return
+    try:
+        write_atomic(path, f"{code}\n")
+    except OSError as exc:
+        log.warning("could not write exit code to %s: %s", path, exc)
+
+
+def _process_alive(pid: str | None) -> bool:
+    """Whether the process ``pid`` (decimal text) exists; ``True`` when none is named."""
+    if not pid or not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, but not ours to signal
+        return True
+    return True
 
