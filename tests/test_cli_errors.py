@@ -141,6 +141,7 @@ def test_a_missing_demo_corpus_says_how_to_build_it(tmp_path, monkeypatch):
 
 def test_tape_eval_refuses_a_missing_checkpoint_before_start_up(tmp_path, monkeypatch, capsys):
     from tape_train.eval import cli
+    from tape_train.eval.config import EvalConfig
 
     def start_up(*_):
         raise AssertionError("start-up ran before the checkpoint was checked")
@@ -152,7 +153,7 @@ def test_tape_eval_refuses_a_missing_checkpoint_before_start_up(tmp_path, monkey
                                        f"does not exist\n")
     # positive control: inputs that resolve and read get past the checks to the start-up
     monkeypatch.setattr("tape_train.loading.resolve_checkpoint", lambda p: Path(p))
-    monkeypatch.setattr(cli, "_read_checkpoints", lambda *_: [])
+    monkeypatch.setattr(cli, "_read_checkpoints", lambda *_: (EvalConfig(), []))
     monkeypatch.setattr(cli, "_held_out", lambda *_: ([], "no documents"))
     with pytest.raises(AssertionError, match="start-up ran"):
         cli.main(["--checkpoint", str(missing), "--no-progress"])

@@ -40,7 +40,7 @@ def test_errors_name_the_key(data, message):
 
 def test_a_command_line_names_its_options_and_the_config_its_keys():
     """tape-eval passes ``name``; the run config (the default) keeps ``eval.<key>``."""
-    from tape_train.eval.cli import option_name
+    from tape_train.eval.settings import option_name
 
     flags = dict(lengths=[64, 0], name=option_name)
     with pytest.raises(ValueError, match=r"^--lengths \(value 2\) must be a positive integer"):

@@ -19,7 +19,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -45,17 +45,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run directories (latest complete checkpoint) or checkpoint tag dirs")
     p.add_argument("--label", nargs="+", metavar="NAME",
                    help="one display name per checkpoint (default: run name and encoding)")
+    # Each setting's default is the checkpoints' runs' eval: section (tape_train.eval.settings).
     p.add_argument("--lengths", nargs="+", type=int, metavar="L",
-                   help="context lengths in tokens (default: L, 2L, 4L, 8L of each "
-                        "checkpoint's training length)")
-    p.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS))
-    p.add_argument("--stride", type=int, default=None,
-                   help="sliding-window stride S < every length (default: L // 2)")
-    p.add_argument("--max-tokens", default=str(default.max_tokens), metavar="N|all",
+                   help="context lengths in tokens (default: the runs' eval.lengths; when "
+                        "null, L, 2L, 4L, 8L of each checkpoint's training length)")
+    p.add_argument("--protocols", nargs="+", choices=PROTOCOLS,
+                   help=f"default: the runs' eval.protocols, else {' '.join(default.protocols)}")
+    p.add_argument("--stride", type=int,
+                   help="sliding-window stride S < every length (default: the runs' "
+                        "eval.sliding_stride; when null, L // 2)")
+    p.add_argument("--max-tokens", metavar="N|all",
                    help="scored tokens per (length, protocol); 'all' scores the whole held-out "
-                        "set (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=default.batch_size,
-                   help="windows per forward call (default: %(default)s)")
+                        f"set (default: the runs' eval.max_tokens, else {default.max_tokens})")
+    p.add_argument("--batch-size", type=int,
+                   help="windows per forward call (default: the runs' eval.batch_size, else "
+                        f"{default.batch_size})")
     p.add_argument("--data", default=None, metavar="YAML|NAME|DIR",
                    help="data config (YAML path or name in configs/data) or a prepared data "
                         "directory (default: the data section of the first checkpoint's config)")
@@ -77,25 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
     return example_on_missing(p, "tape-eval --checkpoint runs/demo --lengths 128 256 512 1024")
 
 
-# The options that set an ``eval.<key>`` setting (tape_train.eval.config.EvalConfig).
-OPTION_OF_KEY = {"lengths": "--lengths", "protocols": "--protocols",
-                 "sliding_stride": "--stride", "max_tokens": "--max-tokens",
-                 "batch_size": "--batch-size"}
-
-
-def option_name(key: str) -> str:
-    """An ``EvalConfig`` setting as this command line spells it, for its errors: the option
-    the user typed (``sliding_stride`` -> ``--stride``; an element ``lengths[1]`` -> ``--lengths
-    (value 2)``); a setting with no option keeps its config key."""
-    from tape_train.eval.config import config_key
-
-    base, bracket, index = key.partition("[")
-    option = OPTION_OF_KEY.get(base)
-    if option is None:
-        return config_key(key)
-    return f"{option} (value {int(index.rstrip(']')) + 1})" if bracket else option
-
-
 def _parse_max_tokens(text: str) -> int | None:
     if text.lower() in ("all", "none"):
         return None
@@ -108,22 +93,27 @@ def _parse_max_tokens(text: str) -> int | None:
     return value
 
 
-def _checked_settings(args: argparse.Namespace):
-    """(max tokens, ``EvalConfig``) of a command line, checked with the run config's messages:
-    every check that reads no file (labels, lengths, stride, batch size, max tokens)."""
+def _given_settings(args: argparse.Namespace) -> dict:
+    """The settings a command line gives, by ``EvalConfig`` key (the others come from the
+    checkpoints' runs), checked with the run config's checks: everything that reads no file
+    (labels, lengths, stride, batch size, max tokens)."""
     from tape_train.eval.config import EvalConfig
+    from tape_train.eval.settings import OPTION_OF_KEY, option_name, unused_stride
 
     if args.label is not None and len(args.label) != len(args.checkpoint):
         raise ValueError(f"--label got {len(args.label)} name(s) for {len(args.checkpoint)} "
                          f"checkpoint(s): give one per checkpoint, in the same order")
-    if args.stride is not None and "sliding" not in args.protocols:
-        raise ValueError(f"--stride is only used by --protocols sliding, which is not asked "
-                         f"for (--protocols {' '.join(args.protocols)}): add sliding, or drop "
-                         f"--stride")
-    max_tokens = _parse_max_tokens(args.max_tokens)
-    return max_tokens, EvalConfig(lengths=args.lengths, protocols=args.protocols,
-                                  sliding_stride=args.stride, max_tokens=max_tokens,
-                                  batch_size=args.batch_size, name=option_name)
+    given = {key: getattr(args, option[2:].replace("-", "_"))
+             for key, option in OPTION_OF_KEY.items()}
+    given = {key: value for key, value in given.items() if value is not None}
+    if "max_tokens" in given:
+        given["max_tokens"] = _parse_max_tokens(given["max_tokens"])
+    if "sliding_stride" in given and "protocols" in given:
+        problem = unused_stride(given["protocols"], "--protocols")
+        if problem:
+            raise ValueError(problem)
+    EvalConfig(**given, name=option_name)
+    return given
 
 
 def check_arguments(argv: list[str]) -> None:
@@ -136,7 +126,7 @@ def check_arguments(argv: list[str]) -> None:
         raise ValueError(message)
 
     parser.error = refuse
-    _checked_settings(parser.parse_args(argv))
+    _given_settings(parser.parse_args(argv))
 
 
 # Collectives of a multi-rank evaluation wait at most this long: rank 0 reads a large checkpoint
@@ -258,9 +248,9 @@ def held_out_words(cfg) -> str:
     return words
 
 
-def _documents(args, meta: dict, longest: int, model_cfg):
+def _documents(args, first: _Checkpoint, longest: int):
     """Held-out documents for the first checkpoint's data (shared by every checkpoint)."""
-    config = meta.get("config") or {}
+    config = first.meta.get("config") or {}
     train = config.get("train") or {}
     if args.data is None and train.get("synthetic_data"):
         # A run trained on synthetic tokens has no corpus: evaluate on the deterministic random
@@ -268,7 +258,10 @@ def _documents(args, meta: dict, longest: int, model_cfg):
         # a length asked here needs it.
         from tape_train.data.synthetic import synthetic_held_out
 
-        run_longest = _run_eval_longest(config)
+        try:  # the longest length of the run's own scheduled evaluation
+            run_longest = max(first.run_eval.resolve_lengths(first.train_seq_len))
+        except ValueError:  # no train.seq_len (or a stride its own lengths refuse)
+            run_longest = None
         description = "synthetic random tokens (the run trained on synthetic data)"
         if run_longest is None or longest > run_longest:
             log.info("held-out data: synthetic documents sized for L=%d, %s: the numbers are "
@@ -278,27 +271,15 @@ def _documents(args, meta: dict, longest: int, model_cfg):
             description += f", sized for L={longest}, not the run's own held-out documents"
         else:
             longest = run_longest
-        docs = synthetic_held_out(model_cfg.vocab_size, longest, int(train.get("seed", 0)))
+        docs = synthetic_held_out(first.model_cfg.vocab_size, longest,
+                                  int(train.get("seed", 0)))
         return docs, description, None
     from tape_train.data import iter_eval_documents, load_model_tokenizer
 
     data_cfg, desc = _data_config(args.data, config, args.tokenizer)
-    tokenizer = load_model_tokenizer(data_cfg.tokenizer, model_cfg.vocab_size)
+    tokenizer = load_model_tokenizer(data_cfg.tokenizer, first.model_cfg.vocab_size)
     return (iter_eval_documents(data_cfg, tokenizer, byte_ends=True), desc,
             data_cfg.tokenizer)
-
-
-def _run_eval_longest(config: dict) -> int | None:
-    """The longest length of a run's own scheduled evaluation (its ``eval`` section, default
-    L..8L of its ``train.seq_len``); None when the stored config does not say."""
-    from tape_train.eval.config import EvalConfig
-
-    try:
-        seq_len = int((config.get("train") or {}).get("seq_len", 0))
-        return max(EvalConfig.from_dict(dict(config.get("eval") or {}))
-                   .resolve_lengths(seq_len))
-    except (TypeError, ValueError):
-        return None
 
 
 def _check_same_tokenizer(checkpoints: list[_Checkpoint], used: str) -> None:
@@ -388,7 +369,8 @@ class _Checkpoint:
     meta: dict
     model_cfg: Any
     train_seq_len: int | None
-    lengths: list[int]
+    run_eval: Any  # EvalConfig: its run's eval: section, defaults where it has no key
+    lengths: list[int] = field(default_factory=list)  # set once the settings are chosen
 
 
 
@@ -415,8 +397,11 @@ def _check_out(out: str) -> None:
                 f"report elsewhere, e.g. --out {inside.parent.parent / 'eval'}")
 
 
-def _read_checkpoints(args, tag_dirs: list[Path], settings) -> list[_Checkpoint]:
-    """Each checkpoint's model config and lengths, from its marker."""
+def _read_checkpoints(given: dict, tag_dirs: list[Path]):
+    """(settings, checkpoints): each checkpoint's model config and run config from its
+    marker, the settings from the options ``given`` over the runs' eval: sections
+    (tape_train.eval.settings), and each checkpoint's lengths."""
+    from tape_train.eval.settings import merge_settings, run_eval_config
     from tape_train.loading import checkpoint_model_config, read_marker, with_run_paths
 
     checkpoints = []
@@ -425,19 +410,12 @@ def _read_checkpoints(args, tag_dirs: list[Path], settings) -> list[_Checkpoint]
         model_cfg = checkpoint_model_config(tag_dir, meta)
         train_seq_len = int(((meta.get("config") or {}).get("train") or {}).get("seq_len", 0)) \
             or None
-        if args.lengths is None and train_seq_len is None:
-            raise ValueError(f"{tag_dir}: the checkpoint's config has no train.seq_len; "
-                             f"pass --lengths")
-        if args.lengths is None:
-            try:  # a --stride too large for them
-                lengths = settings.resolve_lengths(train_seq_len, option_name)
-            except ValueError as exc:
-                raise ValueError(f"{tag_dir}: {exc}; without --lengths the lengths are L, 2L, "
-                                 f"4L, 8L of its train.seq_len={train_seq_len}") from None
-        else:
-            lengths = list(args.lengths)
-        checkpoints.append(_Checkpoint(tag_dir, meta, model_cfg, train_seq_len, lengths))
-    return checkpoints
+        checkpoints.append(_Checkpoint(tag_dir, meta, model_cfg, train_seq_len,
+                                       run_eval_config(meta, str(tag_dir))))
+    settings = merge_settings(given, {str(c.tag_dir): c.run_eval for c in checkpoints})
+    for c in checkpoints:
+        c.lengths = settings.lengths_for(c.train_seq_len, str(c.tag_dir))
+    return settings.config, checkpoints
 
 
 def _held_out(args, checkpoints: list[_Checkpoint], max_tokens: int | None):
@@ -447,7 +425,7 @@ def _held_out(args, checkpoints: list[_Checkpoint], max_tokens: int | None):
 
     first = checkpoints[0]
     longest = max(max(c.lengths) for c in checkpoints)
-    source, description, tokenizer = _documents(args, first.meta, longest, first.model_cfg)
+    source, description, tokenizer = _documents(args, first, longest)
     if tokenizer is not None and args.tokenizer is None:
         _check_same_tokenizer(checkpoints[1:], tokenizer)
     other_data = _other_training_data(checkpoints, args.data)
@@ -490,7 +468,7 @@ def run(args) -> int:
     from tape_train.model import TransformerLM
 
     def read_inputs():
-        max_tokens, settings = _checked_settings(args)
+        given = _given_settings(args)
         _check_out(args.out)
         if args.data is not None and not Path(args.data).is_dir():
             # A missing or malformed --data before the checkpoints' checksums (minutes for a
@@ -502,11 +480,11 @@ def run(args) -> int:
             pick_device(args.device, launch_int("LOCAL_RANK"), "--device")
         # Which checkpoints (a missing, incomplete or damaged one fails here).
         tag_dirs = [resolve_checkpoint(p) for p in args.checkpoint]
-        checkpoints = _read_checkpoints(args, tag_dirs, settings)
-        docs, description = _held_out(args, checkpoints, max_tokens)
+        settings, checkpoints = _read_checkpoints(given, tag_dirs)
+        docs, description = _held_out(args, checkpoints, settings.max_tokens)
         log.info("held-out data: %s, %d documents, %d predictions", description, len(docs),
                  sum(t.numel() - 1 for t, *_ in docs))
-        return max_tokens, settings, checkpoints, docs, description
+        return settings, checkpoints, docs, description
 
     alone = launch_int("WORLD_SIZE") == 1
     if alone:  # all of it before any start-up work
@@ -514,7 +492,7 @@ def run(args) -> int:
     rank, world, device, reduce = _init_distributed(args.device)
     if not alone:
         inputs = _rank_zero_decides(read_inputs, rank, world)
-    max_tokens, settings, checkpoints, docs, data_desc = inputs
+    settings, checkpoints, docs, data_desc = inputs
     if device.type == "cpu":
         from tape_train.host_memory import keep_freed_memory
 
@@ -569,8 +547,9 @@ def run(args) -> int:
             results = []
             for protocol in settings.protocols:
                 results += evaluate_perplexity(
-                    model, docs, lengths=c.lengths, protocol=protocol, stride=args.stride,
-                    max_tokens=max_tokens, batch_size=args.batch_size, device=device,
+                    model, docs, lengths=c.lengths, protocol=protocol,
+                    stride=settings.sliding_stride, max_tokens=settings.max_tokens,
+                    batch_size=settings.batch_size, device=device,
                     progress=rank == 0 and show_progress(args.progress), reduce=reduce,
                     dp_rank=rank, dp_size=world)
             runs.append({"label": label, "checkpoint": str(c.tag_dir), "step": c.meta.get("step"),
@@ -585,8 +564,9 @@ def run(args) -> int:
     if rank == 0:
         print(format_table(runs), end="", flush=True)
         paths = write_reports(args.out, runs, settings={
-            "protocols": settings.protocols, "sliding_stride": args.stride,
-            "max_tokens": max_tokens, "batch_size": args.batch_size, "data": data_desc,
+            "protocols": settings.protocols, "sliding_stride": settings.sliding_stride,
+            "max_tokens": settings.max_tokens, "batch_size": settings.batch_size,
+            "data": data_desc,
             "world_size": world, "dtype": dtype_name, "device": str(device)})
         print(f"wrote {paths['markdown']}, {paths['plot']}, {paths['json']}", flush=True)
     return 0

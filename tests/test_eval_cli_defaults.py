@@ -1,0 +1,189 @@
+"""`tape-eval` measures as the checkpoint's run did: every setting not given as an option comes
+from the run config's `eval:` section stored in the checkpoint (tape_train/eval/settings.py).
+
+Checkpoints are the tiny synthetic-data runs of test_eval_reports_cli.py; their held-out
+documents are the trainer's own, so the numbers can be compared with its scheduled
+evaluation's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from tape_train.eval.cli import main
+from tape_train.eval.config import EvalConfig
+from tape_train.eval.perplexity import evaluate_schedule
+from tape_train.eval.settings import merge_settings
+from test_eval_reports_cli import make_checkpoint
+
+RUN_EVAL = {"interval": 2, "lengths": [8, 16], "protocols": ["nonoverlap"], "max_tokens": 24,
+            "batch_size": 2}
+
+
+def _evaluate(tmp_path, *runs, args=()):
+    out = tmp_path / "report"
+    code = main(["--checkpoint", *(str(tmp_path / r) for r in runs), "--dtype", "fp32",
+                 "--no-progress", "--out", str(out), *args])
+    payload = json.loads((out / "eval.json").read_text()) if code == 0 else None
+    return code, payload
+
+
+def _measured(payload, model=0):
+    return [(r["protocol"], r["length"], r["tokens"]) for r in payload["models"][model]["results"]]
+
+
+def test_without_options_the_run_s_eval_section_decides_and_gives_its_logged_numbers(
+        tmp_path, caplog):
+    """Negative control built in: tape-eval's own defaults (before it read the run's section)
+    were L..8L of train.seq_len = 8, both protocols and 32768 tokens: other lengths, other
+    protocols, other tokens."""
+    from tape_train.config import RunConfig
+    from tape_train.train.loop import Trainer
+
+    model = make_checkpoint(tmp_path / "run", "tape", seed=3, eval_section=RUN_EVAL)
+    with caplog.at_level(logging.INFO, logger="tape_train.eval"):
+        code, payload = _evaluate(tmp_path, "run")
+    assert code == 0
+    assert _measured(payload) == [("nonoverlap", 8, 24), ("nonoverlap", 16, 24)]
+    assert payload["settings"]["max_tokens"] == 24 and payload["settings"]["batch_size"] == 2
+    assert payload["settings"]["protocols"] == ["nonoverlap"]
+    for line in ("lengths 8 16 (from the run's eval: section)",
+                 "protocols nonoverlap (from the run's eval: section)",
+                 "max tokens 24 (from the run's eval: section)",
+                 "batch size 2 (from the run's eval: section)"):
+        assert line in caplog.text
+    assert "sliding stride" not in caplog.text  # the default: no line
+    # The numbers the run's scheduled evaluation logged (its settings, its held-out documents).
+    run_cfg = RunConfig.from_dict({"model": model.cfg.to_dict(), "eval": RUN_EVAL,
+                                   "train": {"seq_len": 8, "seed": 7, "synthetic_data": True}})
+    docs = list(Trainer._eval_document_source(SimpleNamespace(cfg=run_cfg,
+                                                              eval_documents_fn=None)))
+    logged = evaluate_schedule(model.float(), docs, run_cfg.eval, train_seq_len=8)
+    got = payload["models"][0]["results"]
+    assert [r["nll_sum"] for r in got] == pytest.approx([r["nll_sum"] for r in logged],
+                                                        rel=1e-6)
+
+
+def test_options_win_over_the_run_s_section(tmp_path, caplog):
+    make_checkpoint(tmp_path / "run", "tape", seed=3, eval_section=RUN_EVAL)
+    with caplog.at_level(logging.INFO, logger="tape_train.eval"):
+        code, payload = _evaluate(tmp_path, "run", args=[
+            "--lengths", "4", "8", "--protocols", "sliding", "--stride", "2",
+            "--max-tokens", "16", "--batch-size", "3"])
+    assert code == 0
+    assert _measured(payload) == [("sliding", 4, 16), ("sliding", 8, 16)]
+    assert [r["stride"] for r in payload["models"][0]["results"]] == [2, 2]
+    assert payload["settings"]["batch_size"] == 3
+    assert "lengths 4 8 (from --lengths)" in caplog.text
+    assert "sliding stride 2 (from --stride)" in caplog.text
+    assert "eval: section" not in caplog.text
+    # One option alone: the others still come from the run.
+    code, payload = _evaluate(tmp_path, "run", args=["--max-tokens", "all"])
+    assert code == 0 and payload["settings"]["max_tokens"] is None
+    assert [(p, length) for p, length, _ in _measured(payload)] == [("nonoverlap", 8),
+                                                                    ("nonoverlap", 16)]
+
+
+def test_an_old_checkpoint_without_the_section_or_some_keys_gets_the_defaults(tmp_path):
+    default = EvalConfig()
+    make_checkpoint(tmp_path / "old", "rope", seed=4)                     # no eval: at all
+    make_checkpoint(tmp_path / "partial", "rope", seed=4, eval_section={"interval": 3})
+    for run in ("old", "partial"):
+        code, payload = _evaluate(tmp_path, run)
+        assert code == 0
+        settings = payload["settings"]
+        assert settings["protocols"] == default.protocols == ["nonoverlap", "sliding"]
+        assert settings["max_tokens"] == default.max_tokens
+        assert settings["batch_size"] == default.batch_size
+        assert settings["sliding_stride"] is None
+        assert sorted({length for _, length, _ in _measured(payload)}) == [8, 16, 32, 64]
+
+
+def test_runs_that_evaluated_differently_need_the_option_that_chooses(tmp_path, capsys):
+    make_checkpoint(tmp_path / "a", "tape", seed=1, eval_section=RUN_EVAL)
+    make_checkpoint(tmp_path / "b", "rope", seed=2, eval_section={**RUN_EVAL, "max_tokens": 40})
+    code, _ = _evaluate(tmp_path, "a", "b")
+    assert code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("tape-eval: error: ")
+    a, b = (str(tmp_path / r / "checkpoints" / "step_00000005") for r in "ab")
+    assert (f"the checkpoints' runs evaluated with different eval.max_tokens (24 in {a}; 40 in "
+            f"{b})") in err
+    assert "choose for all with --max-tokens (e.g. --max-tokens 24)" in err
+    assert not (tmp_path / "report").exists()
+    # The option settles it; every other setting the two runs share is still theirs.
+    code, payload = _evaluate(tmp_path, "a", "b", args=["--max-tokens", "40"])
+    assert code == 0
+    assert _measured(payload, 0) == _measured(payload, 1) == [("nonoverlap", 8, 40),
+                                                              ("nonoverlap", 16, 40)]
+
+
+def test_lengths_null_in_every_run_means_each_run_s_own_multiples(tmp_path):
+    make_checkpoint(tmp_path / "short", "tape", seed=1, seq_len=4,
+                    eval_section={"protocols": ["nonoverlap"]})
+    make_checkpoint(tmp_path / "long", "rope", seed=2, seq_len=8,
+                    eval_section={"protocols": ["nonoverlap"]})
+    code, payload = _evaluate(tmp_path, "short", "long")
+    assert code == 0
+    assert [length for _, length, _ in _measured(payload, 0)] == [4, 8, 16, 32]
+    assert [length for _, length, _ in _measured(payload, 1)] == [8, 16, 32, 64]
+
+
+def test_a_null_and_a_set_value_disagree_and_the_example_is_one_an_option_takes(tmp_path,
+                                                                                  capsys):
+    make_checkpoint(tmp_path / "a", "tape", seed=1, eval_section={"sliding_stride": None})
+    make_checkpoint(tmp_path / "b", "rope", seed=2, eval_section={"sliding_stride": 4})
+    assert _evaluate(tmp_path, "a", "b")[0] == 1
+    err = capsys.readouterr().err
+    assert "different eval.sliding_stride (null (L // 2) in" in err and "; 4 in" in err
+    assert "(e.g. --stride 4)" in err
+
+
+@pytest.mark.parametrize("section, args, message", [
+    # the run's stride, the user's lengths: each named as it was given
+    ({"sliding_stride": 4}, ["--lengths", "4", "8"],
+     "eval.sliding_stride=4 must be smaller than every evaluation length, got length 4"),
+    # the user's stride, the run's protocols
+    ({"protocols": ["nonoverlap"]}, ["--stride", "2"],
+     "--stride is only used by --protocols sliding, which is not asked for (the run's eval: "
+     "section: eval.protocols nonoverlap): add sliding (--protocols nonoverlap sliding), or "
+     "drop --stride"),
+    # a section the trainer would have refused (written by other code)
+    ({"max_tokens": 0}, [],
+     "{ckpt}: its run config: eval.max_tokens must be a positive integer, got 0"),
+    ({"lenghts": [8]}, [], "{ckpt}: its run config: unknown key(s) 'eval.lenghts' (did you "
+                           "mean 'eval.lengths'?)"),
+])
+def test_settings_that_do_not_fit_together_say_where_each_came_from(tmp_path, capsys, section,
+                                                                    args, message):
+    make_checkpoint(tmp_path / "run", "rope", seed=4, eval_section=section)
+    assert _evaluate(tmp_path, "run", args=args)[0] == 1
+    err = capsys.readouterr().err
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000005"
+    assert f"tape-eval: error: {message.format(ckpt=ckpt)}" in err, err
+    assert not (tmp_path / "report").exists()
+
+
+def test_the_run_s_stride_too_large_for_its_own_multiples_names_both_origins(tmp_path, capsys):
+    make_checkpoint(tmp_path / "run", "rope", seed=4, seq_len=4,
+                    eval_section={"sliding_stride": 4})
+    assert _evaluate(tmp_path, "run")[0] == 1
+    err = capsys.readouterr().err
+    assert "eval.sliding_stride=4 must be smaller than every evaluation length, got length 4" in err
+    assert "L, 2L, 4L, 8L of its train.seq_len=4" in err
+    assert "sliding_stride from the run's eval: section" in err
+
+
+def test_merge_settings_keeps_a_shared_value_and_names_every_run_that_differs():
+    runs = {"r1": EvalConfig(batch_size=8), "r2": EvalConfig(batch_size=8),
+            "r3": EvalConfig(batch_size=2)}
+    with pytest.raises(ValueError, match=r"eval\.batch_size \(8 in r1, r2; 2 in r3\)"):
+        merge_settings({}, runs)
+    chosen = merge_settings({"batch_size": 2}, runs)
+    assert chosen.config.batch_size == 2 and chosen.origin["batch_size"] == "--batch-size"
+    assert chosen.origin["max_tokens"] == "the eval: sections of the 3 checkpoints' runs"
+    assert merge_settings({}, dict(list(runs.items())[:2])).config.batch_size == 8
