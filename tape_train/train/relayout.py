@@ -63,9 +63,8 @@ def unloadable(marker: dict, cfg) -> str | None:
     Into or out of ZeRO-0, DeepSpeed 0.19.8 has no route: a ZeRO-0 checkpoint has no
     optimizer shards for the universal conversion, and a ZeRO-0 engine has no universal
     load (it reads the whole optimizer state from the model-states file, where ZeRO-1/2/3
-    keep none). Changes among ZeRO-1, 2 and 3 load: within
-    ZeRO-1/2 the files are the same, into or out of ZeRO-3 through the universal form fitted
-    for the new stage (``plan``)."""
+    keep none). Changes among ZeRO-1, 2 and 3 load: within ZeRO-1/2 the files are the same,
+    into or out of ZeRO-3 through the universal form fitted for the new stage (``plan``)."""
     saved, now = saved_zero_stage(marker), cfg.parallel.zero_stage
     if saved == now or 0 not in (saved, now):
         return None
