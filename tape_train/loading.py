@@ -91,7 +91,7 @@ def converter_command(tag_dir: Path, out_dir: Path) -> list[str]:
 
 def ensure_universal(tag_dir: Path, out_dir: Path | None = None, *,
                      tick: Callable[[bool], None] | None = None, tick_s: float = 5.0,
-                     tensor_parallel: bool = False) -> Path:
+                     tensor_parallel: bool = False, zero_stage: int | None = None) -> Path:
     """DeepSpeed's universal form of a complete ZeRO checkpoint, converted once.
 
     Converts ``tag_dir`` with ``deepspeed.checkpoint.ds_to_universal`` into a temporary sibling
@@ -112,16 +112,16 @@ def ensure_universal(tag_dir: Path, out_dir: Path | None = None, *,
     also while waiting for another process's conversion.
 
     ``tensor_parallel``: the caller loads it into an engine with tp > 1 (see
-    ``_wrap_bare_states``; also applied to a form cached earlier without it).
+    ``_wrap_bare_states``); ``zero_stage``: the ZeRO stage of the engine that loads it, when
+    it may differ from the checkpoint's (see ``_fit_for_stage``). Both are also applied to a
+    form cached earlier without them.
     """
     from tape_train.progress import run_with_progress
 
     tag_dir = Path(tag_dir)
     target = Path(out_dir) if out_dir is not None else tag_dir / UNIVERSAL
     if target.is_dir():
-        if tensor_parallel:
-            _wrap_bare_states(target, tag_dir)
-        return target
+        return _fit_for_engine(target, tag_dir, tensor_parallel, zero_stage)
     reason = why_incomplete(tag_dir)
     if reason is not None:
         raise CheckpointError(f"checkpoint {tag_dir} is not complete ({reason}); refusing to "
@@ -132,7 +132,7 @@ def ensure_universal(tag_dir: Path, out_dir: Path | None = None, *,
     with _conversion_lock(target, tick=tick, tick_s=tick_s) as locked:
         if target.is_dir():  # another process converted it while this one waited
             log.info("universal checkpoint converted by another process: %s", target)
-            return target
+            return _fit_for_engine(target, tag_dir, tensor_parallel, zero_stage)
         if locked:  # only a killed conversion can have left these
             for stale in target.parent.glob(f".{target.name}.tmp*"):
                 shutil.rmtree(stale, ignore_errors=True)
@@ -157,8 +157,7 @@ def ensure_universal(tag_dir: Path, out_dir: Path | None = None, *,
             raise CheckpointError(f"converting {tag_dir} to the universal format failed "
                                   f"({how}); the checkpoint itself is untouched. Last "
                                   f"output:\n{last}")
-        if tensor_parallel:
-            _wrap_bare_states(tmp, tag_dir)
+        _fit_for_engine(tmp, tag_dir, tensor_parallel, zero_stage)
         write_atomic(tmp / "CONVERTED.json", json.dumps(
             {"source": tag_dir.name, "seconds": round(time.perf_counter() - start, 2)}))
         try:
@@ -171,7 +170,19 @@ def ensure_universal(tag_dir: Path, out_dir: Path | None = None, *,
     # Removed only once the target exists: a process still waiting on the removed file finds
     # the target when it gets the lock, one arriving later before it locks anything.
     target.with_name(f".{target.name}.lock").unlink(missing_ok=True)
-    return target
+    # Done in the temporary form above; again here for a form another process renamed first.
+    return _fit_for_engine(target, tag_dir, tensor_parallel, zero_stage)
+
+
+def _fit_for_engine(universal_dir: Path, tag_dir: Path, tensor_parallel: bool,
+                    zero_stage: int | None) -> Path:
+    """What ``ensure_universal``'s caller's engine needs beyond DeepSpeed's conversion (each
+    step idempotent and skipped when done); returns ``universal_dir``."""
+    if tensor_parallel or zero_stage in (1, 2):  # both read a state only as {"param": ...}
+        _wrap_bare_states(universal_dir, tag_dir)
+    if zero_stage is not None:
+        _fit_for_stage(universal_dir, tag_dir, zero_stage)
+    return universal_dir
 
 
 def _wrap_bare_states(universal_dir: Path, tag_dir: Path) -> None:
@@ -182,20 +193,108 @@ def _wrap_bare_states(universal_dir: Path, tag_dir: Path) -> None:
     DeepSpeed 0.19.8's converter writes those states as bare tensors, and its ZeRO-3 loader
     cuts a tensor-parallel rank's shard only out of the dict form: a resume at tp > 1 from
     such a checkpoint read the whole weight as if it were the shard and failed with
-    ``start (…) + length (…) exceeds dimension size (…)``. Both forms load the same at tp = 1,
-    so only a load at tp > 1 pays for this rewrite of every state (once per cached form).
+    ``start (…) + length (…) exceeds dimension size (…)``; its ZeRO-1/2 loader reads only
+    the dict form (``ckpt_dict["param"]``). Both forms load the same into ZeRO-3 at tp = 1,
+    so only a load at tp > 1 or into ZeRO-1/2 pays for this rewrite of every state (once
+    per cached form). ``step.pt`` (``_fit_for_stage``) stays a bare tensor, as the ZeRO-1/2
+    loader reads it.
     Idempotent; files are replaced atomically and in order, so when the last one is a dict
     every one is (a process killed half-way left a prefix done)."""
     marker = read_marker(tag_dir)
     if int(marker.get("zero_stage", 3)) != 3 or saved_layout(marker)["tp"] != 1:
         return  # the converter wrote dicts
-    paths = sorted(Path(universal_dir).glob("zero/*/*.pt"))
+    paths = sorted(p for p in Path(universal_dir).glob("zero/*/*.pt") if p.stem in _STATES)
     if not paths or not torch.is_tensor(_load_state(paths[-1], universal_dir)):
         return
     for path in paths:
         state = _load_state(path, universal_dir)
         if torch.is_tensor(state):
             write_atomic(path, lambda fh, state=state: torch.save({"param": state}, fh))
+
+
+# The per-parameter states of the universal form, ``zero/<name>/<state>.pt``.
+_STATES = ("fp32", "exp_avg", "exp_avg_sq")
+# DeepSpeed's model-states file of tensor-parallel rank ``*`` in a universal form, by the
+# stage family of the engine that reads it (``DeepSpeedEngine._get_ckpt_name``; the universal
+# load looks for data-parallel rank 0's only).
+_MODEL_STATES = {3: "zero_pp_rank_0_mp_rank_{}_model_states.pt",
+                 1: "mp_rank_{}_model_states.pt"}
+
+
+def _fit_for_stage(universal_dir: Path, tag_dir: Path, zero_stage: int) -> None:
+    """Let a ZeRO-``zero_stage`` engine load the universal form of a checkpoint saved at a
+    stage of the other family (ZeRO-3 vs ZeRO-1/2); nothing to do within a family.
+
+    DeepSpeed 0.19.8's universal load (``load_checkpoint`` with ``load_universal``) reads
+    three things, each in the saving stage's own form:
+
+    - the model-states file of its tensor-parallel rank, found by the loading stage's name
+      (ZeRO-3 ``zero_pp_rank_0_mp_rank_XX_model_states.pt``, ZeRO-1/2
+      ``mp_rank_XX_model_states.pt``; none found: a bare ``AssertionError``). From it the
+      load takes the client state (our step, token counters, config), DeepSpeed's step and
+      sample counters and world sizes, and the lr scheduler's state (none: our schedule is a
+      function of the step), not ``module``: the weights come from ``zero/*/fp32.pt``. Each
+      saved file is written again under the other stage's name, its ``module`` cut to the
+      buffers (``buffer_names``; ZeRO-3 keeps only empty placeholders of the parameters
+      there, and ZeRO-1/2's whole weights would be a second, unread copy of fp32.pt);
+    - ``zero/optimizer_state.pt``: ZeRO-3 takes AdamW's ``step`` and hyperparameters from
+      its ``optimizer_state_dict`` (absent from a ZeRO-1/2 form: added from ``step.pt``),
+      ZeRO-1/2 requires ``ds_version`` (absent from a ZeRO-3 form: added from the saved
+      model states);
+    - ``zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt``, which both read (ZeRO-1/2 only as
+      ``{"param": tensor}``: ``_wrap_bare_states``), and ``step.pt``, which only ZeRO-1/2
+      reads (without it AdamW would restart its bias correction at step 0): written for
+      every parameter of a ZeRO-3 form.
+
+    Every file is replaced atomically and the form's files and the checkpoint are never
+    changed otherwise; ``FOR_ZERO3.json`` / ``FOR_ZERO1_2.json`` is written last, so a form
+    without it (a process killed half-way) is fitted again.
+    """
+    saved = int(read_marker(tag_dir).get("zero_stage", 3))
+    family, target = (3 if saved == 3 else 1), (3 if zero_stage == 3 else 1)
+    if saved < 1 or zero_stage < 1 or family == target:
+        return
+    done = universal_dir / ("FOR_ZERO3.json" if target == 3 else "FOR_ZERO1_2.json")
+    if done.is_file():
+        return
+    start = time.perf_counter()
+    zero = universal_dir / "zero"
+    optimizer_path = zero / "optimizer_state.pt"
+    optimizer = _load_state(optimizer_path, universal_dir)
+    sources = sorted(universal_dir.glob(_MODEL_STATES[family].format("*")))
+    if not sources:
+        raise CheckpointError(f"{universal_dir} holds no {_MODEL_STATES[family].format('*')}"
+                              f" to derive the ZeRO-{zero_stage} model states from; delete it "
+                              f"and run again: it is converted anew from the checkpoint")
+    if target == 3:
+        steps = sorted(zero.glob("*/step.pt"))
+        if not steps:
+            raise CheckpointError(f"{universal_dir} holds no zero/*/step.pt: AdamW's step of "
+                                  f"the ZeRO-{saved} checkpoint is unknown")
+        step = _load_state(steps[0], universal_dir)
+        if "optimizer_state_dict" not in optimizer:
+            optimizer["optimizer_state_dict"] = {"state": {0: {"step": step}},
+                                                 "param_groups": optimizer["param_groups"]}
+            write_atomic(optimizer_path, lambda fh: torch.save(optimizer, fh))
+    else:
+        step = optimizer["optimizer_state_dict"]["state"][0]["step"]
+        for param_dir in sorted(p.parent for p in zero.glob(f"*/{UNIVERSAL_PARAM}")):
+            write_atomic(param_dir / "step.pt", lambda fh: torch.save(step, fh))
+        if "ds_version" not in optimizer:
+            optimizer["ds_version"] = _load_state(sources[0], universal_dir)["ds_version"]
+            write_atomic(optimizer_path, lambda fh: torch.save(optimizer, fh))
+    for source in sources:
+        states = _load_state(source, universal_dir)
+        buffers = set(states.get("buffer_names") or ())
+        states["module"] = {k: v for k, v in (states.get("module") or {}).items()
+                            if k in buffers}
+        tp_rank = source.name.split("mp_rank_")[1].split("_")[0]
+        write_atomic(universal_dir / _MODEL_STATES[target].format(tp_rank),
+                     lambda fh, states=states: torch.save(states, fh))
+    write_atomic(done, json.dumps({"saved_zero_stage": saved, "model_states": len(sources),
+                                   "seconds": round(time.perf_counter() - start, 2)}))
+    log.info("universal form of %s fitted for a ZeRO-%d engine (saved with ZeRO-%d)",
+             tag_dir.name, zero_stage, saved)
 
 
 def _load_state(path: Path, universal_dir: Path):

@@ -257,30 +257,33 @@ def test_resume_that_changes_the_global_batch_is_refused(corpus, tmp_path):
     assert "data.sharding='documents' ties the token stream" in err
 
 
-def test_resume_into_or_out_of_zero3_is_refused_even_when_config_changes_are_allowed(
+def test_resume_may_change_the_zero_stage_among_1_2_3_but_not_into_or_out_of_zero0(
         corpus, tmp_path):
-    """DeepSpeed cannot load a ZeRO-1 checkpoint into a ZeRO-3 engine or back (another
-    model-states file per stage, universal form included; the load failed with a bare
-    AssertionError after the engine start): one line naming the fix, which
-    --allow-config-change does not turn into a warning. ZeRO-1 -> 2 stays an ordinary
-    protected change (a warning when allowed)."""
+    """ZeRO-1 -> 3 loads through the universal form fitted for ZeRO-3, ZeRO-1 -> 2 directly:
+    the dry run names the route the trainer takes, with no error and no flag needed (the
+    change is a layout change, like dp). Into ZeRO-0 DeepSpeed has no route: one line naming
+    the fix, which --allow-config-change does not turn into a warning."""
     from tape_train.config import load_run_config
 
     run_dir = tmp_path / "run"
     overrides = [f"train.run_dir={run_dir}", "data.sharding=global"]
-    cfg = load_run_config(corpus / "run.yaml", overrides)
+    cfg = load_run_config(corpus / "run.yaml", [*overrides, "parallel.zero_stage=1"])
     tag = _write_marker(run_dir, cfg.to_dict(), dp=2)  # saved at ZeRO-1
     args = ["--config", str(corpus / "run.yaml"), "--dry-run", "--world-size", "2", *overrides]
+    for stage, route in ((3, "ZeRO-1 -> ZeRO-3, DeepSpeed universal checkpoint"),
+                         (2, "same layout, direct load")):
+        rc, out, err = dry_run([*args, f"parallel.zero_stage={stage}"])
+        assert rc == 0 and not error_lines(err), err
+        assert f"resume: {tag} (step 10, 1280 tokens; " in out and f"{route})" in out, out
     for extra in ([], ["--allow-config-change"]):
-        rc, out, err = dry_run([*args, "parallel.zero_stage=3", *extra])
+        rc, out, err = dry_run([*args, "parallel.zero_stage=0", *extra])
         assert rc == 1
         (line,) = error_lines(err)
-        assert line.endswith(f"resume from {tag}: parallel.zero_stage changes from 1 to 3: "
-                             f"DeepSpeed cannot load a ZeRO-1 checkpoint into a ZeRO-3 engine "
-                             f"(universal form included); resume with parallel.zero_stage=1")
-    rc, out, err = dry_run([*args, "parallel.zero_stage=2", "--allow-config-change"])
-    assert rc == 0 and not error_lines(err), err
-    assert "parallel.zero_stage" in err  # the allowed change is still said
+        assert line.endswith(f"resume from {tag}: parallel.zero_stage changes from 1 to 0: "
+                             f"DeepSpeed cannot load a ZeRO-1 checkpoint into a ZeRO-0 engine "
+                             f"(universal form included: ZeRO-0 keeps no optimizer shards, "
+                             f"and a ZeRO-0 engine has no universal load); resume with "
+                             f"parallel.zero_stage=1, 2 or 3")
 
 
 def test_tape_submit_refuses_a_job_that_cannot_resume_on_its_node_count(corpus, tmp_path,

@@ -1,8 +1,10 @@
 """Resume on another parallel layout: the rules (``tape_train.train.relayout``), a ZeRO-1
-round trip and a ZeRO-3 TP1 → TP2 resume on synthetic data (the ZeRO-3 DP/SP/TP → 1 cases on
-real text are in ``test_train_resume.py``)."""
+round trip, a ZeRO-3 TP1 → TP2 resume and ZeRO-3 ↔ ZeRO-1 resumes on synthetic data (the
+ZeRO-3 DP/SP/TP → 1 cases on real text are in ``test_train_resume.py``)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -54,20 +56,34 @@ def test_layout_change_rules_name_what_breaks_and_how_to_fix_it():
     assert not relayout.plan(_marker(dp=2, zero=0), *_now(1, gas=2)).universal
 
 
-def test_a_zero_stage_change_into_or_out_of_zero3_or_zero0_cannot_be_loaded():
-    def why(saved, now):
-        cfg, _ = _now(1)
-        cfg.parallel.zero_stage = now
-        return relayout.unloadable(_marker(zero=saved), cfg)
+def test_the_zero_stage_may_change_among_1_2_3_and_not_into_or_out_of_zero0():
+    def now(stage, world=2):
+        cfg, grid = _now(world)
+        cfg.parallel.zero_stage = stage
+        return cfg, grid
 
-    assert why(3, 1) == ("parallel.zero_stage changes from 3 to 1: DeepSpeed cannot load a "
-                         "ZeRO-3 checkpoint into a ZeRO-1 engine (universal form included); "
-                         "resume with parallel.zero_stage=3")
-    for saved, now in ((1, 3), (3, 2), (0, 1), (1, 0), (0, 3)):
-        assert f"from {saved} to {now}" in why(saved, now), (saved, now)
-        assert why(saved, now).endswith(f"resume with parallel.zero_stage={saved}")
-    for saved, now in ((1, 2), (2, 1), (3, 3), (0, 0)):
-        assert why(saved, now) is None, (saved, now)
+    assert relayout.unloadable(_marker(zero=1), *now(0)[:1]) == (
+        "parallel.zero_stage changes from 1 to 0: DeepSpeed cannot load a ZeRO-1 checkpoint "
+        "into a ZeRO-0 engine (universal form included: ZeRO-0 keeps no optimizer shards, and "
+        "a ZeRO-0 engine has no universal load); resume with parallel.zero_stage=1, 2 or 3")
+    for saved, stage in ((3, 0), (2, 0), (0, 1), (0, 3)):
+        why = relayout.unloadable(_marker(zero=saved), now(stage)[0])
+        assert f"from {saved} to {stage}" in why, (saved, stage)
+        assert why.endswith("parallel.zero_stage=0" if saved == 0 else "1, 2 or 3"), why
+    for saved, stage in ((1, 2), (2, 1), (3, 1), (1, 3), (2, 3), (3, 2), (3, 3), (0, 0)):
+        assert relayout.unloadable(_marker(zero=saved), now(stage)[0]) is None, (saved, stage)
+    # Into or out of ZeRO-3 through the universal form, at the same layout too; ZeRO-1 <-> 2
+    # share their files and load directly.
+    moved = relayout.plan(_marker(zero=3), *now(1))
+    assert moved.universal and (moved.saved_stage, moved.stage) == (3, 1)
+    assert moved.describe() == ("dp=2 sp=1 tp=1 -> dp=2 sp=1 tp=1 (ZeRO-3 -> ZeRO-1, DeepSpeed "
+                                "universal checkpoint)")
+    assert relayout.plan(_marker(zero=2), *now(3)).universal
+    assert relayout.plan(_marker(zero=1), *now(2)) is None
+    assert "ZeRO" not in relayout.plan(_marker(), *now(3, world=1)).describe()  # dp only
+    # A layout change, like dp: no problem to report, nothing protected.
+    changes = relayout.classify_changes([("parallel.zero_stage", 3, 1)])
+    assert changes.layout == [("parallel.zero_stage", 3, 1)] and not changes.protected
 
 
 def test_each_new_rank_continues_the_saved_rank_at_its_data_parallel_coordinate():
@@ -129,13 +145,13 @@ def test_zero_checkpoint_resumes_on_one_process(tmp_path, stage):
     assert len({round(v, 5) for v in losses["straight"].values()}) > 3  # the losses move
 
 
-def _zero3_one_rank(run_dir: str) -> dict:
-    """One process, ZeRO-3 without tensor parallelism (grad_accum 2): 8 steps, with the
-    step-4 checkpoint saved on the way. Returns the losses of every step."""
+def _one_rank_saving_step4(run_dir: str, stage: int = 3) -> dict:
+    """One process, ZeRO-``stage`` without tensor parallelism (grad_accum 2): 8 steps, with
+    the step-4 checkpoint saved on the way. Returns the losses of every step."""
     from tape_train.train.loop import Trainer
 
     trainer = Trainer(load_run_config(None, SYNTHETIC + [
-        "parallel.zero_stage=3", "train.grad_accum_steps=2", f"train.run_dir={run_dir}"]))
+        f"parallel.zero_stage={stage}", "train.grad_accum_steps=2", f"train.run_dir={run_dir}"]))
     trainer.setup()
     losses = {}
     while trainer.state.step < 8:
@@ -145,6 +161,23 @@ def _zero3_one_rank(run_dir: str) -> dict:
             trainer.save()
     trainer.close()
     return losses
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory):
+    """The uninterrupted one-process ZeRO-3 run: ``(its step-4 tag, losses by step)``."""
+    run_dir = tmp_path_factory.mktemp("zero3") / "one"
+    losses = run_distributed_test(_one_rank_saving_step4, world_size=1, args=(str(run_dir),),
+                                  timeout=300)[0]
+    assert len({round(v, 5) for v in losses.values()}) > 3  # the losses move
+    return run_dir / "checkpoints" / "step_00000004", losses
+
+
+def _copy_tag(tag, run_dir):
+    import shutil
+
+    shutil.copytree(tag, run_dir / "checkpoints" / tag.name)
+    return run_dir / "checkpoints" / tag.name
 
 
 def _zero3_tp2_resume(run_dir: str) -> dict:
@@ -163,25 +196,152 @@ def _zero3_tp2_resume(run_dir: str) -> dict:
 
 
 @pytest.mark.distributed
-def test_zero3_checkpoint_without_tensor_parallelism_resumes_at_tp2(tmp_path):
+def test_zero3_checkpoint_without_tensor_parallelism_resumes_at_tp2(tmp_path, zero3_run):
     """TP1 → TP2: DeepSpeed's converter writes a ZeRO-3 checkpoint without TP as bare tensors,
     which its loader does not cut into TP shards (the resume failed with "start (…) + length
     (…) exceeds dimension size (…)"); stored as dicts, the TP2 resume continues the one-process
     run's losses."""
-    import shutil
-
-    straight = run_distributed_test(_zero3_one_rank, world_size=1,
-                                    args=(str(tmp_path / "one"),), timeout=300)[0]
-    tag = "step_00000004"
-    shutil.copytree(tmp_path / "one" / "checkpoints" / tag,
-                    tmp_path / "tp2" / "checkpoints" / tag)
+    tag, straight = zero3_run
+    _copy_tag(tag, tmp_path / "tp2")
     resumed = run_distributed_test(_zero3_tp2_resume, world_size=2,
                                    args=(str(tmp_path / "tp2"),), timeout=300)
     assert resumed[0] == resumed[1]
     assert sorted(resumed[0]) == [5, 6, 7, 8]
     for step, loss in resumed[0].items():
         assert loss == pytest.approx(straight[step], rel=1e-5, abs=1e-6), step
-    assert len({round(v, 5) for v in straight.values()}) > 3  # the losses move
+
+
+def _resume_step4(run_dir: str, stage: int, grad_accum: int, negative_control: bool = False):
+    """Resume the step-4 checkpoint of ``run_dir`` with ZeRO-``stage`` and train to step 8.
+    Returns the state just loaded (``_loaded_state``), the losses of steps 5-8 and, with
+    ``negative_control`` (one process), the error of loading the universal form as DeepSpeed
+    converts it into this run's engine, tried first."""
+    from tape_train.train.loop import Trainer
+
+    cfg = load_run_config(None, SYNTHETIC + [
+        f"parallel.zero_stage={stage}", f"train.grad_accum_steps={grad_accum}",
+        f"train.run_dir={run_dir}"])
+    error = _unfitted_load_error(cfg) if negative_control else None
+    trainer = Trainer(cfg)
+    trainer.setup()
+    loaded = _loaded_state(trainer.engine)
+    losses = {}
+    while trainer.state.step < 8:
+        loss = trainer.train_step()["loss"]
+        losses[trainer.state.step] = loss
+    trainer.close()
+    return loaded, losses, error
+
+
+def _unfitted_load_error(cfg) -> str:
+    from tape_train import loading
+    from tape_train.model import TransformerLM
+    from tape_train.parallel import RankGrid, parallelize
+    from tape_train.train import checkpoint as ckpt
+    from tape_train.train.engine import build_engine
+
+    tag = Path(cfg.train.run_dir) / "checkpoints" / "step_00000004"
+    loading.ensure_universal(tag)  # cached as converted: the trainer fits it later
+    grid = RankGrid.from_sizes(1, rank=0)
+    grid.build()
+    engine, _ = build_engine(cfg, parallelize(TransformerLM(cfg.model), grid), grid,
+                             load_universal=True)
+    with pytest.raises(ckpt.CheckpointError) as failed:
+        ckpt.load_training_state(engine, tag, 0, universal=True)
+    return str(failed.value)
+
+
+def _loaded_state(engine) -> tuple[dict, list]:
+    """Every parameter's whole module weight, fp32 master weight and AdamW moments (gathered
+    under ZeRO-3: collective), and the distinct AdamW steps."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):  # no-op below ZeRO-3
+        module = {name: p.detach().clone() for name, p in params.items()}
+    state = {name: {"module": module[name], "fp32": safe_get_full_fp32_param(p),
+                    "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
+                    "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq")}
+             for name, p in params.items()}
+    steps = sorted({float(s["step"]) for s in engine.optimizer.optimizer.state.values()})
+    return state, steps
+
+
+def _check_loaded(loaded, tag) -> None:
+    """``_resume_step4``'s loaded state against the saved checkpoint: weights (module and
+    fp32 master) equal its fp32 master weights (DeepSpeed's zero_to_fp32, not the universal
+    route), the moments equal those of its universal form, AdamW at step 4."""
+    import torch
+
+    from tape_train import loading
+
+    state, steps = loaded
+    _, master, _ = loading.load_model_from_checkpoint(tag, verify=False)
+    assert steps == [4.0]
+    assert sorted(state) == sorted(master)
+    for name, values in state.items():
+        assert torch.equal(values["module"], master[name]), name
+        assert torch.equal(values["fp32"], master[name]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            saved = torch.load(tag / "universal" / "zero" / name / f"{key}.pt",
+                               weights_only=False)
+            saved = saved["param"] if isinstance(saved, dict) else saved
+            assert torch.equal(values[key], saved.view_as(values[key])), (name, key)
+            assert values[key].abs().sum() > 0, (name, key)  # carried, not fresh zeros
+
+
+def _file_sums(tag) -> dict:
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in tag.iterdir() if p.is_file()}
+
+
+@pytest.mark.distributed
+def test_zero3_checkpoint_resumes_with_zero1(tmp_path, zero3_run):
+    """ZeRO-3 -> ZeRO-1 at the same layout: the universal form, fitted for ZeRO-1 (its
+    model-states file, AdamW's step per parameter), loads the saved weights and moments, and
+    the next steps continue the uninterrupted ZeRO-3 run. The checkpoint's own files are not
+    changed. Negative control: the universal form as DeepSpeed converts it fails to load
+    into the ZeRO-1 engine (no mp_rank_*_model_states.pt), as the refusal said before."""
+    source, straight = zero3_run
+    tag = _copy_tag(source, tmp_path)
+    before = _file_sums(tag)
+    loaded, losses, error = run_distributed_test(_resume_step4, world_size=1,
+                                                 args=(str(tmp_path), 1, 2, True),
+                                                 timeout=300)[0]
+    assert error.startswith(f"could not load checkpoint {tag} (universal form): "
+                            f"AssertionError"), error
+    assert (tag / "universal" / "FOR_ZERO1_2.json").is_file()
+    assert (tag / "universal" / "mp_rank_00_model_states.pt").is_file()
+    _check_loaded(loaded, tag)
+    assert sorted(losses) == [5, 6, 7, 8]
+    for step, loss in losses.items():
+        assert loss == pytest.approx(straight[step], rel=1e-5, abs=1e-6), step
+    after = _file_sums(tag)
+    assert {k: after[k] for k in before} == before
+    assert set(after) - set(before) <= {"latest_universal"}  # DeepSpeed's converter's pointer
+
+
+@pytest.mark.distributed
+def test_zero1_checkpoint_resumes_with_zero3_on_two_processes(tmp_path, zero3_run):
+    """ZeRO-1 (one process) -> ZeRO-3 on two (dp 2, the same global batch): the universal
+    form fitted for ZeRO-3 (its model-states file, AdamW's step in the optimizer state)
+    loads the saved weights and moments on both ranks, and the next steps continue the
+    uninterrupted ZeRO-1 run and the ZeRO-3 one."""
+    straight = run_distributed_test(_one_rank_saving_step4, world_size=1,
+                                    args=(str(tmp_path / "one"), 1), timeout=300)[0]
+    tag = _copy_tag(tmp_path / "one" / "checkpoints" / "step_00000004", tmp_path / "two")
+    resumed = run_distributed_test(_resume_step4, world_size=2,
+                                   args=(str(tmp_path / "two"), 3, 1), timeout=300)
+    assert (tag / "universal" / "FOR_ZERO3.json").is_file()
+    assert resumed[0][1] == resumed[1][1] and sorted(resumed[0][1]) == [5, 6, 7, 8]
+    for loaded, _, _ in resumed:
+        _check_loaded(loaded, tag)
+    for step, loss in resumed[0][1].items():
+        assert loss == pytest.approx(straight[step], rel=1e-5, abs=1e-6), step
+        assert loss == pytest.approx(zero3_run[1][step], rel=1e-5, abs=1e-6), step
 
 
 _BARE_CONVERTER = """import os, sys, torch

@@ -17,10 +17,13 @@ Layout of a run directory::
                                        step, tokens, layout (dp, sp, tp), resolved config,
                                        code version, and the size and xxh3-64 checksum of
                                        every file of the tag
-            universal/                 only after a resume on another layout: DeepSpeed's
-                                       universal form of the shards, converted once and
-                                       renamed into place when complete (its presence means
-                                       complete); deleted with its tag
+            universal/                 only after a resume on another layout or into or
+                                       out of ZeRO-3: DeepSpeed's universal form of the
+                                       shards, converted once and renamed into place when
+                                       complete (its presence means complete), fitted for
+                                       the other ZeRO stage family when one loads it
+                                       (FOR_ZERO3.json / FOR_ZERO1_2.json written last);
+                                       deleted with its tag
 
 A tag counts only if ``COMPLETE.json`` exists, parses, and every file it lists exists with the
 recorded size (``why_incomplete``: cheap, no file is read). Before a tag is loaded its files
@@ -476,7 +479,8 @@ def load_training_state(engine, tag_dir: Path, rank: int, *, universal: bool = F
 
     Args:
         universal: load ``<tag_dir>/universal`` (see ``ensure_universal``; the engine was built
-            with ``checkpoint.load_universal``): the checkpoint's layout differs from this run's.
+            with ``checkpoint.load_universal``): the checkpoint's layout, or ZeRO stage family,
+            differs from this run's.
         other_layout: the checkpoint's layout differs from this run's and it loads directly
             (``relayout.Relayout.universal`` false: a ZeRO-0 checkpoint, whose one file of
             whole weights per tensor-parallel rank suits any dp and sp).

@@ -505,7 +505,8 @@ class Trainer:
         if self.rank == 0:
             try:
                 ckpt.ensure_universal(tag_dir, tick=beat, tick_s=beat_s,
-                                      tensor_parallel=self.grid.tp > 1)
+                                      tensor_parallel=self.grid.tp > 1,
+                                      zero_stage=self.cfg.parallel.zero_stage)
             except StoppedDuringSetup:
                 raise  # every rank raised it in the same beat: no final word to pair up
             except Exception as exc:  # noqa: BLE001 - reported on every rank below

@@ -11,6 +11,11 @@ exactly:
   does not depend on the number of ranks). ``micro_batch_size`` and ``grad_accum_steps`` may
   change for that purpose (e.g. dp 2 → 1 with grad_accum_steps 1 → 2).
 
+The ZeRO stage may change among 1, 2 and 3 the same way (a 1b run trained with ZeRO-3 on 4
+nodes continues with ZeRO-1 on one): a change into or out of ZeRO-3 goes through the universal
+form, fitted for the new stage's engine (``loading._fit_for_stage``), also at the same layout.
+ZeRO-0 cannot change stage (``unloadable``).
+
 What cannot continue exactly: per-process random streams. Each new rank continues the RNG of
 the saved rank holding its data-parallel coordinate (only RandPE and TAPE's
 ``tape_train_offset`` draw random numbers in training), so those two encodings resume on a
@@ -43,26 +48,35 @@ _LABEL = re.compile(r"data\.sources\[\d+\]\.name")
 # when it loads its state, which refuse other data at the new place.
 _LOCATION = re.compile(r"data\.(tokenizer|sources\[\d+\]\.path)")
 
-# Config keys a layout change may legitimately change (checked by ``problems`` instead).
-LAYOUT_KEYS = ("parallel.dp", "parallel.sp", "parallel.tp", "train.micro_batch_size",
-               "train.grad_accum_steps")
+# Config keys a layout change may legitimately change (checked by ``problems`` instead). The
+# ZeRO stage says how the same weights and AdamW state are partitioned, as dp does: a change
+# among ZeRO-1/2/3 continues the run within a relayout's tolerance (tests/test_train_relayout
+# .py); ZeRO-0's changes are ``unloadable``.
+LAYOUT_KEYS = ("parallel.dp", "parallel.sp", "parallel.tp", "parallel.zero_stage",
+               "train.micro_batch_size", "train.grad_accum_steps")
 
 
 def unloadable(marker: dict, cfg) -> str | None:
     """Why this run's engine cannot load the checkpoint at all (not even with
     ``--allow-config-change``), or ``None``.
 
-    Into or out of ZeRO-3: DeepSpeed 0.19.8 names and fills the model-states files per
-    stage (ZeRO-3 ``zero_pp_rank_*_mp_rank_*``, ZeRO-0/1/2 ``mp_rank_*``), in the universal
-    form too, so the engine finds no file it can read and fails in the load with a bare
-    ``AssertionError``. Into or out of ZeRO-0: one side has no optimizer shards. (ZeRO-1 and
-    ZeRO-2 share their files; a change between them is a protected config change.)"""
-    saved, now = int(marker.get("zero_stage", 3)), cfg.parallel.zero_stage
-    if saved == now or {saved, now} == {1, 2}:
+    Into or out of ZeRO-0, DeepSpeed 0.19.8 has no route: a ZeRO-0 checkpoint has no
+    optimizer shards for the universal conversion, and a ZeRO-0 engine has no universal
+    load (it reads the whole optimizer state from the model-states file, where ZeRO-1/2/3
+    keep none). Changes among ZeRO-1, 2 and 3 load: within ZeRO-1/2 the files are the same,
+    into or out of ZeRO-3 through the universal form fitted for the new stage (``plan``)."""
+    saved, now = saved_zero_stage(marker), cfg.parallel.zero_stage
+    if saved == now or 0 not in (saved, now):
         return None
     return (f"parallel.zero_stage changes from {saved} to {now}: DeepSpeed cannot load a "
-            f"ZeRO-{saved} checkpoint into a ZeRO-{now} engine (universal form included); "
-            f"resume with parallel.zero_stage={saved}")
+            f"ZeRO-{saved} checkpoint into a ZeRO-{now} engine (universal form included: "
+            f"ZeRO-0 keeps no optimizer shards, and a ZeRO-0 engine has no universal load); "
+            f"resume with parallel.zero_stage={'0' if saved == 0 else '1, 2 or 3'}")
+
+
+def saved_zero_stage(marker: dict) -> int:
+    """The ZeRO stage a checkpoint was written with (3 for markers older than the key)."""
+    return int(marker.get("zero_stage", 3))
 
 
 @dataclass(frozen=True)
@@ -129,34 +143,37 @@ def resume_config_problems(marker: dict, cfg, grid) -> tuple[list[str], ConfigCh
 
     changes = classify_changes(diff_configs(marker.get("config") or {}, cfg.to_dict()))
     found = problems(marker, cfg, grid)
-    protected = changes.protected
-    if unloadable(marker, cfg) is not None:  # said on its own, and no flag overrides it
-        protected = [c for c in protected if c[0] != "parallel.zero_stage"]
-    if protected:
+    if changes.protected:
         found.append("these config changes would corrupt the run: "
-                     + describe_changes(protected))
+                     + describe_changes(changes.protected))
     return found, changes
 
 
 @dataclass(frozen=True)
 class Relayout:
-    """A resume whose layout differs from the checkpoint's.
+    """A resume whose layout, or ZeRO stage family (ZeRO-3 vs ZeRO-1/2), differs from the
+    checkpoint's.
 
     Attributes:
         saved / current: ``{"dp", "sp", "tp"}``.
         universal: load through DeepSpeed's universal form (ZeRO-1/2/3); ZeRO-0 checkpoints
             hold whole replicated weights per tensor-parallel rank and load directly when only
             dp or sp change.
+        saved_stage / stage: the checkpoint's ZeRO stage and this run's.
     """
 
     saved: dict
     current: dict
     universal: bool
+    saved_stage: int = 3
+    stage: int = 3
 
     def describe(self) -> str:
         fmt = lambda d: f"dp={d['dp']} sp={d['sp']} tp={d['tp']}"  # noqa: E731
         route = "DeepSpeed universal checkpoint" if self.universal else "direct load"
-        return f"{fmt(self.saved)} -> {fmt(self.current)} ({route})"
+        zero = (f"ZeRO-{self.saved_stage} -> ZeRO-{self.stage}, "
+                if self.saved_stage != self.stage else "")
+        return f"{fmt(self.saved)} -> {fmt(self.current)} ({zero}{route})"
 
 
 def current_layout(grid) -> dict[str, int]:
@@ -164,13 +181,16 @@ def current_layout(grid) -> dict[str, int]:
 
 
 def plan(marker: dict, cfg, grid) -> Relayout | None:
-    """``None`` when the checkpoint described by ``marker`` has this run's layout."""
+    """``None`` when the checkpoint described by ``marker`` loads directly: this run's layout,
+    and a ZeRO stage whose engine reads the saved files (the same, or ZeRO-1 <-> 2)."""
     from tape_train.train.checkpoint import saved_layout
 
     saved, current = saved_layout(marker), current_layout(grid)
-    if saved == current:
+    saved_stage, stage = saved_zero_stage(marker), cfg.parallel.zero_stage
+    if saved == current and (saved_stage == 3) == (stage == 3):
         return None
-    return Relayout(saved, current, universal=int(marker.get("zero_stage", 3)) >= 1)
+    return Relayout(saved, current, universal=saved_stage >= 1, saved_stage=saved_stage,
+                    stage=stage)
 
 
 def global_batch(train: dict, dp: int) -> int:
@@ -211,8 +231,7 @@ def problems(marker: dict, cfg, grid) -> list[str]:
                      f"data-parallel ranks (saved dp={saved['dp']}, now dp={current['dp']}); "
                      f"resume at dp={saved['dp']}, or train with data.sharding: global (or "
                      f"data.format: tokens) to be able to change it")
-    zero_stage = int(marker.get("zero_stage", 3))
-    if zero_stage == 0 and saved["tp"] != current["tp"]:
+    if saved_zero_stage(marker) == 0 and saved["tp"] != current["tp"]:
         found.append(f"a ZeRO-0 checkpoint stores one weight shard per tensor-parallel rank "
                      f"and cannot be re-split (saved tp={saved['tp']}, now tp={current['tp']}); "
                      f"DeepSpeed's universal conversion needs ZeRO-1/2/3")
