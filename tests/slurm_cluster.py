@@ -179,11 +179,13 @@ class SlurmCluster:
         cred_expire: munge credential lifetime in seconds; a requeued job starts no sooner than
             cred_expire + 1 s, so tests keep it small (Slurm's minimum is 10).
         node_prefix: node name prefix; chosen not to clash with real host names.
+        prolog_flags: slurm.conf's `PrologFlags` (e.g. "Contain": every job gets an `extern`
+            step at allocation, as sites running pam_slurm_adopt have); None leaves it unset.
     """
 
     def __init__(self, workdir: Path, num_nodes: int = 4, cpus_per_node: int = 2,
                  cred_expire: int = 10, node_prefix: str = "ttnode", partition: str = "debug",
-                 seed: int = 0):
+                 seed: int = 0, prolog_flags: str | None = None):
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
         if cred_expire < 10:
@@ -194,6 +196,7 @@ class SlurmCluster:
         self.cred_expire = cred_expire
         self.node_prefix = node_prefix
         self.partition = partition
+        self.prolog_flags = prolog_flags
         # Seeded by the workdir too, so two clusters started in one session differ in ports.
         self._rng = random.Random(f"{seed}:{self.workdir}:{os.getpid()}")
         self.node_names = [f"{node_prefix}{k}" for k in range(1, num_nodes + 1)]
@@ -302,6 +305,21 @@ class SlurmCluster:
         raise TimeoutError(f"job {job_id} not in {sorted(states)} after {timeout:.0f} s; last: "
                            f"{info.raw if info else 'unknown'}\n{self.diagnostics()}")
 
+    def step_end_times(self, job_id: int) -> dict[str, list[str]]:
+        """When each step of the job ended, from every slurmd's log: step ("batch", "extern",
+        "0", ...) -> the timestamps (ISO, sortable) of its `[<job>.<step>] done with job` lines,
+        one per node and run of the job, in time order."""
+        done = re.compile(rf"^\[([0-9T:.-]+)\] \[{job_id}\.(\w+)\] done with job$")
+        ends: dict[str, list[str]] = {}
+        for log in self.log_dir.glob("slurmd-*.log"):
+            if log.name.endswith(".stdout.log"):
+                continue
+            for line in log.read_text(errors="replace").splitlines():
+                match = done.match(line)
+                if match:
+                    ends.setdefault(match.group(2), []).append(match.group(1))
+        return {step: sorted(times) for step, times in ends.items()}
+
     def diagnostics(self, tail_lines: int = 30) -> str:
         """The last lines of every daemon log, for failure messages."""
         chunks = []
@@ -385,6 +403,8 @@ class SlurmCluster:
             f"CPUs={self.cpus_per_node} RealMemory=2000 State=UNKNOWN",
             f"PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
         ]
+        if self.prolog_flags:
+            lines.append(f"PrologFlags={self.prolog_flags}")
         self.conf_path.write_text("\n".join(lines) + "\n")
 
     def _add_hosts_lines(self) -> None:

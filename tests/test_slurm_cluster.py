@@ -1,15 +1,17 @@
 """launch/slurm/*.sbatch and tape-submit against a real Slurm cluster running on this machine.
 
-The cluster (tests/slurm_cluster.py) has 4 emulated nodes on loopback and starts once for the
-module. Tests here use the real batch scripts as tape-submit renders them:
+The cluster (tests/slurm_cluster.py) has 4 emulated nodes on loopback, runs every job with an
+extern step (PrologFlags=Contain) and starts once for the module. Tests here use the real batch
+scripts as tape-submit renders them:
 
 - `tape-submit --dry-run` output for 1 and 4 nodes passes `sbatch --test-only` (5 nodes, more
   than the partition has, is refused: the negative control);
 - a 2-node probe job (a small gloo program in place of the trainer, via --train-module)
   proves the rendezvous: MASTER_ADDR is the first node, the port comes from the job id, node
-  ranks differ, one all-reduce spans both nodes; a USR1 to the batch shell reaches both ranks,
-  which stop together and exit 75 like the trainer; with --max-requeues 0 the script does not
-  requeue and the job fails with 75;
+  ranks differ, one all-reduce spans both nodes; a USR1 to the batch shell is forwarded to the
+  training step alone (the extern step lives until the job ends; a USR1 to the whole job ends
+  it at once: the negative control) and reaches both ranks, which stop together and exit 75
+  like the trainer; with --max-requeues 0 the script does not requeue and the job fails with 75;
 - faults, with the same probe: with --max-restarts 0 a rank killed with SIGKILL ends the job
   within seconds, FAILED, not requeued, with the node that failed first named in the log; a run directory locked by
   another job fails in the start-up checks before torchrun; `sbatch train.sbatch` used as it
@@ -74,8 +76,10 @@ CPUS_PER_NODE = 2
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     try:
+        # PrologFlags=Contain: every job has an extern step, as where pam_slurm_adopt puts
+        # ssh sessions into the job; the forwarded stop signal must leave it alone.
         c = SlurmCluster(tmp_path_factory.mktemp("slurm"), num_nodes=NUM_NODES,
-                         cpus_per_node=CPUS_PER_NODE, cred_expire=10)
+                         cpus_per_node=CPUS_PER_NODE, cred_expire=10, prolog_flags="Contain")
         c.start()
     except SlurmUnavailable as exc:
         pytest.skip(f"local Slurm cluster cannot run here: {exc}")
@@ -230,6 +234,23 @@ def wait_for_probe_loop(cluster, job_id: int, out: Path, log: Path) -> list[int]
     return [int((out / f"waiting-{r}").read_text().split()[0]) for r in (0, 1)]
 
 
+def extern_step_lead(cluster, job_id: int, timeout: float = 20) -> float:
+    """Seconds by which the job's extern step (PrologFlags=Contain) ended before its batch step,
+    in its first run, from the slurmd logs. Left alone, the extern step is ended with the run
+    (a few ms before or after the batch step, on another node); one that a signal killed ended
+    long before. Waits for both ends to be logged (the extern one comes after the job's)."""
+    from datetime import datetime
+
+    deadline = time.monotonic() + timeout
+    while True:
+        ends = cluster.step_end_times(job_id)
+        if "batch" in ends and "extern" in ends:
+            batch, extern = (datetime.fromisoformat(ends[s][0]) for s in ("batch", "extern"))
+            return (batch - extern).total_seconds()
+        assert time.monotonic() < deadline, f"job {job_id}: step ends logged: {ends}"
+        time.sleep(0.2)
+
+
 def test_two_node_probe_rendezvous_and_signal_forwarding(cluster, tmp_path, monkeypatch):
     # --max-requeues 0: the stop must not requeue (the requeue itself is exercised with the
     # real trainer below), so this job ends after one run, FAILED with the trainer's 75.
@@ -267,6 +288,14 @@ def test_two_node_probe_rendezvous_and_signal_forwarding(cluster, tmp_path, monk
     # The requeue's own decision (its limit is 0 here, as for the job above).
     assert "NOT requeueing: restart count 0 reached TAPE_MAX_REQUEUES=0" in steps_text
     assert "training failed" not in steps_text
+    # The script forwarded USR1 to the training step alone: the extern step lived on until
+    # the job ended, with the batch step. The negative control: the USR1 sent to all of the
+    # steps job's steps ended its extern step at once, seconds before the batch step (Slurm
+    # 22.05's extern step holds a `sleep`, which dies of the USR1; 25.05's runs no process).
+    assert re.search(rf"caught SIGUSR1; forwarding it to the training step {job_id}\.\d+ ",
+                     text), text
+    assert extern_step_lead(cluster, job_id) < 1, cluster.step_end_times(job_id)
+    assert extern_step_lead(cluster, steps_id) > 1, cluster.step_end_times(steps_id)
 
     records = [json.loads((out / f"probe-0-{r}.json").read_text()) for r in (0, 1)]
     for rec in records:
@@ -643,6 +672,10 @@ def test_usr1_checkpoints_requeues_resumes_and_matches_uninterrupted_losses(clus
     assert f"step_{stop['step']:08d}" in str(resume["checkpoint"])
     assert "caught SIGUSR1" in log and "requeueing job" in log
     assert "SLURM_RESTART_COUNT=1" in log
+    # The stop reached the training step only: the first run's extern step ended with that
+    # run, with its batch step (a USR1 to every step would have ended it at once).
+    assert re.search(rf"forwarding it to the training step {job_id}\.\d+ ", log), log
+    assert extern_step_lead(cluster, job_id) < 1, cluster.step_end_times(job_id)
 
     assert_uninterrupted_losses(cluster, training_jobs, run_dir, stop["step"])
 

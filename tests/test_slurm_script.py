@@ -35,6 +35,7 @@ if [[ "$*" == *tape_train.cluster.preflight* ]]; then
     fi
     exit "${FAKE_PREFLIGHT_RC:-0}"
 fi
+for arg in "$@"; do [[ $arg == --job-name=* ]] && echo "${arg#--job-name=}" > "$FAKE_DIR/step.name"; done
 echo $$ > "$FAKE_DIR/step.pid"
 echo "${PYTORCH_CUDA_ALLOC_CONF-<unset>} ${PYTORCH_ALLOC_CONF-<unset>}" > "$FAKE_DIR/step.alloc_conf"
 # FAKE_STOP_HOLD: a stop takes until $FAKE_DIR/release exists (the trainer's checkpoint).
@@ -51,12 +52,35 @@ for arg in "$@"; do
     case $arg in --signal=*) kill -s "${arg#--signal=}" "$(cat "$FAKE_DIR/step.pid")";; esac
 done
 """
+# squeue --steps: the job's batch and extern steps, and once the training "step" runs (after
+# FAKE_SQUEUE_LATE more calls, as while srun registers it) step 1 under its srun --job-name.
+# FAKE_SQUEUE_RC: squeue fails with an error instead. A SQUEUE_PARTITION in the environment
+# hides everything, as another partition's filter would.
+FAKE_SQUEUE = r"""#!/bin/bash
+echo "squeue $*" >> "$FAKE_DIR/calls"
+[[ -n ${SQUEUE_PARTITION:-} ]] && exit 0
+if [[ -n ${FAKE_SQUEUE_RC:-} ]]; then
+    echo "squeue: error: Unable to contact slurm controller (connect failure)" >&2
+    exit "$FAKE_SQUEUE_RC"
+fi
+for arg in "$@"; do [[ $arg == --jobs=* ]] && job=${arg#--jobs=}; done
+echo "$job.batch batch"
+echo "$job.extern extern"
+asked=$(grep -c '^squeue' "$FAKE_DIR/calls")
+if [[ -e "$FAKE_DIR/step.pid" ]] && (( asked > ${FAKE_SQUEUE_LATE:-0} )); then
+    echo "$job.1 $(cat "$FAKE_DIR/step.name")"
+fi
+"""
 # The interpreter: torchrun's --help (all options unless FAKE_TORCHRUN_HELP says otherwise) and
 # the restart verdict (FAKE_VERDICT_RC: 0 none, 3 fail, 4 requeue).
 FAKE_PYTHON = r"""#!/bin/bash
 echo "python $*" >> "$FAKE_DIR/calls"
 case "$*" in
     "-m torch.distributed.run --help")
+        if [[ -n ${FAKE_HELP_BLOCK:-} ]]; then   # a signal may come now, before training
+            touch "$FAKE_DIR/step.running"
+            until [[ -e "$FAKE_DIR/release" ]]; do sleep 0.05; done
+        fi
         echo "${FAKE_TORCHRUN_HELP:---max-restarts --signals-to-handle --shutdown-timeout}"
         exit "${FAKE_HELP_RC:-0}";;
     "-m tape_train.cluster.requeue_guard --restart-verdict"*)
@@ -74,10 +98,10 @@ esac
 
 
 def _fake_slurm_bin(tmp_path: Path) -> Path:
-    """A bin/ with stand-ins for srun, scancel and scontrol (put it first on PATH)."""
+    """A bin/ with stand-ins for srun, scancel, squeue and scontrol (put it first on PATH)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL),
+    for name, text in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL), ("squeue", FAKE_SQUEUE),
                        ("scontrol", FAKE_SCONTROL), ("fakepython", FAKE_PYTHON)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
@@ -180,10 +204,19 @@ def test_the_cuda_allocator_setting_is_left_to_the_trainer_or_the_user(tmp_path)
 
 
 def test_usr1_is_forwarded_then_the_job_requeues(fake_slurm):
-    rc, calls, out = run_script(fake_slurm, send=signal.SIGUSR1)
+    # A user's squeue filter (SQUEUE_PARTITION) would hide the step: not passed to squeue.
+    rc, calls, out = run_script(fake_slurm, send=signal.SIGUSR1, SQUEUE_PARTITION="elsewhere")
     assert rc == 0, out
-    assert f"scancel --signal=USR1 {JOB_ID}" in calls
+    # To the training step alone, found by its srun --job-name: not the job's extern step.
+    assert "--job-name=tape-training" in [c for c in calls if c.startswith("srun")][1]
+    assert f"squeue --noheader --steps --jobs={JOB_ID} --format=%i %j" in calls
+    assert f"scancel --signal=USR1 {JOB_ID}.1" in calls
+    assert not any(c.startswith(f"scancel --signal=USR1 {JOB_ID}") and
+                   c != f"scancel --signal=USR1 {JOB_ID}.1" for c in calls), calls
     assert "step got USR1" in calls
+    assert f"caught SIGUSR1; forwarding it to the training step {JOB_ID}.1 so the trainer " \
+           "checkpoints and stops" in out
+    assert "WARNING" not in out
     # The requeue comes after the step has ended, never while it may be writing a checkpoint.
     assert calls.index(f"scontrol requeue {JOB_ID}") > calls.index("step got USR1")
     assert "requeueing job" in out
@@ -224,6 +257,7 @@ def test_further_signals_are_not_forwarded_while_the_step_stops(fake_slurm):
             proc.wait()
     text = calls.read_text()
     assert text.count(f"scancel --signal=USR1 {JOB_ID}") == 1, text
+    assert f"scancel --signal=USR1 {JOB_ID}.1" in text
     assert f"scontrol requeue {JOB_ID}" in text
     assert log.read_text().count("already forwarded") == 2, log.read_text()
 
@@ -232,12 +266,64 @@ def test_an_array_task_signals_and_requeues_only_itself(fake_slurm):
     """One task of an array has the array's id as its own SLURM_JOB_ID, and to scancel and
     scontrol that id means every task of the array (measured, Slurm 22.05: a requeue from that
     task reran the finished tasks too, a forwarded USR1 reached every task's step). The task
-    is addressed as <array id>_<task id>."""
+    is addressed as <array id>_<task id>, its training step as <array id>_<task id>.<step>
+    (how squeue --steps lists it, measured)."""
     rc, calls, out = run_script(fake_slurm, send=signal.SIGUSR1,
                                 SLURM_ARRAY_JOB_ID=str(JOB_ID), SLURM_ARRAY_TASK_ID="3")
     assert rc == 0, out
-    assert f"scancel --signal=USR1 {JOB_ID}_3" in calls, calls
+    assert f"squeue --noheader --steps --jobs={JOB_ID}_3 --format=%i %j" in calls, calls
+    assert f"scancel --signal=USR1 {JOB_ID}_3.1" in calls, calls
     assert f"scontrol requeue {JOB_ID}_3" in calls, calls
+
+
+def test_a_step_not_yet_registered_is_waited_for(fake_slurm):
+    """The signal may come while srun is still having its step created: squeue lists only the
+    batch and extern steps then. The script asks again (once a second) until the step is
+    there, and signals that step, not the job."""
+    rc, calls, out = run_script(fake_slurm, send=signal.SIGUSR1, FAKE_SQUEUE_LATE=2)
+    assert rc == 0, out
+    lookups = [c for c in calls if c.startswith("squeue")]
+    assert len(lookups) == 3, calls
+    assert f"scancel --signal=USR1 {JOB_ID}.1" in calls and "step got USR1" in calls
+    assert "WARNING" not in out
+
+
+@pytest.mark.parametrize("failure", ["squeue fails", "no step of that name"])
+def test_when_the_step_is_not_found_the_stop_goes_to_the_whole_job(fake_slurm, failure):
+    """Negative control: without the step's id the stop is not lost. It goes to every step of
+    the job, as before the lookup existed, with one line saying so and why."""
+    tmp_path, script, env = fake_slurm
+    if failure == "squeue fails":
+        extra = {"FAKE_SQUEUE_RC": 1}
+        why = ("squeue failed: squeue: error: Unable to contact slurm controller "
+               "(connect failure)")
+    else:   # e.g. a Slurm whose squeue shows the name otherwise: waited for, then given up
+        script.write_text(script.read_text().replace("STEP_LOOKUP_WAIT=30", "STEP_LOOKUP_WAIT=2"))
+        extra = {"FAKE_SQUEUE_LATE": 1000}
+        why = f"squeue lists no step named tape-training in job {JOB_ID} after 2 s"
+    rc, calls, out = run_script(fake_slurm, send=signal.SIGUSR1, **extra)
+    assert rc == 0, out
+    scancels = [c for c in calls if c.startswith("scancel")]
+    assert scancels == [f"scancel --signal=USR1 {JOB_ID}"], calls
+    assert "step got USR1" in calls and f"scontrol requeue {JOB_ID}" in calls
+    warnings = [line for line in out.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1, out
+    assert warnings[0].endswith(
+        f"caught SIGUSR1; WARNING: the training step was not found ({why}): forwarding SIGUSR1 "
+        f"to every step of job {JOB_ID} instead, the extern step included"), warnings
+
+
+def test_a_stop_before_the_training_step_has_started_reaches_it(fake_slurm):
+    """USR1 after the start-up checks but before the training srun has started (here: while
+    torchrun's options are asked for) is forwarded as soon as that srun runs, so the trainer
+    stops at once instead of training on."""
+    rc, calls, out = run_script(fake_slurm, send=signal.SIGUSR1, FAKE_HELP_BLOCK=1)
+    assert rc == 0, out
+    assert "caught SIGUSR1 while the training step starts; forwarding it once srun runs" in out
+    assert f"SIGUSR1 came before the training step: forwarding it to the training step " \
+           f"{JOB_ID}.1" in out
+    assert f"scancel --signal=USR1 {JOB_ID}.1" in calls and "step got USR1" in calls
+    assert calls.index(f"scontrol requeue {JOB_ID}") > calls.index("step got USR1")
 
 
 def test_usr1_when_requeue_is_refused_exits_75(fake_slurm):
@@ -256,7 +342,7 @@ def test_usr1_at_the_restart_limit_does_not_requeue(fake_slurm):
 def test_term_is_forwarded_but_not_requeued(fake_slurm):
     rc, calls, out = run_script(fake_slurm, send=signal.SIGTERM)
     assert rc == 1, out
-    assert f"scancel --signal=TERM {JOB_ID}" in calls and "step got TERM" in calls
+    assert f"scancel --signal=TERM {JOB_ID}.1" in calls and "step got TERM" in calls
     assert not any(c.startswith("scontrol requeue") for c in calls)
     # The log's last line says what to do next: a plain scancel is not run again by Slurm.
     last = out.strip().splitlines()[-1]
