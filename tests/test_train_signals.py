@@ -162,3 +162,23 @@ def test_the_exit_code_file_is_written_for_its_reader_and_removed_once_the_reade
     path.write_text("")
     _write_exit_file(75)
     assert path.read_text() == ""
+
+
+def test_the_stop_is_named_after_the_signal_that_decided_it():
+    """A forwarded SIGUSR1 is followed by torchrun's own SIGTERM (ms later): the stop stays a
+    SIGUSR1 stop in the final lines (they said SIGTERM). A SIGUSR1 after a Ctrl-C turns the
+    stop into a requeue, and is then the one named."""
+    stop = StopRequest().install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert (stop.signal_name, stop.agreed(_local_max)) == ("SIGUSR1", EXIT_REQUEUE)
+    finally:
+        stop.close()
+    stop = StopRequest().install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert (stop.signal_name, stop.agreed(_local_max)) == ("SIGUSR1", EXIT_REQUEUE)
+    finally:
+        stop.close()

@@ -74,8 +74,9 @@ class StopRequest:
                 _say(f"tape-train: {name_said}: stopping at the next step boundary after "
                      f"writing a checkpoint (before the first step: at the next start-up "
                      f"phase, nothing to save); exit {_CODES[max(self.local, kind)]}")
-            self.local = max(self.local, kind)
-            self.signal_name = name
+            if self.signal_name is None or kind > self.local:  # the signal that decides:
+                self.signal_name = name  # torchrun's own SIGTERM after a forwarded SIGUSR1
+            self.local = max(self.local, kind)  # does not rename the stop
         return handler
 
     def agreed(self, all_reduce_max: Callable[[int], int]) -> int:
