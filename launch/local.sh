@@ -22,10 +22,17 @@ python="${PYTHON:-}"
 if [[ -z "$python" ]]; then
     if [[ -x "$here/.venv/bin/python" ]]; then python="$here/.venv/bin/python"; else python=python3; fi
 fi
-# Share the cores between the workers unless the caller decided.
+# Share the cores that are idle now between the workers unless the caller decided: a thread
+# on a core that other work keeps busy slows every step (tape_train/cpu_threads.py).
 if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
-    cores=$(nproc 2>/dev/null || echo 1)
-    export OMP_NUM_THREADS=$(( cores / nproc > 0 ? cores / nproc : 1 ))
+    if { read -r threads && read -r why; } < <("$python" -m tape_train.cpu_threads "$nproc" 2>/dev/null) \
+            && [[ "$threads" =~ ^[0-9]+$ ]]; then
+        echo "$0: OMP_NUM_THREADS=$threads per process ($why; set OMP_NUM_THREADS to choose)" >&2
+    else
+        cores=$(nproc 2>/dev/null || echo 1)
+        threads=$(( cores / nproc > 0 ? cores / nproc : 1 ))
+    fi
+    export OMP_NUM_THREADS=$threads
 fi
 
 if ! exit_file="$(mktemp "${TMPDIR:-/tmp}/tape-train-exit.XXXXXX")"; then

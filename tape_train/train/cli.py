@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     from tape_train.train.loop import Trainer
 
     return end_rank(Trainer(cfg, resume_from=args.resume_from,
-                            allow_config_change=args.allow_config_change, stop=stop).run())
+                            allow_config_change=args.allow_config_change, stop=stop,
+                            choose_cpu_threads=True).run())
 
 
 def dry_run(cfg, args: argparse.Namespace) -> int:

@@ -109,8 +109,12 @@ class Trainer:
     def __init__(self, cfg: RunConfig, *, resume_from: str | Path | None = None,
                  allow_config_change: bool = False, loader_factory: LoaderFactory | None = None,
                  eval_documents: Callable[[], Iterable] | None = None,
-                 stop: StopRequest | None = None) -> None:
+                 stop: StopRequest | None = None, choose_cpu_threads: bool = False) -> None:
+        """``choose_cpu_threads``: on CPU without ``OMP_NUM_THREADS``, set torch's threads from
+        the cores idle at start-up (``tape_train.cpu_threads``; the command line asks for it,
+        as ``launch/local.sh`` does for what it starts)."""
         self.cfg = cfg
+        self.choose_cpu_threads = choose_cpu_threads
         self.resume_from = resume_from
         self.allow_config_change = allow_config_change
         self.loader_factory = loader_factory
@@ -173,6 +177,9 @@ class Trainer:
         self._stop_point("process-group start")
         if self.dist.device.type == "cpu" and cfg.train.keep_freed_memory:
             keep_freed_memory()
+        if (self.choose_cpu_threads and self.dist.device.type == "cpu"
+                and not os.environ.get("OMP_NUM_THREADS")):
+            self._choose_cpu_threads()  # started by hand (launch/local.sh chooses the same)
         self.grid.build()
         # Data is sharded over dp only: every rank of an SP/TP group gets the same batch.
         self.dp_size, self.dp_rank = self.grid.dp_size, self.grid.dp_rank
@@ -464,6 +471,17 @@ class Trainer:
                      "counters and learning-rate schedule continue (per-rank random streams "
                      "are re-assigned: see tape_train.train.relayout)", moved.describe())
         return str(tag_dir)
+
+    @staticmethod
+    def _choose_cpu_threads() -> None:
+        """torch's default, a thread per core, is the slowest choice on a machine whose other
+        work keeps cores busy: threads as ``tape_train.cpu_threads`` chooses them."""
+        from tape_train.cpu_threads import threads_for
+
+        choice = threads_for(launch_int("LOCAL_WORLD_SIZE"))
+        torch.set_num_threads(choice.threads)
+        log.info("CPU threads per process: %d (%s; set OMP_NUM_THREADS to choose)",
+                 choice.threads, choice.reason)
 
     def _convert_to_universal(self, tag_dir: Path) -> None:
         """Rank 0 converts the checkpoint (once, cached in the tag) while the others wait; a

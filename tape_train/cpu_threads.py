@@ -1,0 +1,119 @@
+"""How many OpenMP threads each CPU training process gets, from the cores idle right now.
+
+torch's default is one thread per core. On a machine where other work keeps cores busy that
+is the slowest choice there is: OpenMP's barriers wait for the thread that shares its core,
+and every parallel region runs at the busy core's pace. Measured on 2 cores (the demo's tiny
+model, fp32, AVX2): 0.26 s per step with 2 threads and 0.46 s with 1 on a quiet machine, but
+0.80 s with 2 and 0.46 s with 1 while another process kept one core busy.
+
+So ``launch/local.sh`` (and the trainer when started by hand on CPU) measures how many of the
+cores it may use are idle over a short interval (``/proc/stat``) and gives each process
+``round(idle / processes)`` threads, at least 1 and at most ``cores / processes``. A value of
+``OMP_NUM_THREADS`` set by the user always wins. Once, at start: the load may change later.
+
+``python -m tape_train.cpu_threads N`` prints the count for N processes and, on a second line,
+why (what ``launch/local.sh`` calls).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+SAMPLE_S = 0.5
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """``threads`` per process and the line that says why (for the log)."""
+
+    threads: int
+    reason: str
+
+
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity; all of them where that is unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def _cpu_times(path: str, cpus: set[int]) -> tuple[float, float] | None:
+    """(idle, total) jiffies summed over ``cpus`` from a /proc/stat-format file; ``None`` when
+    it cannot be read or lists none of them."""
+    idle = total = 0.0
+    seen = False
+    try:
+        with open(path, encoding="ascii") as fh:
+            for line in fh:
+                name, _, rest = line.partition(" ")
+                if not (name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus):
+                    continue
+                fields = [float(v) for v in rest.split()]
+                if len(fields) < 4:
+                    continue
+                # user nice system idle iowait irq softirq steal (guest is inside user)
+                idle += fields[3] + (fields[4] if len(fields) > 4 else 0.0)
+                total += sum(fields[:8])
+                seen = True
+    except (OSError, ValueError):
+        return None
+    return (idle, total) if seen else None
+
+
+def idle_cores(cpus: list[int], sample_s: float = SAMPLE_S,
+               stat_path: str = "/proc/stat") -> float | None:
+    """How many of ``cpus`` were idle, on average, over the next ``sample_s`` seconds
+    (``None`` where /proc/stat cannot tell: not Linux, or no time elapsed on those CPUs)."""
+    wanted = set(cpus)
+    before = _cpu_times(stat_path, wanted)
+    if before is None:
+        return None
+    time.sleep(sample_s)
+    after = _cpu_times(stat_path, wanted)
+    if after is None or after[1] <= before[1]:
+        return None
+    share = (after[0] - before[0]) / (after[1] - before[1])
+    return max(0.0, min(1.0, share)) * len(wanted)
+
+
+def choose_threads(processes: int, cores: int, idle: float | None) -> ThreadChoice:
+    """Threads per process for ``processes`` processes on ``cores`` usable cores of which
+    ``idle`` are idle (``None``: unknown, all are taken as idle)."""
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
+    most = max(1, cores // processes)
+    if idle is None:
+        return ThreadChoice(most, f"{cores} core(s) / {processes} process(es); the idle "
+                                  f"cores could not be measured")
+    threads = max(1, min(most, int(idle / processes + 0.5)))
+    reason = (f"{idle:.1f} of {cores} core(s) idle over {SAMPLE_S:g} s, {processes} "
+              f"process(es)")
+    if threads < most:
+        reason += (f": fewer than the {most} a quiet machine would get (threads that share a "
+                   f"busy core slow every step)")
+    return ThreadChoice(threads, reason)
+
+
+def threads_for(processes: int) -> ThreadChoice:
+    """``choose_threads`` on this machine, now."""
+    cpus = usable_cpus()
+    return choose_threads(processes, len(cpus), idle_cores(cpus))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not args[0].isdigit() or int(args[0]) < 1:
+        print("usage: python -m tape_train.cpu_threads PROCESSES  (an integer >= 1)",
+              file=sys.stderr)
+        return 2
+    choice = threads_for(int(args[0]))
+    print(choice.threads)
+    print(choice.reason)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

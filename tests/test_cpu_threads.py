@@ -1,0 +1,116 @@
+"""OpenMP threads per CPU process chosen from the cores idle now (tape_train/cpu_threads.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tape_train import cpu_threads
+from tape_train.cpu_threads import choose_threads, idle_cores, usable_cpus
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("processes, cores, idle, threads", [
+    (1, 2, 2.0, 2),    # quiet: a thread per core
+    (1, 2, 1.9, 2),
+    (1, 2, 1.0, 1),    # another process keeps a core busy: 2 threads were 1.75x slower
+    (1, 2, 0.0, 1),    # never fewer than one
+    (2, 2, 2.0, 1),    # never more than a process's share
+    (4, 16, 16.0, 4),
+    (4, 16, 8.0, 2),
+    (4, 16, 1.0, 1),
+    (1, 8, None, 8),   # not measurable: the share, as before
+    (3, 8, None, 2),
+])
+def test_threads_follow_the_idle_cores_within_a_processs_share(processes, cores, idle, threads):
+    choice = choose_threads(processes, cores, idle)
+    assert choice.threads == threads
+    assert ("fewer than the" in choice.reason) == (threads < max(1, cores // processes))
+
+
+def test_no_processes_is_an_error():
+    with pytest.raises(ValueError, match="processes must be >= 1, got 0"):
+        choose_threads(0, 2, 2.0)
+
+
+def _stat(busy: dict[int, int], idle: dict[int, int]) -> str:
+    lines = ["cpu  999 0 999 999 0 0 0 0 0 0"]  # the machine's sum: not read
+    lines += [f"cpu{c} {busy[c]} 0 0 {idle[c]} 0 0 0 0 0 0" for c in sorted(busy)]
+    return "\n".join(lines + ["intr 1 2 3", "ctxt 5"]) + "\n"
+
+
+def test_idle_cores_counts_only_the_cpus_this_process_may_use(tmp_path, monkeypatch):
+    """Between two /proc/stat samples cpu0 was busy, cpu1 idle, cpu2 busy but not ours."""
+    stat = tmp_path / "stat"
+    stat.write_text(_stat({0: 100, 1: 100, 2: 100}, {0: 100, 1: 100, 2: 100}))
+    later = _stat({0: 200, 1: 100, 2: 200}, {0: 100, 1: 200, 2: 100})
+    monkeypatch.setattr(cpu_threads.time, "sleep", lambda s: stat.write_text(later))
+    assert idle_cores([0, 1], stat_path=str(stat)) == pytest.approx(1.0)
+    stat.write_text(_stat({0: 100, 1: 100, 2: 100}, {0: 100, 1: 100, 2: 100}))
+    assert idle_cores([1], stat_path=str(stat)) == pytest.approx(1.0)
+    assert idle_cores([7], stat_path=str(stat)) is None       # none of them listed
+    assert idle_cores([0], stat_path=str(tmp_path / "missing")) is None
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="needs Linux's /proc/stat")
+def test_a_core_kept_busy_is_not_counted_idle():
+    """Whatever else the machine does, a spinning child (on a CPU of ours: it inherits the
+    affinity) keeps at least half a core of the sampled time."""
+    cpus = usable_cpus()
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        idle = idle_cores(cpus, sample_s=0.5)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert idle is not None and 0.0 <= idle <= len(cpus) - 0.5, idle
+
+
+def test_local_sh_chooses_the_threads_and_keeps_a_value_set(tmp_path):
+    """launch/local.sh without OMP_NUM_THREADS asks tape_train.cpu_threads and says so in one
+    line; a value the caller set is passed on unchanged, without that line."""
+    seen = tmp_path / "omp"
+    python = tmp_path / "python"  # the real interpreter for the choice, a stand-in trainer
+    python.write_text(f'#!/bin/bash\nif [[ "$2" == tape_train.cpu_threads ]]; then exec '
+                      f'{sys.executable} "$@"; fi\necho "$OMP_NUM_THREADS" > {seen}\n')
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(PYTHON=str(python), TMPDIR=str(tmp_path), PYTHONPATH=str(REPO))
+    script = [str(REPO / "launch" / "local.sh"), "1", "--config", "x.yaml"]
+    proc = subprocess.run(["bash", *script], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    threads = int(seen.read_text())
+    assert 1 <= threads <= len(usable_cpus())
+    assert f"local.sh: OMP_NUM_THREADS={threads} per process (" in proc.stderr
+    assert "core(s) idle over 0.5 s, 1 process(es)" in proc.stderr
+    env["OMP_NUM_THREADS"] = "3"  # control: the caller's value wins
+    proc = subprocess.run(["bash", *script], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and seen.read_text() == "3\n", proc.stderr
+    assert "OMP_NUM_THREADS" not in proc.stderr
+
+
+def test_the_trainer_started_by_hand_on_cpu_sets_the_chosen_threads(monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    from tape_train.train.loop import Trainer
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(cpu_threads, "threads_for",
+                        lambda processes: cpu_threads.ThreadChoice(1, f"{processes} stand-in"))
+    try:
+        with caplog.at_level(logging.INFO, logger="tape_train"):
+            Trainer._choose_cpu_threads()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert ("CPU threads per process: 1 (1 stand-in; set OMP_NUM_THREADS to choose)"
+            in caplog.text)
