@@ -17,10 +17,11 @@ why (what ``launch/local.sh`` calls).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass
+
+from tape_train.machine_cache import usable_cpu_ids
 
 SAMPLE_S = 0.5
 
@@ -31,13 +32,6 @@ class ThreadChoice:
 
     threads: int
     reason: str
-
-
-def usable_cpus() -> list[int]:
-    """The CPUs this process may run on (its affinity; all of them where that is unknown)."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
 
 
 def _cpu_times(path: str, cpus: set[int]) -> tuple[float, float] | None:
@@ -99,7 +93,7 @@ def choose_threads(processes: int, cores: int, idle: float | None) -> ThreadChoi
 
 def threads_for(processes: int) -> ThreadChoice:
     """``choose_threads`` on this machine, now."""
-    cpus = usable_cpus()
+    cpus = usable_cpu_ids()
     return choose_threads(processes, len(cpus), idle_cores(cpus))
 
 

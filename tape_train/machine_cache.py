@@ -27,10 +27,15 @@ def usable_cpus() -> int:
     """CPUs this process may run on: its affinity mask (what Slurm's ``--cpus-per-task``, a
     cgroup cpuset or ``taskset`` leave it), not the machine's count, which oversubscribes a
     job that shares its node."""
+    return len(usable_cpu_ids())
+
+
+def usable_cpu_ids() -> list[int]:
+    """The ids of ``usable_cpus`` (all of the machine's where the mask is unknown)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        return sorted(os.sched_getaffinity(0)) or [0]
     except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
 
 
 def cache_dir() -> Path:

@@ -20,9 +20,9 @@ def pytest_configure(config):
         return
     import torch
 
-    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-             else os.cpu_count() or 1)
-    threads = max(1, cores // int(workers))
+    from tape_train.machine_cache import usable_cpus
+
+    threads = max(1, usable_cpus() // int(workers))
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from tape_train import cpu_threads
-from tape_train.cpu_threads import choose_threads, idle_cores, usable_cpus
+from tape_train.cpu_threads import choose_threads, idle_cores
+from tape_train.machine_cache import usable_cpu_ids
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,7 +62,7 @@ def test_idle_cores_counts_only_the_cpus_this_process_may_use(tmp_path, monkeypa
 def test_a_core_kept_busy_is_not_counted_idle():
     """Whatever else the machine does, a spinning child (on a CPU of ours: it inherits the
     affinity) keeps at least half a core of the sampled time."""
-    cpus = usable_cpus()
+    cpus = usable_cpu_ids()
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         idle = idle_cores(cpus, sample_s=0.5)
@@ -86,7 +87,7 @@ def test_local_sh_chooses_the_threads_and_keeps_a_value_set(tmp_path):
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     threads = int(seen.read_text())
-    assert 1 <= threads <= len(usable_cpus())
+    assert 1 <= threads <= len(usable_cpu_ids())
     assert f"local.sh: OMP_NUM_THREADS={threads} per process (" in proc.stderr
     assert "core(s) idle over 0.5 s, 1 process(es)" in proc.stderr
     env["OMP_NUM_THREADS"] = "3"  # control: the caller's value wins
