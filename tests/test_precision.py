@@ -140,7 +140,7 @@ def test_cpu_peak_measurement_is_time_bounded_and_cached():
     again, how_again = cpu_peak_tflops(torch.float32)
     if machine_cache.busy_cpu() is None:
         assert again == first and how_again.startswith("cached")
-    assert "float32" in how and "threads" in how
+    assert "float32" in how and f"{torch.get_num_threads()} thread" in how
 
 
 def test_deterministic_algorithms_switch_on_and_restore(monkeypatch):
@@ -235,7 +235,8 @@ def test_a_cpu_peak_measured_on_a_busy_machine_is_flagged(monkeypatch):
         2.0, "logging.peak_tflops", False)
     monkeypatch.setattr(peak_module, "busy_cpu", lambda: None)  # negative control: idle
     assert peak_module.device_peak_tflops(cpu, torch.float32, None) == (
-        0.125, f"measured float32 GEMM peak, {torch.get_num_threads()} threads", False)
+        0.125, f"measured float32 GEMM peak, {torch.get_num_threads()} thread"
+        f"{'s' * (torch.get_num_threads() != 1)}", False)
     peak, source, low = peak_module.device_peak_tflops(cpu, torch.float32, None)
     assert (peak, low) == (0.125, False) and source.startswith("cached")
     # Once cached, a busy machine no longer matters: the idle measurement is used.

@@ -87,7 +87,7 @@ def measured_cpu_peak(dtype: torch.dtype) -> tuple[float, str, bool]:
     how = "cached measurement" if was_cached else "measured"
     low = bool(busy) and not was_cached
     note = f"; machine busy ({busy}): not cached, may be low" if low else ""
-    return peak, f"{how} {name} GEMM peak, {threads} threads{note}", low
+    return peak, f"{how} {name} GEMM peak, {threads} thread{'s' * (threads != 1)}{note}", low
 
 
 def cpu_peak_tflops(dtype: torch.dtype) -> tuple[float, str]:
