@@ -23,7 +23,14 @@ if [[ -z "$python" ]]; then
     if [[ -x "$here/.venv/bin/python" ]]; then python="$here/.venv/bin/python"; else python=python3; fi
 fi
 # Share the cores that are idle now between the workers unless the caller decided: a thread
-# on a core that other work keeps busy slows every step (tape_train/cpu_threads.py).
+# on a core that other work keeps busy slows every step (tape_train/cpu_threads.py). A value
+# OpenMP cannot read (libgomp ignores it: a thread per core) is no decision.
+space='[[:space:]]*'
+if [[ -n "${OMP_NUM_THREADS:-}" && ! "$OMP_NUM_THREADS" =~ ^${space}0*[1-9][0-9]*${space}(,${space}[0-9]+${space})*$ ]]; then
+    echo "$0: OMP_NUM_THREADS='$OMP_NUM_THREADS' is not a number of threads (a positive" \
+         "integer), which OpenMP ignores: choosing from the idle cores instead" >&2
+    OMP_NUM_THREADS=
+fi
 if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
     if { read -r threads && read -r why; } < <("$python" -m tape_train.cpu_threads "$nproc" 2>/dev/null) \
             && [[ "$threads" =~ ^[0-9]+$ ]]; then

@@ -177,8 +177,7 @@ class Trainer:
         self._stop_point("process-group start")
         if self.dist.device.type == "cpu" and cfg.train.keep_freed_memory:
             keep_freed_memory()
-        if (self.choose_cpu_threads and self.dist.device.type == "cpu"
-                and not os.environ.get("OMP_NUM_THREADS")):
+        if self.choose_cpu_threads and self.dist.device.type == "cpu":
             self._choose_cpu_threads()  # started by hand (launch/local.sh chooses the same)
         self.grid.build()
         # Data is sharded over dp only: every rank of an SP/TP group gets the same batch.
@@ -475,13 +474,15 @@ class Trainer:
     @staticmethod
     def _choose_cpu_threads() -> None:
         """torch's default, a thread per core, is the slowest choice on a machine whose other
-        work keeps cores busy: threads as ``tape_train.cpu_threads`` chooses them."""
-        from tape_train.cpu_threads import threads_for
+        work keeps cores busy: threads as ``tape_train.cpu_threads`` chooses them, unless
+        ``OMP_NUM_THREADS`` chose."""
+        from tape_train.cpu_threads import set_torch_threads, user_threads
 
-        choice = threads_for(launch_int("LOCAL_WORLD_SIZE"))
-        torch.set_num_threads(choice.threads)
-        log.info("CPU threads per process: %d (%s; set OMP_NUM_THREADS to choose)",
-                 choice.threads, choice.reason)
+        chosen, warning = user_threads()
+        if warning:
+            log.warning("%s", warning)
+        if not chosen:
+            log.info("%s", set_torch_threads(launch_int("LOCAL_WORLD_SIZE")))
 
     def _convert_to_universal(self, tag_dir: Path) -> None:
         """Rank 0 converts the checkpoint (once, cached in the tag) while the others wait; a
