@@ -4,12 +4,13 @@
 #   1. demo corpus      tape-data prepare --demo --out data/demo        (Debian docs, ~30 MB)
 #   2. tokenizer        tape-tokenizer train ... --out data/demo/tokenizer   (8k BPE)
 #   3. training         launch/local.sh 1 --config configs/train/demo.yaml   (runs/demo)
-#   4. evaluation       tape-eval: perplexity at 4 context lengths -> runs/demo/eval
+#   4. evaluation       tape-eval: perplexity at the run's eval: lengths -> runs/demo/eval
 #
 # Idempotent: a complete corpus/tokenizer is reused, training resumes from its latest
 # checkpoint (or reports it is complete), evaluation is redone (it takes seconds).
 # Extra arguments are passed to tape-train as overrides, e.g. `bash launch/demo.sh
-# train.max_steps=100`.
+# train.max_steps=100`; the evaluation follows the run's eval: section, overrides included
+# (`eval.lengths=[64,128]`), as the run's scheduled evaluations did.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -22,7 +23,6 @@ export PYTHON="$PWD/$bin/python"
 export PYTHONUNBUFFERED=1
 data=data/demo
 run_dir=runs/demo
-lengths=(128 256 512 1024)
 
 step() { printf '\n==> %s (%ds so far)\n' "$*" "$SECONDS"; }
 
@@ -43,11 +43,10 @@ fi
 step "3/4 training the tiny TAPE model on CPU -> $run_dir"
 bash launch/local.sh 1 --config configs/train/demo.yaml "train.run_dir=$run_dir" "$@"
 
-step "4/4 perplexity at context lengths ${lengths[*]} -> $run_dir/eval"
+step "4/4 perplexity at the context lengths of the run's eval: section -> $run_dir/eval"
 progress=()
 [[ -t 2 ]] || progress=(--no-progress)  # no carriage-return bars in a log file
-"$bin/tape-eval" --checkpoint "$run_dir" --lengths "${lengths[@]}" --max-tokens 16384 \
-    --out "$run_dir/eval" "${progress[@]}"
+"$bin/tape-eval" --checkpoint "$run_dir" --out "$run_dir/eval" "${progress[@]}"
 
 cat <<MSG
 

@@ -187,3 +187,36 @@ def test_merge_settings_keeps_a_shared_value_and_names_every_run_that_differs():
     assert chosen.config.batch_size == 2 and chosen.origin["batch_size"] == "--batch-size"
     assert chosen.origin["max_tokens"] == "the eval: sections of the 3 checkpoints' runs"
     assert merge_settings({}, dict(list(runs.items())[:2])).config.batch_size == 8
+
+
+def test_the_demo_s_final_evaluation_follows_the_run_it_trained(tmp_path):
+    """launch/demo.sh passes its arguments to training as overrides; its final tape-eval had
+    its own lengths and token cap (128..1024, 16384), so `bash launch/demo.sh
+    eval.lengths=[64,128]` trained and logged at 64, 128 but reported 128..1024."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "launch").mkdir()
+    shutil.copy(repo / "launch" / "demo.sh", tmp_path / "launch" / "demo.sh")
+    calls = tmp_path / "calls"
+    stub = f'#!/bin/bash\necho "$(basename "$0") $*" >> {calls}\n'
+    (tmp_path / "launch" / "local.sh").write_text(stub)
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("python", "tape-data", "tape-tokenizer", "tape-eval"):
+        (bin_dir / name).write_text(stub)
+        (bin_dir / name).chmod(0o755)
+    data = tmp_path / "data" / "demo"
+    data.mkdir(parents=True)
+    (data / "manifest.json").write_text("{}")
+    (data / "tokenizer.model").write_text("")
+    proc = subprocess.run(["bash", str(tmp_path / "launch" / "demo.sh"),
+                           "eval.lengths=[64,128]"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    train, evaluate = calls.read_text().splitlines()
+    assert train.startswith("local.sh 1 --config configs/train/demo.yaml") \
+        and train.endswith("eval.lengths=[64,128]")
+    assert evaluate.startswith("tape-eval --checkpoint runs/demo --out runs/demo/eval")
+    assert "--lengths" not in evaluate and "--max-tokens" not in evaluate
