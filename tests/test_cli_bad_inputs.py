@@ -546,6 +546,27 @@ def test_tape_submit_checks_the_evaluation_job_before_submitting(tmp_path, capsy
     assert "--max-tokens=64 --device=cpu" in capsys.readouterr().out
 
 
+def test_tape_submit_checks_the_evaluation_against_the_run_s_eval_section(tmp_path, capsys):
+    """tape-eval takes the settings not given from the run's eval: section: a --stride its
+    protocols leave unused, or its stride not below a --lengths, was accepted here and refused
+    by the evaluation job after the training."""
+    from tape_train.cluster.submit import main
+
+    path = _base_yaml(tmp_path, "eval:\n  protocols: [nonoverlap]\n  sliding_stride: 8\n")
+    base = ["--config", str(path), "--dry-run", "--no-preflight", "--eval-after"]
+    assert main([*base, "--eval-arg=--stride=4"]) == 1
+    assert ("tape-eval --stride=4: --stride is only used by --protocols sliding, which is not "
+            "asked for (the run's eval: section: eval.protocols nonoverlap)"
+            in capsys.readouterr().err)
+    assert main([*base, "--eval-lengths", "8", "--eval-arg=--protocols=sliding"]) == 1
+    assert ("eval.sliding_stride=8 must be smaller than every evaluation length, got length 8"
+            in capsys.readouterr().err)
+    # control: the same with lengths the stride fits, or a stride of its own
+    assert main([*base, "--eval-lengths", "16", "--eval-arg=--protocols=sliding"]) == 0
+    assert main([*base, "--eval-lengths", "8", "--eval-arg=--protocols=sliding",
+                 "--eval-arg=--stride=4"]) == 0
+
+
 def test_prepare_and_tokenizer_onto_a_file_say_so(tmp_path, capsys):
     from tape_train.data.cli import main as data_main
     from tape_train.data.testing import real_text_documents, write_jsonl

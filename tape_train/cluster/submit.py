@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--eval-after", action="store_true",
                    help="also submit eval.sbatch with --dependency=afterok:<training job>")
     e.add_argument("--eval-lengths", type=int, nargs="+", default=None,
-                   help="context lengths for tape-eval (default: tape-eval's own)")
+                   help="context lengths for tape-eval (default: the run's eval.lengths, "
+                        "else L, 2L, 4L, 8L of train.seq_len, as tape-eval takes them)")
     e.add_argument("--eval-out", default=None, help="default: <run_dir>/eval")
     e.add_argument("--eval-time", default=EVAL_TIME,
                    help="time limit of the evaluation job (default: %(default)s)")
@@ -365,10 +366,14 @@ def _main(argv: list[str] | None) -> int:
             eval_args = ["--checkpoint", str(run_dir), "--out", str(workdir / eval_out)]
             yours = (["--lengths", *map(str, args.eval_lengths)] if args.eval_lengths
                      else []) + args.eval_arg
+            from tape_train.cluster.run_args import parse_train_args
+            from tape_train.config import load_run_config
             from tape_train.eval.cli import check_arguments
 
-            try:  # tape-eval's own rules, checked now rather than after the training job
-                check_arguments(eval_args + yours)
+            parsed = parse_train_args(train_args)
+            try:  # tape-eval's own rules, with the run's eval: section, now, not after training
+                check_arguments(eval_args + yours,
+                                run=load_run_config(parsed.config, parsed.overrides))
             except ValueError as exc:
                 raise ValueError(f"--eval-lengths/--eval-arg: tape-eval {' '.join(yours)}: "
                                  f"{exc}") from None

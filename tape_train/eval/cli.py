@@ -116,17 +116,25 @@ def _given_settings(args: argparse.Namespace) -> dict:
     return given
 
 
-def check_arguments(argv: list[str]) -> None:
+def check_arguments(argv: list[str], run=None) -> None:
     """Raise ``ValueError`` with what tape-eval would refuse in ``argv`` without reading a
     file (an unknown option, a bad value): ``tape-submit --eval-after`` checks the evaluation
-    job's command line before the training job is queued, not when it starts hours later."""
+    job's command line before the training job is queued, not when it starts hours later.
+    ``run``, the ``RunConfig`` the checkpoint will be trained with, adds what tape-eval checks
+    against its ``eval:`` section and ``train.seq_len`` (a ``--stride`` its protocols leave
+    unused, its stride not below a ``--lengths``)."""
+    from tape_train.eval.settings import merge_settings
+
     parser = build_parser()
 
     def refuse(message: str):
         raise ValueError(message)
 
     parser.error = refuse
-    _given_settings(parser.parse_args(argv))
+    given = _given_settings(parser.parse_args(argv))
+    if run is not None:
+        where = "the run's config"
+        merge_settings(given, {where: run.eval}).lengths_for(run.train.seq_len, where)
 
 
 # Collectives of a multi-rank evaluation wait at most this long: rank 0 reads a large checkpoint
