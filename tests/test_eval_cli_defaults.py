@@ -220,3 +220,24 @@ def test_the_demo_s_final_evaluation_follows_the_run_it_trained(tmp_path):
         and train.endswith("eval.lengths=[64,128]")
     assert evaluate.startswith("tape-eval --checkpoint runs/demo --out runs/demo/eval")
     assert "--lengths" not in evaluate and "--max-tokens" not in evaluate
+
+
+def test_lengths_the_held_out_data_cannot_fill_say_where_they_came_from(tmp_path, capsys):
+    """The run's eval.lengths, beyond its held-out documents, were refused as 'shorter
+    lengths' with no word that they came from the run (nothing was typed)."""
+    from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+
+    tok = train_small_tokenizer(tmp_path / "tok", vocab_size=512, max_bytes=300_000)
+    write_jsonl(tmp_path / "heldout.jsonl", real_text_documents(max_documents=3))
+    data = {"sources": [{"path": str(tmp_path / "heldout.jsonl")}], "tokenizer": tok.path,
+            "eval_sources": [{"path": str(tmp_path / "heldout.jsonl")}]}
+    make_checkpoint(tmp_path / "run", "tape", seed=3, vocab_size=tok.vocab_size, data=data,
+                    eval_section={**RUN_EVAL, "lengths": [100000]})
+    code, _ = _evaluate(tmp_path, "run")
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1
+    assert "step_00000005: cannot evaluate L=100000: no held-out document reaches it" in err
+    assert err.rstrip().endswith("or shorter lengths (lengths from the run's eval: section)")
+    code, _ = _evaluate(tmp_path, "run", args=["--lengths", "100000"])
+    assert code == 1 and capsys.readouterr().err.rstrip().endswith(
+        "or shorter lengths (lengths from --lengths)")

@@ -379,6 +379,7 @@ class _Checkpoint:
     train_seq_len: int | None
     run_eval: Any  # EvalConfig: its run's eval: section, defaults where it has no key
     lengths: list[int] = field(default_factory=list)  # set once the settings are chosen
+    lengths_from: str = ""  # where they came from, for an error about them
 
 
 
@@ -423,6 +424,7 @@ def _read_checkpoints(given: dict, tag_dirs: list[Path]):
     settings = merge_settings(given, {str(c.tag_dir): c.run_eval for c in checkpoints})
     for c in checkpoints:
         c.lengths = settings.lengths_for(c.train_seq_len, str(c.tag_dir))
+        c.lengths_from = settings.where("lengths")
     return settings.config, checkpoints
 
 
@@ -448,8 +450,8 @@ def _held_out(args, checkpoints: list[_Checkpoint], max_tokens: int | None):
     for c in checkpoints:  # before any weights are read
         try:
             check_reachable(c.lengths, docs)
-        except ValueError as exc:
-            raise ValueError(f"{c.tag_dir}: {exc}") from None
+        except ValueError as exc:  # lengths from the run's eval: section, when none were typed
+            raise ValueError(f"{c.tag_dir}: {exc} ({c.lengths_from})") from None
     top = max((int(tokens.max()) for tokens, *_ in docs), default=-1)
     for c in checkpoints[1:]:
         if top >= c.model_cfg.vocab_size:
