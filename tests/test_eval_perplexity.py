@@ -376,6 +376,26 @@ def test_bad_input_is_named():
 # ----------------------------------------------------------------------------------------------
 
 
+def test_a_length_cut_by_max_tokens_says_so_not_that_no_document_reaches_it(caplog):
+    """max_tokens below a length that a document reaches: the message said 'no held-out
+    document reaches it (the longest one ... has 63 predictions)' for L=32."""
+    from tape_train.eval.perplexity import UnmeasuredLengthError
+
+    model, docs = RecordingModel(), documents(seed=5, lengths=(64,))  # 63 predictions
+    with caplog.at_level("WARNING", logger="tape_train.eval"):
+        at8, at32 = evaluate_perplexity(model, docs, lengths=[8, 32], max_tokens=24)
+    assert at8["measured"] and not at32["measured"]
+    assert ("eval L=32: n/a, the first max_tokens=24 predictions scored hold no full window "
+            "of L=32 (a held-out document of 63 predictions reaches it") in caplog.text
+    assert "no held-out document reaches it" not in caplog.text
+    with pytest.raises(UnmeasuredLengthError, match=r"cannot evaluate L=32: the first "
+                       r"max_tokens=24 .* Use a larger max_tokens"):
+        evaluate_perplexity(model, docs, lengths=[32], max_tokens=24)
+    # control: beyond the longest document the old reason stands
+    with pytest.raises(UnmeasuredLengthError, match="L=128: no held-out document reaches it"):
+        evaluate_perplexity(model, docs, lengths=[128], max_tokens=24)
+
+
 def test_short_documents_cannot_report_a_long_length(caplog):
     from tape_train.eval.perplexity import UnmeasuredLengthError
 

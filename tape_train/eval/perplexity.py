@@ -406,11 +406,27 @@ def check_measured(rows: list[dict], docs: list, allow_unmeasured: bool = False,
     missing = [r["length"] for r in rows if not r["measured"]]
     if not missing:
         return
+    longest = max(t.numel() - 1 for t, *_ in docs)
+    cap = rows[0].get("max_tokens")
+    # A length a document reaches is unmeasured only because the cap ends the scoring first.
+    cut = [length for length in missing if length <= longest and cap is not None]
     if len(missing) == len(rows) and not allow_unmeasured:
+        if cut:
+            raise UnmeasuredLengthError(
+                f"cannot evaluate {', '.join(f'L={n}' for n in missing)}: "
+                f"{_why_cut(cut, cap, longest)}. Use a larger max_tokens (eval.max_tokens, "
+                f"tape-eval --max-tokens) or shorter lengths")
         raise _unmeasured(missing, docs)
-    why = _why_unmeasured(docs)
     for length in missing if warn else ():
+        why = _why_cut([length], cap, longest) if length in cut else _why_unmeasured(docs)
         log.warning("eval L=%d: n/a, %s", length, why)
+
+
+def _why_cut(lengths: list[int], cap: int, longest: int) -> str:
+    named = ", ".join(f"L={n}" for n in lengths)
+    return (f"the first max_tokens={cap} predictions scored hold no full window of {named} "
+            f"(a held-out document of {longest} predictions reaches it, but the cap ends the "
+            f"scoring before)")
 
 
 def check_reachable(lengths: list[int], docs: list) -> None:
