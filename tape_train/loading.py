@@ -182,7 +182,37 @@ def _fit_for_engine(universal_dir: Path, tag_dir: Path, tensor_parallel: bool,
         _wrap_bare_states(universal_dir, tag_dir)
     if zero_stage is not None:
         _fit_for_stage(universal_dir, tag_dir, zero_stage)
+        _check_loadable(universal_dir, zero_stage)
     return universal_dir
+
+
+def _check_loadable(universal_dir: Path, zero_stage: int) -> None:
+    """Refuse a universal form missing a file a ZeRO-``zero_stage`` engine's load needs,
+    naming it and the fix (e.g. a copy of the tag cut short, or a form whose fitting marker
+    outlived one of its files).
+
+    DeepSpeed 0.19.8's ZeRO-1/2 universal load reads whatever ``zero/<name>/*.pt`` it finds:
+    without ``fp32.pt`` the parameter keeps its fresh initial value, without ``step.pt``
+    AdamW restarts its bias correction, and nothing says so. Its ZeRO-3 load and both stages'
+    search for the model-states file fail only with a bare error. A listing, no file read."""
+    family = 3 if zero_stage == 3 else 1
+    needed = [universal_dir / "zero" / "optimizer_state.pt"]
+    model_states = _MODEL_STATES[family].format("*")
+    if not any(universal_dir.glob(model_states)):
+        needed.append(universal_dir / model_states)
+    states = _STATES + (("step",) if family == 1 else ())
+    params = sorted(p for p in (universal_dir / "zero").iterdir() if p.is_dir()) \
+        if (universal_dir / "zero").is_dir() else []
+    if not params:
+        needed.append(universal_dir / "zero" / "<name>" / UNIVERSAL_PARAM)
+    needed += [param / f"{state}.pt" for param in params for state in states]
+    missing = [path for path in needed if not path.is_file()]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(
+            f"{missing[0]}{more} is missing from the universal form, which a ZeRO-{zero_stage} "
+            f"engine needs; delete {universal_dir} and run again: it is converted anew from "
+            f"the checkpoint, which is untouched")
 
 
 def _wrap_bare_states(universal_dir: Path, tag_dir: Path) -> None:

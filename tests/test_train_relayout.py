@@ -420,3 +420,39 @@ def test_an_unreadable_file_of_a_cached_universal_form_is_named_with_the_fix(tmp
     assert message.startswith(f"{state / 'fp32.pt'} of the universal form is unreadable (")
     assert message.endswith(f"delete {tag / 'universal'} and run again: it is converted anew "
                             f"from the checkpoint, which is untouched")
+
+
+@pytest.mark.parametrize("stage, gone", [(1, "zero/embed.weight/fp32.pt"),
+                                         (2, "zero/norm.weight/step.pt"),
+                                         (3, "zero_pp_rank_0_mp_rank_00_model_states.pt")])
+def test_a_universal_form_missing_a_file_its_engine_needs_is_refused_naming_it(
+        tmp_path, stage, gone):
+    """DeepSpeed's ZeRO-1/2 universal load reads whichever state files it finds: a form cut
+    short of a parameter's fp32.pt loaded that weight as freshly initialised, without its
+    step.pt AdamW's step restarted, silently. Each file a stage's load needs is checked first
+    (a listing, no read), also where the fitting marker says the form is ready."""
+    import json
+
+    from tape_train import loading
+
+    tag = tmp_path / "checkpoints" / "step_00000004"
+    universal = tag / "universal"
+    (universal / "zero").mkdir(parents=True)
+    (tag / "COMPLETE.json").write_text(json.dumps(
+        {"files": {}, "zero_stage": 1, "layout": {"dp": 2, "sp": 1, "tp": 1}}))
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                 "FOR_ZERO3.json", "zero/optimizer_state.pt"):
+        (universal / name).touch()
+    for param in ("embed.weight", "norm.weight"):
+        (universal / "zero" / param).mkdir()
+        for state in ("fp32", "exp_avg", "exp_avg_sq", "step"):
+            (universal / "zero" / param / f"{state}.pt").touch()
+    assert loading.ensure_universal(tag, zero_stage=stage) == universal
+    (universal / gone).unlink()
+    with pytest.raises(loading.CheckpointError) as failed:
+        loading.ensure_universal(tag, zero_stage=stage)
+    named = gone.replace("mp_rank_00", "mp_rank_*")  # the file of any tensor-parallel rank
+    assert str(failed.value) == (
+        f"{universal / named} is missing from the universal form, which a ZeRO-{stage} engine "
+        f"needs; delete {universal} and run again: it is converted anew from the checkpoint, "
+        f"which is untouched")
