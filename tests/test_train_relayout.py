@@ -51,8 +51,16 @@ def test_layout_change_rules_name_what_breaks_and_how_to_fix_it():
                              *_now(1, gas=2)) == []
     assert relayout.problems(_marker(sharding="documents", synthetic=True),
                              *_now(1, gas=2)) == []
-    (zero0,) = relayout.problems(_marker(dp=1, tp=2, gas=2, zero=0), *_now(1, gas=2))
-    assert "ZeRO-0" in zero0
+    # A ZeRO-0 checkpoint cannot change tp: refused whatever --allow-config-change says (it
+    # was a problem that flag overrode, and the load then failed on every weight's shape).
+    cfg, grid = _now(1, gas=2)
+    cfg.parallel.zero_stage = 0
+    assert relayout.problems(_marker(dp=1, tp=2, gas=2, zero=0), cfg, grid) == []
+    assert relayout.unloadable(_marker(dp=1, tp=2, gas=2, zero=0), cfg) == (
+        "a ZeRO-0 checkpoint stores one weight shard per tensor-parallel rank and cannot be "
+        "re-split (saved tp=2, now tp=1); DeepSpeed's universal conversion needs ZeRO-1/2/3: "
+        "resume with parallel.tp=2")
+    assert relayout.unloadable(_marker(dp=2, zero=0), cfg) is None  # dp and sp may change
     assert not relayout.plan(_marker(dp=2, zero=0), *_now(1, gas=2)).universal
 
 
