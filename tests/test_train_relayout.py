@@ -464,3 +464,40 @@ def test_a_universal_form_missing_a_file_its_engine_needs_is_refused_naming_it(
         f"{universal / named} is missing from the universal form, which a ZeRO-{stage} engine "
         f"needs; delete {universal} and run again: it is converted anew from the checkpoint, "
         f"which is untouched")
+
+
+@pytest.mark.parametrize("cached_flat", [False, True])
+def test_states_of_a_zero3_form_without_tp_take_their_parameters_shapes(tmp_path, cached_flat):
+    """DeepSpeed's converter writes a ZeRO-3 checkpoint without TP as flat tensors; its
+    ZeRO-1/2 loader at tp > 1 needs each state in its parameter's shape (a ZeRO-3 -> ZeRO-1
+    resume at tp 2 failed with "full param numel 16384 != tensor slice numel 16384 *
+    tp_world_size 2"). Fresh forms and forms wrapped flat earlier (``cached_flat``) get the
+    shapes of the saved model states, values intact; ``step.pt`` stays as it is."""
+    import json
+
+    import torch
+
+    from tape_train import loading
+
+    tag = tmp_path / "checkpoints" / "step_00000004"
+    universal = tag / "universal"
+    (universal / "zero").mkdir(parents=True)
+    (tag / "COMPLETE.json").write_text(json.dumps(
+        {"files": {}, "zero_stage": 3, "layout": {"dp": 2, "sp": 1, "tp": 1}}))
+    shapes = {"proj.weight": (2, 3), "norm.weight": (6,)}
+    torch.save({"param_shapes": [{k: torch.Size(v) for k, v in shapes.items()}]},
+               universal / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    for param in shapes:
+        (universal / "zero" / param).mkdir()
+        for i, state in enumerate(("exp_avg", "exp_avg_sq", "fp32")):
+            flat = torch.arange(6.0) + i
+            torch.save({"param": flat} if cached_flat else flat,
+                       universal / "zero" / param / f"{state}.pt")
+        torch.save(torch.tensor(4.0), universal / "zero" / param / "step.pt")
+    loading.ensure_universal(tag, tensor_parallel=True)
+    for param, shape in shapes.items():
+        for i, state in enumerate(("exp_avg", "exp_avg_sq", "fp32")):
+            saved = torch.load(universal / "zero" / param / f"{state}.pt")
+            assert set(saved) == {"param"}, (param, state)
+            assert torch.equal(saved["param"], (torch.arange(6.0) + i).reshape(shape))
+        assert torch.equal(torch.load(universal / "zero" / param / "step.pt"), torch.tensor(4.0))
