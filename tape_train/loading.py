@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -182,34 +183,99 @@ def _fit_for_engine(universal_dir: Path, tag_dir: Path, tensor_parallel: bool,
         _wrap_bare_states(universal_dir, tag_dir)
     if zero_stage is not None:
         _fit_for_stage(universal_dir, tag_dir, zero_stage)
+        _check_loadable(universal_dir, zero_stage)
     return universal_dir
+
+
+def _check_loadable(universal_dir: Path, zero_stage: int) -> None:
+    """Refuse a universal form missing a file a ZeRO-``zero_stage`` engine's load needs,
+    naming it and the fix (e.g. a copy of the tag cut short, or a form whose fitting marker
+    outlived one of its files).
+
+    DeepSpeed 0.19.8's ZeRO-1/2 universal load reads whatever ``zero/<name>/*.pt`` it finds:
+    without ``fp32.pt`` the parameter keeps its fresh initial value, without ``step.pt``
+    AdamW restarts its bias correction, and nothing says so. Its ZeRO-3 load and both stages'
+    search for the model-states file fail only with a bare error. A listing, no file read."""
+    family = 3 if zero_stage == 3 else 1
+    needed = [universal_dir / "zero" / "optimizer_state.pt"]
+    model_states = _MODEL_STATES[family].format("*")
+    if not any(universal_dir.glob(model_states)):
+        needed.append(universal_dir / model_states)
+    states = _STATES + (("step",) if family == 1 else ())
+    params = sorted(p for p in (universal_dir / "zero").iterdir() if p.is_dir()) \
+        if (universal_dir / "zero").is_dir() else []
+    if not params:
+        needed.append(universal_dir / "zero" / "<name>" / UNIVERSAL_PARAM)
+    needed += [param / f"{state}.pt" for param in params for state in states]
+    missing = [path for path in needed if not path.is_file()]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(
+            f"{missing[0]}{more} is missing from the universal form, which a ZeRO-{zero_stage} "
+            f"engine needs; delete {universal_dir} and run again: it is converted anew from "
+            f"the checkpoint, which is untouched")
 
 
 def _wrap_bare_states(universal_dir: Path, tag_dir: Path) -> None:
     """Store every ``zero/<name>/<state>.pt`` of a converted ZeRO-3 checkpoint without tensor
-    parallelism as ``{"param": tensor}``, the form the converter writes for every other
-    checkpoint.
+    parallelism as ``{"param": tensor}`` of the parameter's shape, the form the converter
+    writes for every other checkpoint.
 
-    DeepSpeed 0.19.8's converter writes those states as bare tensors, and its ZeRO-3 loader
-    cuts a tensor-parallel rank's shard only out of the dict form: a resume at tp > 1 from
-    such a checkpoint read the whole weight as if it were the shard and failed with
+    DeepSpeed 0.19.8's converter writes those states as bare flat tensors, and its ZeRO-3
+    loader cuts a tensor-parallel rank's shard only out of the dict form: a resume at tp > 1
+    from such a checkpoint read the whole weight as if it were the shard and failed with
     ``start (…) + length (…) exceeds dimension size (…)``; its ZeRO-1/2 loader reads only
-    the dict form (``ckpt_dict["param"]``). Both forms load the same into ZeRO-3 at tp = 1,
-    so only a load at tp > 1 or into ZeRO-1/2 pays for this rewrite of every state (once
-    per cached form). ``step.pt`` (``_fit_for_stage``) stays a bare tensor, as the ZeRO-1/2
-    loader reads it.
-    Idempotent; files are replaced atomically and in order, so when the last one is a dict
-    every one is (a process killed half-way left a prefix done)."""
+    the dict form (``ckpt_dict["param"]``) and, at tp > 1, takes a state of the parameter's
+    own shape for a replicated one and cuts a shard along a dimension of the full shape (a
+    flat state failed with ``full param numel … != tensor slice numel … * tp_world_size``).
+    The shapes are the saved model states' ``param_shapes`` (at tp = 1 the whole
+    parameters'); without that file the states stay flat, which the ZeRO-3 loader reads
+    alike (it flattens every state). Both forms load the same into ZeRO-3 at tp = 1, so only
+    a load at tp > 1 or into ZeRO-1/2 pays for this rewrite of every state (once per cached
+    form). ``step.pt`` (``_fit_for_stage``) stays a bare tensor, as the ZeRO-1/2 loader
+    reads it.
+    Idempotent; files are replaced atomically and in order (a process killed half-way left
+    a prefix done)."""
     marker = read_marker(tag_dir)
     if int(marker.get("zero_stage", 3)) != 3 or saved_layout(marker)["tp"] != 1:
-        return  # the converter wrote dicts
+        return  # the converter wrote dicts of the parameters' shapes
     paths = sorted(p for p in Path(universal_dir).glob("zero/*/*.pt") if p.stem in _STATES)
-    if not paths or not torch.is_tensor(_load_state(paths[-1], universal_dir)):
+    shapes = _saved_param_shapes(universal_dir)
+
+    def done(state, path: Path) -> bool:
+        shape = shapes.get(path.parent.name)
+        return isinstance(state, dict) and (
+            shape is None or tuple(state["param"].shape) == tuple(shape))
+
+    # Done in order: the last file done means all are, but a form wrapped flat before the
+    # shapes were applied has its one-dimensional ones right already: the last of the others too.
+    shaped = [p for p in paths if len(shapes.get(p.parent.name, ())) > 1]
+    if not paths or all(done(_load_state(p, universal_dir), p) for p in {paths[-1], *shaped[-1:]}):
         return
     for path in paths:
         state = _load_state(path, universal_dir)
-        if torch.is_tensor(state):
-            write_atomic(path, lambda fh, state=state: torch.save({"param": state}, fh))
+        if done(state, path):
+            continue
+        state = dict(state) if isinstance(state, dict) else {"param": state}
+        shape = shapes.get(path.parent.name)
+        if shape is not None:
+            if state["param"].numel() != math.prod(shape):
+                raise CheckpointError(
+                    f"{path} of the universal form holds {state['param'].numel()} values, "
+                    f"its parameter {tuple(shape)}; delete {universal_dir} and run again: it "
+                    f"is converted anew from the checkpoint, which is untouched")
+            state["param"] = state["param"].reshape(shape)
+        write_atomic(path, lambda fh, state=state: torch.save(state, fh))
+
+
+def _saved_param_shapes(universal_dir: Path) -> dict[str, tuple]:
+    """Each parameter's shape by name, from the ZeRO-3 model states of a universal form
+    without tensor parallelism (``param_shapes``); empty without that file."""
+    path = universal_dir / _MODEL_STATES[3].format("00")
+    if not path.is_file():
+        return {}
+    groups = _load_state(path, universal_dir).get("param_shapes") or []
+    return {name: tuple(shape) for group in groups for name, shape in group.items()}
 
 
 # The per-parameter states of the universal form, ``zero/<name>/<state>.pt``.

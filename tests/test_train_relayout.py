@@ -51,8 +51,16 @@ def test_layout_change_rules_name_what_breaks_and_how_to_fix_it():
                              *_now(1, gas=2)) == []
     assert relayout.problems(_marker(sharding="documents", synthetic=True),
                              *_now(1, gas=2)) == []
-    (zero0,) = relayout.problems(_marker(dp=1, tp=2, gas=2, zero=0), *_now(1, gas=2))
-    assert "ZeRO-0" in zero0
+    # A ZeRO-0 checkpoint cannot change tp: refused whatever --allow-config-change says (it
+    # was a problem that flag overrode, and the load then failed on every weight's shape).
+    cfg, grid = _now(1, gas=2)
+    cfg.parallel.zero_stage = 0
+    assert relayout.problems(_marker(dp=1, tp=2, gas=2, zero=0), cfg, grid) == []
+    assert relayout.unloadable(_marker(dp=1, tp=2, gas=2, zero=0), cfg) == (
+        "a ZeRO-0 checkpoint stores one weight shard per tensor-parallel rank and cannot be "
+        "re-split (saved tp=2, now tp=1); DeepSpeed's universal conversion needs ZeRO-1/2/3: "
+        "resume with parallel.tp=2")
+    assert relayout.unloadable(_marker(dp=2, zero=0), cfg) is None  # dp and sp may change
     assert not relayout.plan(_marker(dp=2, zero=0), *_now(1, gas=2)).universal
 
 
@@ -420,3 +428,76 @@ def test_an_unreadable_file_of_a_cached_universal_form_is_named_with_the_fix(tmp
     assert message.startswith(f"{state / 'fp32.pt'} of the universal form is unreadable (")
     assert message.endswith(f"delete {tag / 'universal'} and run again: it is converted anew "
                             f"from the checkpoint, which is untouched")
+
+
+@pytest.mark.parametrize("stage, gone", [(1, "zero/embed.weight/fp32.pt"),
+                                         (2, "zero/norm.weight/step.pt"),
+                                         (3, "zero_pp_rank_0_mp_rank_00_model_states.pt")])
+def test_a_universal_form_missing_a_file_its_engine_needs_is_refused_naming_it(
+        tmp_path, stage, gone):
+    """DeepSpeed's ZeRO-1/2 universal load reads whichever state files it finds: a form cut
+    short of a parameter's fp32.pt loaded that weight as freshly initialised, without its
+    step.pt AdamW's step restarted, silently. Each file a stage's load needs is checked first
+    (a listing, no read), also where the fitting marker says the form is ready."""
+    import json
+
+    from tape_train import loading
+
+    tag = tmp_path / "checkpoints" / "step_00000004"
+    universal = tag / "universal"
+    (universal / "zero").mkdir(parents=True)
+    (tag / "COMPLETE.json").write_text(json.dumps(
+        {"files": {}, "zero_stage": 1, "layout": {"dp": 2, "sp": 1, "tp": 1}}))
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                 "FOR_ZERO3.json", "zero/optimizer_state.pt"):
+        (universal / name).touch()
+    for param in ("embed.weight", "norm.weight"):
+        (universal / "zero" / param).mkdir()
+        for state in ("fp32", "exp_avg", "exp_avg_sq", "step"):
+            (universal / "zero" / param / f"{state}.pt").touch()
+    assert loading.ensure_universal(tag, zero_stage=stage) == universal
+    (universal / gone).unlink()
+    with pytest.raises(loading.CheckpointError) as failed:
+        loading.ensure_universal(tag, zero_stage=stage)
+    named = gone.replace("mp_rank_00", "mp_rank_*")  # the file of any tensor-parallel rank
+    assert str(failed.value) == (
+        f"{universal / named} is missing from the universal form, which a ZeRO-{stage} engine "
+        f"needs; delete {universal} and run again: it is converted anew from the checkpoint, "
+        f"which is untouched")
+
+
+@pytest.mark.parametrize("cached_flat", [False, True])
+def test_states_of_a_zero3_form_without_tp_take_their_parameters_shapes(tmp_path, cached_flat):
+    """DeepSpeed's converter writes a ZeRO-3 checkpoint without TP as flat tensors; its
+    ZeRO-1/2 loader at tp > 1 needs each state in its parameter's shape (a ZeRO-3 -> ZeRO-1
+    resume at tp 2 failed with "full param numel 16384 != tensor slice numel 16384 *
+    tp_world_size 2"). Fresh forms and forms wrapped flat earlier (``cached_flat``) get the
+    shapes of the saved model states, values intact; ``step.pt`` stays as it is."""
+    import json
+
+    import torch
+
+    from tape_train import loading
+
+    tag = tmp_path / "checkpoints" / "step_00000004"
+    universal = tag / "universal"
+    (universal / "zero").mkdir(parents=True)
+    (tag / "COMPLETE.json").write_text(json.dumps(
+        {"files": {}, "zero_stage": 3, "layout": {"dp": 2, "sp": 1, "tp": 1}}))
+    shapes = {"proj.weight": (2, 3), "norm.weight": (6,)}
+    torch.save({"param_shapes": [{k: torch.Size(v) for k, v in shapes.items()}]},
+               universal / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    for param in shapes:
+        (universal / "zero" / param).mkdir()
+        for i, state in enumerate(("exp_avg", "exp_avg_sq", "fp32")):
+            flat = torch.arange(6.0) + i
+            torch.save({"param": flat} if cached_flat else flat,
+                       universal / "zero" / param / f"{state}.pt")
+        torch.save(torch.tensor(4.0), universal / "zero" / param / "step.pt")
+    loading.ensure_universal(tag, tensor_parallel=True)
+    for param, shape in shapes.items():
+        for i, state in enumerate(("exp_avg", "exp_avg_sq", "fp32")):
+            saved = torch.load(universal / "zero" / param / f"{state}.pt")
+            assert set(saved) == {"param"}, (param, state)
+            assert torch.equal(saved["param"], (torch.arange(6.0) + i).reshape(shape))
+        assert torch.equal(torch.load(universal / "zero" / param / "step.pt"), torch.tensor(4.0))

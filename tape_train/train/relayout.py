@@ -64,8 +64,19 @@ def unloadable(marker: dict, cfg) -> str | None:
     optimizer shards for the universal conversion, and a ZeRO-0 engine has no universal
     load (it reads the whole optimizer state from the model-states file, where ZeRO-1/2/3
     keep none). Changes among ZeRO-1, 2 and 3 load: within ZeRO-1/2 the files are the same,
-    into or out of ZeRO-3 through the universal form fitted for the new stage (``plan``)."""
+    into or out of ZeRO-3 through the universal form fitted for the new stage (``plan``).
+    Nor can a ZeRO-0 checkpoint change tp: its files hold each tensor-parallel rank's
+    shard of the weights, which no route re-splits (a resume on another tp failed in the
+    engine's load with a size mismatch per weight)."""
     saved, now = saved_zero_stage(marker), cfg.parallel.zero_stage
+    if saved == now == 0:
+        from tape_train.train.checkpoint import saved_layout
+
+        tp = saved_layout(marker)["tp"]
+        if tp != cfg.parallel.tp:
+            return (f"a ZeRO-0 checkpoint stores one weight shard per tensor-parallel rank and "
+                    f"cannot be re-split (saved tp={tp}, now tp={cfg.parallel.tp}); DeepSpeed's "
+                    f"universal conversion needs ZeRO-1/2/3: resume with parallel.tp={tp}")
     if saved == now or 0 not in (saved, now):
         return None
     return (f"parallel.zero_stage changes from {saved} to {now}: DeepSpeed cannot load a "
@@ -231,10 +242,6 @@ def problems(marker: dict, cfg, grid) -> list[str]:
                      f"data-parallel ranks (saved dp={saved['dp']}, now dp={current['dp']}); "
                      f"resume at dp={saved['dp']}, or train with data.sharding: global (or "
                      f"data.format: tokens) to be able to change it")
-    if saved_zero_stage(marker) == 0 and saved["tp"] != current["tp"]:
-        found.append(f"a ZeRO-0 checkpoint stores one weight shard per tensor-parallel rank "
-                     f"and cannot be re-split (saved tp={saved['tp']}, now tp={current['tp']}); "
-                     f"DeepSpeed's universal conversion needs ZeRO-1/2/3")
     return found
 
 
