@@ -44,9 +44,11 @@ class ThreadChoice:
 
 def _cpu_times(path: str, cpus: set[int]) -> tuple[float, float] | None:
     """(idle, total) jiffies summed over ``cpus`` from a /proc/stat-format file; ``None`` when
-    it cannot be read or lists none of them."""
+    it cannot be read or does not list every one of them (a container whose /proc/stat
+    numbers its CPUs otherwise than its affinity mask: the listed ones would speak for
+    CPUs they are not)."""
     idle = total = 0.0
-    seen = False
+    seen: set[int] = set()
     try:
         with open(path, encoding="ascii") as fh:
             for line in fh:
@@ -59,10 +61,10 @@ def _cpu_times(path: str, cpus: set[int]) -> tuple[float, float] | None:
                 # user nice system idle iowait irq softirq steal (guest is inside user)
                 idle += fields[3] + (fields[4] if len(fields) > 4 else 0.0)
                 total += sum(fields[:8])
-                seen = True
+                seen.add(int(name[3:]))
     except (OSError, ValueError):
         return None
-    return (idle, total) if seen else None
+    return (idle, total) if seen == cpus else None
 
 
 def idle_cores(cpus: list[int], sample_s: float = SAMPLE_S,
@@ -88,14 +90,18 @@ def choose_threads(processes: int, cores: int, idle: float | None) -> ThreadChoi
         raise ValueError(f"processes must be >= 1, got {processes}")
     most = max(1, cores // processes)
     if idle is None:
-        return ThreadChoice(most, f"{cores} core(s) / {processes} process(es); the idle "
-                                  f"cores could not be measured")
-    threads = max(1, min(most, int(idle / processes + 0.5)))
-    reason = (f"{idle:.1f} of {cores} core(s) idle over {SAMPLE_S:g} s, {processes} "
-              f"process(es)")
+        threads = most
+        reason = f"{cores} core(s) / {processes} process(es); the idle cores could not be measured"
+    else:
+        threads = max(1, min(most, int(idle / processes + 0.5)))
+        reason = (f"{idle:.1f} of {cores} core(s) idle over {SAMPLE_S:g} s, {processes} "
+                  f"process(es)")
     if threads < most:
         reason += (f": fewer than the {most} a quiet machine would get (threads that share a "
                    f"busy core slow every step)")
+    if processes > cores:
+        reason += (f"; more processes than cores: they share cores, which is slower than "
+                   f"{cores} process(es)")
     return ThreadChoice(threads, reason)
 
 

@@ -34,6 +34,12 @@ def test_threads_follow_the_idle_cores_within_a_processs_share(processes, cores,
     assert ("fewer than the" in choice.reason) == (threads < max(1, cores // processes))
 
 
+def test_more_processes_than_cores_is_said():
+    assert "more processes than cores" in choose_threads(5, 2, 2.0).reason
+    assert "more processes than cores" in choose_threads(3, 2, None).reason
+    assert "more processes than cores" not in choose_threads(2, 2, 2.0).reason
+
+
 def test_no_processes_is_an_error():
     with pytest.raises(ValueError, match="processes must be >= 1, got 0"):
         choose_threads(0, 2, 2.0)
@@ -55,6 +61,9 @@ def test_idle_cores_counts_only_the_cpus_this_process_may_use(tmp_path, monkeypa
     stat.write_text(_stat({0: 100, 1: 100, 2: 100}, {0: 100, 1: 100, 2: 100}))
     assert idle_cores([1], stat_path=str(stat)) == pytest.approx(1.0)
     assert idle_cores([7], stat_path=str(stat)) is None       # none of them listed
+    # some not listed (a container numbering its CPUs otherwise): unknown, not scaled up from
+    # the listed ones
+    assert idle_cores([1, 7], stat_path=str(stat)) is None
     assert idle_cores([0], stat_path=str(tmp_path / "missing")) is None
 
 
