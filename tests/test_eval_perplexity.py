@@ -451,3 +451,25 @@ def test_an_unreached_length_advises_a_larger_cap_only_when_the_cap_cut_the_data
     assert "(the longest one read within max_tokens has 8 predictions)" in str(cut.value)
     assert "a larger max_tokens (eval.max_tokens, tape-eval --max-tokens: it cut the " \
            "held-out set)" in str(cut.value)
+
+
+def test_the_report_says_why_a_length_has_no_number():
+    """The table's footnote and the plot's caption said 'no held-out document reaches this
+    length' also where max_tokens ended the scoring before a full window (the log line was
+    right): each unmeasured length now carries its reason."""
+    from tape_train.eval.report import format_table, plot_caption
+
+    model, docs = RecordingModel(), documents(seed=5, lengths=(64,))  # 63 predictions
+    results = evaluate_perplexity(model, docs, lengths=[8, 32, 128], max_tokens=24,
+                                  allow_unmeasured=True)
+    assert [r["cut_by_max_tokens"] for r in results] == [False, True, False]
+    runs = [{"label": "m", "train_seq_len": 8, "results": results}]
+    table, caption = format_table(runs), plot_caption(runs)
+    assert ("n/a: max_tokens ended the scoring before a full window of this length, which a "
+            "held-out document reaches: a larger max_tokens measures it.") in table
+    assert "n/a: no held-out document reaches this length" in table  # L=128: control
+    assert ("no point at L = 128: no held-out document reaches it (n/a in the table); no point "
+            "at L = 32: max_tokens ended the scoring before a full window") in caption
+    measured_only = [{**runs[0], "results": results[:1]}]
+    assert "n/a" not in format_table(measured_only)
+    assert "no point" not in plot_caption(measured_only)

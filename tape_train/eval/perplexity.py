@@ -408,8 +408,7 @@ def check_measured(rows: list[dict], docs: list, allow_unmeasured: bool = False,
         return
     longest = max(t.numel() - 1 for t, *_ in docs)
     cap = rows[0].get("max_tokens")
-    # A length a document reaches is unmeasured only because the cap ends the scoring first.
-    cut = [length for length in missing if length <= longest and cap is not None]
+    cut = [r["length"] for r in rows if r.get("cut_by_max_tokens")]
     if len(missing) == len(rows) and not allow_unmeasured:
         if cut:
             raise UnmeasuredLengthError(
@@ -540,11 +539,15 @@ def _evaluate_length(model, docs, length, protocol, stride, max_tokens, batch_si
         _forward(model, first_batch, device)
     if bar is not None:
         bar.close()
+    measured = counts["windows_at_length"] > 0
     info = {"length": length, "protocol": protocol,
             "stride": resolve_stride(length, stride) if protocol == "sliding" else None,
             **counts, "max_tokens": max_tokens,
             "capped": bool(getattr(docs, "capped", False)),
-            "measured": counts["windows_at_length"] > 0,
+            "measured": measured,
+            # a held-out document reaches the length: the cap ended the scoring first
+            "cut_by_max_tokens": not measured and max_tokens is not None and length <= max(
+                t.numel() - 1 for t, *_ in docs),
             "few_tokens": counts["tokens_at_length"] < FEW_TOKENS, "scored": scored}
     host_bytes = torch.tensor([scored_bytes], dtype=torch.float64)
     return torch.cat([sums, host_bytes.to(device, non_blocking=True)]), info

@@ -52,7 +52,8 @@ def format_table(runs: list[dict]) -> str:
     lines = ["| model | protocol | L | L/L_train | stride | perplexity | loss (nats) | "
              "bits/byte | tokens | docs ≥ L | windows = L | tokens at L |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    few = unmeasured = False
+    few = False
+    unmeasured = set()  # why: "cut" (max_tokens ended the scoring first) or "short"
     caps = set()
     for run in runs:
         train_len = run.get("train_seq_len")
@@ -61,7 +62,7 @@ def format_table(runs: list[dict]) -> str:
             stride = str(r["stride"]) if r.get("stride") is not None else "–"
             mark = ""
             if not _measured(r):
-                unmeasured = True
+                unmeasured.add("cut" if r.get("cut_by_max_tokens") else "short")
             elif r.get("few_tokens"):
                 few, mark = True, f" {FEW_MARK}"
             cut = ""
@@ -82,9 +83,12 @@ def format_table(runs: list[dict]) -> str:
         lines.append(f"\n{CAPPED_MARK} max_tokens={cap} cut the held-out set: only its first "
                      f"{cap} predictions (documents in their fixed order) were scored, the same "
                      f"ones at every length and protocol; the rest of it was not scored.")
-    if unmeasured:
+    if "short" in unmeasured:
         lines.append("\nn/a: no held-out document reaches this length, so nothing was measured "
                      "at it.")
+    if "cut" in unmeasured:
+        lines.append("\nn/a: max_tokens ended the scoring before a full window of this length, "
+                     "which a held-out document reaches: a larger max_tokens measures it.")
     return "\n".join(lines) + "\n"
 
 
@@ -241,10 +245,13 @@ def plot_caption(runs: list[dict]) -> str:
     if caps:
         notes.append(f"every point scores only the first {', '.join(map(str, caps))} "
                      f"predictions of the held-out set (max_tokens cut it)")
-    missing = sorted({r["length"] for r in results if not _measured(r)})
-    if missing:
-        notes.append("no point at L = " + ", ".join(map(str, missing)) +
-                     ": no held-out document reaches it (n/a in the table)")
+    for cut, why in ((False, "no held-out document reaches it"),
+                     (True, "max_tokens ended the scoring before a full window")):
+        missing = sorted({r["length"] for r in results
+                          if not _measured(r) and bool(r.get("cut_by_max_tokens")) == cut})
+        if missing:
+            notes.append("no point at L = " + ", ".join(map(str, missing)) +
+                         f": {why} (n/a in the table)")
     return "; ".join(notes)
 
 

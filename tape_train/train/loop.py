@@ -899,8 +899,11 @@ class Trainer:
                                                     "eval_time_s": time.perf_counter() - start})
         for r in results:
             if not r.get("measured", True):
+                why = ("eval.max_tokens ended the scoring before a full window"
+                       if r.get("cut_by_max_tokens")
+                       else "no held-out document reaches this length")
                 self._console(f"eval step {self.state.step} | {r['protocol']} L={r['length']} | "
-                              f"n/a: no held-out document reaches this length", None)
+                              f"n/a: {why}", None)
                 continue
             self._console(f"eval step {self.state.step} | {r['protocol']} L={r['length']} | "
                           f"ppl {r['perplexity']:.3f} | bpb {r['bits_per_byte']:.4f} | "
