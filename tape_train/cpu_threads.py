@@ -23,10 +23,12 @@ why (what ``launch/local.sh`` calls).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tape_train.machine_cache import usable_cpu_ids
@@ -139,6 +141,17 @@ def set_torch_threads(processes: int) -> str:
     torch.set_num_threads(choice.threads)
     return (f"CPU threads per process: {choice.threads} ({choice.reason}; set "
             f"OMP_NUM_THREADS to choose)")
+
+
+def adopt_torch_threads(processes: int, say: Callable[[int, str], object]) -> None:
+    """What every CPU command does at start (the trainer, ``tape-eval``, ``tape-generate``):
+    unless ``OMP_NUM_THREADS`` chose, set torch's threads with ``set_torch_threads``; each line
+    to log goes to ``say(level, text)`` (a warning for an unreadable ``OMP_NUM_THREADS``)."""
+    chosen, warning = user_threads()
+    if warning:
+        say(logging.WARNING, warning)
+    if not chosen:
+        say(logging.INFO, set_torch_threads(processes))
 
 
 def main(argv: list[str] | None = None) -> int:

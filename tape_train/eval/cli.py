@@ -504,17 +504,13 @@ def run(args) -> int:
         inputs = _rank_zero_decides(read_inputs, rank, world)
     settings, checkpoints, docs, data_desc = inputs
     if device.type == "cpu":
-        from tape_train.cpu_threads import set_torch_threads, user_threads
+        from tape_train.cpu_threads import adopt_torch_threads
         from tape_train.host_memory import keep_freed_memory
 
         keep_freed_memory()
-        chosen, warning = user_threads()
-        if warning and rank == 0:
-            log.warning("%s", warning)
-        if not chosen:  # a thread per core is the slowest choice beside other work
-            line = set_torch_threads(launch_int("LOCAL_WORLD_SIZE"))
-            if rank == 0:
-                log.info("%s", line)
+        # a thread per core is the slowest choice beside other work; said by rank 0
+        adopt_torch_threads(launch_int("LOCAL_WORLD_SIZE"),
+                            lambda level, text: rank == 0 and log.log(level, "%s", text))
 
     def pick_dtype():
         if args.dtype not in ("auto", "bf16"):

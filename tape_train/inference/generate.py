@@ -190,13 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tape-generate: error: {exc}", file=sys.stderr)
         return 1
     if device.type == "cpu":  # a thread per core is the slowest choice beside other work
-        from tape_train.cpu_threads import set_torch_threads, user_threads
+        from tape_train.cpu_threads import adopt_torch_threads
 
-        chosen, warning = user_threads()
-        if warning:
-            print(f"tape-generate: {warning}", file=sys.stderr)
-        if not chosen:
-            print(f"tape-generate: {set_torch_threads(1)}", file=sys.stderr)
+        adopt_torch_threads(1, lambda level, text: print(f"tape-generate: {text}",
+                                                         file=sys.stderr))
     precision = resolve_dtype(args.dtype, device.type)
     if precision.warning:
         print(f"tape-generate: {precision.warning}", file=sys.stderr)

@@ -476,13 +476,10 @@ class Trainer:
         """torch's default, a thread per core, is the slowest choice on a machine whose other
         work keeps cores busy: threads as ``tape_train.cpu_threads`` chooses them, unless
         ``OMP_NUM_THREADS`` chose."""
-        from tape_train.cpu_threads import set_torch_threads, user_threads
+        from tape_train.cpu_threads import adopt_torch_threads
 
-        chosen, warning = user_threads()
-        if warning:
-            log.warning("%s", warning)
-        if not chosen:
-            log.info("%s", set_torch_threads(launch_int("LOCAL_WORLD_SIZE")))
+        adopt_torch_threads(launch_int("LOCAL_WORLD_SIZE"),
+                            lambda level, text: log.log(level, "%s", text))
 
     def _convert_to_universal(self, tag_dir: Path) -> None:
         """Rank 0 converts the checkpoint (once, cached in the tag) while the others wait; a
