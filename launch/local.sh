@@ -23,23 +23,17 @@ if [[ -z "$python" ]]; then
     if [[ -x "$here/.venv/bin/python" ]]; then python="$here/.venv/bin/python"; else python=python3; fi
 fi
 # Share the cores that are idle now between the workers unless the caller decided: a thread
-# on a core that other work keeps busy slows every step (tape_train/cpu_threads.py). A value
-# OpenMP cannot read (libgomp ignores it: a thread per core) is no decision.
-space='[[:space:]]*'
-if [[ -n "${OMP_NUM_THREADS:-}" && ! "$OMP_NUM_THREADS" =~ ^${space}0*[1-9][0-9]*${space}(,${space}[0-9]+${space})*$ ]]; then
-    echo "$0: OMP_NUM_THREADS='$OMP_NUM_THREADS' is not a number of threads (a positive" \
-         "integer), which OpenMP ignores: choosing from the idle cores instead" >&2
-    OMP_NUM_THREADS=
-fi
-if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
-    if { read -r threads && read -r why; } < <("$python" -m tape_train.cpu_threads "$nproc" 2>/dev/null) \
-            && [[ "$threads" =~ ^[0-9]+$ ]]; then
-        echo "$0: OMP_NUM_THREADS=$threads per process ($why; set OMP_NUM_THREADS to choose)" >&2
-    else
-        cores=$(nproc 2>/dev/null || echo 1)
-        threads=$(( cores / nproc > 0 ? cores / nproc : 1 ))
+# on a core that other work keeps busy slows every step. tape_train/cpu_threads.py decides
+# (a value OpenMP cannot read is no decision: libgomp would take a thread per core) and prints
+# the value, then what to log. Without tape_train: cores / processes when none is set.
+if choice="$("$python" -m tape_train.cpu_threads "$nproc" 2>/dev/null)" && [[ -n "$choice" ]]; then
+    export OMP_NUM_THREADS="${choice%%$'\n'*}"
+    if [[ "$choice" == *$'\n'* ]]; then
+        while IFS= read -r line; do echo "$0: $line" >&2; done <<< "${choice#*$'\n'}"
     fi
-    export OMP_NUM_THREADS=$threads
+elif [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+    cores=$(nproc 2>/dev/null || echo 1)
+    export OMP_NUM_THREADS=$(( cores / nproc > 0 ? cores / nproc : 1 ))
 fi
 
 if ! exit_file="$(mktemp "${TMPDIR:-/tmp}/tape-train-exit.XXXXXX")"; then

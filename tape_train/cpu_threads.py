@@ -17,8 +17,8 @@ demo's evaluation took 2.9 s with 2 threads and 5.3 s with 1 on a quiet machine,
 2 and 5.4-11 s with 1 while another process kept one core busy; 1000 sampled tokens 17-26 s
 with 2 threads and 6-9 s with 1 then.
 
-``python -m tape_train.cpu_threads N`` prints the count for N processes and, on a second line,
-why (what ``launch/local.sh`` calls).
+``python -m tape_train.cpu_threads N`` prints the ``OMP_NUM_THREADS`` for N processes (the
+user's own when readable) and then the lines to log, if any (what ``launch/local.sh`` calls).
 """
 
 from __future__ import annotations
@@ -160,9 +160,16 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m tape_train.cpu_threads PROCESSES  (an integer >= 1)",
               file=sys.stderr)
         return 2
+    chosen, warning = user_threads()
+    if chosen:
+        print(os.environ["OMP_NUM_THREADS"])
+        return 0
     choice = threads_for(int(args[0]))
     print(choice.threads)
-    print(choice.reason)
+    if warning:
+        print(warning)
+    print(f"OMP_NUM_THREADS={choice.threads} per process ({choice.reason}; set "
+          f"OMP_NUM_THREADS to choose)")
     return 0
 
 
