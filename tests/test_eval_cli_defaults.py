@@ -143,6 +143,38 @@ def test_a_null_and_a_set_value_disagree_and_the_example_is_one_an_option_takes(
     assert "(e.g. --stride 4)" in err
 
 
+def test_auto_chooses_the_null_of_lengths_and_stride_over_runs_that_set_them(tmp_path, capsys,
+                                                                             caplog):
+    """Runs with explicit lengths and strides that disagree: `--lengths auto --stride auto`
+    is their config's null typed on the command line (each run's L..8L, L // 2)."""
+    sliding = {"protocols": ["sliding"], "max_tokens": 16}
+    make_checkpoint(tmp_path / "a", "tape", seed=1, seq_len=4,
+                    eval_section={**sliding, "lengths": [8], "sliding_stride": 2})
+    make_checkpoint(tmp_path / "b", "rope", seed=2, seq_len=8,
+                    eval_section={**sliding, "lengths": [16], "sliding_stride": 4})
+    assert _evaluate(tmp_path, "a", "b")[0] == 1  # negative control: the runs disagree
+    assert "choose for all with --lengths (e.g. --lengths 8)" in capsys.readouterr().err
+    with caplog.at_level(logging.INFO, logger="tape_train.eval"):
+        code, payload = _evaluate(tmp_path, "a", "b", args=["--lengths", "auto",
+                                                            "--stride", "AUTO"])
+    assert code == 0
+    for model, seq_len in ((0, 4), (1, 8)):
+        results = payload["models"][model]["results"]
+        assert [r["length"] for r in results] == [seq_len * m for m in (1, 2, 4, 8)]
+        assert [r["stride"] for r in results] == [r["length"] // 2 for r in results]
+    assert payload["settings"]["sliding_stride"] is None
+    # One value per option: `auto` does not mix with lengths; other words are refused.
+    for args, message in ((["--lengths", "auto", "8"], "'auto' (L, 2L, 4L, 8L of each "
+                           "checkpoint's train.seq_len) stands alone"),
+                          (["--stride", "half"], "invalid value 'half': an integer or 'auto'")):
+        try:
+            code = _evaluate(tmp_path, "a", args=args)[0]
+        except SystemExit as exc:  # argparse's own refusal of a value
+            code = exc.code
+        assert code != 0
+        assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("section, args, message", [
     # the run's stride, the user's lengths: each named as it was given
     ({"sliding_stride": 4}, ["--lengths", "4", "8"],

@@ -46,14 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label", nargs="+", metavar="NAME",
                    help="one display name per checkpoint (default: run name and encoding)")
     # Each setting's default is the checkpoints' runs' eval: section (tape_train.eval.settings).
-    p.add_argument("--lengths", nargs="+", type=int, metavar="L",
-                   help="context lengths in tokens (default: the runs' eval.lengths; when "
-                        "null, L, 2L, 4L, 8L of each checkpoint's training length)")
+    p.add_argument("--lengths", nargs="+", type=_auto_or_int, metavar="L|auto",
+                   help="context lengths in tokens; 'auto': L, 2L, 4L, 8L of each "
+                        "checkpoint's training length L (default: the runs' eval.lengths; "
+                        "when null, auto)")
     p.add_argument("--protocols", nargs="+", choices=PROTOCOLS,
                    help=f"default: the runs' eval.protocols, else {' '.join(default.protocols)}")
-    p.add_argument("--stride", type=int,
-                   help="sliding-window stride S < every length (default: the runs' "
-                        "eval.sliding_stride; when null, L // 2)")
+    p.add_argument("--stride", type=_auto_or_int, metavar="S|auto",
+                   help="sliding-window stride S < every length; 'auto': L // 2 of each "
+                        "length L (default: the runs' eval.sliding_stride; when null, auto)")
     p.add_argument("--max-tokens", metavar="N|all",
                    help="scored tokens per (length, protocol); 'all' scores the whole held-out "
                         f"set (default: the runs' eval.max_tokens, else {default.max_tokens})")
@@ -79,6 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", dest="progress", action="store_const", const="off",
                    help="same as --progress off")
     return example_on_missing(p, "tape-eval --checkpoint runs/demo --lengths 128 256 512 1024")
+
+
+# ``--lengths auto`` / ``--stride auto``: the run config's ``null`` for that setting, typed.
+AUTO = "auto"
+
+
+def _auto_or_int(text: str) -> int | str:
+    if text.lower() == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: an integer or 'auto'") from None
 
 
 def _parse_max_tokens(text: str) -> int | None:
@@ -108,6 +122,13 @@ def _given_settings(args: argparse.Namespace) -> dict:
     given = {key: value for key, value in given.items() if value is not None}
     if "max_tokens" in given:
         given["max_tokens"] = _parse_max_tokens(given["max_tokens"])
+    if AUTO in given.get("lengths", ()):
+        if len(given["lengths"]) > 1:
+            raise ValueError(f"--lengths {' '.join(map(str, given['lengths']))}: 'auto' (L, 2L, "
+                             f"4L, 8L of each checkpoint's train.seq_len) stands alone")
+        given["lengths"] = None
+    if given.get("sliding_stride") == AUTO:
+        given["sliding_stride"] = None
     if "sliding_stride" in given and "protocols" in given:
         problem = unused_stride(given["protocols"], "--protocols")
         if problem:

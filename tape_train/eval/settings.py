@@ -167,9 +167,9 @@ def _yaml(value: Any, key: str) -> str:
 
 
 def _words(key: str, value: Any) -> str:
-    """A setting as its option takes it: ``1024 2048``, ``all``."""
+    """A setting as its option takes it: ``1024 2048``, ``all``, ``auto``."""
     if value is None:
-        return "all" if key == "max_tokens" else "null"
+        return "all" if key == "max_tokens" else "auto"
     if isinstance(value, list):
         return " ".join(map(str, value))
     return str(value)
