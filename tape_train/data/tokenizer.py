@@ -7,7 +7,8 @@ pads, so PAD only matters to code that pads for evaluation and masks those posit
 
 Tokenizers trained here use identity normalisation and keep whitespace, so
 ``decode(encode(text)) == text`` for any text whose characters are covered or byte-encodable
-(``byte_fallback``): indentation in code and documentation survives.
+(``byte_fallback``): indentation in code and documentation survives. The exception is
+U+2581 ``▁``, sentencepiece's mark for a space: it encodes and decodes as a space.
 """
 
 from __future__ import annotations
