@@ -600,7 +600,7 @@ def test_generate_streams_characters_spelled_in_byte_pieces(run_and_tokenizers, 
         if text == "a 世":
             ids = ids[:-1]  # ends inside the character: its bytes still come out at the end
         assert any(tokenizer.decode([i]) == "\ufffd" for i in ids)  # byte pieces, or no test
-        expected = tokenizer.decode(ids)
+        expected = tokenizer.decode(tokenizer.encode("P") + ids)[1:]  # " a 世界 b ä"
 
         def fake_generate(model, input_ids, max_new_tokens, *, on_token, **kwargs):
             for i in ids:
@@ -611,6 +611,45 @@ def test_generate_streams_characters_spelled_in_byte_pieces(run_and_tokenizers, 
         assert main([str(run / "run"), "--prompt", "P", "--tokenizer", tok,
                      "--device", "cpu"]) == 0
         assert capsys.readouterr().out == f"P{expected}\n"
+        assert expected.startswith(" a ")
+
+
+def test_generate_keeps_the_space_that_starts_the_continuation(run_and_tokenizers, tmp_path,
+                                                              capsys, monkeypatch):
+    """"Hello" continued by the pieces of " world" (``▁w or ld``) printed "Helloworld" and
+    wrote the completion "world": the continuation was decoded as a text of its own, whose
+    first "▁" is the dummy prefix sentencepiece drops."""
+    import json
+
+    import torch
+
+    import tape_train.model.generate as model_generate
+    from tape_train.data import load_tokenizer
+    from tape_train.inference.generate import main
+
+    run, tok, _ = run_and_tokenizers
+    tokenizer = load_tokenizer(tok)
+    prompt, whole = "Hello", "Hello world  and\n more"
+    new = tokenizer.encode(whole)[len(tokenizer.encode(prompt)):]
+    assert tokenizer.encode(whole)[:len(tokenizer.encode(prompt))] == tokenizer.encode(prompt)
+    assert tokenizer.id_to_piece(new[0]).startswith("▁")  # or no test
+
+    def fake_generate(model, input_ids, max_new_tokens, *, on_token=None, **kwargs):
+        for i in new:
+            if on_token is not None:
+                on_token(torch.tensor([i]))
+        return torch.cat([input_ids, torch.tensor([new])], dim=1)
+
+    monkeypatch.setattr(model_generate, "generate", fake_generate)
+    assert main([str(run / "run"), "--prompt", prompt, "--tokenizer", tok,
+                 "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == whole + "\n"
+    inp = _write_prompts(tmp_path / "in.jsonl", [{"prompt": prompt}, {"prompt": ""}])
+    assert main([*_sampling(run_and_tokenizers, "--max-new-tokens", str(len(new))),
+                 "--prompts", str(inp), "--out", "-"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows[0]["prompt"] + rows[0]["completion"] == whole
+    assert rows[1]["completion"] == tokenizer.decode(new) == whole[len(prompt) + 1:]
 
 
 def test_generate_names_a_prompt_that_is_not_utf8_and_an_hf_export(run_and_tokenizers,
@@ -964,6 +1003,6 @@ def test_generate_prompts_reports_an_eos_finish(run_and_tokenizers, tmp_path, ca
         args = _sampling(run_and_tokenizers, "--max-new-tokens", str(budget))
         assert main([*args, "--prompts", str(inp), "--out", "-"]) == 0
         rows.append(json.loads(capsys.readouterr().out))
-    assert rows[0] == {"prompt": "a", "completion": "hello world", "new_tokens": len(words),
+    assert rows[0] == {"prompt": "a", "completion": " hello world", "new_tokens": len(words),
                        "finish": "eos"}
     assert rows[1]["finish"] == "length" and rows[1]["new_tokens"] == len(words) - 1

@@ -213,6 +213,22 @@ def test_missing_or_unsupported_paths_name_the_key(tok, tmp_path, setup, match):
     assert "data.sources[0].path" in str(info.value)
 
 
+def test_a_saved_datasets_directory_as_path_says_to_read_it_as_hub(tok, texts, tmp_path):
+    """``datasets``' save_to_disk writes Arrow files, which ``path`` does not read; ``hub``
+    does (through load_dataset), and the error says so."""
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(DataError, match=r"holds no supported files .*save_to_disk.*hub: "):
+        build_train_loader(cfg_for(tmp_path / "saved"), tok, SEQ, 2)
+    hub = DataConfig(sources=[{"hub": str(tmp_path / "saved")}], prefetch=0, shuffle=False)
+    want = expected_stream(tok, texts)  # two rows: blocks of SEQ + 1 tokens less their last
+    assert first_tokens(tok, hub, 1) == want[:SEQ] + want[SEQ + 1:2 * SEQ + 1]
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(DataError) as info:  # negative control: no such advice elsewhere
+        build_train_loader(cfg_for(tmp_path / "plain"), tok, SEQ, 2)
+    assert "save_to_disk" not in str(info.value)
+
+
 def test_source_with_only_empty_files_is_an_error(tok, tmp_path):
     (tmp_path / "e.jsonl").write_bytes(b"")
     loader = build_train_loader(cfg_for(tmp_path / "e.jsonl"), tok, SEQ, 2)

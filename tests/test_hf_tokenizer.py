@@ -60,6 +60,44 @@ def test_ids_and_decoding_match_the_training_tokenizer(tokenizer_dir):
     assert hf("Hello world", add_special_tokens=False)["input_ids"] == sp.encode("Hello world")
 
 
+def _random_text(rng: random.Random) -> str:
+    """Up to 30 pieces of adversarial text: specials' spellings, U+2581, combining marks,
+    zero-width and control characters, CR/LF, tabs, and any code point but surrogates."""
+    parts = ["a", "the", " ", "  ", "\n", "\r\n", "\t", "<s>", "</s>", "<unk>", "<pad>", "<0x41>",
+             "▁", "e\u0301", "日本", "🤖", "\u200b", "\u200d", "\ufeff", "\x00", "\x7f", "ﬁ", "ｆ",
+             "①", "\u2028", "עב", "12", "é", "<b>", "x>y"]
+    out = []
+    for _ in range(rng.randint(0, 30)):
+        r = rng.random()
+        if r < 0.6:
+            out.append(rng.choice(parts))
+        elif r < 0.85:
+            out.append(chr(rng.randint(0x20, 0x7E)))
+        else:
+            code = rng.randint(0, 0x10FFFF)
+            out.append(chr(code) if not 0xD800 <= code < 0xE000 else "?")
+    return "".join(out)
+
+
+def test_ids_and_decoding_match_on_random_text(tokenizer_dir):
+    """Seeded fuzz: the exported tokenizer gives training's ids, and decodes them as
+    sentencepiece (and tape-generate) does; a long document's ids also match for BPE
+    (unigram: docs/evaluation.md, Known limits)."""
+    sp, path = tokenizer_dir
+    hf = transformers.AutoTokenizer.from_pretrained(path)
+    rng = random.Random(0)
+    for _ in range(500):
+        text = _random_text(rng)
+        ids = sp.encode(text)
+        assert hf(text, add_special_tokens=False)["input_ids"] == ids, text
+        assert hf.decode(ids) == sp.decode(ids) == text.replace("▁", " "), text
+    from tape_train.inference.hf_tokenizer import _proto
+
+    if _proto(sp.path).trainer_spec.model_type == 2:  # BPE
+        document = "\n\n".join(_corpus()) * 8 + "".join(_random_text(rng) for _ in range(300))
+        assert hf(document, add_special_tokens=False)["input_ids"] == sp.encode(document)
+
+
 def test_negative_control_parsing_special_strings_would_be_caught(tokenizer_dir):
     sp, path = tokenizer_dir
     parsing = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=True,
@@ -167,3 +205,46 @@ def test_whitespace_settings_the_files_cannot_reproduce_are_refused(tokenizer_di
     with pytest.raises(ValueError, match=f"{setting}=(true|false) is not supported"):
         build_fast_tokenizer(odd)
     build_fast_tokenizer(sp.path)  # negative control
+
+
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+@pytest.mark.parametrize("byte_fallback", [True, False])
+def test_spellings_of_control_and_byte_pieces_stay_text_without_their_characters(
+        tmp_path, model_type, byte_fallback):
+    """A unigram vocabulary without "<" (text with no markup, or a character_coverage that
+    drops it): the exported tokenizer matched a literal "<s>" as BOS and "<0x41>" as the
+    byte piece of "A" (which then decoded as "A"), where training gave "<", "s", ">"."""
+    rng = random.Random(1)
+    words = ["the", "model", "attention", "tokens", "layer", "state", "value", "日本", "  "]
+    docs = [" ".join(rng.choice(words) for _ in range(20)) for _ in range(300)]
+    spec = TokenizerTrainSpec(vocab_size=280 if byte_fallback else 30, model_type=model_type,
+                              byte_fallback=byte_fallback, num_threads=1)
+    sp = train_tokenizer(docs, tmp_path / "tok", spec)
+    assert "<" not in "".join(sp.id_to_piece(i) for i in range(4, sp.vocab_size)
+                              if not sp.id_to_piece(i).startswith("<0x"))
+    from tape_train.inference.hf_tokenizer import write_hf_tokenizer
+
+    write_hf_tokenizer(sp.path, tmp_path, model_max_length=4096)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    texts = ["<s>", "</s>", "<unk>", "<pad>", "a<s>b", "<0x41>", "x<0x41><0x42>", "日本<s>",
+             "the <s> model", "<<s>>", "<>", "本<0x41>本"]
+    for text in texts:
+        assert hf(text, add_special_tokens=False)["input_ids"] == sp.encode(text), text
+    if byte_fallback:
+        assert hf.decode(hf("<0x41>", add_special_tokens=False)["input_ids"]) == "<0x41>"
+    for _ in range(300):  # strings of covered and uncovered characters, control spellings
+        text = "".join(rng.choice(["<s>", "</s>", "<0x41>", "the", " ", "本", "<", "x", "é",
+                                   "\n", "🤖"]) for _ in range(rng.randint(0, 8)))
+        assert hf(text, add_special_tokens=False)["input_ids"] == sp.encode(text), text
+
+
+def test_a_unigram_export_warns_that_some_ids_differ(tokenizer_dir, tmp_path, caplog):
+    """docs/evaluation.md, Known limits: unigram exports differ from training on near-ties of
+    float32 scores; the export says so, a BPE export does not."""
+    from tape_train.inference.hf_tokenizer import _proto, write_hf_tokenizer
+
+    sp, _ = tokenizer_dir
+    with caplog.at_level("WARNING", logger="tape_train.export"):
+        write_hf_tokenizer(sp.path, tmp_path, model_max_length=64)
+    unigram = _proto(sp.path).trainer_spec.model_type == 1
+    assert ("is a unigram model" in caplog.text) == unigram

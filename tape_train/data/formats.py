@@ -206,7 +206,7 @@ def resolve_local_shards(source: SourceConfig, split: str = "train") -> list[Sha
 
                 raise DataError(f"{key}: directory {pattern!r} holds no supported files "
                                 f"(.jsonl/.ndjson[.gz|.zst], .parquet, .txt/.md/.rst[.gz|.zst])"
-                                f"{unfinished_prepare_note(p)}")
+                                f"{_saved_dataset_note(p)}{unfinished_prepare_note(p)}")
             found.extend(files)
         elif p.is_file():
             if not classify(p):
@@ -247,6 +247,16 @@ def _missing_hint(path: Path) -> str:
                  f"and its tokenizer by `tape-tokenizer train --input {DEMO_DIR} --spec demo "
                  f"--out {DEMO_DIR}/tokenizer` (`make demo` in a checkout does both)")
     return hint
+
+
+def _saved_dataset_note(directory: Path) -> str:
+    """How to read a directory written by ``datasets``' ``save_to_disk`` (Arrow files, which
+    ``path`` does not read): as a ``hub`` source; "" for any other directory."""
+    if not any((directory / name).is_file() for name in ("dataset_dict.json", "state.json")):
+        return ""
+    return (f"; it is a directory of Hugging Face `datasets` (save_to_disk): read it as a Hub "
+            f"source, `hub: {directory}` in a data config, or prepare it once with "
+            f"`tape-data prepare --hub {directory} --out DIR` and name DIR")
 
 
 def is_prepared_dir(directory: Path) -> bool:

@@ -7,7 +7,8 @@ pads, so PAD only matters to code that pads for evaluation and masks those posit
 
 Tokenizers trained here use identity normalisation and keep whitespace, so
 ``decode(encode(text)) == text`` for any text whose characters are covered or byte-encodable
-(``byte_fallback``): indentation in code and documentation survives.
+(``byte_fallback``): indentation in code and documentation survives. The exception is
+U+2581 ``▁``, sentencepiece's mark for a space: it encodes and decodes as a space.
 """
 
 from __future__ import annotations
@@ -79,6 +80,17 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode(list(ids))
+
+    def decode_continuation(self, context: Iterable[int], ids: Iterable[int]) -> str:
+        """The text ``ids`` add after the text of ``context``: ``decode(context + ids)`` less
+        ``decode(context)``. ``decode(ids)`` alone would take the space that starts their
+        first piece ("Hello" then ``▁world``) for a text's dummy prefix and drop it."""
+        context = list(context)
+        before = self._sp.decode(context)
+        text = self._sp.decode(context + list(ids))
+        if not text.startswith(before):  # not seen: context ends a valid character
+            raise ValueError(f"decoding {len(context)} context ids changed their text")
+        return text[len(before):]
 
     def id_to_piece(self, token_id: int) -> str:
         return self._sp.id_to_piece(token_id)

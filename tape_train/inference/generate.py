@@ -16,15 +16,17 @@ from tape_train.hints import example_on_missing
 
 
 class StreamPrinter:
-    """Prints the decoded continuation as it grows (sentencepiece joins pieces with spaces
-    that only the full decode gets right, so decode the whole suffix and print the delta).
+    """Prints the decoded continuation of ``context`` (the prompt's ids) as it grows
+    (sentencepiece joins pieces with spaces that only the full decode gets right, so decode
+    the whole suffix after the prompt and print the delta).
 
     A character that byte-fallback pieces spell one byte at a time decodes as U+FFFD until
     its last byte arrives, so trailing U+FFFD is held back (printing it would leave the text
     that follows never matching what was printed); :meth:`finish` prints what is left."""
 
-    def __init__(self, tokenizer, out=None) -> None:
+    def __init__(self, tokenizer, context: list[int], out=None) -> None:
         self.tokenizer, self.out = tokenizer, out or sys.stdout  # stdout as it is now
+        self.context = context
         self.ids: list[int] = []
         self.printed = ""
 
@@ -36,11 +38,11 @@ class StreamPrinter:
 
     def __call__(self, new_ids) -> None:
         self.ids.append(int(new_ids[0]))
-        self._write(self.tokenizer.decode(self.ids).rstrip("\ufffd"))
+        self._write(self.tokenizer.decode_continuation(self.context, self.ids).rstrip("\ufffd"))
 
     def finish(self) -> None:
         """Print the held-back end (bytes no later piece completed)."""
-        self._write(self.tokenizer.decode(self.ids))
+        self._write(self.tokenizer.decode_continuation(self.context, self.ids))
 
 
 def _generate_many(model, tokenizer, prompts, args, device) -> int:
@@ -71,7 +73,8 @@ def _generate_many(model, tokenizer, prompts, args, device) -> int:
                     vocab_size=tokenizer.vocab_size)[0, len(prompt_ids):].tolist()
                 finish = "eos" if ids and ids[-1] == tokenizer.eos_id else "length"
                 ids = ids[:-1] if finish == "eos" else ids
-                out.write(output_line(prompt.record, tokenizer.decode(ids), len(ids), finish,
+                text = tokenizer.decode_continuation(prompt_ids[1:], ids)
+                out.write(output_line(prompt.record, text, len(ids), finish,
                                       sample if args.num_samples > 1 else None))
                 out.flush()
                 done += 1
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(args.prompt)
     # The sampling stream is the device's: the same seed samples the same text on the same
     # kind of device, not across CPU and GPU.
-    printer = StreamPrinter(tokenizer)
+    printer = StreamPrinter(tokenizer, ids[0, 1:].tolist())
     model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, eos_id=tokenizer.eos_id,
                    generator=torch.Generator(device=device).manual_seed(args.seed),

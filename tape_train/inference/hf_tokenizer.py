@@ -21,9 +21,12 @@ document). PAD is the model's ``<pad>`` (our tokenizers: id 0), else UNK as in t
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from tape_train.data.tokenizer import load_tokenizer
+
+log = logging.getLogger("tape_train.export")
 
 # sentencepiece ModelProto.SentencePiece.Type
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -54,6 +57,28 @@ def _bpe_merges(pieces) -> list[tuple[str, str]]:
     return merges
 
 
+def _uncovered_characters(pieces, byte_fallback: bool) -> str:
+    """A regex (Oniguruma) of what no piece sentencepiece matches in text (normal and
+    user-defined pieces) contains: each such character alone with byte fallback, else each
+    run of them (sentencepiece gives a run one ``<unk>``).
+
+    Sentencepiece starts and ends a piece around such a character (its unknown or byte
+    pieces), so a pre-tokenizer that isolates it changes no segmentation, and keeps the
+    ``tokenizers`` Unigram model, which matches every vocabulary entry, from matching a
+    control or byte piece's spelling there: ``<s>`` as BOS, ``<0x41>`` as ``A``, where
+    ``<`` is not in the vocabulary (its unknown-character score is below theirs)."""
+    covered = sorted({ord(ch) for p in pieces if p.type in (_NORMAL, _USER_DEFINED)
+                      for ch in p.piece})
+    ranges: list[list[int]] = []
+    for code in covered:
+        if ranges and code == ranges[-1][1] + 1:
+            ranges[-1][1] = code
+        else:
+            ranges.append([code, code])
+    spans = "".join(f"\\x{{{a:x}}}" + (f"-\\x{{{b:x}}}" if b > a else "") for a, b in ranges)
+    return f"[^{spans}]" + ("" if byte_fallback else "+")
+
+
 def unsupported(model_path: str | Path) -> str | None:
     """Why the sentencepiece model at ``model_path`` has no exact Hugging Face tokenizer here
     (a normalization rule other than identity, remove_extra_whitespaces, whitespace not
@@ -81,7 +106,8 @@ def unsupported(model_path: str | Path) -> str | None:
 def build_fast_tokenizer(model_path: str | Path):
     """A ``tokenizers.Tokenizer`` equivalent to the sentencepiece model at ``model_path``
     (ValueError, with :func:`unsupported`'s reason, when there is none)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
+    from tokenizers import (AddedToken, Regex, Tokenizer, decoders, normalizers,
+                            pre_tokenizers, processors)
     from tokenizers.models import BPE, Unigram
 
     tok = load_tokenizer(model_path)
@@ -107,7 +133,10 @@ def build_fast_tokenizer(model_path: str | Path):
     if norm.add_dummy_prefix:
         steps.insert(0, normalizers.Prepend("▁"))
     fast.normalizer = normalizers.Sequence(steps)
-    fast.pre_tokenizer = None
+    # BPE merges only into normal pieces; a Unigram model needs the characters it has no
+    # piece for set apart (_uncovered_characters).
+    fast.pre_tokenizer = None if trainer.model_type == 2 else pre_tokenizers.Split(
+        Regex(_uncovered_characters(pieces, byte_fallback)), behavior="isolated")
     fast.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
         + ([decoders.Strip(" ", 1, 0)] if norm.add_dummy_prefix else []))
@@ -138,6 +167,11 @@ def write_hf_tokenizer(model_path: str | Path, out_dir: str | Path,
     ids = special_token_ids(model_path)
     fast = build_fast_tokenizer(model_path)
     fast.save(str(out_dir / "tokenizer.json"))
+    if _proto(str(model_path)).trainer_spec.model_type == 1:
+        log.warning("tokenizer %s is a unigram model: the exported tokenizer.json gives other "
+                    "ids than training for some text (a few tokens in long documents: "
+                    "sentencepiece scores in float32, tokenizers in float64); docs/evaluation.md, "
+                    "Known limits. BPE tokenizers give the same ids", model_path)
     names = {key: tok.id_to_piece(i) for key, i in ids.items()}
     special_map = {f"{key}_token": name for key, name in names.items()}
     config = {
