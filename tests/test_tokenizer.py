@@ -182,3 +182,18 @@ def test_a_vocabulary_size_the_text_cannot_fill_is_one_line_naming_the_option(tm
     # negative control: a size the text can fill trains
     assert tokenizer_cli.main([*base, "--vocab-size", "400"]) == 0
     assert load_tokenizer(tmp_path / "t.model").vocab_size == 400
+
+
+def test_training_sentences_cut_long_paragraphs_between_characters():
+    """A paragraph longer than one sentencepiece sentence is cut into pieces whose joined text
+    is the paragraph: no character cut in two and dropped (a 3-byte '€' straddles the first
+    8192-byte boundary: the byte cut lost it)."""
+    from tape_train.data.tokenizer import MAX_SENTENCE_BYTES, TokenizerTrainSpec, training_sentences
+
+    paragraph = "a" * (MAX_SENTENCE_BYTES - 1) + "€" + "ü😀" * 3000
+    stats: dict = {}
+    pieces = list(training_sentences([paragraph + "\n\nnext"], TokenizerTrainSpec(vocab_size=64),
+                                     stats))
+    assert "".join(pieces[:-1]) == paragraph and pieces[-1] == "next"
+    assert all(len(p.encode("utf-8")) <= MAX_SENTENCE_BYTES for p in pieces)
+    assert len(pieces) == 5 and stats["bytes"] == len((paragraph + "next").encode("utf-8"))

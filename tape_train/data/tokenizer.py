@@ -184,9 +184,7 @@ def _sentences(documents: Iterable[str], spec: TokenizerTrainSpec, stats: dict,
         for paragraph in doc.split("\n\n"):
             if not paragraph.strip():
                 continue
-            data = paragraph.encode("utf-8", "replace")
-            for start in range(0, len(data), MAX_SENTENCE_BYTES):
-                piece = data[start:start + MAX_SENTENCE_BYTES].decode("utf-8", "ignore")
+            for piece in _utf8_cuts(paragraph.encode("utf-8", "replace"), MAX_SENTENCE_BYTES):
                 yield piece
                 stats["sentences"] += 1
                 stats["bytes"] += len(piece.encode("utf-8"))
@@ -198,6 +196,18 @@ def _sentences(documents: Iterable[str], spec: TokenizerTrainSpec, stats: dict,
             last_log = time.monotonic()
             log.info("tokenizer: read %d documents, %d sentences, %.1f MB",
                      stats["documents"], stats["sentences"], stats["bytes"] / 1e6)
+
+
+def _utf8_cuts(data: bytes, limit: int) -> Iterator[str]:
+    """``data`` (valid UTF-8) as texts of at most ``limit`` bytes, cut between characters (a
+    cut inside one would drop its bytes)."""
+    start = 0
+    while start < len(data):
+        end = min(start + limit, len(data))
+        while end < len(data) and data[end] & 0xC0 == 0x80:  # a continuation byte
+            end -= 1
+        yield data[start:end].decode("utf-8")
+        start = end
 
 
 def _vocabulary_problem(message: str, spec: TokenizerTrainSpec, read: str) -> str | None:
