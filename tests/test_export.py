@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -24,6 +25,24 @@ def test_export_then_load_gives_identical_logits(tmp_path, pe, tie):
     assert torch.equal(loaded(x).logits, model(x).logits)
     assert json.loads((out / "export.json").read_text())["step"] == 7
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".export.partial")]
+
+
+def test_fp64_export_loads_without_rounding_through_fp32(tmp_path):
+    model = small_model("tape")                                  # fp64, live TAPE weights
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # weights fp32 cannot hold (the model was initialised in fp32)
+        for param in model.parameters():
+            param.add_(1e-3 * torch.randn(param.shape, generator=gen, dtype=torch.float64))
+    loaded = from_pretrained(save_pretrained(model.state_dict(), model.cfg, tmp_path / "e",
+                                             dtype=torch.float64))
+    assert loaded.embed.weight.dtype == torch.float64
+    for name, param in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], param), name
+    x = tokens()
+    assert torch.equal(loaded(x).logits, model(x).logits)
+    # Negative control: the same weights rounded to fp32 give measurably other fp64 logits.
+    rounded = copy.deepcopy(model).to(torch.float32).to(torch.float64)
+    assert (rounded(x).logits - model(x).logits).abs().max() > 1e-9
 
 
 def test_bf16_export_halves_the_file_and_stays_close(tmp_path):
