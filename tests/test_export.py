@@ -207,6 +207,17 @@ def test_exports_without_checksums_still_load_and_a_cut_one_is_named(tmp_path):
         from_pretrained(out)
 
 
+def test_an_export_holding_no_tensors_is_named(tmp_path):
+    from safetensors.torch import save_file
+
+    model = small_model("rope", dtype=torch.float32)
+    out = save_pretrained(model.state_dict(), model.cfg, tmp_path / "export")
+    (out / "export.json").unlink()                  # no checksums to refuse it first
+    save_file({}, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.safetensors: weights do not match .*config.json"):
+        from_pretrained(out)
+
+
 def test_an_export_missing_its_weights_is_named_as_an_export(tmp_path):
     from tape_train.loading import load_model
 

@@ -257,8 +257,8 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
     except SafetensorError as exc:
         raise ValueError(f"{path / WEIGHTS}: not a readable safetensors file, damaged or cut "
                          f"short ({type(exc).__name__}: {exc}); re-export the model") from exc
-    if dtype is None:
-        dtype = next(iter(state.values())).dtype
+    if dtype is None:  # the export's own (no tensors: the mismatch below names the file)
+        dtype = next(iter(state.values())).dtype if state else torch.float32
     with torch.device(device):
         # In the final dtype before the weights are copied in: an fp64 export loaded into
         # fp32 parameters first would be rounded to fp32 on the way.
