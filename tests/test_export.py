@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -24,6 +25,24 @@ def test_export_then_load_gives_identical_logits(tmp_path, pe, tie):
     assert torch.equal(loaded(x).logits, model(x).logits)
     assert json.loads((out / "export.json").read_text())["step"] == 7
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".export.partial")]
+
+
+def test_fp64_export_loads_without_rounding_through_fp32(tmp_path):
+    model = small_model("tape")                                  # fp64, live TAPE weights
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # weights fp32 cannot hold (the model was initialised in fp32)
+        for param in model.parameters():
+            param.add_(1e-3 * torch.randn(param.shape, generator=gen, dtype=torch.float64))
+    loaded = from_pretrained(save_pretrained(model.state_dict(), model.cfg, tmp_path / "e",
+                                             dtype=torch.float64))
+    assert loaded.embed.weight.dtype == torch.float64
+    for name, param in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], param), name
+    x = tokens()
+    assert torch.equal(loaded(x).logits, model(x).logits)
+    # Negative control: the same weights rounded to fp32 give measurably other fp64 logits.
+    rounded = copy.deepcopy(model).to(torch.float32).to(torch.float64)
+    assert (rounded(x).logits - model(x).logits).abs().max() > 1e-9
 
 
 def test_bf16_export_halves_the_file_and_stays_close(tmp_path):
@@ -185,6 +204,17 @@ def test_exports_without_checksums_still_load_and_a_cut_one_is_named(tmp_path):
     weights = out / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:5000])
     with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file"):
+        from_pretrained(out)
+
+
+def test_an_export_holding_no_tensors_is_named(tmp_path):
+    from safetensors.torch import save_file
+
+    model = small_model("rope", dtype=torch.float32)
+    out = save_pretrained(model.state_dict(), model.cfg, tmp_path / "export")
+    (out / "export.json").unlink()                  # no checksums to refuse it first
+    save_file({}, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.safetensors: weights do not match .*config.json"):
         from_pretrained(out)
 
 

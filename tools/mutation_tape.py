@@ -31,8 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # Fast, discriminating tests first (-x stops at the first failure).
 TESTS = ["tests/test_model_tape_reference.py", "tests/test_model_tape.py",
-         "tests/test_model_encodings.py", "tests/test_model_backends.py",
-         "tests/test_model_cleanroom.py", "tests/test_hf_export.py"]
+         "tests/test_tape_update.py", "tests/test_model_encodings.py",
+         "tests/test_model_backends.py", "tests/test_model_cleanroom.py",
+         "tests/test_hf_export.py", "tests/test_export.py"]
 
 
 @dataclass(frozen=True)

@@ -257,13 +257,15 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
     except SafetensorError as exc:
         raise ValueError(f"{path / WEIGHTS}: not a readable safetensors file, damaged or cut "
                          f"short ({type(exc).__name__}: {exc}); re-export the model") from exc
+    if dtype is None:  # the export's own (no tensors: the mismatch below names the file)
+        dtype = next(iter(state.values())).dtype if state else torch.float32
     with torch.device(device):
-        model = TransformerLM(cfg)
+        # In the final dtype before the weights are copied in: an fp64 export loaded into
+        # fp32 parameters first would be rounded to fp32 on the way.
+        model = TransformerLM(cfg).to(dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"{path / WEIGHTS}: weights do not match {path / CONFIG}: missing "
                          f"{missing[:5]}, unexpected {unexpected[:5]}")
-    if dtype is None:
-        dtype = next(iter(state.values())).dtype
-    return model.to(dtype).eval()
+    return model.eval()
