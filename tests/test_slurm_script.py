@@ -28,6 +28,11 @@ JOB_ID = 4321
 
 FAKE_SRUN = r"""#!/bin/bash
 echo "srun $*" >> "$FAKE_DIR/calls"
+# How many tasks Slurm starts: srun's --ntasks, else SLURM_NTASKS of the job (srun's input
+# variable; an option on the command line wins over it), else one per node.
+tasks=${SLURM_NTASKS:-$SLURM_NNODES}
+for arg in "$@"; do [[ $arg == --ntasks=* ]] && tasks=${arg#--ntasks=}; done
+echo "$tasks" >> "$FAKE_DIR/step.tasks"
 if [[ "$*" == *tape_train.cluster.preflight* ]]; then
     if [[ -n ${FAKE_PREFLIGHT_BLOCK:-} ]]; then
         touch "$FAKE_DIR/step.running"
@@ -176,6 +181,23 @@ def test_finished_training_exits_0_without_requeue(fake_slurm):
         "python -m torch.distributed.run", "python -m tape_train.cluster.requeue_guard"], asked
     assert "OMP_NUM_THREADS=4" in out        # 8 CPUs shared by 2 processes
     assert "training finished (exit 0)" in out
+
+
+@pytest.mark.parametrize("asked", [None, "2"])
+def test_one_task_per_node_whatever_tasks_the_job_asked_for(fake_slurm, asked):
+    """`sbatch -N2 --ntasks-per-node=2 train.sbatch` (or --ntasks=4) exports SLURM_NTASKS=4,
+    which srun takes as its --ntasks and then ignores --ntasks-per-node=1: on the real cluster
+    two torchruns per node fought over the rendezvous port and the job failed. Each step now
+    runs one task per node, and the script says how processes per node are set. Without
+    SLURM_NTASKS (and SLURM_NTASKS_PER_NODE) there is nothing to say."""
+    extra = {} if asked is None else {"SLURM_NTASKS": 4, "SLURM_NTASKS_PER_NODE": asked}
+    rc, calls, out = run_script(fake_slurm, FAKE_TRAIN_RC=0, **extra)
+    assert rc == 0, out
+    tmp_path = fake_slurm[0]
+    assert (tmp_path / "step.tasks").read_text().split() == ["2", "2"], calls  # preflight, train
+    warned = ("WARNING: the job asked for 4 tasks on 2 node(s) (--ntasks-per-node/--ntasks); "
+              "this script runs one task per node, a torchrun with 2 trainer process(es)")
+    assert (warned in out) == (asked is not None), out
 
 
 def test_the_cuda_allocator_setting_is_left_to_the_trainer_or_the_user(tmp_path):

@@ -92,6 +92,9 @@ def test_parse_time_limit_rejects_other_text_naming_the_option(text):
     (dict(extra_sbatch=["--time=10"]), r"--sbatch-arg '--time=10': --time is set by --time; "
                                        r"a second #SBATCH line would override it unchecked"),
     (dict(extra_sbatch=["--signal=B:USR1@5"]), r"--signal is set by --signal-grace"),
+    # These undo a rendered line: more tasks than nodes (two torchruns per node), no requeue.
+    (dict(extra_sbatch=["--ntasks=8"]), r"--ntasks is set by the script \(one task per node"),
+    (dict(extra_sbatch=["--no-requeue"]), r"--no-requeue is set by the script \(it requeues"),
     (dict(max_restarts=-1), "--max-restarts must be an integer >= 0"),
     (dict(min_free_gb=float("inf")), "--min-free-gb must be a finite number >= 0, got inf"),
     (dict(min_free_gb=float("nan")), "--min-free-gb must be a finite number >= 0, got nan"),
