@@ -51,11 +51,14 @@ if [[ -n ${FAKE_TRAIN_RC:-} ]]; then exit "$FAKE_TRAIN_RC"; fi
 touch "$FAKE_DIR/step.running"
 while :; do sleep 0.05; done
 """
+# FAKE_SCANCEL_RC: scancel refuses (as while Slurm ends the job), the step signalled all the same
+# (by Slurm itself, then).
 FAKE_SCANCEL = r"""#!/bin/bash
 echo "scancel $*" >> "$FAKE_DIR/calls"
 for arg in "$@"; do
     case $arg in --signal=*) kill -s "${arg#--signal=}" "$(cat "$FAKE_DIR/step.pid")";; esac
 done
+exit "${FAKE_SCANCEL_RC:-0}"
 """
 # squeue --steps: the job's batch and extern steps, and once the training "step" runs (after
 # FAKE_SQUEUE_LATE more calls, as while srun registers it) step 1 under its srun --job-name.
@@ -96,7 +99,7 @@ exit 99
 FAKE_SCONTROL = r"""#!/bin/bash
 echo "scontrol $*" >> "$FAKE_DIR/calls"
 case $1 in
-    show) printf 'nodeA\nnodeB\n';;
+    show) [[ -n ${FAKE_NO_HOSTS:-} ]] || printf 'nodeA\nnodeB\n';;
     requeue) exit "${FAKE_REQUEUE_RC:-0}";;
 esac
 """
@@ -371,6 +374,28 @@ def test_term_is_forwarded_but_not_requeued(fake_slurm):
     assert "stopped by SIGTERM (step exit code 1); not requeueing from the script" in last
     assert "resubmit the same command (or sbatch this script again) to resume from the " \
            "newest complete checkpoint" in last and "--eval-after" in last
+
+
+def test_a_refused_term_forward_is_no_warning_but_a_refused_usr1_forward_is(fake_slurm):
+    """scancel of the job: Slurm sends its own TERM to the batch shell and the steps, and
+    refuses the script's forward to a step it is ending (`Invalid job id specified`,
+    measured). That is said as such, not as a WARNING; a refused USR1 forward still is one."""
+    rc, calls, out = run_script(fake_slurm, send=signal.SIGTERM, FAKE_SCANCEL_RC=1)
+    assert rc == 1 and "step got TERM" in calls, out
+    assert "scancel --signal=TERM of the training step was refused; Slurm, which is ending " \
+           "the job, signals the step itself" in out
+    assert "WARNING" not in out, out
+    for name in ("calls", "step.pid", "step.running", "release"):   # a second run, afresh
+        (fake_slurm[0] / name).unlink()
+    rc, calls, out = run_script(fake_slurm, send=signal.SIGUSR1, FAKE_SCANCEL_RC=1)
+    assert "WARNING: scancel --signal=USR1 failed" in out, out
+
+
+def test_no_rendezvous_host_ends_the_job_before_any_step(fake_slurm):
+    rc, calls, out = run_script(fake_slurm, FAKE_TRAIN_RC=0, FAKE_NO_HOSTS=1)
+    assert rc == 1, out
+    assert "ERROR: `scontrol show hostnames node[A-B]` named no node: no rendezvous host" in out
+    assert not any(c.startswith("srun") for c in calls), calls
 
 
 def test_failed_training_without_a_signal_is_not_requeued(fake_slurm):
