@@ -390,6 +390,18 @@ def test_the_job_id_is_read_from_the_last_line_of_sbatch_parsable(tmp_path, slur
     assert "--dependency=afterok:41 " in slurm_client.read_text()
 
 
+def test_an_array_job_says_each_task_has_a_log_of_its_own(tmp_path, slurm_client):
+    """`%j` in the log's name is each array task's own job id: with --array=0-1 submitted as
+    job 10, task 0 logged to <name>-11.out and task 1 to <name>-10.out (measured), so the
+    array's id names one task's log, not the first's. Without --array: that one log."""
+    rc, out, err = run_submit(submit_args(tmp_path, "--sbatch-arg=--array=0-1"))
+    assert rc == 0 and out == "41\n", err
+    assert (f"logs {tmp_path}/logs/slurm/tape-run-<job id>.out, one per array task (its own "
+            f"job id: squeue -r --jobs=41 --format='%i %A')") in err, err
+    rc, out, err = run_submit(submit_args(tmp_path))
+    assert f", log {tmp_path}/logs/slurm/tape-run-42.out" in err, err
+
+
 def test_a_refused_evaluation_says_the_training_is_queued_and_how_to_chain_it(
         tmp_path, slurm_client, monkeypatch):
     monkeypatch.setenv("FAKE_SBATCH_FAIL", "--dependency=afterok:41")
