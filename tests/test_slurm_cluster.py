@@ -380,8 +380,11 @@ def test_plain_sbatch_with_bad_training_arguments_says_what_is_wrong(cluster, tm
     info = cluster.wait_for_job(job_id, timeout=120)
     text = (tmp_path / "logs" / "slurm" / f"tape-train-{job_id}.out").read_text()
     assert info.state == "FAILED" and info.restart_count == 0, f"{info.raw}\n{text}"
+    # One start-up check ran, and its own exit code ended the job: a second task on the node
+    # printed the same failure, or was killed by --kill-on-bad-exit (exit 143), before.
     assert text.count("tape-train would reject the arguments ['--confg', 'run.yaml']: the "
                       "following arguments are required: --config") == 1, text
+    assert "ERROR: start-up checks failed on at least one node (exit 1)" in text, text
     assert "WARNING: the job asked for 2 tasks on 1 node(s)" in text, text
 
 
