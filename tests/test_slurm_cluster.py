@@ -372,14 +372,20 @@ def test_plain_sbatch_with_bad_training_arguments_says_what_is_wrong(cluster, tm
     script = REPO_ROOT / "launch" / "slurm" / "train.sbatch"
     # 30 minutes: with the script's own --signal=B:USR1@300 a 5-minute job is due its warning
     # at once, and Slurm's next signal check (every 30 s) could requeue it before it fails.
-    job_id = cluster.sbatch(["--nodes=1", "--cpus-per-task=1", "--time=30", str(script),
-                             "--confg", "run.yaml"], cwd=tmp_path,
+    # --ntasks-per-node=2, as one might ask for two processes per node: srun took the job's
+    # SLURM_NTASKS over the script's --ntasks-per-node=1 and ran every step twice per node.
+    job_id = cluster.sbatch(["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+                             "--time=30", str(script), "--confg", "run.yaml"], cwd=tmp_path,
                             env={"PYTHONPATH": str(REPO_ROOT), "TAPE_PYTHON": sys.executable})
     info = cluster.wait_for_job(job_id, timeout=120)
     text = (tmp_path / "logs" / "slurm" / f"tape-train-{job_id}.out").read_text()
     assert info.state == "FAILED" and info.restart_count == 0, f"{info.raw}\n{text}"
-    assert ("tape-train would reject the arguments ['--confg', 'run.yaml']: the following "
-            "arguments are required: --config") in text, text
+    # One start-up check ran, and its own exit code ended the job: a second task on the node
+    # printed the same failure, or was killed by --kill-on-bad-exit (exit 143), before.
+    assert text.count("tape-train would reject the arguments ['--confg', 'run.yaml']: the "
+                      "following arguments are required: --config") == 1, text
+    assert "ERROR: start-up checks failed on at least one node (exit 1)" in text, text
+    assert "WARNING: the job asked for 2 tasks on 1 node(s)" in text, text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,6 +28,11 @@ JOB_ID = 4321
 
 FAKE_SRUN = r"""#!/bin/bash
 echo "srun $*" >> "$FAKE_DIR/calls"
+# How many tasks Slurm starts: srun's --ntasks, else SLURM_NTASKS of the job (srun's input
+# variable; an option on the command line wins over it), else one per node.
+tasks=${SLURM_NTASKS:-$SLURM_NNODES}
+for arg in "$@"; do [[ $arg == --ntasks=* ]] && tasks=${arg#--ntasks=}; done
+echo "$tasks" >> "$FAKE_DIR/step.tasks"
 if [[ "$*" == *tape_train.cluster.preflight* ]]; then
     if [[ -n ${FAKE_PREFLIGHT_BLOCK:-} ]]; then
         touch "$FAKE_DIR/step.running"
@@ -46,11 +51,14 @@ if [[ -n ${FAKE_TRAIN_RC:-} ]]; then exit "$FAKE_TRAIN_RC"; fi
 touch "$FAKE_DIR/step.running"
 while :; do sleep 0.05; done
 """
+# FAKE_SCANCEL_RC: scancel refuses (as while Slurm ends the job), the step signalled all the same
+# (by Slurm itself, then).
 FAKE_SCANCEL = r"""#!/bin/bash
 echo "scancel $*" >> "$FAKE_DIR/calls"
 for arg in "$@"; do
     case $arg in --signal=*) kill -s "${arg#--signal=}" "$(cat "$FAKE_DIR/step.pid")";; esac
 done
+exit "${FAKE_SCANCEL_RC:-0}"
 """
 # squeue --steps: the job's batch and extern steps, and once the training "step" runs (after
 # FAKE_SQUEUE_LATE more calls, as while srun registers it) step 1 under its srun --job-name.
@@ -91,7 +99,7 @@ exit 99
 FAKE_SCONTROL = r"""#!/bin/bash
 echo "scontrol $*" >> "$FAKE_DIR/calls"
 case $1 in
-    show) printf 'nodeA\nnodeB\n';;
+    show) [[ -n ${FAKE_NO_HOSTS:-} ]] || printf 'nodeA\nnodeB\n';;
     requeue) exit "${FAKE_REQUEUE_RC:-0}";;
 esac
 """
@@ -176,6 +184,23 @@ def test_finished_training_exits_0_without_requeue(fake_slurm):
         "python -m torch.distributed.run", "python -m tape_train.cluster.requeue_guard"], asked
     assert "OMP_NUM_THREADS=4" in out        # 8 CPUs shared by 2 processes
     assert "training finished (exit 0)" in out
+
+
+@pytest.mark.parametrize("asked", [None, "2"])
+def test_one_task_per_node_whatever_tasks_the_job_asked_for(fake_slurm, asked):
+    """`sbatch -N2 --ntasks-per-node=2 train.sbatch` (or --ntasks=4) exports SLURM_NTASKS=4,
+    which srun takes as its --ntasks and then ignores --ntasks-per-node=1: on the real cluster
+    two torchruns per node fought over the rendezvous port and the job failed. Each step now
+    runs one task per node, and the script says how processes per node are set. Without
+    SLURM_NTASKS (and SLURM_NTASKS_PER_NODE) there is nothing to say."""
+    extra = {} if asked is None else {"SLURM_NTASKS": 4, "SLURM_NTASKS_PER_NODE": asked}
+    rc, calls, out = run_script(fake_slurm, FAKE_TRAIN_RC=0, **extra)
+    assert rc == 0, out
+    tmp_path = fake_slurm[0]
+    assert (tmp_path / "step.tasks").read_text().split() == ["2", "2"], calls  # preflight, train
+    warned = ("WARNING: the job asked for 4 tasks on 2 node(s) (--ntasks-per-node/--ntasks); "
+              "this script runs one task per node, a torchrun with 2 trainer process(es)")
+    assert (warned in out) == (asked is not None), out
 
 
 def test_the_cuda_allocator_setting_is_left_to_the_trainer_or_the_user(tmp_path):
@@ -349,6 +374,28 @@ def test_term_is_forwarded_but_not_requeued(fake_slurm):
     assert "stopped by SIGTERM (step exit code 1); not requeueing from the script" in last
     assert "resubmit the same command (or sbatch this script again) to resume from the " \
            "newest complete checkpoint" in last and "--eval-after" in last
+
+
+def test_a_refused_term_forward_is_no_warning_but_a_refused_usr1_forward_is(fake_slurm):
+    """scancel of the job: Slurm sends its own TERM to the batch shell and the steps, and
+    refuses the script's forward to a step it is ending (`Invalid job id specified`,
+    measured). That is said as such, not as a WARNING; a refused USR1 forward still is one."""
+    rc, calls, out = run_script(fake_slurm, send=signal.SIGTERM, FAKE_SCANCEL_RC=1)
+    assert rc == 1 and "step got TERM" in calls, out
+    assert "scancel --signal=TERM of the training step was refused; Slurm, which is ending " \
+           "the job, signals the step itself" in out
+    assert "WARNING" not in out, out
+    for name in ("calls", "step.pid", "step.running", "release"):   # a second run, afresh
+        (fake_slurm[0] / name).unlink()
+    rc, calls, out = run_script(fake_slurm, send=signal.SIGUSR1, FAKE_SCANCEL_RC=1)
+    assert "WARNING: scancel --signal=USR1 failed" in out, out
+
+
+def test_no_rendezvous_host_ends_the_job_before_any_step(fake_slurm):
+    rc, calls, out = run_script(fake_slurm, FAKE_TRAIN_RC=0, FAKE_NO_HOSTS=1)
+    assert rc == 1, out
+    assert "ERROR: `scontrol show hostnames node[A-B]` named no node: no rendezvous host" in out
+    assert not any(c.startswith("srun") for c in calls), calls
 
 
 def test_failed_training_without_a_signal_is_not_requeued(fake_slurm):

@@ -92,6 +92,9 @@ def test_parse_time_limit_rejects_other_text_naming_the_option(text):
     (dict(extra_sbatch=["--time=10"]), r"--sbatch-arg '--time=10': --time is set by --time; "
                                        r"a second #SBATCH line would override it unchecked"),
     (dict(extra_sbatch=["--signal=B:USR1@5"]), r"--signal is set by --signal-grace"),
+    # These undo a rendered line: more tasks than nodes (two torchruns per node), no requeue.
+    (dict(extra_sbatch=["--ntasks=8"]), r"--ntasks is set by the script \(one task per node"),
+    (dict(extra_sbatch=["--no-requeue"]), r"--no-requeue is set by the script \(it requeues"),
     (dict(max_restarts=-1), "--max-restarts must be an integer >= 0"),
     (dict(min_free_gb=float("inf")), "--min-free-gb must be a finite number >= 0, got inf"),
     (dict(min_free_gb=float("nan")), "--min-free-gb must be a finite number >= 0, got nan"),
@@ -385,6 +388,18 @@ def test_the_job_id_is_read_from_the_last_line_of_sbatch_parsable(tmp_path, slur
     rc, out, err = run_submit(submit_args(tmp_path, "--eval-after"))
     assert rc == 0 and out == "41\n42\n", err
     assert "--dependency=afterok:41 " in slurm_client.read_text()
+
+
+def test_an_array_job_says_each_task_has_a_log_of_its_own(tmp_path, slurm_client):
+    """`%j` in the log's name is each array task's own job id: with --array=0-1 submitted as
+    job 10, task 0 logged to <name>-11.out and task 1 to <name>-10.out (measured), so the
+    array's id names one task's log, not the first's. Without --array: that one log."""
+    rc, out, err = run_submit(submit_args(tmp_path, "--sbatch-arg=--array=0-1"))
+    assert rc == 0 and out == "41\n", err
+    assert (f"logs {tmp_path}/logs/slurm/tape-run-<job id>.out, one per array task (its own "
+            f"job id: squeue -r --jobs=41 --format='%i %A')") in err, err
+    rc, out, err = run_submit(submit_args(tmp_path))
+    assert f", log {tmp_path}/logs/slurm/tape-run-42.out" in err, err
 
 
 def test_a_refused_evaluation_says_the_training_is_queued_and_how_to_chain_it(

@@ -36,12 +36,16 @@ _TIME_FORMATS = tuple(re.compile(p) for p in (
 ))
 # The sbatch options tape-submit renders itself, and what sets each: an --sbatch-arg giving one
 # again would win over it unseen (the later #SBATCH line counts), past the checks on its flag.
+# Also the ones that undo a rendered line: --no-requeue (the script requeues itself) and
+# --ntasks (more tasks than nodes: the job's steps are one task per node, a torchrun each).
 RENDERED_SBATCH_OPTIONS = {
     "job-name": "--job-name", "nodes": "--nodes", "cpus-per-task": "--cpus-per-task",
     "time": "--time", "gpus-per-node": "--gpus-per-node", "partition": "--partition",
     "account": "--account", "qos": "--qos", "signal": "--signal-grace", "output": "--log-dir",
     "chdir": "the directory tape-submit runs in", "ntasks-per-node": "the script (one task "
-    "per node)", "requeue": "the script", "open-mode": "the script"}
+    "per node)", "ntasks": "the script (one task per node, a torchrun starting --procs-per-node "
+    "or --gpus-per-node processes)", "requeue": "the script", "no-requeue": "the script (it "
+    "requeues itself on the time-limit warning)", "open-mode": "the script"}
 # Values that end up on an `#SBATCH --key=value` line: no whitespace, no shell/sbatch quoting.
 _SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.,:+@%/=-]+$")
 # sbatch reads an #SBATCH value as one shell-like word (get_argument() in src/sbatch/opt.c, the

@@ -470,9 +470,13 @@ def _main(argv: list[str] | None) -> int:
         return 1
     eval_file = log_dir / f"{opts.job_name}.{stamp}.eval.sbatch"
     try:
+        # %j in the log name is each array task's own job id (not the array's, measured).
+        log_line = (f"logs {log_dir}/{opts.job_name}-<job id>.out, one per array task (its own "
+                    f"job id: squeue -r --jobs={job_id} --format='%i %A')"
+                    if any(a.startswith("--array") for a in args.sbatch_arg)
+                    else f"log {log_dir}/{opts.job_name}-{job_id}.out")
         print(f"tape-submit: training job {job_id}: {opts.nodes} node(s) x {opts.procs} "
-              f"process(es), run dir {run_dir}, log {log_dir}/{opts.job_name}-{job_id}.out",
-              file=sys.stderr)
+              f"process(es), run dir {run_dir}, {log_line}", file=sys.stderr)
         print(job_id, flush=True)
         if eval_script is not None:
             write_atomic(eval_file, eval_script)
