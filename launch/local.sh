@@ -22,6 +22,13 @@ python="${PYTHON:-}"
 if [[ -z "$python" ]]; then
     if [[ -x "$here/.venv/bin/python" ]]; then python="$here/.venv/bin/python"; else python=python3; fi
 fi
+# Without the venv, python3 must have the package (an activated venv, a pip install), or the
+# run would end in a ModuleNotFoundError traceback.
+if [[ "$python" == python3 ]] && ! python3 -c "import tape_train, torch" 2>/dev/null; then
+    echo "$0: no virtualenv at $here/.venv, and python3 cannot import tape_train and torch:" \
+         "run 'make install' in $here (or set PYTHON to a Python that has them)" >&2
+    exit 2
+fi
 # Share the cores that are idle now between the workers unless the caller decided: a thread
 # on a core that other work keeps busy slows every step. tape_train/cpu_threads.py decides
 # (a value OpenMP cannot read is no decision: libgomp would take a thread per core) and prints

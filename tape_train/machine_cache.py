@@ -4,7 +4,8 @@ A measurement is keyed by what decides its value: the CPU model and ISA flags, t
 version, the ISA limits set in the environment (``ATEN_CPU_CAPABILITY``,
 ``ONEDNN_MAX_CPU_ISA``) and the caller's own key (dtype, threads). The cache is one JSON file,
 ``$TAPE_TRAIN_CACHE_DIR`` or ``$XDG_CACHE_HOME/tape-train`` (default ``~/.cache/tape-train``)
-``/measurements.json``; an unreadable or unwritable cache only means measuring again.
+``/measurements.json``; an unreadable or unwritable cache only means measuring again. The same
+directory (``cache_dir``) holds the demo corpus's downloads (``tape-data prepare --demo``).
 ``usable_cpus`` says how many CPUs this process may run on.
 """
 

@@ -183,6 +183,37 @@ def test_local_launcher_refuses_a_tmpdir_it_cannot_write_the_exit_code_into(tmp_
     assert proc.returncode == 75, proc.stderr
 
 
+def test_local_launcher_without_a_venv_says_how_to_make_one(tmp_path):
+    """launch/local.sh in a checkout without .venv falls back to python3; one that cannot import
+    tape_train and torch ended in a ModuleNotFoundError traceback, now in one line saying
+    `make install`. A python3 that has them (an activated venv) still runs the trainer."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    checkout = tmp_path / "checkout"  # a copy of the launcher: no .venv beside it
+    (checkout / "launch").mkdir(parents=True)
+    shutil.copy(Path(__file__).resolve().parents[1] / "launch" / "local.sh",
+                checkout / "launch" / "local.sh")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python3 = bin_dir / "python3"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env.update(PATH=f"{bin_dir}:/usr/bin:/bin", TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
+    script = ["bash", str(checkout / "launch" / "local.sh"), "1", "--config", "x.yaml"]
+    python3.write_text("#!/bin/bash\nexit 1\n")  # imports nothing
+    python3.chmod(0o755)
+    proc = subprocess.run(script, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert (f"no virtualenv at {checkout}/.venv, and python3 cannot import tape_train and "
+            f"torch: run 'make install' in {checkout}") in proc.stderr
+    python3.write_text('#!/bin/bash\n[[ "$1" == -c ]] && exit 0\n'  # control: it has them
+                       'echo 75 > "$TAPE_TRAIN_EXIT_FILE"; exit 1\n')
+    proc = subprocess.run(script, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 75, proc.stderr
+
+
 def test_exponent_floats_are_numbers_in_the_model_and_data_sections(tmp_path, capsys):
     """YAML 1.1 reads `1e-6` as a string: accepted for float fields in every section (it was a
     TypeError traceback in the dry-run's memory trace for model.norm_eps, and a refusal of

@@ -231,6 +231,30 @@ def test_bad_input_errors_of_the_commands_name_their_flags(tmp_path, capsys):
         next(build_train_loader(DataConfig(sources=[str(listed)], prefetch=0), tok, 32, 1))
 
 
+def test_demo_downloads_go_to_the_project_cache(tmp_path, monkeypatch):
+    """`prepare --demo` keeps its .deb files in debian/ of the one tape-train cache directory
+    (machine_cache.cache_dir): $TAPE_TRAIN_CACHE_DIR moves them with the measurements; without
+    it, $XDG_CACHE_HOME/tape-train (the negative control)."""
+    from tape_train.data import demo_corpus
+    from tape_train.data.config import DataError
+
+    asked = []
+
+    def fetch(cache_dir):
+        asked.append(cache_dir)
+        raise DataError("stopped before any download")
+
+    monkeypatch.setattr(demo_corpus, "fetch_demo_packages", fetch)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    for moved in (tmp_path / "moved", None):
+        if moved is None:
+            monkeypatch.delenv("TAPE_TRAIN_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TAPE_TRAIN_CACHE_DIR", str(moved))
+        assert data_cli.main(["prepare", "--demo", "--out", str(tmp_path / "demo")]) == 1
+    assert asked == [tmp_path / "moved" / "debian", tmp_path / "xdg" / "tape-train" / "debian"]
+
+
 def _apt_reaches_archive() -> str | None:
     if not all(shutil.which(t) for t in ("apt-get", "apt-cache", "dpkg-deb")):
         return "apt-get/apt-cache/dpkg-deb not installed (not a Debian/Ubuntu machine)"

@@ -349,6 +349,9 @@ def test_tape_submit_dry_run_runs_the_preflight_without_sbatch(corpus, tmp_path,
         in err
     assert "tape-submit: preflight found 1 problem(s): a submit would refuse this job" in err
     assert "to submit the script by hand" not in err   # said only of a script that may go
+    # --help promises the exit code it returns
+    help_text = " ".join(submit.build_parser().format_help().split())
+    assert f"(exit {rc} if the preflight found a problem)" in help_text
     # The whole script still, the one a submit would queue (here with the override).
     assert out.startswith("#!/bin/bash\n") and len(out.splitlines()) == len(script.splitlines())
     assert f"train.run_dir={tmp_path / 'run'} data.tokenizer={missing})" in out

@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra tape-eval argument (repeatable), attached: "
                         "--eval-arg=--max-tokens=8192")
     p.add_argument("--dry-run", action="store_true",
-                   help="run the preflight, print the script(s), submit nothing (exit 2 if the "
+                   help="run the preflight, print the script(s), submit nothing (exit 1 if the "
                         "preflight found a problem)")
     f = p.add_argument_group("preflight (before sbatch, and with --dry-run)")
     f.add_argument("--no-preflight", action="store_true",
@@ -304,7 +304,7 @@ def preflight(args: argparse.Namespace, opts: ClusterOptions, train_args: list[s
     """`tape-train --dry-run` for the job's layout (nodes x processes per node), here, before
     sbatch (or for `--dry-run`): a bad input or a run that cannot resume on this node count is
     refused now, not after the job waited in the queue. The plan goes to stderr; 0 if the job
-    may be submitted, else 2."""
+    may be submitted, else 1."""
     from tape_train.cluster.run_args import parse_train_args
     from tape_train.config import load_run_config
     from tape_train.train.preflight import format_report, run_preflight

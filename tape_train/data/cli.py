@@ -36,15 +36,15 @@ from tape_train.data.formats import (MANIFEST_NAME, SkipLog, hub_shards, open_hu
                                      read_documents, resolve_local_shards)
 from tape_train.data.prepare_scratch import interrupted_scratch, remove_finished_scratch
 from tape_train.hints import example_on_missing
-from tape_train.machine_cache import usable_cpus
+from tape_train.machine_cache import cache_dir, usable_cpus
 from tape_train.progress import MODES, progress_bar, setup_cli_logging
 
 log = logging.getLogger("tape_train.data")
 
 
 def _default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tape-train" / "debian"
+    """Where ``prepare --demo`` keeps its .deb files: ``debian/`` in the project's cache."""
+    return cache_dir() / "debian"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--seed", type=int, default=0, help="seed of the shard shuffle (default: 0)")
     prep.add_argument("--cache-dir", type=Path, default=None,
                       help="where downloaded .deb files are kept "
-                           "(default $XDG_CACHE_HOME/tape-train/debian)")
+                           "(default: debian/ in $TAPE_TRAIN_CACHE_DIR, else in "
+                           "$XDG_CACHE_HOME/tape-train, else in ~/.cache/tape-train)")
     prep.add_argument("--skip-bad-records", action="store_true",
                       help="skip (and count) malformed input records instead of failing")
     prep.add_argument("--tokenize", action="store_true",
