@@ -15,6 +15,7 @@ import math
 import os
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -103,6 +104,7 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             purge = {"purge_step": resume_step + 1} if resume_step is not None else {}
+            _quiet_tensorboard_writer_thread()
             with self._naming_write_errors("tensorboard"):
                 self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), **purge)
 
@@ -159,6 +161,27 @@ class MetricsWriter:
                 return
             raise FileWriteError(f"metrics: {describe_os_error(exc, self.run_dir / name)}") \
                 from exc
+
+
+def _quiet_tensorboard_writer_thread() -> None:
+    """TensorBoard writes its events in a thread that, when a write fails (a full disk), keeps
+    the error for the writer's next call, which raises it here to be named in one line
+    (``_naming_write_errors``), and also lets it end the thread, which Python's
+    ``threading.excepthook`` printed as an "Exception in thread" traceback. Only that error of
+    that thread is kept quiet; every other thread's error is printed as before."""
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    previous = threading.excepthook
+    if getattr(previous, "handed_to_the_writer", False):
+        return
+
+    def hook(args) -> None:
+        if not (isinstance(args.thread, _AsyncWriterThread) and isinstance(args.exc_value, OSError)
+                and args.thread.exception is args.exc_value):
+            previous(args)
+
+    hook.handed_to_the_writer = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def supersede_replayed_rows(run_dir: Path, resume_step: int) -> int:
