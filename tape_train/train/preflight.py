@@ -132,6 +132,8 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
         planned = copy.deepcopy(cfg)
         planned.train.dtype = resolve_planning_dtype(cfg, device_type)
     _check_run_dir(planned, report)
+    if gpus_per_node is None:  # this machine's limit, where the run starts (not a plan for others)
+        _check_file_size_limit(planned, world_size, report)
     if check_resume:  # the dry run and tape-submit; a real run takes the lock itself next
         _check_run_lock(cfg, report)
     if cfg.profile.enabled:
@@ -509,6 +511,22 @@ def _check_run_dir(cfg, report: Report) -> None:
         report.problem(f"train.run_dir={run_dir}: {what}")
     else:
         report.info(f"run dir {run_dir}: writable; {what}")
+
+
+def _check_file_size_limit(cfg, world_size: int, report: Report) -> None:
+    """This process's file-size limit (``ulimit -f``) against the largest file of a checkpoint,
+    counted low: the checkpoint's bytes spread evenly over two files per rank. A save would
+    fail at the first checkpoint, a checkpoint interval's work after start-up."""
+    import resource
+
+    from tape_train.files import human_bytes
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    largest = checkpoint_bytes(cfg) // (2 * world_size)
+    if limit != resource.RLIM_INFINITY and limit < largest:
+        report.problem(f"this process's file-size limit (`ulimit -f`) is {human_bytes(limit)} "
+                       f"({limit} bytes), and a checkpoint file of this run holds at least "
+                       f"~{human_bytes(largest)}: raise or remove the limit")
 
 
 def _check_run_lock(cfg, report: Report) -> None:
