@@ -174,6 +174,26 @@ def test_a_full_disk_under_tensorboard_is_one_line_without_a_thread_traceback(tm
     assert printed == ["not-tensorboard"]
 
 
+def test_damaged_lines_in_the_metrics_do_not_stop_a_resume(tmp_path):
+    """Bytes that are not UTF-8 in metrics.jsonl (a damaged disk or copy) stopped the resume
+    with a UnicodeDecodeError traceback after DeepSpeed's start-up, where the resume sets the
+    rows after its step aside; now such a line is set aside as it is, like a line cut by a
+    kill, and the readers skip it. The intact rows stay (control)."""
+    import json
+
+    from tape_train.train.metrics import MetricsWriter, read_metrics
+
+    rows = [json.dumps({"kind": "train", "step": s, "loss": 1.0 / s}) for s in (1, 2, 3)]
+    damaged = b"\xff\xfe{\"kind\": \"train\", \"step\": 2"
+    text = "\n".join(rows[:2]).encode() + b"\n" + damaged + b"\n5\n" + rows[2].encode() + b"\n"
+    (tmp_path / "metrics.jsonl").write_bytes(text)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    MetricsWriter(tmp_path, enabled=True, tensorboard=False, resume_step=2).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == "\n".join(rows[:2]) + "\n"
+    assert (tmp_path / "metrics.replayed.jsonl").read_bytes() == \
+        damaged + b"\n5\n" + rows[2].encode() + b"\n"
+
+
 def test_a_directory_or_file_in_the_place_of_the_metrics_is_named(tmp_path):
     """A directory named metrics.jsonl, or a file named tensorboard, in the run dir: an
     IsADirectoryError / FileExistsError traceback from the trainer's set-up. Now one

@@ -193,20 +193,20 @@ def supersede_replayed_rows(run_dir: Path, resume_step: int) -> int:
     if not path.exists():
         return 0
     keep, moved = [], []
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().splitlines():  # bytes: a damaged line is moved as it is
         if not line.strip():
             continue
         try:
             step = json.loads(line).get("step")
-        except (json.JSONDecodeError, AttributeError):
-            step = None  # a line cut by SIGKILL: not a record
+        except (ValueError, AttributeError):  # not JSON, not UTF-8, not an object
+            step = None  # a line cut by SIGKILL, or damaged: not a record
         (keep if isinstance(step, int) and step <= resume_step else moved).append(line)
     if not moved:
         return 0
     replayed = path.with_name("metrics.replayed.jsonl")
-    old = replayed.read_text() if replayed.exists() else ""
-    write_atomic(replayed, old + "".join(f"{line}\n" for line in moved))
-    write_atomic(path, "".join(f"{line}\n" for line in keep))
+    old = replayed.read_bytes() if replayed.exists() else b""
+    write_atomic(replayed, old + b"".join(line + b"\n" for line in moved))
+    write_atomic(path, b"".join(line + b"\n" for line in keep))
     log.info("metrics.jsonl: %d rows after step %d (replayed from there) superseded; kept in %s",
              len(moved), resume_step, replayed)
     return len(moved)
@@ -265,16 +265,18 @@ def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
     extra: list[dict] = []
     if not path.exists():
         return []
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().splitlines():
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by SIGKILL
-        if record.get("kind") != kind:
+        except ValueError:  # a line cut by SIGKILL, or damaged (not JSON, not UTF-8)
+            continue
+        if not isinstance(record, dict) or record.get("kind") != kind:
             continue
         if kind == "train":
+            if not isinstance(record.get("step"), int):
+                continue
             by_step[record["step"]] = record
         else:
             extra.append(record)
