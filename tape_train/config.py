@@ -531,7 +531,10 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
     lines: dict[str, int] = {}
     source = "<defaults>"
     if path is not None:
+        given = Path(path)
         path = named_file(path, "configs/train")  # `demo` -> the shipped configs/train/demo.yaml
+        if not path.exists() and given.is_dir():  # `--config runs/x`: not a shipped name either
+            path = given
         source = str(path)
         if path.is_dir():
             raise ConfigError(f"config file {path} is a directory; give the run config YAML "

@@ -535,6 +535,36 @@ def test_enospc_from_the_marker_write_names_the_path(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == []  # no temporary file left behind
 
 
+def test_a_failed_marker_write_removes_its_tag_and_says_what_a_rerun_starts_from(tmp_path,
+                                                                                 monkeypatch):
+    """The marker could not be written (a disk full by then): the error said "the previous
+    complete checkpoint is untouched" also when there was none, and left the tag without its
+    marker holding the space of a whole checkpoint on the full disk."""
+    engine = FakeEngine()
+    write_atomic = ckpt.write_atomic
+
+    def full(path, data):
+        if ckpt.Path(path).name == ckpt.MARKER:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return write_atomic(path, data)
+
+    monkeypatch.setattr(ckpt, "write_atomic", full)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        _save(engine, tmp_path, 2)
+    assert "the partial checkpoint was removed; no previous complete checkpoint (a re-run " \
+           "starts at step 0)" in str(err.value), err.value
+    assert not (tmp_path / "checkpoints" / "step_00000002").exists()
+    monkeypatch.setattr(ckpt, "write_atomic", write_atomic)
+    _save(engine, tmp_path, 2)  # control: with room, the same save is complete
+    monkeypatch.setattr(ckpt, "write_atomic", full)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        _save(engine, tmp_path, 4)
+    assert f"previous complete checkpoint: {tmp_path / 'checkpoints' / 'step_00000002'}" in \
+        str(err.value)
+    assert not (tmp_path / "checkpoints" / "step_00000004").exists()
+    assert ckpt.find_latest_complete(tmp_path / "checkpoints").name == "step_00000002"
+
+
 class _Owner:
     def __init__(self, held):
         self.held = held

@@ -229,13 +229,18 @@ def test_a_check_across_keys_blames_the_key_that_was_given(tmp_path, override):
         load_run_config(_write(tmp_path, BASE), ["model.hidden_size=250"])
 
 
-def test_malformed_override_and_missing_file(tmp_path):
+def test_malformed_override_and_missing_file(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="not of the form"):
         parse_override("train.lr")
     with pytest.raises(ConfigError, match="does not exist"):
         load_run_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match=rf"config file {tmp_path} is a directory"):
         load_run_config(tmp_path)  # it said "does not exist"
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)  # a bare name that is no shipped config: the directory is named,
+    with pytest.raises(ConfigError, match=r"^config file runs is a directory"):  # not a missing
+        load_run_config("runs")                                      # configs/train/runs.yaml
+    assert load_run_config("demo").train.run_dir == "runs/demo"  # control: a name still finds it
     os.mkfifo(tmp_path / "pipe.yaml")  # what `--config <(...)` gives: every rank reads it
     for special in ("/dev/null", tmp_path / "pipe.yaml"):  # it said "does not exist" too
         with pytest.raises(ConfigError, match=f"config file {special} is not a regular file"):

@@ -255,6 +255,30 @@ def test_truncated_compressed_file_names_the_file(tok, tmp_path):
             next(loader)
 
 
+def test_damaged_parquet_data_names_the_file_not_the_output(tok, texts, tmp_path, capsys):
+    """A Parquet file whose footer reads but whose compressed column data is damaged failed
+    with a bare OSError ("Corrupt snappy compressed data."), which `tape-data prepare` blamed
+    on its --out directory."""
+    from tape_train.data.cli import main
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": texts}), path, compression="snappy")
+    column = pq.ParquetFile(path).metadata.row_group(0).column(0)
+    data = bytearray(path.read_bytes())
+    middle = (column.dictionary_page_offset or column.data_page_offset) + \
+        column.total_compressed_size // 2
+    assert first_tokens(tok, cfg_for(path), 1)  # control: intact, it reads
+    data[middle:middle + 64] = b"\xff" * 64
+    path.write_bytes(bytes(data))
+    loader = build_train_loader(cfg_for(path), tok, SEQ, 2)
+    with pytest.raises(DataError, match=r"d\.parquet: cannot read row group 0 of 1 \(.+\); "
+                                        r"corrupt or truncated file\?"):
+        next(loader)
+    assert main(["prepare", "--input", str(path), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert f"{path}: cannot read row group 0" in err and str(tmp_path / "out") not in err
+
+
 def test_parquet_missing_column_is_an_error(tok, tmp_path):
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "p.parquet")
     loader = build_train_loader(cfg_for(tmp_path / "p.parquet"), tok, SEQ, 2)

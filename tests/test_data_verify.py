@@ -231,3 +231,26 @@ def test_a_bad_record_in_a_prepared_shard_points_to_verify(copy, tmp_path):
     assert f"tape-data info {copy} --verify" in damaged
     plain = error(raw, "")
     assert f"{raw}:2: malformed JSON" in plain and "--verify" not in plain
+
+
+def test_a_byte_changed_anywhere_in_a_prepared_shard_fails_its_read(copy):
+    """Without `--verify`: a shard's zstd frames carry their content's checksum, so a changed
+    byte fails the read that meets it, naming the shard. Before, most such bytes decoded to
+    other text (or other JSON) without a word and were trained on."""
+    from tape_train.data import DataError
+    from tape_train.data.formats import Shard, SkipLog, read_documents
+
+    shard = copy / SHARD
+    intact = shard.read_bytes()
+
+    def read() -> int:
+        return len(list(read_documents(Shard("jsonl", str(shard), "zst"), 0, "text", False,
+                                       SkipLog())))
+
+    assert read() > 0  # control: the intact shard reads
+    for at in range(16, len(intact) - 4, max(1, (len(intact) - 20) // 16)):
+        data = bytearray(intact)
+        data[at] ^= 0x01
+        shard.write_bytes(bytes(data))
+        with pytest.raises(DataError, match=rf"^{shard}:.*--verify"):
+            read()

@@ -174,6 +174,31 @@ def test_an_unwritable_checkpoints_directory_is_refused_by_the_dry_run(corpus, t
 
 
 
+def test_a_file_size_limit_below_a_checkpoint_file_is_refused_up_front(corpus, tmp_path,
+                                                                        monkeypatch):
+    """`ulimit -f` smaller than a checkpoint's files failed the first save, a checkpoint
+    interval after DeepSpeed's start-up: refused by the start-up checks, naming the limit.
+    A plan for other machines (--gpus-per-node) does not judge them by this one's limit."""
+    import resource
+
+    args = ["--config", str(corpus / "run.yaml"), "--dry-run", f"train.run_dir={tmp_path}"]
+    real = resource.getrlimit
+    for limit, refused in [(8192, True), (1 << 40, False), (resource.RLIM_INFINITY, False)]:
+        monkeypatch.setattr(resource, "getrlimit", lambda which, limit=limit: (
+            (limit, resource.RLIM_INFINITY) if which == resource.RLIMIT_FSIZE else real(which)))
+        rc, out, err = dry_run(args)
+        lines = [line for line in error_lines(err) if "ulimit -f" in line]
+        assert (rc, len(lines)) == ((1, 1) if refused else (0, 0)), err
+        if refused:
+            assert lines[0].startswith("tape-train: preflight: error: this process's file-size "
+                                       "limit (`ulimit -f`) is 8.0 KiB (8192 bytes), and a "
+                                       "checkpoint file of this run holds at least ~"), lines
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (
+        (8192, resource.RLIM_INFINITY) if which == resource.RLIMIT_FSIZE else real(which)))
+    rc, out, err = dry_run(args + ["--nodes", "1", "--gpus-per-node", "8"])
+    assert "ulimit -f" not in err
+
+
 def test_the_dry_run_warns_when_another_run_holds_the_run_directory(corpus, tmp_path):
     """A run started now would be refused (RUN.lock); the dry run says so, as a warning (the
     job being planned may be queued behind that run), and is quiet once the holder is gone."""

@@ -121,3 +121,37 @@ def test_the_dry_runs_host_memory_per_node_counts_the_ranks_on_one_node(world, p
     host = estimate_memory(cfg, world, device_type="cuda").host_bytes
     assert line.startswith(f"host memory: {per_node} rank(s) per node hold "
                            f"~{host * per_node / 2**30:.2f} GiB"), line
+
+
+def test_a_model_far_too_large_is_refused_before_it_is_built_and_traced(monkeypatch):
+    """model.num_layers=100000 (a typo for 100, say) had the preflight build and trace the
+    model on the meta device for most of an hour before it said "does not fit". The weights,
+    gradients and AdamW states, counted without a model, already do not fit: refused at once.
+    That count is a lower bound of the traced estimate (checked on a few layouts)."""
+    from tape_train.train import memory
+    from tape_train.train.memory import model_state_floor
+    from tape_train.train.preflight import run_preflight
+
+    for overrides, world in [([], 1), (["parallel.zero_stage=3"], 4), (["parallel.tp=2"], 2),
+                             (["train.dtype=bf16", "parallel.sp=2"], 4)]:
+        cfg = load_run_config(None, ["model=tiny", *overrides])
+        assert model_state_floor(cfg, world) <= estimate_memory(cfg, world).total_bytes
+
+    def plan(layers: int) -> list[str]:
+        cfg = load_run_config(None, ["model=tiny", "train.device=cpu", "train.dtype=fp32",
+                                     "train.synthetic_data=true", f"model.num_layers={layers}"])
+        return run_preflight(cfg, world_size=1, check_data=False, check_eval=False,
+                             check_resume=False, device_memory_gb=16).problems
+
+    def memory_problems(layers: int) -> list[str]:
+        return [p for p in plan(layers) if p.startswith("memory:")]  # the disk has its own
+
+    traced = []
+    monkeypatch.setattr(memory, "trace_activations",
+                        lambda *a, **k: traced.append(a) or pytest.fail("model traced"))
+    [problem] = memory_problems(100_000)
+    assert problem.startswith("memory: 1 rank(s) on this node need more than ") and \
+        "of 14.90 GiB (--device-memory-gb) for the weights, gradients and AdamW states " \
+        "alone: does not fit" in problem, problem
+    monkeypatch.undo()
+    assert memory_problems(2) == []  # control: a model that fits is traced as before

@@ -138,6 +138,62 @@ def test_a_full_disk_under_the_metrics_is_one_error_naming_the_file(tmp_path):
     assert '"loss": 1.0' in (tmp_path / "ok" / "metrics.jsonl").read_text()
 
 
+def test_a_full_disk_under_tensorboard_is_one_line_without_a_thread_traceback(tmp_path,
+                                                                             monkeypatch):
+    """TensorBoard writes its events in a thread; on a full disk that thread's ENOSPC was
+    printed as an "Exception in thread ... Traceback" (Python's threading.excepthook) besides
+    the one line the trainer says when the writer hands the error on. Now only the line; an
+    error of any other thread still reaches the hook (control)."""
+    import errno
+    import threading
+
+    from tensorboard.summary.writer import record_writer
+
+    from tape_train.files import FileWriteError
+    from tape_train.train.metrics import MetricsWriter
+
+    printed = []  # what Python's default hook would print as a traceback
+    monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(args.thread.name))
+    writer = MetricsWriter(tmp_path, enabled=True, tensorboard=True)
+    writer.write("train", 1, {"loss": 1.0})
+    writer.flush()
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", full)  # what the thread calls
+    with pytest.raises(FileWriteError, match=r"^metrics: no space left on device writing "
+                                             + str(tmp_path / "tensorboard")):
+        for step in range(2, 10_000):  # the thread's error reaches the next call after it
+            writer.write("train", step, {"loss": 1.0})
+    writer.close()                     # joins the thread, after its excepthook ran
+    assert printed == []
+    thread = threading.Thread(target=full, name="not-tensorboard")
+    thread.start()
+    thread.join()
+    assert printed == ["not-tensorboard"]
+
+
+def test_damaged_lines_in_the_metrics_do_not_stop_a_resume(tmp_path):
+    """Bytes that are not UTF-8 in metrics.jsonl (a damaged disk or copy) stopped the resume
+    with a UnicodeDecodeError traceback after DeepSpeed's start-up, where the resume sets the
+    rows after its step aside; now such a line is set aside as it is, like a line cut by a
+    kill, and the readers skip it. The intact rows stay (control)."""
+    import json
+
+    from tape_train.train.metrics import MetricsWriter, read_metrics
+
+    rows = [json.dumps({"kind": "train", "step": s, "loss": 1.0 / s}) for s in (1, 2, 3)]
+    damaged = b"\xff\xfe{\"kind\": \"train\", \"step\": 2"
+    text = "\n".join(rows[:2]).encode() + b"\n" + damaged + b"\n5\n" + rows[2].encode() + b"\n"
+    (tmp_path / "metrics.jsonl").write_bytes(text)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    MetricsWriter(tmp_path, enabled=True, tensorboard=False, resume_step=2).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == "\n".join(rows[:2]) + "\n"
+    assert (tmp_path / "metrics.replayed.jsonl").read_bytes() == \
+        damaged + b"\n5\n" + rows[2].encode() + b"\n"
+
+
 def test_a_directory_or_file_in_the_place_of_the_metrics_is_named(tmp_path):
     """A directory named metrics.jsonl, or a file named tensorboard, in the run dir: an
     IsADirectoryError / FileExistsError traceback from the trainer's set-up. Now one

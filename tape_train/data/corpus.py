@@ -66,8 +66,11 @@ class _ShardSet:
             f.seek(0, os.SEEK_END)
         # Each frame is ended explicitly, and the files are closed without closing the writers
         # (which would append an empty frame): a resumed file's bytes equal an unbroken one's.
-        self.writers = [zstandard.ZstdCompressor(level=3).stream_writer(f, closefd=False)
-                        for f in self.files]
+        # Each frame ends with its content's checksum, which every read checks at the frame's
+        # end: bytes changed on disk or in a copy fail the read, naming the shard, where they
+        # could decode to other text without a word.
+        self.writers = [zstandard.ZstdCompressor(level=3, write_checksum=True)
+                        .stream_writer(f, closefd=False) for f in self.files]
         state = state or {}
         self.documents = state.get("documents", [0] * n)
         self.text_bytes = state.get("text_bytes", [0] * n)

@@ -508,6 +508,7 @@ def _read_text_file(shard: Shard, skip_bad: bool, skips: SkipLog) -> Iterator[tu
 
 def _read_parquet(shard: Shard, start: int, text_field: str, skip_bad: bool,
                   skips: SkipLog, stride: int = 1, phase: int = 0) -> Iterator[tuple[int, str]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
@@ -527,7 +528,11 @@ def _read_parquet(shard: Shard, start: int, text_field: str, skip_bad: bool,
         if row + n_rows <= start:  # whole row group before the resume point
             row += n_rows
             continue
-        column = pf.read_row_group(group, columns=[text_field]).column(0).to_pylist()
+        try:
+            column = pf.read_row_group(group, columns=[text_field]).column(0).to_pylist()
+        except (OSError, pa.ArrowException) as exc:  # "Corrupt snappy compressed data": no path
+            raise DataError(f"{shard.path}: cannot read row group {group} of "
+                            f"{pf.num_row_groups} ({exc}); corrupt or truncated file?") from None
         for value in column:
             if row >= start and row % stride == phase:
                 where = f"{shard.path}:row {row}"

@@ -282,9 +282,13 @@ def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
         except OSError as exc:
             error = exc
     if tdist.all_reduce_max_int(1 if error is not None else 0):
+        removed = ""
+        if rank == 0 and why_incomplete(tag_dir) is not None and _still_owner(owner):
+            shutil.rmtree(tag_dir, ignore_errors=True)  # no marker: it only holds the space
+            removed = "the partial checkpoint was removed; "
         raise CheckpointError(f"could not mark checkpoint {tag_dir} complete "
-                              f"({_describe_save_error(error, tag_dir, None)}); the previous "
-                              f"complete checkpoint is untouched")
+                              f"({_describe_save_error(error, tag_dir, None)}); {removed}"
+                              f"{_what_survives(root)}")
     if rank == 0:
         _check_owner(owner, f"rotate the checkpoints in {root}")
         rotate_checkpoints(root, keep, damaged=set(damaged) - {tag})

@@ -311,6 +311,20 @@ def model_state_bytes(n_params: int, stage: int, bf16: bool, partitions: int) ->
     return {"weights": weights, "gradients": grads, "master": master, "adam": adam}
 
 
+def model_state_floor(cfg, world_size: int) -> int:
+    """A lower bound of one rank's weights, gradients, fp32 master copy and AdamW moments, from
+    the analytic parameter count (no model is built; every parameter counted as split by tp):
+    a model far too large is refused before ``estimate_memory`` builds and traces it, which
+    takes minutes at thousands of layers."""
+    from tape_train.model.flops import count_parameters
+
+    sp, tp = cfg.parallel.sp, cfg.parallel.tp
+    partitions = world_size // (sp * tp) * sp
+    states = model_state_bytes(count_parameters(cfg.model)["total"] // tp,
+                               cfg.parallel.zero_stage, cfg.train.dtype == "bf16", partitions)
+    return sum(states.values())
+
+
 def estimate_memory(cfg, world_size: int, *, device_type: str = "cpu") -> MemoryEstimate:
     """Per-rank peak of ``cfg`` on ``world_size`` ranks (dp inferred as in ``RankGrid``)."""
     sp, tp, stage = cfg.parallel.sp, cfg.parallel.tp, cfg.parallel.zero_stage

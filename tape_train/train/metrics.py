@@ -15,6 +15,7 @@ import math
 import os
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -103,6 +104,7 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             purge = {"purge_step": resume_step + 1} if resume_step is not None else {}
+            _quiet_tensorboard_writer_thread()
             with self._naming_write_errors("tensorboard"):
                 self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), **purge)
 
@@ -161,6 +163,27 @@ class MetricsWriter:
                 from exc
 
 
+def _quiet_tensorboard_writer_thread() -> None:
+    """TensorBoard writes its events in a thread that, when a write fails (a full disk), keeps
+    the error for the writer's next call, which raises it here to be named in one line
+    (``_naming_write_errors``), and also lets it end the thread, which Python's
+    ``threading.excepthook`` printed as an "Exception in thread" traceback. Only that error of
+    that thread is kept quiet; every other thread's error is printed as before."""
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    previous = threading.excepthook
+    if getattr(previous, "handed_to_the_writer", False):
+        return
+
+    def hook(args) -> None:
+        if not (isinstance(args.thread, _AsyncWriterThread) and isinstance(args.exc_value, OSError)
+                and args.thread.exception is args.exc_value):
+            previous(args)
+
+    hook.handed_to_the_writer = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 def supersede_replayed_rows(run_dir: Path, resume_step: int) -> int:
     """Drop the rows of steps after ``resume_step`` from ``metrics.jsonl`` (and lines cut by a
     kill), appending them to ``metrics.replayed.jsonl``; atomic. Returns how many moved."""
@@ -170,20 +193,20 @@ def supersede_replayed_rows(run_dir: Path, resume_step: int) -> int:
     if not path.exists():
         return 0
     keep, moved = [], []
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().splitlines():  # bytes: a damaged line is moved as it is
         if not line.strip():
             continue
         try:
             step = json.loads(line).get("step")
-        except (json.JSONDecodeError, AttributeError):
-            step = None  # a line cut by SIGKILL: not a record
+        except (ValueError, AttributeError):  # not JSON, not UTF-8, not an object
+            step = None  # a line cut by SIGKILL, or damaged: not a record
         (keep if isinstance(step, int) and step <= resume_step else moved).append(line)
     if not moved:
         return 0
     replayed = path.with_name("metrics.replayed.jsonl")
-    old = replayed.read_text() if replayed.exists() else ""
-    write_atomic(replayed, old + "".join(f"{line}\n" for line in moved))
-    write_atomic(path, "".join(f"{line}\n" for line in keep))
+    old = replayed.read_bytes() if replayed.exists() else b""
+    write_atomic(replayed, old + b"".join(line + b"\n" for line in moved))
+    write_atomic(path, b"".join(line + b"\n" for line in keep))
     log.info("metrics.jsonl: %d rows after step %d (replayed from there) superseded; kept in %s",
              len(moved), resume_step, replayed)
     return len(moved)
@@ -242,16 +265,18 @@ def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
     extra: list[dict] = []
     if not path.exists():
         return []
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().splitlines():
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by SIGKILL
-        if record.get("kind") != kind:
+        except ValueError:  # a line cut by SIGKILL, or damaged (not JSON, not UTF-8)
+            continue
+        if not isinstance(record, dict) or record.get("kind") != kind:
             continue
         if kind == "train":
+            if not isinstance(record.get("step"), int):
+                continue
             by_step[record["step"]] = record
         else:
             extra.append(record)

@@ -132,6 +132,8 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
         planned = copy.deepcopy(cfg)
         planned.train.dtype = resolve_planning_dtype(cfg, device_type)
     _check_run_dir(planned, report)
+    if gpus_per_node is None:  # this machine's limit, where the run starts (not a plan for others)
+        _check_file_size_limit(planned, world_size, report)
     if check_resume:  # the dry run and tape-submit; a real run takes the lock itself next
         _check_run_lock(cfg, report)
     if cfg.profile.enabled:
@@ -511,6 +513,22 @@ def _check_run_dir(cfg, report: Report) -> None:
         report.info(f"run dir {run_dir}: writable; {what}")
 
 
+def _check_file_size_limit(cfg, world_size: int, report: Report) -> None:
+    """This process's file-size limit (``ulimit -f``) against the largest file of a checkpoint,
+    counted low: the checkpoint's bytes spread evenly over two files per rank. A save would
+    fail at the first checkpoint, a checkpoint interval's work after start-up."""
+    import resource
+
+    from tape_train.files import human_bytes
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    largest = checkpoint_bytes(cfg) // (2 * world_size)
+    if limit != resource.RLIM_INFINITY and limit < largest:
+        report.problem(f"this process's file-size limit (`ulimit -f`) is {human_bytes(limit)} "
+                       f"({limit} bytes), and a checkpoint file of this run holds at least "
+                       f"~{human_bytes(largest)}: raise or remove the limit")
+
+
 def _check_run_lock(cfg, report: Report) -> None:
     """Whether another run holds the run directory's lock now (``run_lock.lock_refusal``, the
     trainer's own rule): a warning, since the job being planned may start after that run ended
@@ -651,8 +669,24 @@ def _target_device(cfg, gpus_per_node: int | None) -> str:
 
 def _plan_memory(cfg, world_size: int, device_type: str, ranks_per_node: int,
                  device_memory_gb: float | None, gpu_name: str | None, report: Report) -> None:
-    from tape_train.train.memory import CPU_RUNTIME_BYTES, device_memory, estimate_memory
+    from tape_train.train.memory import (CPU_RUNTIME_BYTES, device_memory, estimate_memory,
+                                         model_state_floor)
 
+    if device_memory_gb is not None:
+        have, source = int(device_memory_gb * 10**9), "--device-memory-gb"
+    else:
+        have, source = device_memory(device_type, gpu_name)
+    per_node = ranks_per_node if device_type == "cpu" else 1
+    who = (f"{ranks_per_node} rank(s) on this node need" if device_type == "cpu"
+           else "one rank needs")
+    offloaded = (cfg.parallel.offload_optimizer, cfg.parallel.offload_params) != ("none", "none")
+    floor = model_state_floor(cfg, world_size) * per_node
+    if have is not None and floor > have and (device_type == "cpu" or not offloaded):
+        report.problem(f"memory: {who} more than {floor / GIB:.2f} GiB of {have / GIB:.2f} GiB "
+                       f"({source}) for the weights, gradients and AdamW states alone: does "
+                       f"not fit; use a smaller model, raise parallel.zero_stage or use more "
+                       f"ranks")
+        return
     est = estimate_memory(cfg, world_size, device_type=device_type)
     offload = [f"{key}={getattr(cfg.parallel, key)}" for key in ("offload_optimizer",
                "offload_params") if getattr(cfg.parallel, key) != "none"]
@@ -665,16 +699,10 @@ def _plan_memory(cfg, world_size: int, device_type: str, ranks_per_node: int,
         report.info(f"host memory: {ranks_per_node} rank(s) per node hold ~"
                     f"{est.host_bytes * ranks_per_node / GIB:.2f} GiB of offloaded states, "
                     f"besides each process's own (~{CPU_RUNTIME_BYTES / GIB:.2f} GiB)")
-    if device_memory_gb is not None:
-        have, source = int(device_memory_gb * 10**9), "--device-memory-gb"
-    else:
-        have, source = device_memory(device_type, gpu_name)
     if have is None:
         report.info(f"device memory: unknown ({source})")
         return
-    need = est.total_bytes * (ranks_per_node if device_type == "cpu" else 1)
-    who = (f"{ranks_per_node} rank(s) on this node need" if device_type == "cpu"
-           else "one rank needs")
+    need = est.total_bytes * per_node
     line = (f"memory: {who} ~{need / GIB:.2f} GiB of {have / GIB:.2f} GiB ({source})")
     if need > have:
         hint = ("turn on train.activation_checkpointing, " if not
