@@ -493,8 +493,9 @@ class RunConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: a run config must be a mapping of sections, got "
                               f"{type(data).__name__}")
-        _check_unknown(data, SECTIONS, "", source, lines)
         classes = {**_OWN_SECTIONS, **_external_section_classes()}
+        fields = _section_keys()
+        _check_unknown(data, SECTIONS, "", source, lines, fields)
         built: dict[str, Any] = {}
         for name in SECTIONS:
             raw = data.get(name)
@@ -506,8 +507,7 @@ class RunConfig:
             if not isinstance(raw, dict):
                 raise ConfigError(f"{where}: section '{name}' must be a mapping, got {raw!r}")
             section_cls = classes[name]
-            _check_unknown(raw, [f.name for f in dataclasses.fields(section_cls)], name + ".",
-                           source, lines)
+            _check_unknown(raw, fields[name], name + ".", source, lines, fields)
             try:  # keys checked above; the message gets one location, the key's line
                 built[name] = section_cls(**raw)
             except ConfigError as exc:
@@ -646,7 +646,7 @@ def _build_model(raw: Any, source: str, lines: dict) -> ModelConfig:
         raise ConfigError(f"{where}: 'model' must be a size name or a mapping, got {raw!r}")
     raw = dict(raw)
     known = [f.name for f in dataclasses.fields(ModelConfig)] + ["base"]
-    _check_unknown(raw, known, "model.", source, lines)
+    _check_unknown(raw, known, "model.", source, lines, _section_keys())
     base = raw.pop("base", None)
     missing = [f"model.{key}" for key in SHAPE_FIELDS if key not in raw]
     if base is None and missing:
@@ -664,13 +664,29 @@ def _build_model(raw: Any, source: str, lines: dict) -> ModelConfig:
         raise ConfigError(f"{_where_of_message(source, lines, exc)}: {exc}") from None
 
 
-def _check_unknown(mapping: dict, known: Any, prefix: str, source: str, lines: dict) -> None:
+def _section_keys() -> dict[str, list[str]]:
+    """Each section's keys, by section name."""
+    classes = {**_OWN_SECTIONS, **_external_section_classes(), "model": ModelConfig}
+    return {name: [f.name for f in dataclasses.fields(classes[name])] for name in SECTIONS}
+
+
+def _check_unknown(mapping: dict, known: Any, prefix: str, source: str, lines: dict,
+                   sections: dict[str, list[str]] | None = None) -> None:
+    """Refuse the first key of ``mapping`` not in ``known``, naming where it is and what was
+    meant: a close key here, or the section it belongs to (``sections``: each section's
+    keys), e.g. ``train.weight_decay`` -> ``optim.weight_decay``."""
     known = list(known)
     for key in mapping:
         if key in known:
             continue
         full = f"{prefix}{key}"
         hint = did_you_mean(key, known, prefix, cutoff=0.5)
+        owners = [name for name, keys in (sections or {}).items()
+                  if key in keys and f"{name}." != prefix]
+        if owners:
+            hint = (f" (a key of section{'s' if len(owners) > 1 else ''} "
+                    f"{', '.join(repr(o) for o in owners)}: "
+                    f"{', '.join(f'{o}.{key}' for o in owners)})")
         head, dot, tail = str(key).partition(".")
         if dot and head in known and tail:  # `train.lr: 1` in a YAML file
             hint = (f" (dotted keys are for command-line overrides; in YAML write "

@@ -83,6 +83,20 @@ def test_unknown_override_key_is_named_with_suggestion(tmp_path):
         load_run_config(_write(tmp_path, BASE), ["train.lrr=1"])
 
 
+@pytest.mark.parametrize("override, hint", [
+    ("train.weight_decay=0.1", "(a key of section 'optim': optim.weight_decay)"),  # not 'decay'
+    ("model.lr=1", "(a key of section 'train': train.lr)"),
+    ("train.pe=rope", "(a key of section 'model': model.pe)"),
+    ("lr=1", "(a key of section 'train': train.lr)"),  # a section key at the top level
+])
+def test_a_key_in_the_wrong_section_names_the_section_it_belongs_to(tmp_path, override, hint):
+    with pytest.raises(ConfigError) as err:
+        load_run_config(_write(tmp_path, BASE), [override])
+    key = override.split("=")[0]
+    assert f"unknown key '{key}' {hint}" in str(err.value)
+    assert "did you mean" not in str(err.value)
+
+
 def test_unknown_section_and_nested_model_key(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown key 'trian' \(did you mean 'train'\?\)"):
         load_run_config(_write(tmp_path, BASE), ["trian.lr=1"])
