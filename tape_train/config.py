@@ -712,7 +712,8 @@ def _where(source: str, lines: dict, key: str) -> str:
 
 def _where_of_message(source: str, lines: dict, exc: Exception) -> str:
     """Locate a validation message by the dotted keys (``section.key``) it mentions: the first
-    one given itself in the file or an override, else the first one (by its section's line).
+    one given itself by an override, else in the file, else the first one (by its section's
+    line).
     ``model.hidden_size (256) must be divisible by model.num_heads (5)`` from ``model: tiny``
     and the override ``model.num_heads=5`` is the override's fault, not ``model``'s line."""
     import re
@@ -721,6 +722,8 @@ def _where_of_message(source: str, lines: dict, exc: Exception) -> str:
         r"\b(?:" + "|".join(SECTIONS) + r")(?:\.[A-Za-z_][A-Za-z0-9_]*(?:\[\d+\])*)+",
         str(exc))]
     given = [key for key in keys if key in lines]
+    # An override among them first: it changed what the file had, which held together.
+    given.sort(key=lambda key: not isinstance(lines[key], str))
     return _where(source, lines, (given or keys)[0]) if keys else source
 
 

@@ -241,6 +241,10 @@ def test_a_check_across_keys_blames_the_key_that_was_given(tmp_path, override):
     # control: a key the message names first and that was given keeps the blame
     with pytest.raises(ConfigError, match=r"^override 'model\.hidden_size=250': "):
         load_run_config(_write(tmp_path, BASE), ["model.hidden_size=250"])
+    # both given, one in the file and one by an override: the override changed what held
+    path = _write(tmp_path, BASE.replace("model: tiny", "model:\n  base: tiny\n  hidden_size: 256"))
+    with pytest.raises(ConfigError, match=r"^override 'model\.num_heads=3': model\.hidden_size"):
+        load_run_config(path, ["model.num_heads=3"])
 
 
 def test_malformed_override_and_missing_file(tmp_path, monkeypatch):
