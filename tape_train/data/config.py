@@ -17,7 +17,7 @@ from tape_train.resources import resource_dir
 SHARDING_MODES = ("documents", "global")
 DATA_FORMATS = ("text", "tokens")
 # Packed blocks per block shuffle window (docs/data.md, "Order, shuffling and epochs").
-BLOCK_SHUFFLE_WINDOW = 256
+BLOCK_SHUFFLE_WINDOW = 1024
 DATA_CONFIG_DIR = resource_dir("configs/data")
 # The `tape-data prepare` flag that sets each source field (errors name the flag).
 CLI_FLAGS = {"path": "--input", "hub": "--hub", "config": "--hub-config", "split": "--split",
@@ -161,8 +161,10 @@ class DataConfig:
             window: consecutive runs of this many blocks of the packed stream are each
             emitted in a seeded permutation, so that the rows of one batch are not consecutive
             windows of one long document. 1 emits blocks in packing order (off); so does
-            ``shuffle: false``. Memory: block_shuffle_window × (seq_len + 1) × 2 bytes (4 with
-            a vocabulary over 65 536); a resume re-tokenises at most one window.
+            ``shuffle: false``. Memory: two windows (the one emitted, the next one packed
+            meanwhile) of block_shuffle_window × (seq_len + 1) × 2 bytes (4 with a
+            vocabulary over 65 536); the first batch, and a resume, wait for one window to be
+            tokenised.
         prefetch: batches produced ahead by a background thread (0: produce on demand).
         skip_bad_records: ``False`` raises on a malformed record (naming file:line); ``True``
             skips it, counts it and logs it. Empty documents are always skipped and counted.

@@ -21,16 +21,17 @@ State (``state_dict()``): the stream position where the window of the next uncon
 starts (a few integers per source), the token offset into that document, that window's first
 block index, the index of the next block, and the fingerprint; a resume re-packs that one
 window and skips the blocks already emitted. A state without the window's start (saved before
-block windows) resumes its stream in packing order (window 1) for the rest of the run. With prefetching on, the state travels with each batch through the queue, so it
-always describes what the consumer has *received*.
+block windows) resumes its stream in packing order (window 1) for the rest of the run. With
+prefetching on, the state travels with each batch through the queue, so it always describes
+what the consumer has *received*.
 """
 
 from __future__ import annotations
 
-import atexit
-import itertools
 import json
 import logging
+import atexit
+import itertools
 import queue
 import threading
 import time

@@ -80,6 +80,10 @@ def shuffle_windows(blocks: Iterable[tuple[list[int], Any]], window: int, first_
                     ) -> Iterator[tuple[int, np.ndarray, tuple[int, Any]]]:
     """Emit packed ``blocks`` (``pack_documents``'s output) in seeded windows of ``window``.
 
+    The first window is packed whole before its first block is emitted; each next one is
+    packed one block per block emitted of the current one, so that the tokenising work stays
+    spread evenly over the batches (at most two windows are held).
+
     Args:
         blocks: ``(block, start)`` pairs; the first is block ``first_index`` of the stream,
             and a window begins there (windows are ``[first_index + m·window, ...)``).
@@ -96,17 +100,35 @@ def shuffle_windows(blocks: Iterable[tuple[list[int], Any]], window: int, first_
     if window <= 0:
         raise ValueError(f"window must be positive, got {window}")
     blocks = iter(blocks)
+    upcoming = _Window(window, dtype)
+    upcoming.pull(blocks, window)
     first = first_index
-    for block, start in blocks:
-        held = np.empty((window, len(block)), dtype=dtype)
-        held[0] = block
-        n = 1
-        for more, _ in itertools.islice(blocks, window - 1):
-            held[n] = more
-            n += 1
-        # (n < window only where a finite input ends: its last window is permuted as it is)
+    while upcoming.size:
+        current, upcoming = upcoming, _Window(window, dtype)
+        # (size < window only where a finite input ends: its last window is permuted as it is)
         order = (np.random.default_rng([seed, _BLOCK_WINDOW_TAG, first, *stream_id])
-                 .permutation(n) if window > 1 else range(n))
+                 .permutation(current.size) if window > 1 else range(current.size))
         for i, row in enumerate(order):
-            yield first + i, held[row], (first, start)
-        first += window
+            upcoming.pull(blocks, 1)
+            yield first + i, current.rows[row], (first, current.start)
+        upcoming.pull(blocks, window)  # (only after a short window: the input has ended)
+        first += current.size
+
+
+class _Window:
+    """Up to ``capacity`` packed blocks as the rows of one array, and the start of the first."""
+
+    def __init__(self, capacity: int, dtype: np.dtype):
+        self.capacity, self.dtype = capacity, dtype
+        self.rows: np.ndarray | None = None
+        self.size = 0
+        self.start: Any = None
+
+    def pull(self, blocks: Iterator[tuple[list[int], Any]], n: int) -> None:
+        """Append up to ``n`` more blocks from ``blocks`` (fewer where it or the window ends)."""
+        for block, start in itertools.islice(blocks, min(n, self.capacity - self.size)):
+            if self.rows is None:
+                self.rows = np.empty((self.capacity, len(block)), dtype=self.dtype)
+                self.start = start
+            self.rows[self.size] = block
+            self.size += 1
