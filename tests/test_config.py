@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import textwrap
 
@@ -329,6 +330,22 @@ def test_diff_and_protected_keys(tmp_path):
     assert {"model.hidden_size", "train.lr", "model.attn_backend", "train.seq_len"} <= keys
     assert sorted(protected_differences(diffs)) == ["model.hidden_size", "train.seq_len"]
     assert diff_configs(old, old) == []
+
+
+def test_a_checkpoint_config_without_the_block_window_is_no_change(tmp_path):
+    """A run config saved before data.block_shuffle_window existed does not count as changed
+    (its loader state resumes the stream it was saved with: packing order); a saved value
+    that differs is a protected change (negative control)."""
+    from tape_train.train.relayout import classify_changes
+
+    now = load_run_config(_write(tmp_path, BASE)).to_dict()
+    old = json.loads(json.dumps(now))
+    del old["data"]["block_shuffle_window"]
+    changes = classify_changes(diff_configs(old, now))
+    assert changes.protected == changes.applied == changes.layout == []
+    old["data"]["block_shuffle_window"] = 1
+    assert classify_changes(diff_configs(old, now)).protected == [
+        ("data.block_shuffle_window", 1, now["data"]["block_shuffle_window"])]
 
 
 def test_a_resume_may_move_the_data_but_not_change_it(tmp_path):

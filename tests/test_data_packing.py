@@ -1,12 +1,14 @@
-"""Packing invariants: fixed block length, no token lost or duplicated, exact start positions."""
+"""Packing invariants: fixed block length, no token lost or duplicated, exact start positions;
+block windows: each window emits its own blocks once, in a seeded order, packed evenly."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
-from tape_train.data.packing import pack_documents, wrap_document
+from tape_train.data.packing import pack_documents, shuffle_windows, wrap_document
 
 
 def random_documents(seed: int, n: int = 200) -> list[list[int]]:
@@ -61,3 +63,40 @@ def test_wrap_document():
     assert wrap_document([5, 6], 2, 3) == [2, 5, 6, 3]
     assert wrap_document([5, 6], None, 3) == [5, 6, 3]
     assert wrap_document([], 2, None) == [2]
+
+
+def test_block_windows_permute_each_window_and_pack_evenly():
+    """Each window of 8 emits exactly its own blocks (a finite input's last, short window
+    too), seeded by its first block index and the stream id; window 1 is packing order.
+    After the first window, at most one block is packed per block emitted (the next window
+    is packed while this one is emitted: no burst of tokenising at a window boundary)."""
+    blocks = [([k, k + 1000], ("start", k)) for k in range(30, 30 + 37)]
+    pulled = []
+
+    def source():
+        for block in blocks:
+            pulled.append(block)
+            yield block
+
+    out, pulls = [], []
+    for j, row, (first, start) in shuffle_windows(source(), 8, 30, 5, [], np.uint16):
+        out.append((j, row.tolist(), first, start))
+        pulls.append(len(pulled))
+    assert [j for j, *_ in out] == list(range(30, 67))
+    for w in range(5):
+        window = out[8 * w:8 * w + 8]
+        assert {first for *_, first, _ in window} == {30 + 8 * w}
+        assert {start for *_, start in window} == {("start", 30 + 8 * w)}
+        assert sorted(row[0] for _, row, *_ in window) == list(range(30 + 8 * w,
+                                                                   min(30 + 8 * w + 8, 67)))
+    assert [row[0] for _, row, *_ in out[:8]] != list(range(30, 38))
+    assert 8 <= pulls[0] <= 9 and all(b - a <= 1 for a, b in zip(pulls, pulls[1:]))
+    again = [row.tolist() for _, row, _ in shuffle_windows(iter(blocks), 8, 30, 5, [],
+                                                               np.uint16)]
+    assert again == [row for _, row, *_ in out]  # seeded
+    other_rank = [row.tolist() for _, row, _ in shuffle_windows(iter(blocks), 8, 30, 5,
+                                                                    [1, 2], np.uint16)]
+    assert other_rank != again
+    in_order = [row.tolist() for _, row, _ in shuffle_windows(iter(blocks), 1, 30, 5, [],
+                                                                  np.uint16)]
+    assert in_order == [block for block, _ in blocks]

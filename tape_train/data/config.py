@@ -16,6 +16,8 @@ from tape_train.resources import resource_dir
 
 SHARDING_MODES = ("documents", "global")
 DATA_FORMATS = ("text", "tokens")
+# Packed blocks per block shuffle window (docs/data.md, "Order, shuffling and epochs").
+BLOCK_SHUFFLE_WINDOW = 1024
 DATA_CONFIG_DIR = resource_dir("configs/data")
 # The `tape-data prepare` flag that sets each source field (errors name the flag).
 CLI_FLAGS = {"path": "--input", "hub": "--hub", "config": "--hub-config", "split": "--split",
@@ -155,6 +157,14 @@ class DataConfig:
         shuffle: permute shard order per epoch and documents within windows.
         shuffle_buffer: documents per shuffle window; memory ≈ shuffle_buffer × mean document
             size. 1 keeps file order within shards.
+        block_shuffle_window: packed blocks (``seq_len + 1`` tokens each) per block shuffle
+            window: consecutive runs of this many blocks of the packed stream are each
+            emitted in a seeded permutation, so that the rows of one batch are not consecutive
+            windows of one long document. 1 emits blocks in packing order (off); so does
+            ``shuffle: false``. Memory: two windows (the one emitted, the next one packed
+            meanwhile) of block_shuffle_window × (seq_len + 1) × 2 bytes (4 with a
+            vocabulary over 65 536); the first batch, and a resume, wait for one window to be
+            tokenised.
         prefetch: batches produced ahead by a background thread (0: produce on demand).
         skip_bad_records: ``False`` raises on a malformed record (naming file:line); ``True``
             skips it, counts it and logs it. Empty documents are always skipped and counted.
@@ -169,8 +179,8 @@ class DataConfig:
             ``"tokens"``: every source is a directory written by ``tape-data prepare
             --tokenize`` (or a list of them, concatenated); training reads fixed blocks of
             their token shards by a global sample index, several sources mixed by weight (one
-            sequence for any number of ranks, O(1) resume; ``sharding``, ``shuffle_buffer``
-            and ``prefetch`` do not apply).
+            sequence for any number of ranks, O(1) resume; ``sharding``, ``shuffle_buffer``,
+            ``block_shuffle_window`` and ``prefetch`` do not apply).
     """
 
     sources: list = field(default_factory=_default_sources)
@@ -181,6 +191,7 @@ class DataConfig:
     eval_min_tokens: int | None = None
     shuffle: bool = True
     shuffle_buffer: int = 1024
+    block_shuffle_window: int = BLOCK_SHUFFLE_WINDOW
     prefetch: int = 4
     skip_bad_records: bool = False
     add_bos: bool = True
@@ -214,6 +225,9 @@ class DataConfig:
         if not _positive_int(self.shuffle_buffer):
             raise DataError(f"data.shuffle_buffer must be a positive integer, "
                             f"got {self.shuffle_buffer!r}")
+        if not _positive_int(self.block_shuffle_window):
+            raise DataError(f"data.block_shuffle_window must be a positive integer (blocks per "
+                            f"window; 1: off), got {self.block_shuffle_window!r}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) \
                 or self.prefetch < 0:
             raise DataError(f"data.prefetch must be an integer >= 0, got {self.prefetch!r}")
@@ -224,6 +238,12 @@ class DataConfig:
             raise DataError(choice_error("data.sharding", self.sharding, SHARDING_MODES))
         if self.format not in DATA_FORMATS:
             raise DataError(choice_error("data.format", self.format, DATA_FORMATS))
+
+    @property
+    def block_window(self) -> int:
+        """The block shuffle window in effect: ``block_shuffle_window``, or 1 without
+        ``shuffle``."""
+        return self.block_shuffle_window if self.shuffle else 1
 
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

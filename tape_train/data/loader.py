@@ -13,10 +13,17 @@ passes the same ``dp_rank`` and so receives the identical batch). Two modes
   global block index, so a run can resume on a different number of ranks and continue the
   same global token stream — at n× the tokenisation work per rank.
 
-State (``state_dict()``): the stream position where the next unconsumed block starts (a few
-integers per source), the token offset into that document, the block counter, and the
-fingerprint. With prefetching on, the state travels with each batch through the queue, so it
-always describes what the consumer has *received*.
+Packed blocks are emitted in seeded windows of ``data.block_shuffle_window`` blocks
+(``packing.shuffle_windows``; in ``global`` sharding over the global block index, so every
+rank computes the same permutation).
+
+State (``state_dict()``): the stream position where the window of the next unconsumed block
+starts (a few integers per source), the token offset into that document, that window's first
+block index, the index of the next block, and the fingerprint; a resume re-packs that one
+window and skips the blocks already emitted. A state without the window's start (saved before
+block windows) resumes its stream in packing order (window 1) for the rest of the run. With
+prefetching on, the state travels with each batch through the queue, so it always describes
+what the consumer has *received*.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import atexit
+import itertools
 import queue
 import threading
 import time
@@ -35,10 +43,12 @@ import torch
 
 from tape_train.data.config import DataConfig, DataError
 from tape_train.data.formats import SkipLog, content_plan
-from tape_train.data.packing import pack_documents, wrap_document
+from tape_train.data.packing import pack_documents, shuffle_windows, wrap_document
 from tape_train.data.sources import (DocumentStream, SourceCursor, iter_held_out_texts,
                                      shared_shard_warning)
-from tape_train.data.state import STATE_VERSION, source_inputs, state_differences
+from tape_train.data.state import (STATE_VERSION, packing_options, source_inputs,
+                                   state_differences)
+from tape_train.data.tokens import token_dtype
 from tape_train.data.state import digest as _digest
 
 log = logging.getLogger("tape_train.data")
@@ -55,20 +65,23 @@ def _check_loader_arguments(seq_len, micro_batch_size, dp_rank, dp_size) -> None
 
 
 def text_fingerprint(cfg: DataConfig, shards: list, tokenizer, seq_len: int, seed: int,
-                     rank_share: bool) -> tuple[dict, dict]:
+                     rank_share: bool, block_window: int | None = None) -> tuple[dict, dict]:
     """``(fingerprint_fields, fingerprint_inputs)`` of a ``data.format: text`` loader whose
     sources have ``shards`` (per source: all ranks' ``Shard`` list, or ``None`` where it is not
     known here — a Hub source offline — which leaves ``fields["sources"]`` ``None``).
     ``rank_share``: ``documents`` sharding over more than one rank. Nothing is read but the
     file names and sizes the shards carry and, for the inputs, a content sample of each local
     file (``Shard.content_sample``: at most 1 MiB of it, less in a source of many files:
-    ``formats.content_plan``)."""
+    ``formats.content_plan``). ``block_window``: the block shuffle window in effect
+    (``cfg.block_window`` unless given; 1 fingerprints as before block windows existed)."""
     per_source = [None if found is None else
                   [source.weight, source.text_field, [s.identity for s in found]]
                   for source, found in zip(cfg.sources, shards)]
-    options = {"data.add_bos": cfg.add_bos, "data.add_eos": cfg.add_eos,
-               "data.shuffle": cfg.shuffle, "data.shuffle_buffer": cfg.shuffle_buffer,
-               "data.eval_fraction": cfg.eval_fraction, "data.sharding": cfg.sharding}
+    options = packing_options({
+        "data.add_bos": cfg.add_bos, "data.add_eos": cfg.add_eos, "data.shuffle": cfg.shuffle,
+        "data.shuffle_buffer": cfg.shuffle_buffer, "data.eval_fraction": cfg.eval_fraction,
+        "data.sharding": cfg.sharding,
+        "data.block_shuffle_window": cfg.block_window if block_window is None else block_window})
     fields = {
         "sources": None if any(p is None for p in per_source) else _digest(per_source),
         "tokenizer": getattr(tokenizer, "sha256", None)
@@ -131,8 +144,17 @@ def resume_differences(state: dict, cfg: DataConfig, tokenizer, seq_len: int, se
                        for s in cfg.sources]
     saved_ranks = state.get("dp_size")
     rank_share = cfg.sharding == "documents" and isinstance(saved_ranks, int) and saved_ranks > 1
-    fields, inputs = text_fingerprint(cfg, text_shards, tokenizer, seq_len, seed, rank_share)
+    window = 1 if saved_before_block_windows(state) else cfg.block_window
+    fields, inputs = text_fingerprint(cfg, text_shards, tokenizer, seq_len, seed, rank_share,
+                                      window)
     return state_differences(state, fields, inputs)
+
+
+def saved_before_block_windows(state: dict) -> bool:
+    """Whether a text loader ``state`` was saved before block shuffle windows (its position
+    names no window start): it resumes in packing order, as it was saved."""
+    position = state.get("position")
+    return not (isinstance(position, dict) and "window_start" in position)
 
 
 class TrainLoader:
@@ -153,6 +175,8 @@ class TrainLoader:
         self.dp_size = dp_size
         self.seed = int(seed)
         self.skips = SkipLog()
+        self._packing_order = False  # True: resuming a state saved before block windows
+        self._dtype = token_dtype(tokenizer.vocab_size)
         # documents: each rank reads only its own share; global: every rank reads everything.
         self._share = (dp_rank, dp_size) if cfg.sharding == "documents" else (0, 1)
         self._adopt(self._cursors(hub_row_groups=True))
@@ -177,15 +201,35 @@ class TrainLoader:
     def _adopt(self, cursors: list[SourceCursor]) -> None:
         """Read from ``cursors`` from the start: the stream, its fingerprint, the position."""
         share = self._share
-        self._stream = DocumentStream(cursors, self.seed, list(share) if share[1] > 1 else None)
-        self.fingerprint_fields, self.fingerprint_inputs = self._fingerprint(cursors)
-        self.fingerprint = _digest(self.fingerprint_fields)
-        self._initial_position = {"stream": self._stream.state(), "offset": 0, "blocks": 0}
+        self._stream_id = list(share) if share[1] > 1 else []
+        self._stream = DocumentStream(cursors, self.seed, self._stream_id)
+        self._initial_stream = self._stream.state()
+        self._refingerprint()
         self._position = json.loads(json.dumps(self._initial_position))
+
+    @property
+    def block_window(self) -> int:
+        """Blocks per shuffle window in effect (1 when resuming a state saved before them)."""
+        return 1 if self._packing_order else self.cfg.block_window
+
+    def _refingerprint(self) -> None:
+        self.fingerprint_fields, self.fingerprint_inputs = self._fingerprint(self._stream.cursors)
+        self.fingerprint = _digest(self.fingerprint_fields)
+        self._initial_position = self._position_at(self._initial_stream, 0, 0, 0)
+
+    def _position_at(self, stream: dict, offset: int, blocks: int, window_start: int) -> dict:
+        """The state's position: the window of block ``blocks`` starts at block
+        ``window_start``, token ``offset`` of the document at ``stream``. In packing order a
+        state saved before block windows keeps their format (no ``window_start``)."""
+        position = {"stream": stream, "offset": offset, "blocks": blocks}
+        if not self._packing_order:
+            position["window_start"] = window_start
+        return position
 
     def _fingerprint(self, cursors: list[SourceCursor]) -> tuple[dict, dict]:
         return text_fingerprint(self.cfg, [c.all_shards for c in cursors], self.tokenizer,
-                                self.seq_len, self.seed, rank_share=self._share[1] > 1)
+                                self.seq_len, self.seed, rank_share=self._share[1] > 1,
+                                block_window=self.block_window)
 
     def _fingerprint_fields(self, cursors: list[SourceCursor]) -> dict:
         return self._fingerprint(cursors)[0]
@@ -238,6 +282,15 @@ class TrainLoader:
                             f"(got {state.get('version') if isinstance(state, dict) else state!r}"
                             f", expected {STATE_VERSION})")
         self._stop()  # the producer thread must not touch the stream while we rewind it
+        packing_order = saved_before_block_windows(state)
+        if packing_order != self._packing_order:
+            self._packing_order = packing_order
+            self._refingerprint()
+        if packing_order and self.cfg.block_window != 1:
+            log.warning("data: the saved loader state predates block shuffle windows: resuming "
+                        "its stream exactly, in packing order (as data.block_shuffle_window=1, "
+                        "not %d) for the rest of this run; a new run shuffles blocks",
+                        self.cfg.block_window)
         if state.get("fingerprint") != self.fingerprint:
             self._adopt_file_level_hub_shards(state)
         problems = []
@@ -262,7 +315,11 @@ class TrainLoader:
         try:
             position = state["position"]
             self._stream.load_state(position["stream"])  # validates the shape
-            int(position["offset"]), int(position["blocks"])
+            offset, blocks = int(position["offset"]), int(position["blocks"])
+            window_start = int(position.get("window_start", blocks))
+            if not 0 <= window_start <= blocks or offset < 0:
+                raise ValueError(f"window_start {window_start}, blocks {blocks}, "
+                                 f"offset {offset}")
         except (DataError, KeyError, TypeError, ValueError) as exc:
             if not allow_mismatch:
                 raise DataError(f"loader state: position does not fit this config: "
@@ -270,8 +327,8 @@ class TrainLoader:
             log.warning("data: saved position does not fit the new config (%s); starting the "
                         "stream from the beginning", exc)
             position = json.loads(json.dumps(self._initial_position))
-        self._position = {"stream": position["stream"], "offset": int(position["offset"]),
-                          "blocks": int(position["blocks"])}
+            offset = blocks = window_start = 0
+        self._position = self._position_at(position["stream"], offset, blocks, window_start)
         self.batches_received = int(state.get("batches_received", 0))
 
     # -- iteration ----------------------------------------------------------------------------
@@ -312,7 +369,8 @@ class TrainLoader:
 
     @property
     def epochs(self) -> list[int]:
-        """Per source, the epoch of the next document to be received (for logging)."""
+        """Per source, the epoch of the first document of the next block's window (for
+        logging)."""
         return [cursor[0] for cursor in self._position["stream"]["sources"]]
 
     @property
@@ -333,31 +391,34 @@ class TrainLoader:
             yield position, wrap_document(tok.encode(text), bos, eos)
 
     def _produce(self, position: dict) -> Iterator[tuple[dict, dict]]:
-        """Yield ``(batch, position after this batch)`` forever from ``position``."""
+        """Yield ``(batch, position after this batch)`` forever from ``position``: re-pack
+        from the start of its window, skip the blocks of it already emitted."""
         self._stream.load_state(position["stream"])
         blocks = pack_documents(self._documents(), self.seq_len + 1,
                                 first_offset=position["offset"])
         base = position["blocks"]
+        emitted = shuffle_windows(blocks, self.block_window, position.get("window_start", base),
+                                  self.seed, self._stream_id, self._dtype)
+        numbered = itertools.dropwhile(lambda item: item[0] < base, emitted)
         stride, phase = ((self.dp_size, self.dp_rank) if self.cfg.sharding == "global"
                          else (1, 0))
-        numbered = enumerate(blocks, start=base)
         held = None
         while True:
             rows = []
             while len(rows) < self.micro_batch_size:
-                j, (block, _) = held if held is not None else next(numbered)
+                j, block, _ = held if held is not None else next(numbered)
                 held = None
                 if (j - base) % stride == phase:
                     rows.append(block)
-            # Peek to the first block of the next round: its start is the resume position.
-            j, (block, start) = next(numbered)
-            while (j - base) % stride:
-                j, (block, start) = next(numbered)
-            held = (j, (block, start))
             array = np.asarray(rows, dtype=np.int64)
             batch = {"input_ids": torch.from_numpy(array[:, :-1].copy()),
                      "labels": torch.from_numpy(array[:, 1:].copy())}
-            yield batch, {"stream": start[0], "offset": start[1], "blocks": j}
+            # Peek to the first block of the next round: its window is the resume position.
+            held = next(numbered)
+            while (held[0] - base) % stride:
+                held = next(numbered)
+            j, _, (window_start, (stream, offset)) = held
+            yield batch, self._position_at(stream, offset, j, window_start)
 
 
 class _Prefetcher:

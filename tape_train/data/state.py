@@ -25,11 +25,22 @@ STATE_VERSION = 1
 LISTED_FILES = 1000
 # Changes of one kind named in a message before "and N more".
 _NAMED = 3
+# Packing options added after states were first saved, at the value that reproduces what a
+# state without them did: left out of a fingerprint at that value (so that older states keep
+# theirs), and read as that value where a state lacks them.
+LATER_PACKING_OPTIONS = {"data.block_shuffle_window": 1}
 
 
 def digest(obj: object) -> str:
     """A short, stable fingerprint of a JSON-able object (16 hex digits of its sha256)."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def packing_options(options: dict) -> dict:
+    """``options`` (``{"data.<key>": value}``) less the ``LATER_PACKING_OPTIONS`` at the value
+    that reproduces the older stream."""
+    return {k: v for k, v in options.items()
+            if k not in LATER_PACKING_OPTIONS or v != LATER_PACKING_OPTIONS[k]}
 
 
 def source_inputs(source, files: list[list], unit: str, settings: dict,
@@ -102,8 +113,11 @@ def _describe(key: str, then, now, saved_inputs: dict, inputs: dict) -> str:
     if key == "packing":
         before, after = saved_inputs.get("packing"), inputs.get("packing")
         if isinstance(before, dict) and isinstance(after, dict):
-            changed = [f"{k}: saved {before.get(k)!r}, now {v!r}" for k, v in after.items()
-                       if before.get(k) != v]
+            values = [(k, before.get(k, LATER_PACKING_OPTIONS.get(k)),
+                       after.get(k, LATER_PACKING_OPTIONS.get(k)))
+                      for k in list(after) + [k for k in before if k not in after]]
+            changed = [f"{k}: saved {old!r}, now {new!r}" for k, old, new in values
+                       if old != new]
             if changed:
                 return "; ".join(changed)
     return generic

@@ -48,6 +48,12 @@ _LABEL = re.compile(r"data\.sources\[\d+\]\.name")
 # when it loads its state, which refuse other data at the new place.
 _LOCATION = re.compile(r"data\.(tokenizer|sources\[\d+\]\.path)")
 
+# Data keys added after checkpoints were first written, whose absence from a checkpoint's
+# config is no change: its loader state resumes the stream it was saved with
+# (``data.loader.saved_before_block_windows``: a state without block windows keeps packing
+# order). A value on both sides that differs is a change like any other.
+_LOADER_STATE_DECIDES = ("data.block_shuffle_window",)
+
 # Config keys a layout change may legitimately change (checked by ``problems`` instead). The
 # ZeRO stage says how the same weights and AdamW state are partitioned, as dp does: a change
 # among ZeRO-1/2/3 continues the run within a relayout's tolerance (tests/test_train_relayout
@@ -116,7 +122,7 @@ def describe_changes(changes: list) -> str:
 def classify_changes(diffs: list[tuple[str, object, object]]) -> ConfigChanges:
     """The one rule of what a resume may change, for the preflight and the trainer alike.
     ``train.dtype: auto`` is not a change: a resumed ``auto`` run keeps the checkpoint's
-    resolved dtype."""
+    resolved dtype; nor is a ``_LOADER_STATE_DECIDES`` key the checkpoint's config lacks."""
     out: dict[str, list] = {"protected": [], "layout": [], "moved": [], "applied": []}
     paths = {key: (old, new) for key, old, new in diffs if key.endswith(".path")}
     for key, old, new in diffs:
@@ -125,6 +131,8 @@ def classify_changes(diffs: list[tuple[str, object, object]]) -> ConfigChanges:
         elif _LABEL.fullmatch(key) and [old, new] == [
                 _default_name(p) for p in paths.get(key[:-len("name")] + "path", ())]:
             continue  # the default label, the path: it moved with it
+        elif key in _LOADER_STATE_DECIDES and old == "<absent>":
+            continue
         elif not key.startswith(PROTECTED_KEYS) or key.startswith(HARMLESS_KEYS) \
                 or _LABEL.fullmatch(key) or (key == "train.dtype" and new == "auto"):
             kind = "applied"
