@@ -205,3 +205,29 @@ def test_a_bad_window_names_the_key(value):
     with pytest.raises(DataError, match=r"run.yaml: data.block_shuffle_window must be a "
                                         r"positive integer .*got " + repr(value)[:3]):
         DataConfig.from_dict({"block_shuffle_window": value}, source="run.yaml")
+
+
+def test_the_wait_for_a_window_is_logged_at_the_start_and_a_resume(tok, corpus, caplog):
+    """The first batch waits for one whole window to be tokenised (seconds at long seq_len):
+    a line before and one after say what it is, at the start and at a resume; window 1 has
+    no such wait and logs nothing."""
+    kw = dict(seq_len=SEQ, micro_batch_size=2, dp_rank=0, dp_size=1, seed=3)
+    caplog.set_level("INFO", logger="tape_train.data")
+    loader = build_train_loader(make_cfg(corpus, block_shuffle_window=8), tok, **kw)
+    rows(loader, 3)
+    lines = [r.getMessage() for r in caplog.records if "block window" in r.getMessage()]
+    note = f"the first block window: data.block_shuffle_window=8 blocks of {SEQ + 1} tokens"
+    assert lines[0] == f"data: tokenising {note}, 0.0 M tokens before the first batch"
+    assert lines[1].startswith(f"data: tokenised {note}, 0.0 M tokens in ") and len(lines) == 2
+    state = loader.state_dict()
+    caplog.clear()
+    resumed = build_train_loader(make_cfg(corpus, block_shuffle_window=8), tok, **kw)
+    resumed.load_state_dict(state)
+    rows(resumed, 1)
+    lines = [r.getMessage() for r in caplog.records if "block window" in r.getMessage()]
+    assert [line.split(":")[1] for line in lines] == [
+        " tokenising block window 0.. again (resuming at block 6)",
+        " tokenised block window 0.. again (resuming at block 6)"]
+    caplog.clear()
+    rows(build_train_loader(make_cfg(corpus, block_shuffle_window=1), tok, **kw), 2)
+    assert not [r for r in caplog.records if "block window" in r.getMessage()]

@@ -390,6 +390,15 @@ class TrainLoader:
             self.documents_tokenized += 1
             yield position, wrap_document(tok.encode(text), bos, eos)
 
+    def _window_wait_note(self, position: dict, base: int) -> str:
+        """What the first batch of this stream waits for (at the start or a resume: one block
+        window packed whole; ``docs/data.md``, "Order, shuffling and epochs")."""
+        window_start = position.get("window_start", base)
+        what = ("the first block window" if base == 0 else
+                f"block window {window_start}.. again (resuming at block {base})")
+        return (f"{what}: data.block_shuffle_window={self.block_window} blocks of "
+                f"{self.seq_len + 1} tokens, {self.block_window * (self.seq_len + 1) / 1e6:.1f} M")
+
     def _produce(self, position: dict) -> Iterator[tuple[dict, dict]]:
         """Yield ``(batch, position after this batch)`` forever from ``position``: re-pack
         from the start of its window, skip the blocks of it already emitted."""
@@ -403,6 +412,11 @@ class TrainLoader:
         stride, phase = ((self.dp_size, self.dp_rank) if self.cfg.sharding == "global"
                          else (1, 0))
         held = None
+        if self.block_window > 1:  # a wait of seconds at long seq_len: say what it is
+            note, started = self._window_wait_note(position, base), time.perf_counter()
+            log.info("data: tokenising %s tokens before the first batch", note)
+            held = next(numbered)
+            log.info("data: tokenised %s tokens in %.1f s", note, time.perf_counter() - started)
         while True:
             rows = []
             while len(rows) < self.micro_batch_size:
