@@ -501,7 +501,7 @@ class RunConfig:
             raw = data.get(name)
             where = _where(source, lines, name)
             if name == "model":
-                built[name] = _build_model(raw, source, lines)
+                built[name] = _build_model(raw, source, lines, fields)
                 continue
             raw = {} if raw is None else raw
             if not isinstance(raw, dict):
@@ -635,7 +635,10 @@ def _require(condition: bool, message: str) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _build_model(raw: Any, source: str, lines: dict) -> ModelConfig:
+def _build_model(raw: Any, source: str, lines: dict,
+                 sections: dict[str, list[str]]) -> ModelConfig:
+    """The model section: a size name, or a mapping with ``base`` and field overrides
+    (``sections``: each section's keys, for the hint on a key in the wrong section)."""
     where = _where(source, lines, "model")
     if raw is None:
         raise ConfigError(f"{source}: section 'model' is required (a size name such as 'tiny' "
@@ -646,7 +649,7 @@ def _build_model(raw: Any, source: str, lines: dict) -> ModelConfig:
         raise ConfigError(f"{where}: 'model' must be a size name or a mapping, got {raw!r}")
     raw = dict(raw)
     known = [f.name for f in dataclasses.fields(ModelConfig)] + ["base"]
-    _check_unknown(raw, known, "model.", source, lines, _section_keys())
+    _check_unknown(raw, known, "model.", source, lines, sections)
     base = raw.pop("base", None)
     missing = [f"model.{key}" for key in SHAPE_FIELDS if key not in raw]
     if base is None and missing:

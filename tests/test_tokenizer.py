@@ -197,3 +197,47 @@ def test_training_sentences_cut_long_paragraphs_between_characters():
     assert "".join(pieces[:-1]) == paragraph and pieces[-1] == "next"
     assert all(len(p.encode("utf-8")) <= MAX_SENTENCE_BYTES for p in pieces)
     assert len(pieces) == 5 and stats["bytes"] == len((paragraph + "next").encode("utf-8"))
+
+
+def _pieces_of_kinds(tok):
+    sp = tok._sp
+    special = [i for i in range(tok.vocab_size) if sp.IsControl(i) or sp.IsUnknown(i)]
+    byte = [i for i in range(tok.vocab_size) if sp.IsByte(i)]
+    return special, byte, [i for i in range(tok.vocab_size) if not tok._is_special(i)]
+
+
+@pytest.mark.parametrize("model_type", ["bpe", "unigram"])
+def test_decode_continuation_equals_the_whole_decode_after_any_context(tmp_path, model_type):
+    """The streamed text after a prompt is decode(context + ids) less decode(context), though
+    only the context's tail is decoded: over contexts ending in byte pieces (a character spelt
+    in bytes), control pieces and ordinary ones, and continuations of every kind."""
+    import random
+
+    tok = train_small_tokenizer(tmp_path, model_type=model_type)
+    special, byte, normal = _pieces_of_kinds(tok)
+    text_ids = tok.encode("naïve 東京 ok\tdone — x ") + tok.encode("ä€😀 tail")
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(400):
+        context = [tok.bos_id] + text_ids[: rng.randrange(len(text_ids) + 1)]
+        context += rng.choice([[], tok.encode("€"), [tok.eos_id],
+                               [rng.choice(normal)]])
+        before = tok._sp.decode(context)
+        ids = [rng.choice(rng.choice([special, byte, normal])) for _ in range(rng.randrange(6))]
+        ids += tok.encode(rng.choice(["", " world", "€", "x"]))
+        whole = tok._sp.decode(context + ids)
+        if not whole.startswith(before):  # a context no prompt ends with
+            continue
+        assert tok.decode_continuation(context, ids) == whole[len(before):], (context, ids)
+        checked += 1
+    assert checked > 300
+    # The tail stays short after a long prompt: the cost per streamed token does not grow.
+    long_context = [tok.bos_id] + text_ids * 200
+    assert len(tok.context_tail(long_context)) <= 8 + 8
+    # Negative control: a tail that starts at a control piece decodes the text after it as a
+    # text of its own (its first space taken for the dummy prefix), so the tail starts before.
+    context, ids = [tok.bos_id] + tok.encode("Hello") + [tok.eos_id], tok.encode(" world")
+    whole = tok._sp.decode(context + ids)[len(tok._sp.decode(context)):]
+    assert tok._sp.decode([tok.eos_id] + ids) != whole
+    assert tok.context_tail(context, keep=1)[0] != tok.eos_id
+    assert tok.decode_continuation(context, ids) == whole

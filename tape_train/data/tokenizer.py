@@ -84,13 +84,33 @@ class Tokenizer:
     def decode_continuation(self, context: Iterable[int], ids: Iterable[int]) -> str:
         """The text ``ids`` add after the text of ``context``: ``decode(context + ids)`` less
         ``decode(context)``. ``decode(ids)`` alone would take the space that starts their
-        first piece ("Hello" then ``▁world``) for a text's dummy prefix and drop it."""
-        context = list(context)
-        before = self._sp.decode(context)
-        text = self._sp.decode(context + list(ids))
-        if not text.startswith(before):  # not seen: context ends a valid character
-            raise ValueError(f"decoding {len(context)} context ids changed their text")
-        return text[len(before):]
+        first piece ("Hello" then ``▁world``) for a text's dummy prefix and drop it.
+
+        Only the end of ``context`` is decoded (:meth:`context_tail`), so a streamed
+        continuation costs the same per token after a prompt of any length."""
+        context, ids = list(context), list(ids)
+        for head in (self.context_tail(context), context):
+            before = self._sp.decode(head)
+            text = self._sp.decode(head + ids)
+            if text.startswith(before):
+                return text[len(before):]
+        # not seen: context ends a valid character
+        raise ValueError(f"decoding {len(context)} context ids changed their text")
+
+    def context_tail(self, context: list[int], keep: int = 8) -> list[int]:
+        """The last ids of ``context`` whose text decides how ids after them decode: at least
+        ``keep`` of them, from a piece that is neither a byte piece (a character spelt in bytes
+        is not cut) nor a control or unknown piece (the first piece that shows text is the one
+        whose leading space a decode drops, in the tail as in the whole)."""
+        start = max(0, len(context) - keep)
+        while start > 0 and self._is_special(context[start]):
+            start -= 1
+        return context[start:]
+
+    def _is_special(self, token_id: int) -> bool:
+        sp = self._sp
+        return (sp.IsByte(token_id) or sp.IsControl(token_id) or sp.IsUnknown(token_id)
+                or sp.IsUnused(token_id))
 
     def id_to_piece(self, token_id: int) -> str:
         return self._sp.id_to_piece(token_id)
