@@ -610,3 +610,23 @@ def test_the_trainer_checks_compare_the_compiled_run_with_its_eager_one():
     bad = check([5.0, 4.9, 4.8 * (1 + 1e-2)])               # beyond the fp32 tolerance
     assert bad["ok"] is False
     assert check(None)["ok"] is True                        # not started: not required
+
+
+@pytest.mark.parametrize("argv, builds", [
+    (["--cpu-smoke"], True),
+    (["--cpu-smoke", "--sections", "kernel_speed", "end_to_end"], False),  # no trainer runs
+    (["--cpu-smoke", "--plan", 'trainer.runs=["zero1_fp32"]'], False),  # no offloaded run
+])
+def test_the_smoke_builds_cpu_adam_before_its_clock(monkeypatch, argv, builds):
+    """A fresh venv builds DeepSpeed's CPU Adam op for the offloaded trainer run (minutes on a
+    busy machine): the smoke does it before its sections' time budget starts, and only when
+    that run is planned."""
+    import gpu_report
+
+    import tape_train.train.optim as optim
+
+    calls = []
+    monkeypatch.setattr(optim, "cpu_adam_problem", lambda: calls.append(1) or time.sleep(0.3))
+    took = gpu_report.build_cpu_adam_first(gpu_report.parse_args(argv))
+    assert calls == ([1] if builds else [])
+    assert (took >= 0.3) == builds
