@@ -85,6 +85,42 @@ def test_generate_equals_tape_train_and_batched_padding_changes_nothing(exports,
         assert torch.equal(batched[i, width:], new)
 
 
+@pytest.mark.parametrize("pe", ["tape", "fire"])
+def test_padded_batches_give_each_rows_own_logits(exports, pe):
+    """Rows of different lengths, left- or right-padded, with the attention mask: every real
+    token's logits are tape-train's on that row alone (the greedy tokens above would hide a
+    small error), and so are left-padded incremental decoding's with a growing mask."""
+    model, path = exports[pe]
+    hf = _load(path)
+    rows = [tokens(1, n, seed=n)[0] for n in (11, 4, 16)]
+    width = max(len(r) for r in rows)
+    with torch.no_grad():
+        alone = [model(r[None]).logits[0] for r in rows]
+        for left in (True, False):
+            batch = torch.zeros(len(rows), width, dtype=torch.long)
+            mask = torch.zeros_like(batch)
+            spans = [slice(width - len(r), width) if left else slice(0, len(r)) for r in rows]
+            for i, (r, span) in enumerate(zip(rows, spans)):
+                batch[i, span], mask[i, span] = r, 1
+            logits = hf(input_ids=batch, attention_mask=mask).logits
+            for i, span in enumerate(spans):
+                torch.testing.assert_close(logits[i, span], alone[i], rtol=0, atol=1e-5)
+            if left:
+                out = hf(input_ids=batch[:, :9], attention_mask=mask[:, :9], use_cache=True)
+                steps, cache = [out.logits], out[_CACHE]
+                for t in range(9, width):
+                    out = hf(input_ids=batch[:, t:t + 1], attention_mask=mask[:, :t + 1],
+                             use_cache=True, **{_CACHE: cache})
+                    steps.append(out.logits)
+                    cache = out[_CACHE]
+                decoded = torch.cat(steps, dim=1)
+                for i, span in enumerate(spans):
+                    torch.testing.assert_close(decoded[i, span], alone[i], rtol=0, atol=1e-5)
+                # Negative control: without the mask the padded rows see the pads.
+                unmasked = hf(input_ids=batch).logits
+                assert (unmasked[1, spans[1]] - alone[1]).abs().max() > 1e-4
+
+
 @pytest.mark.slow
 def test_remote_code_loads_without_tape_train(exports):
     _, path = exports["tape"]
