@@ -4,7 +4,8 @@ A measurement is keyed by what decides its value: the CPU model and ISA flags, t
 version, the ISA limits set in the environment (``ATEN_CPU_CAPABILITY``,
 ``ONEDNN_MAX_CPU_ISA``) and the caller's own key (dtype, threads). The cache is one JSON file,
 ``$TAPE_TRAIN_CACHE_DIR`` or ``$XDG_CACHE_HOME/tape-train`` (default ``~/.cache/tape-train``)
-``/measurements.json``; an unreadable or unwritable cache only means measuring again. The same
+``/measurements.json``; an unreadable or unwritable cache, or none at all (no ``HOME``), only
+means measuring again. The same
 directory (``cache_dir``) holds the demo corpus's downloads (``tape-data prepare --demo``).
 ``usable_cpus`` says how many CPUs this process may run on.
 """
@@ -39,10 +40,23 @@ def usable_cpu_ids() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
+class NoCacheDir(OSError):
+    """No cache directory can be named: no ``$TAPE_TRAIN_CACHE_DIR``/``$XDG_CACHE_HOME`` and no
+    home directory (``HOME`` unset and a user id the password database lacks: a container
+    started with ``--user``)."""
+
+
 def cache_dir() -> Path:
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except (RuntimeError, KeyError) as exc:  # Path.home() without HOME or a passwd entry
+            raise NoCacheDir(f"no cache directory: HOME is unset and user id {os.getuid()} has "
+                             f"no home directory in the password database ({exc}); set "
+                             f"{CACHE_ENV} or HOME") from None
     return Path(base) / "tape-train"
 
 
@@ -90,8 +104,11 @@ def cached(name: str, key: str, measure: Callable[[], float], keep: bool = True
     """``measure()`` once per (machine, ``name``, ``key``); returns (value, was_cached).
 
     With ``keep=False`` a missing value is measured but not stored (a busy machine)."""
-    path = cache_dir() / "measurements.json"
     full_key = f"{name}/{machine_key()}/{key}"
+    try:
+        path = cache_dir() / "measurements.json"
+    except NoCacheDir:  # nowhere to keep it: measured every time
+        return float(measure()), False
     try:
         table = json.loads(path.read_text())
         if not isinstance(table, dict):

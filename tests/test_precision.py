@@ -99,6 +99,40 @@ def test_measurements_are_cached_per_machine_key(monkeypatch):
     assert len(calls) == 3 + 1
 
 
+def _no_home(monkeypatch):
+    """No HOME and a user id the password database lacks (a container started with --user)."""
+    import pwd
+
+    for name in (machine_cache.CACHE_ENV, "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(name, raising=False)
+
+    def unknown(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr(pwd, "getpwuid", unknown)
+
+
+def test_without_a_home_directory_measurements_are_taken_not_kept(monkeypatch, tmp_path,
+                                                                  capsys):
+    """Path.home() fails there: measuring still works (every time), and the demo's download
+    cache is a one-line error that says what to set, not a traceback."""
+    from tape_train.data import cli as data_cli
+
+    _no_home(monkeypatch)
+    calls = []
+    for _ in range(2):
+        assert machine_cache.cached("x", "k", lambda: calls.append(1) or 0.5) == (0.5, False)
+    assert len(calls) == 2
+    with pytest.raises(machine_cache.NoCacheDir, match=machine_cache.CACHE_ENV):
+        machine_cache.cache_dir()
+    assert data_cli.main(["prepare", "--demo", "--out", str(tmp_path / "demo")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "HOME is unset" in err and machine_cache.CACHE_ENV in err
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # control: a home, so a kept value
+    assert machine_cache.cached("x", "k", lambda: 0.5) == (0.5, False)
+    assert machine_cache.cached("x", "k", lambda: 9.0) == (0.5, True)
+
+
 def test_mfu_above_100_percent_is_never_a_result():
     from tape_train.train.peak import checked_mfu
 
