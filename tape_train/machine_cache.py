@@ -77,6 +77,31 @@ def cpu_info() -> tuple[str, frozenset[str]]:
     return model, flags
 
 
+# The ATEN_CPU_CAPABILITY values torch takes at their word, without asking the CPU, and the
+# /proc/cpuinfo flags the kernels they select need (those torch requires when it chooses),
+# the highest first.
+ATEN_CAPABILITY_NEEDS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"),
+                         "avx2": ("avx2", "fma")}
+
+
+def isa_limit_error() -> str | None:
+    """Why ``ATEN_CPU_CAPABILITY`` would kill this process, or None: a value asking for more
+    than this CPU has (an environment copied from another node) makes torch run instructions
+    the CPU lacks, and the first vectorised operation dies with SIGILL ("Illegal instruction")."""
+    value = os.environ.get("ATEN_CPU_CAPABILITY", "")
+    _, flags = cpu_info()
+    if value not in ATEN_CAPABILITY_NEEDS or not flags:  # flags unknown: torch decides
+        return None
+    missing = [f for f in ATEN_CAPABILITY_NEEDS[value] if f not in flags]
+    if not missing:
+        return None
+    fits = next((name for name, needs in ATEN_CAPABILITY_NEEDS.items()
+                 if all(f in flags for f in needs)), "default")
+    return (f"ATEN_CPU_CAPABILITY={value} makes torch use instructions this CPU lacks (no "
+            f"{', '.join(missing)} in /proc/cpuinfo): it would die with 'Illegal instruction'; "
+            f"unset it (torch then picks what the CPU has) or set it to {fits}")
+
+
 def machine_key() -> str:
     """What a CPU measurement depends on, as a short stable string."""
     import torch

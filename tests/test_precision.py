@@ -133,6 +133,49 @@ def test_without_a_home_directory_measurements_are_taken_not_kept(monkeypatch, t
     assert machine_cache.cached("x", "k", lambda: 9.0) == (0.5, True)
 
 
+AVX2_FLAGS = frozenset({"sse4_2", "avx", "avx2", "fma"})
+AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+@pytest.mark.parametrize("value,flags,fits", [
+    ("avx512", AVX2_FLAGS, "avx2"),                      # an AVX-512 node's environment
+    ("avx2", frozenset({"sse4_2", "avx"}), "default"),   # an older CPU
+    ("avx512", AVX512_FLAGS, None), ("avx2", AVX2_FLAGS, None),  # controls: the CPU has them
+    ("default", frozenset({"sse4_2"}), None), ("", AVX2_FLAGS, None),
+    ("avx512", frozenset(), None),                       # flags unknown: torch decides
+])
+def test_an_isa_above_the_cpus_is_refused_before_torch_runs(monkeypatch, capsys, value, flags,
+                                                          fits):
+    """torch believes ATEN_CPU_CAPABILITY without asking the CPU: avx512 on an AVX2 CPU dies
+    with SIGILL at the first vectorised op. The commands that compute refuse it in one line
+    naming the variable and a value that works; tape-data and tape-submit do not compute."""
+    import sys
+
+    from tape_train import cli
+    from tape_train.devices import LaunchError, check_launch_environment
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", value)
+    monkeypatch.setattr(machine_cache, "cpu_info", lambda: ("faked", flags))
+    error = machine_cache.isa_limit_error()
+    if fits is None:
+        assert error is None
+        check_launch_environment()
+        return
+    assert f"ATEN_CPU_CAPABILITY={value}" in error and error.endswith(f"set it to {fits}")
+    with pytest.raises(LaunchError, match=f"ATEN_CPU_CAPABILITY={value}"):
+        check_launch_environment()  # `python -m tape_train.train.cli`, torchrun's workers
+    monkeypatch.setattr(sys, "argv", ["tape-eval", "--checkpoint", "runs/none"])
+    with pytest.raises(SystemExit) as stop:
+        cli.eval_main()
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"tape-eval: error: {error}"]
+    monkeypatch.setattr(sys, "argv", ["tape-data", "info", "no-such-dir"])
+    with pytest.raises(SystemExit) as stop:
+        cli.data_main()
+    assert stop.value.code == 1 and "ATEN_CPU_CAPABILITY" not in capsys.readouterr().err
+
+
 def test_mfu_above_100_percent_is_never_a_result():
     from tape_train.train.peak import checked_mfu
 
