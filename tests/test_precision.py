@@ -278,6 +278,39 @@ def test_flash_backend_asks_for_the_deterministic_backward(monkeypatch):
     assert seen == [False, True]
 
 
+def test_the_plans_cpu_peak_is_measured_with_the_threads_each_rank_gets(monkeypatch):
+    """--dry-run's step time on CPU: each rank's peak with the threads a run started now gives
+    it (idle cores / ranks), not the dry run's own (every core: on a busy 2-core machine
+    a 2-thread GEMM measured 40x below a 1-thread one), and ranks beyond the cores share them
+    (4 ranks on 2 cores are not 4 times one rank's peak)."""
+    import torch
+
+    from tape_train import cpu_threads
+    from tape_train.train import peak
+
+    idle = {"cores": 2.0}
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(machine_cache, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(cpu_threads, "usable_cpu_ids", lambda: [0, 1])
+    monkeypatch.setattr(cpu_threads, "idle_cores", lambda cpus, *args, **kw: idle["cores"])
+    # a GEMM peak proportional to the threads it ran with (the thread count is the subject)
+    monkeypatch.setattr(peak, "measure_gemm_peak_tflops",
+                        lambda dtype, budget_s=1.0: 0.1 * torch.get_num_threads())
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert peak.cpu_rank_peak_tflops(torch.float32, 1)[0] == pytest.approx(0.2)
+        four, source = peak.cpu_rank_peak_tflops(torch.float32, 4)
+        assert four == pytest.approx(0.1 * 2 / 4) and "4 rank(s) of 1 thread(s) share 2" in source
+        idle["cores"] = 0.9  # another process keeps a core busy: a run now takes 1 thread
+        assert peak.cpu_rank_peak_tflops(torch.float32, 1)[0] == pytest.approx(0.1)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice wins
+        assert peak.cpu_rank_peak_tflops(torch.float32, 1)[0] == pytest.approx(0.2)
+        assert torch.get_num_threads() == 2  # the dry run's own threads are left as they were
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_damaged_cached_peak_is_measured_again(tmp_path):
     """An entry json reads as Infinity (or 0, or negative) is not a peak: every MFU against an
     infinite one would be 0. It is measured again and the entry replaced."""
