@@ -18,7 +18,9 @@ import os
 import sys
 
 
-def _run(module: str) -> None:
+def _run(module: str, torch_here: bool = True) -> None:
+    """``torch_here``: the command computes with torch on this machine (not tape-data or
+    tape-submit, whose environment may be meant for other nodes)."""
     args = sys.argv[1:]
     own = args[:args.index("--")] if "--" in args else args  # after "--": another program's
     if "--version" in own:
@@ -26,6 +28,12 @@ def _run(module: str) -> None:
 
         print(f"{os.path.basename(sys.argv[0])} {__version__}")
         sys.exit(0)
+    if torch_here and "--help" not in own and "-h" not in own:
+        from tape_train.machine_cache import isa_limit_error
+
+        if error := isa_limit_error():
+            print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr)
+            sys.exit(1)
     try:
         code = importlib.import_module(module).main()
         sys.stdout.flush()
@@ -50,11 +58,11 @@ def model_main() -> None:
 
 
 def tokenizer_main() -> None:
-    _run("tape_train.data.tokenizer_cli")
+    _run("tape_train.data.tokenizer_cli", torch_here=False)
 
 
 def data_main() -> None:
-    _run("tape_train.data.cli")
+    _run("tape_train.data.cli", torch_here=False)
 
 
 def train_main() -> None:
@@ -66,7 +74,7 @@ def eval_main() -> None:
 
 
 def submit_main() -> None:
-    _run("tape_train.cluster.submit")
+    _run("tape_train.cluster.submit", torch_here=False)
 
 
 def export_main() -> None:

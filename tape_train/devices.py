@@ -54,7 +54,12 @@ def check_launch_environment() -> None:
     """Before any start-up work: torchrun's variables are integers, and a ``WORLD_SIZE`` above
     1 comes with the ``RANK`` below it that torchrun gives each process. A ``WORLD_SIZE`` left
     in the shell (``tape-train --dry-run`` plans for it) would otherwise make one plain process
-    expect ranks that never start."""
+    expect ranks that never start. An ``ATEN_CPU_CAPABILITY`` above this CPU's would end the
+    start-up in SIGILL (``machine_cache.isa_limit_error``)."""
+    from tape_train.machine_cache import isa_limit_error
+
+    if error := isa_limit_error():
+        raise LaunchError(error)
     values = {name: launch_int(name) for name in LAUNCH_VARIABLES}
     world = values["WORLD_SIZE"]
     if world > 1 and "RANK" not in os.environ:

@@ -4,7 +4,8 @@ A measurement is keyed by what decides its value: the CPU model and ISA flags, t
 version, the ISA limits set in the environment (``ATEN_CPU_CAPABILITY``,
 ``ONEDNN_MAX_CPU_ISA``) and the caller's own key (dtype, threads). The cache is one JSON file,
 ``$TAPE_TRAIN_CACHE_DIR`` or ``$XDG_CACHE_HOME/tape-train`` (default ``~/.cache/tape-train``)
-``/measurements.json``; an unreadable or unwritable cache only means measuring again. The same
+``/measurements.json``; an unreadable or unwritable cache, or none at all (no ``HOME``), only
+means measuring again. The same
 directory (``cache_dir``) holds the demo corpus's downloads (``tape-data prepare --demo``).
 ``usable_cpus`` says how many CPUs this process may run on.
 """
@@ -39,10 +40,23 @@ def usable_cpu_ids() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
+class NoCacheDir(OSError):
+    """No cache directory can be named: no ``$TAPE_TRAIN_CACHE_DIR``/``$XDG_CACHE_HOME`` and no
+    home directory (``HOME`` unset and a user id the password database lacks: a container
+    started with ``--user``)."""
+
+
 def cache_dir() -> Path:
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except (RuntimeError, KeyError) as exc:  # Path.home() without HOME or a passwd entry
+            raise NoCacheDir(f"no cache directory: HOME is unset and user id {os.getuid()} has "
+                             f"no home directory in the password database ({exc}); set "
+                             f"{CACHE_ENV} or HOME") from None
     return Path(base) / "tape-train"
 
 
@@ -61,6 +75,31 @@ def cpu_info() -> tuple[str, frozenset[str]]:
         elif key == "flags" and not flags:
             flags = frozenset(value.split())
     return model, flags
+
+
+# The ATEN_CPU_CAPABILITY values torch takes at their word, without asking the CPU, and the
+# /proc/cpuinfo flags the kernels they select need (those torch requires when it chooses),
+# the highest first.
+ATEN_CAPABILITY_NEEDS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"),
+                         "avx2": ("avx2", "fma")}
+
+
+def isa_limit_error() -> str | None:
+    """Why ``ATEN_CPU_CAPABILITY`` would kill this process, or None: a value asking for more
+    than this CPU has (an environment copied from another node) makes torch run instructions
+    the CPU lacks, and the first vectorised operation dies with SIGILL ("Illegal instruction")."""
+    value = os.environ.get("ATEN_CPU_CAPABILITY", "")
+    _, flags = cpu_info()
+    if value not in ATEN_CAPABILITY_NEEDS or not flags:  # flags unknown: torch decides
+        return None
+    missing = [f for f in ATEN_CAPABILITY_NEEDS[value] if f not in flags]
+    if not missing:
+        return None
+    fits = next((name for name, needs in ATEN_CAPABILITY_NEEDS.items()
+                 if all(f in flags for f in needs)), "default")
+    return (f"ATEN_CPU_CAPABILITY={value} makes torch use instructions this CPU lacks (no "
+            f"{', '.join(missing)} in /proc/cpuinfo): it would die with 'Illegal instruction'; "
+            f"unset it (torch then picks what the CPU has) or set it to {fits}")
 
 
 def machine_key() -> str:
@@ -90,8 +129,11 @@ def cached(name: str, key: str, measure: Callable[[], float], keep: bool = True
     """``measure()`` once per (machine, ``name``, ``key``); returns (value, was_cached).
 
     With ``keep=False`` a missing value is measured but not stored (a busy machine)."""
-    path = cache_dir() / "measurements.json"
     full_key = f"{name}/{machine_key()}/{key}"
+    try:
+        path = cache_dir() / "measurements.json"
+    except NoCacheDir:  # nowhere to keep it: measured every time
+        return float(measure()), False
     try:
         table = json.loads(path.read_text())
         if not isinstance(table, dict):

@@ -509,6 +509,47 @@ def test_demo_packages_offline_skips_what_it_cannot_get(tmp_path, monkeypatch, c
         demo_corpus.fetch_demo_packages(tmp_path / "empty")
 
 
+def test_an_unwritable_demo_cache_is_refused_before_any_download(tmp_path, monkeypatch):
+    """A download cache that cannot be created, or exists read-only, is one error naming it and
+    --cache-dir before apt-get fetches anything (it would fetch each package, then fail to
+    write it); a read-only cache that already holds every package is used (the control)."""
+    import os
+
+    from tape_train.data import demo_corpus
+    from tape_train.data.config import DataError
+
+    archive = {name: "2.0-new" for name in (*demo_corpus.FIXED_PACKAGES, "python3.11-doc")}
+    apt = _FakeApt(archive, archive)
+    monkeypatch.setattr(demo_corpus, "_run", apt)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DataError, match=r"into .*file/cache: Not a directory; give --cache-dir"):
+        demo_corpus.fetch_demo_packages(tmp_path / "file" / "cache")
+    shared = tmp_path / "shared"  # full/ holds every package, partial/ all but perl-doc
+    assert demo_corpus.fetch_demo_packages(shared / "full").keys() == archive.keys()
+    shutil.copytree(shared / "full", shared / "partial")
+    next((shared / "partial").glob("perl-doc_*.deb")).unlink()
+    for directory in (shared / "full", shared / "partial"):
+        directory.chmod(0o555)
+    mounted = False
+    try:
+        if os.access(shared / "partial", os.W_OK):  # root: a read-only mount stops it
+            mounted = subprocess.run(["mount", "--bind", "-o", "ro", str(shared), str(shared)],
+                                     capture_output=True).returncode == 0
+            if not mounted or os.access(shared / "partial", os.W_OK):
+                pytest.skip("running as root where a read-only bind mount is not allowed")
+        apt.commands.clear()
+        with pytest.raises(DataError, match=r"cannot download 1 package\(s\) \(perl-doc, "
+                                            r"\.\.\.\) into .*partial: not writable"):
+            demo_corpus.fetch_demo_packages(shared / "partial")
+        assert demo_corpus.fetch_demo_packages(shared / "full").keys() == archive.keys()
+        assert not [cmd for cmd in apt.commands if "download" in cmd or "update" in cmd]
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(shared)], check=True)
+        for directory in (shared / "full", shared / "partial"):
+            directory.chmod(0o755)
+
+
 def test_scratch_of_a_killed_prepare_is_removed_by_the_next_one(tmp_path):
     """A SIGKILLed prepare leaves .tmp-prepare-<pid>; the next prepare into the same directory
     removes it. A live process's scratch is kept (negative control)."""

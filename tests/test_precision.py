@@ -99,6 +99,83 @@ def test_measurements_are_cached_per_machine_key(monkeypatch):
     assert len(calls) == 3 + 1
 
 
+def _no_home(monkeypatch):
+    """No HOME and a user id the password database lacks (a container started with --user)."""
+    import pwd
+
+    for name in (machine_cache.CACHE_ENV, "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(name, raising=False)
+
+    def unknown(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr(pwd, "getpwuid", unknown)
+
+
+def test_without_a_home_directory_measurements_are_taken_not_kept(monkeypatch, tmp_path,
+                                                                  capsys):
+    """Path.home() fails there: measuring still works (every time), and the demo's download
+    cache is a one-line error that says what to set, not a traceback."""
+    from tape_train.data import cli as data_cli
+
+    _no_home(monkeypatch)
+    calls = []
+    for _ in range(2):
+        assert machine_cache.cached("x", "k", lambda: calls.append(1) or 0.5) == (0.5, False)
+    assert len(calls) == 2
+    with pytest.raises(machine_cache.NoCacheDir, match=machine_cache.CACHE_ENV):
+        machine_cache.cache_dir()
+    assert data_cli.main(["prepare", "--demo", "--out", str(tmp_path / "demo")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "HOME is unset" in err and machine_cache.CACHE_ENV in err
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # control: a home, so a kept value
+    assert machine_cache.cached("x", "k", lambda: 0.5) == (0.5, False)
+    assert machine_cache.cached("x", "k", lambda: 9.0) == (0.5, True)
+
+
+AVX2_FLAGS = frozenset({"sse4_2", "avx", "avx2", "fma"})
+AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+@pytest.mark.parametrize("value,flags,fits", [
+    ("avx512", AVX2_FLAGS, "avx2"),                      # an AVX-512 node's environment
+    ("avx2", frozenset({"sse4_2", "avx"}), "default"),   # an older CPU
+    ("avx512", AVX512_FLAGS, None), ("avx2", AVX2_FLAGS, None),  # controls: the CPU has them
+    ("default", frozenset({"sse4_2"}), None), ("", AVX2_FLAGS, None),
+    ("avx512", frozenset(), None),                       # flags unknown: torch decides
+])
+def test_an_isa_above_the_cpus_is_refused_before_torch_runs(monkeypatch, capsys, value, flags,
+                                                          fits):
+    """torch believes ATEN_CPU_CAPABILITY without asking the CPU: avx512 on an AVX2 CPU dies
+    with SIGILL at the first vectorised op. The commands that compute refuse it in one line
+    naming the variable and a value that works; tape-data and tape-submit do not compute."""
+    import sys
+
+    from tape_train import cli
+    from tape_train.devices import LaunchError, check_launch_environment
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", value)
+    monkeypatch.setattr(machine_cache, "cpu_info", lambda: ("faked", flags))
+    error = machine_cache.isa_limit_error()
+    if fits is None:
+        assert error is None
+        check_launch_environment()
+        return
+    assert f"ATEN_CPU_CAPABILITY={value}" in error and error.endswith(f"set it to {fits}")
+    with pytest.raises(LaunchError, match=f"ATEN_CPU_CAPABILITY={value}"):
+        check_launch_environment()  # `python -m tape_train.train.cli`, torchrun's workers
+    monkeypatch.setattr(sys, "argv", ["tape-eval", "--checkpoint", "runs/none"])
+    with pytest.raises(SystemExit) as stop:
+        cli.eval_main()
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"tape-eval: error: {error}"]
+    monkeypatch.setattr(sys, "argv", ["tape-data", "info", "no-such-dir"])
+    with pytest.raises(SystemExit) as stop:
+        cli.data_main()
+    assert stop.value.code == 1 and "ATEN_CPU_CAPABILITY" not in capsys.readouterr().err
+
+
 def test_mfu_above_100_percent_is_never_a_result():
     from tape_train.train.peak import checked_mfu
 
@@ -199,6 +276,39 @@ def test_flash_backend_asks_for_the_deterministic_backward(monkeypatch):
     finally:
         restore()
     assert seen == [False, True]
+
+
+def test_the_plans_cpu_peak_is_measured_with_the_threads_each_rank_gets(monkeypatch):
+    """--dry-run's step time on CPU: each rank's peak with the threads a run started now gives
+    it (idle cores / ranks), not the dry run's own (every core: on a busy 2-core machine
+    a 2-thread GEMM measured 40x below a 1-thread one), and ranks beyond the cores share them
+    (4 ranks on 2 cores are not 4 times one rank's peak)."""
+    import torch
+
+    from tape_train import cpu_threads
+    from tape_train.train import peak
+
+    idle = {"cores": 2.0}
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(machine_cache, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(cpu_threads, "usable_cpu_ids", lambda: [0, 1])
+    monkeypatch.setattr(cpu_threads, "idle_cores", lambda cpus, *args, **kw: idle["cores"])
+    # a GEMM peak proportional to the threads it ran with (the thread count is the subject)
+    monkeypatch.setattr(peak, "measure_gemm_peak_tflops",
+                        lambda dtype, budget_s=1.0: 0.1 * torch.get_num_threads())
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert peak.cpu_rank_peak_tflops(torch.float32, 1)[0] == pytest.approx(0.2)
+        four, source = peak.cpu_rank_peak_tflops(torch.float32, 4)
+        assert four == pytest.approx(0.1 * 2 / 4) and "4 rank(s) of 1 thread(s) share 2" in source
+        idle["cores"] = 0.9  # another process keeps a core busy: a run now takes 1 thread
+        assert peak.cpu_rank_peak_tflops(torch.float32, 1)[0] == pytest.approx(0.1)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice wins
+        assert peak.cpu_rank_peak_tflops(torch.float32, 1)[0] == pytest.approx(0.2)
+        assert torch.get_num_threads() == 2  # the dry run's own threads are left as they were
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_damaged_cached_peak_is_measured_again(tmp_path):

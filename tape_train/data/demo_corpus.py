@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -84,12 +85,22 @@ def demo_packages(apt_options: list[str]) -> dict[str, str]:
     return chosen
 
 
+def _unwritable_cache(cache_dir: Path, names: list[str], why: str) -> str:
+    return (f"prepare --demo: cannot download {len(names)} package(s) ({names[0]}, ...) into "
+            f"{cache_dir}: {why}; give --cache-dir a writable directory, or set "
+            f"TAPE_TRAIN_CACHE_DIR")
+
+
 def download_packages(wanted: dict[str, str], cache_dir: Path,
                       apt_options: list[str]) -> dict[str, tuple[Path, str]]:
     """``{name: (.deb path, version)}`` for the packages of ``wanted`` that are cached or
     could be downloaded now; the others are left out. Cached ``.deb`` files of the right
     version are reused."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(_unwritable_cache(cache_dir, list(wanted), exc.strerror or str(exc))
+                        ) from None
 
     def cached(name: str, version: str) -> Path | None:
         # apt-get download names files <name>_<version with ':' as %3a>_<arch>.deb
@@ -98,6 +109,9 @@ def download_packages(wanted: dict[str, str], cache_dir: Path,
         return hits[0] if hits else None
 
     missing = [n for n, v in wanted.items() if cached(n, v) is None]
+    # Else apt-get would fetch each package from the archive only to fail writing it.
+    if missing and not os.access(cache_dir, os.W_OK | os.X_OK):
+        raise DataError(_unwritable_cache(cache_dir, missing, "not writable"))
     if missing:
         log.info("prepare: apt-get download %s (into %s)", " ".join(missing), cache_dir)
         out = _run(["apt-get", *apt_options, "download", *missing], cwd=cache_dir)

@@ -96,6 +96,30 @@ def cpu_peak_tflops(dtype: torch.dtype) -> tuple[float, str]:
     return peak, source
 
 
+def cpu_rank_peak_tflops(dtype: torch.dtype, ranks: int) -> tuple[float, str]:
+    """The CPU peak per rank of ``ranks`` ranks sharing this machine's cores (a plan): measured
+    with the threads each rank of a run started now would take (``cpu_threads.threads_for``:
+    the idle cores / ranks; ``OMP_NUM_THREADS`` where the user set it), not this process's
+    own thread count (all cores: on a busy machine that GEMM runs tens of times slower), and
+    ranks beyond the cores share them."""
+    from tape_train.cpu_threads import threads_for, user_threads
+    from tape_train.machine_cache import usable_cpus
+
+    cores = usable_cpus()
+    before = torch.get_num_threads()
+    threads = before if user_threads()[0] else threads_for(ranks).threads
+    torch.set_num_threads(threads)
+    try:
+        peak, source = cpu_peak_tflops(dtype)
+    finally:
+        torch.set_num_threads(before)
+    if threads * ranks > cores:
+        peak *= cores / (threads * ranks)
+        source += (f"; x {cores}/{threads * ranks}: {ranks} rank(s) of {threads} thread(s) "
+                   f"share {cores} core(s)")
+    return peak, source
+
+
 def gpu_table_peak(name: str, dtype: torch.dtype, tf32: bool) -> float | None:
     """The table's dense peak of GPU ``name`` for ``dtype`` (None: not listed / not native).
     Any case matches (``--gpu-name h100``), as in the memory table of the dry run's plan."""

@@ -160,7 +160,7 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
                                  world_size)
         _plan_memory(planned, world_size, device_type, ranks_per_node, device_memory_gb,
                      gpu_name, report)
-        _plan_time(planned, grid, device_type, gpu_name, assumed_mfu, report)
+        _plan_time(planned, grid, device_type, gpu_name, assumed_mfu, report, ranks_per_node)
     return report
 
 
@@ -715,14 +715,15 @@ def _plan_memory(cfg, world_size: int, device_type: str, ranks_per_node: int,
             report.warn(f"{line}: above 90 % of the device")
 
 
-def planning_peak_tflops(cfg, device_type: str, gpu_name: str | None = None
-                         ) -> tuple[float | None, str]:
+def planning_peak_tflops(cfg, device_type: str, gpu_name: str | None = None,
+                         ranks_per_node: int = 1) -> tuple[float | None, str]:
     """Peak TFLOP/s per rank for the time plan: ``logging.peak_tflops``, else the GPU table,
-    else a short GEMM measurement on this CPU. The one place the plan gets its peak."""
+    else a short GEMM measurement on this CPU (with the threads each of ``ranks_per_node``
+    ranks would have). The one place the plan gets its peak."""
     import torch
 
     from tape_train.train.memory import dtype_of
-    from tape_train.train.peak import cpu_peak_tflops, gpu_table_peak, tf32_matmuls
+    from tape_train.train.peak import cpu_rank_peak_tflops, gpu_table_peak, tf32_matmuls
 
     if cfg.logging.peak_tflops is not None:
         return cfg.logging.peak_tflops, "logging.peak_tflops"
@@ -736,7 +737,7 @@ def planning_peak_tflops(cfg, device_type: str, gpu_name: str | None = None
         if peak is None:
             return None, f"no table peak for GPU {name!r}: set logging.peak_tflops"
         return peak, f"published dense peak of {name}"
-    return cpu_peak_tflops(dtype)
+    return cpu_rank_peak_tflops(dtype, ranks_per_node)
 
 
 def resolve_planning_dtype(cfg, device_type: str) -> str:
@@ -753,7 +754,7 @@ def resolve_planning_dtype(cfg, device_type: str) -> str:
 
 
 def _plan_time(cfg, grid, device_type: str, gpu_name: str | None, mfu: float,
-               report: Report) -> None:
+               report: Report, ranks_per_node: int = 1) -> None:
     from tape_train.model.flops import count_parameters, training_flops_per_token
 
     n = cfg.train.seq_len
@@ -762,7 +763,7 @@ def _plan_time(cfg, grid, device_type: str, gpu_name: str | None, mfu: float,
     tokens = global_batch(cfg, grid.dp) * n
     report.info(f"model: {params / 1e6:.2f}M parameters; {per_token / 1e9:.3f} GFLOP per token "
                 f"(training, N={n}); {tokens} tokens per step")
-    peak, source = planning_peak_tflops(cfg, device_type, gpu_name)
+    peak, source = planning_peak_tflops(cfg, device_type, gpu_name, ranks_per_node)
     if not peak:
         report.info(f"time: no device peak ({source})")
         return
