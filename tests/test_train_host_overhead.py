@@ -5,6 +5,9 @@ ZeRO-1/2 in bf16 run no per-gradient non-finite scan before the optimizer step
 next skips the same steps. Counted with ``benchmarks/step_ops.py``'s dispatch counter on the
 real trainer (negative control: the counter sees the scan once it is restored), and a NaN in
 one gradient under a finite loss still leaves the fp32 weights and Adam moments untouched.
+
+``Trainer.train()`` reads the gradient norm back (a host sync on a GPU, after the optimizer
+step) only on the steps whose metrics it writes or prints.
 """
 
 from __future__ import annotations
@@ -93,10 +96,44 @@ def test_bf16_zero1_step_runs_no_per_gradient_scan_and_still_skips_nan_gradients
         "train.warmup_steps=0"], tmp_path)
     assert out["scan_after"] == 0
     # Negative control: DeepSpeed's scan restored, the counter sees it on every gradient.
-    assert out["restored"] == ["DeepSpeed's per-gradient bf16 overflow scan"]
+    assert "DeepSpeed's per-gradient bf16 overflow scan" in out["restored"]
     assert out["scan_before"] == 2 * out["gradients"] > 0
     # A NaN gradient under a finite loss: the step is skipped, weights and moments untouched.
     assert out["loss_finite"] and out["grad_norm"] == "inf"
     assert out["changed_by_skip"] == [] and out["moments"] > 0
     assert out["changed_after"] > 0  # the next, clean step updates (the check can fail)
 
+
+_LOOP_WORKER = """
+import json, sys
+from tape_train.config import load_run_config
+from tape_train.train.loop import Trainer
+from tape_train.train.metrics import read_metrics
+
+trainer = Trainer(load_run_config(None, json.loads(sys.argv[1])))
+reads = []
+try:
+    trainer.setup()
+    norm = trainer.engine.get_global_grad_norm
+    trainer.engine.get_global_grad_norm = lambda: reads.append(trainer.state.step) or norm()
+    direct = trainer.train_step()["grad_norm"]
+    code = trainer.train()
+finally:
+    trainer.close()
+print(json.dumps({"reads": reads, "direct": direct, "code": code, "logged": {
+    r["step"]: r.get("grad_norm") for r in read_metrics(trainer.run_dir, "train")}}))
+"""
+
+
+def test_the_loop_reads_the_grad_norm_on_logged_steps_only(tmp_path):
+    out = _run(_LOOP_WORKER, TINY + [
+        f"train.run_dir={tmp_path}", "train.dtype=fp32", "parallel.zero_stage=1",
+        "train.max_steps=7", "logging.interval=3", "logging.console_interval=6",
+        "eval.interval=0"], tmp_path)
+    assert out["code"] == 0
+    # Negative control: a direct train_step() reads it (step 1); train() at steps 3 and 6
+    # (logging.interval; 6 is console_interval's too) and 7 (the last), not at 2, 4, 5.
+    assert out["reads"] == [1, 3, 6, 7]
+    assert set(map(int, out["logged"])) == {3, 6, 7}
+    assert all(isinstance(v, float) and v > 0 for v in out["logged"].values()), out
+    assert isinstance(out["direct"], float)
