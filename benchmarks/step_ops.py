@@ -18,9 +18,9 @@ bookkeeping; ``optimizer_step/overflow scan``, ``/grad norm``, ``/clip``, ``/ada
 ``train_step``) and ``logging`` (``Trainer._log_step`` of a logged step).
 
 Variants: ``after`` is the trainer as it is; ``before`` restores what the trainer removed
-(``--before`` lists it: DeepSpeed's per-gradient bf16 overflow scan,
-``tape_train.train.engine.skip_bf16_overflow_scan``), so both are counted in one run and the
-ratio printed. Counts are deterministic (no timing); the attention operators are those of the
+(``restore_before``: DeepSpeed's per-gradient bf16 overflow scan,
+``tape_train.train.engine.skip_bf16_overflow_scan``; the gradient norm read back on every
+step, not only on logged ones), so both are counted in one run and the ratio printed. Counts are deterministic (no timing); the attention operators are those of the
 device's path (CPU: the blocked TAPE attention / SDPA's CPU kernels; CUDA: the fused kernel or
 flash), the rest is the same on any device.
 
@@ -107,21 +107,37 @@ def _in_phase(counter: StepOpCounter, fn, name: str):
     return wrapped
 
 
-def instrument(trainer, counter: StepOpCounter) -> None:
+def instrument(trainer, counter: StepOpCounter):
     """Attribute a trainer's step to phases: its own labels (``RunProfiler.label``: data,
-    sync, forward, backward, optimizer_step) and the ZeRO optimizer's and AdamW's steps."""
+    sync, forward, backward, optimizer_step) and the ZeRO optimizer's and AdamW's steps.
+    Returns a function that puts every method back as it was."""
+    zero, missing, undo = trainer.engine.optimizer, object(), []
+
+    def wrap(obj, method: str, name: str) -> None:
+        undo.append((obj, method, vars(obj).get(method, missing)))
+        setattr(obj, method, _in_phase(counter, getattr(obj, method), name))
+
+    undo.append((trainer.profiler, "label", vars(trainer.profiler).get("label", missing)))
     trainer.profiler.label = counter.phase
-    zero = trainer.engine.optimizer
     for method, name in ZERO_PHASES:
         if zero is not trainer.optimizer and callable(getattr(zero, method, None)):
-            setattr(zero, method, _in_phase(counter, getattr(zero, method), name))
-    trainer.optimizer.step = _in_phase(counter, trainer.optimizer.step, "optimizer_step/adamw")
+            wrap(zero, method, name)
+    wrap(trainer.optimizer, "step", "optimizer_step/adamw")
+
+    def restore() -> None:
+        for obj, method, before in reversed(undo):
+            if before is missing:
+                delattr(obj, method)
+            else:
+                setattr(obj, method, before)
+    return restore
 
 
 def restore_before(trainer) -> list[str]:
-    """Undo what the trainer does to cut its per-step host work (the ``before`` variant);
+    """Undo what the trainer does to cut its per-step host work (the ``before`` variant; it
+    also reads the gradient norm back every step, ``count_step(read_grad_norm=True)``);
     returns what was undone."""
-    undone = []
+    undone = ["the gradient norm read back every step"]
     zero = trainer.engine.optimizer
     if "check_overflow" in vars(zero):  # skip_bf16_overflow_scan's instance override
         del zero.check_overflow
@@ -146,16 +162,21 @@ def build_trainer(args, pe: str, run_dir: Path):
     return trainer
 
 
-def count_step(trainer, warmup: int) -> StepOpCounter:
-    """One logged step of ``trainer`` counted after ``warmup`` uncounted ones."""
+def count_step(trainer, warmup: int, read_grad_norm: bool = False) -> StepOpCounter:
+    """One step of ``trainer`` counted after ``warmup`` uncounted ones, as ``train()`` runs a
+    step whose metrics it does not log (``read_grad_norm``: as it runs one it logs), and the
+    metrics write of a logged step (``logging``)."""
     counter = StepOpCounter()
-    instrument(trainer, counter)
     for _ in range(warmup):
         trainer.train_step()
-    with counter:
-        metrics = trainer.train_step()
-        with counter.phase("logging"):
-            trainer._log_step(trainer.state.step, metrics)
+    restore = instrument(trainer, counter)
+    try:
+        with counter:
+            metrics = trainer.train_step(read_grad_norm=read_grad_norm)
+            with counter.phase("logging"):
+                trainer._log_step(trainer.state.step, metrics)
+    finally:
+        restore()
     return counter
 
 
@@ -203,7 +224,7 @@ def main(argv=None) -> int:
                 trainer = build_trainer(args, pe, tmp / f"{pe}_{variant}")
                 try:
                     undone = restore_before(trainer) if variant == "before" else []
-                    counter = count_step(trainer, args.warmup)
+                    counter = count_step(trainer, args.warmup, read_grad_norm=bool(undone))
                 finally:
                     trainer.close()
                 results["runs"][f"{pe}/{variant}"] = {
@@ -218,7 +239,7 @@ def main(argv=None) -> int:
     for pe in args.pe:
         before, after = (results["runs"][f"{pe}/{v}"] for v in ("before", "after"))
         print(f"\n{pe} ({after['parameters']} parameter tensors); before = after + "
-              f"{', '.join(before['undone']) or 'nothing (nothing to restore here)'}")
+              f"{', '.join(before['undone'])}")
         print(f"{'phase':<30} {'ops before':>10} {'ops after':>10} {'views':>7} {'reads':>6}")
         for phase in dict.fromkeys([*before["phases"], *after["phases"]]):
             b = before["phases"].get(phase, dict.fromkeys(KINDS, 0))

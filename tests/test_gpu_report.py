@@ -84,6 +84,11 @@ def test_cpu_smoke_report_is_complete_and_finite(tmp_path):
         prof = r["profile"]
         assert prof["device"] == "cpu" and prof["categories"]["matmul"] > 0, prof
         assert 0 < prof["busy_ms"] <= 1.05 * prof["step_ms"], prof
+        ops = r["op_counts"]  # a step's operators by phase (benchmarks/step_ops.py)
+        assert {"forward", "backward", "optimizer_step/adamw"} <= set(ops["phases"]), ops
+        scan = ops["phases"].get("optimizer_step/overflow scan", {"ops": 0})  # ZeRO-1 bf16:
+        assert "optimizer_step/grad norm" in ops["phases"] and scan["ops"] == 0, ops  # none
+        assert ops["totals"]["ops"] > ops["phases"]["forward"]["ops"] > 0, ops
     sweep = data["sections"]["sweep"]
     assert {r["kernel"] for r in sweep["results"]} == {"fwd", "bwd_dkv", "bwd_dq"}
     assert all(r["ok"] for r in sweep["results"]) and len(sweep["paste"]) == 3

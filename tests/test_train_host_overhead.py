@@ -71,9 +71,10 @@ print(json.dumps(out))
 """
 
 
-def _run(worker: str, overrides: list[str], tmp_path: Path) -> dict:
-    # In a process of its own: a trainer sets up logging, a process group and signal handlers
-    # for its whole process.
+def _run(worker: str, tmp_path: Path, *overrides: str) -> dict:
+    """``worker`` on the TINY trainer with ``overrides``, in a process of its own: a trainer
+    sets up logging, a process group and signal handlers for its whole process."""
+    overrides = [*TINY, f"train.run_dir={tmp_path}", *overrides]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         filter(None, [str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", worker, json.dumps(overrides)],
@@ -90,10 +91,9 @@ TINY = ["model=tiny", "model.num_layers=2", "model.hidden_size=64", "model.num_h
 
 
 def test_bf16_zero1_step_runs_no_per_gradient_scan_and_still_skips_nan_gradients(tmp_path):
-    out = _run(_WORKER, TINY + [
-        f"train.run_dir={tmp_path}", "train.grad_accum_steps=2", "train.dtype=bf16",
-        "parallel.zero_stage=1", "train.max_steps=10", "train.lr=1e-3",
-        "train.warmup_steps=0"], tmp_path)
+    out = _run(_WORKER, tmp_path, "train.grad_accum_steps=2", "train.dtype=bf16",
+               "parallel.zero_stage=1", "train.max_steps=10", "train.lr=1e-3",
+               "train.warmup_steps=0")
     assert out["scan_after"] == 0
     # Negative control: DeepSpeed's scan restored, the counter sees it on every gradient.
     assert "DeepSpeed's per-gradient bf16 overflow scan" in out["restored"]
@@ -126,10 +126,9 @@ print(json.dumps({"reads": reads, "direct": direct, "code": code, "logged": {
 
 
 def test_the_loop_reads_the_grad_norm_on_logged_steps_only(tmp_path):
-    out = _run(_LOOP_WORKER, TINY + [
-        f"train.run_dir={tmp_path}", "train.dtype=fp32", "parallel.zero_stage=1",
-        "train.max_steps=7", "logging.interval=3", "logging.console_interval=6",
-        "eval.interval=0"], tmp_path)
+    out = _run(_LOOP_WORKER, tmp_path, "train.dtype=fp32", "parallel.zero_stage=1",
+               "train.max_steps=7", "logging.interval=3", "logging.console_interval=6",
+               "eval.interval=0")
     assert out["code"] == 0
     # Negative control: a direct train_step() reads it (step 1); train() at steps 3 and 6
     # (logging.interval; 6 is console_interval's too) and 7 (the last), not at 2, 4, 5.
@@ -137,3 +136,20 @@ def test_the_loop_reads_the_grad_norm_on_logged_steps_only(tmp_path):
     assert set(map(int, out["logged"])) == {3, 6, 7}
     assert all(isinstance(v, float) and v > 0 for v in out["logged"].values()), out
     assert isinstance(out["direct"], float)
+
+
+def test_step_ops_benchmark_counts_before_and_after_in_one_run(tmp_path):
+    out = tmp_path / "ops.json"
+    shrink = [a for o in TINY[1:8] for a in ("--override", o)]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "step_ops.py"), "--model", "tiny",
+         "--pe", "rope", "--seq-len", "32", "--warmup", "1", *shrink, "--json", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    runs = json.loads(out.read_text())["runs"]
+    before, after = runs["rope/before"], runs["rope/after"]
+    assert before["phases"]["optimizer_step/overflow scan"]["ops"] > 0
+    assert "optimizer_step/overflow scan" not in after["phases"]
+    assert before["totals"]["reads"] - after["totals"]["reads"] == 2  # the scan, the norm
+    assert before["phases"]["forward"] == after["phases"]["forward"]
+    assert "after/before ops" in proc.stdout
