@@ -19,8 +19,9 @@ bookkeeping; ``optimizer_step/overflow scan``, ``/grad norm``, ``/clip``, ``/ada
 
 Variants: ``after`` is the trainer as it is; ``before`` restores what the trainer removed
 (``restore_before``: DeepSpeed's per-gradient bf16 overflow scan,
-``tape_train.train.engine.skip_bf16_overflow_scan``; the gradient norm read back on every
-step, not only on logged ones), so both are counted in one run and the ratio printed. Counts are deterministic (no timing); the attention operators are those of the
+``tape_train.train.engine.skip_bf16_overflow_scan``; its gradient norm one gradient at a time,
+``multi_tensor_grad_norm``; the gradient norm read back on every step, not only on logged
+ones), so both are counted in one run and the ratio printed. Counts are deterministic (no timing); the attention operators are those of the
 device's path (CPU: the blocked TAPE attention / SDPA's CPU kernels; CUDA: the fused kernel or
 flash), the rest is the same on any device.
 
@@ -142,6 +143,9 @@ def restore_before(trainer) -> list[str]:
     if "check_overflow" in vars(zero):  # skip_bf16_overflow_scan's instance override
         del zero.check_overflow
         undone.append("DeepSpeed's per-gradient bf16 overflow scan")
+    if "get_grad_norm_direct" in vars(zero):  # multi_tensor_grad_norm's
+        del zero.get_grad_norm_direct
+        undone.append("DeepSpeed's gradient norm, one gradient at a time")
     return undone
 
 

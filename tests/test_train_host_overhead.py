@@ -2,9 +2,11 @@
 
 ZeRO-1/2 in bf16 run no per-gradient non-finite scan before the optimizer step
 (``tape_train.train.engine.skip_bf16_overflow_scan``): the gradient norm DeepSpeed computes
-next skips the same steps. Counted with ``benchmarks/step_ops.py``'s dispatch counter on the
-real trainer (negative control: the counter sees the scan once it is restored), and a NaN in
-one gradient under a finite loss still leaves the fp32 weights and Adam moments untouched.
+next skips the same steps. That norm is one multi-tensor norm, not one per gradient
+(``multi_tensor_grad_norm``), bit-identical to DeepSpeed's on CPU. Counted with
+``benchmarks/step_ops.py``'s dispatch counter on the real trainer (negative control: the
+counter sees the scan and the per-gradient norms once they are restored), and a NaN in one
+gradient under a finite loss still leaves the fp32 weights and Adam moments untouched.
 
 ``Trainer.train()`` reads the gradient norm back (a host sync on a GPU, after the optimizer
 step) only on the steps whose metrics it writes or prints.
@@ -30,8 +32,9 @@ from tape_train.train.loop import Trainer
 
 def scans(trainer):
     counter = count_step(trainer, warmup=0)
-    return sum(n for op, n in counter.by_op["optimizer_step/overflow scan"].items()
-               if op in ("aten.amax.default", "aten.amin.default"))
+    return (sum(n for op, n in counter.by_op["optimizer_step/overflow scan"].items()
+                if op in ("aten.amax.default", "aten.amin.default")),
+            counter.counts[("optimizer_step/grad norm", "ops")])
 
 def state(trainer):
     out = {}
@@ -48,7 +51,18 @@ try:
     trainer.setup()
     trainer.train_step()
     out["gradients"] = sum(1 for p in trainer.model.parameters() if p.requires_grad)
-    out["scan_after"] = scans(trainer)
+    out["scan_after"], out["norm_ops_after"] = scans(trainer)
+    zero = trainer.engine.optimizer
+    ours, norms = zero.get_grad_norm_direct, []
+    def both(gradients, params, norm_type=2):
+        mine = ours(gradients, params, norm_type)
+        norms.append([float(mine), float(type(zero).get_grad_norm_direct(zero, gradients, params,
+                                                                          norm_type))])
+        return mine
+    zero.get_grad_norm_direct = both
+    trainer.train_step()
+    zero.get_grad_norm_direct = ours
+    out["norms"] = norms
     poison = {"on": False}
     weight = trainer.model.layers[0].mlp.down_proj.weight
     weight.register_hook(lambda g: g * float("nan") if poison["on"] else g)
@@ -64,7 +78,7 @@ try:
     out["moments"] = sum(k.endswith("exp_avg") for k in before)
     out["changed_after"] = sum(not torch.equal(skipped[k], v) for k, v in state(trainer).items())
     out["restored"] = restore_before(trainer)
-    out["scan_before"] = scans(trainer)
+    out["scan_before"], out["norm_ops_before"] = scans(trainer)
 finally:
     trainer.close()
 print(json.dumps(out))
@@ -98,6 +112,10 @@ def test_bf16_zero1_step_runs_no_per_gradient_scan_and_still_skips_nan_gradients
     # Negative control: DeepSpeed's scan restored, the counter sees it on every gradient.
     assert "DeepSpeed's per-gradient bf16 overflow scan" in out["restored"]
     assert out["scan_before"] == 2 * out["gradients"] > 0
+    # The gradient norm: one multi-tensor norm per parameter group (2 groups) where DeepSpeed's
+    # loop casts and norms each gradient (2 operators), the rest alike; bit-identical.
+    assert out["norm_ops_before"] - out["norm_ops_after"] == 2 * out["gradients"] - 2
+    assert len(out["norms"]) == 2 and all(a == b > 0 for a, b in out["norms"]), out["norms"]
     # A NaN gradient under a finite loss: the step is skipped, weights and moments untouched.
     assert out["loss_finite"] and out["grad_norm"] == "inf"
     assert out["changed_by_skip"] == [] and out["moments"] > 0
