@@ -441,6 +441,8 @@ def test_compiled_end_to_end_rows_follow_their_eager_row(monkeypatch, tmp_path):
         def call(self, method, *args, timeout=None):
             if method == "profile":
                 return {"device": "cpu", "categories": {}, "step_ms": 1.0, "top": []}
+            if method == "op_counts":
+                return {"totals": {"ops": 1}}
             mb = args[0]
             if mb > fits[self.compiled]:
                 return {"micro_batch": mb, "oom": True}
@@ -453,7 +455,7 @@ def test_compiled_end_to_end_rows_follow_their_eager_row(monkeypatch, tmp_path):
     monkeypatch.setattr(trainer_process, "Child", FakeChild)
     plan = {"sizes": ["tiny"], "encodings": ["tape"], "seq_len": 32, "compile": [False, True],
             "max_micro_batch": 64, "warmup": 0, "steps": 1, "profile_steps": 1,
-            "overrides": []}
+            "op_counts": True, "overrides": []}
     rows = []
     end_to_end.end_to_end(REPO / "configs/train/demo.yaml", tmp_path, plan, None,
                           Budget(60.0, _time.monotonic() + 60.0), rows, lambda: None)
@@ -463,6 +465,8 @@ def test_compiled_end_to_end_rows_follow_their_eager_row(monkeypatch, tmp_path):
     assert [p["micro_batch"] for p in compiled["probes"]] == [4, 8, 16]
     assert (eager["compile"], eager["micro_batch"]) == (False, 4)
     assert (compiled["compile"], compiled["micro_batch"]) == (True, 8)
+    # Operators counted once, in the eager row (a dispatch mode runs compiled blocks eagerly).
+    assert eager["op_counts"] == {"totals": {"ops": 1}} and "op_counts" not in compiled
     # e2e.min_micro_batch: the eager search starts there (a short lease skips the small ones)
     built.clear()
     rows = []

@@ -264,8 +264,9 @@ def end_to_end(recipe: Path, work: Path, plan: dict, peak_tflops: float | None,
                 if plan.get("profile_steps"):  # now: after an OOM the trainer is unusable
                     probe["profile"] = child.call("profile", plan["profile_steps"],
                                                   timeout=max(budget.left(), 60.0))
-                if plan.get("op_counts") and "op_counts" not in row:  # once a row: they
-                    # hardly depend on the batch (docs/kernel.md, "Host overhead per step")
+                # Once an eager row (they hardly depend on the batch; a dispatch mode would run
+                # compiled blocks eagerly): docs/kernel.md, "Host overhead per step".
+                if plan.get("op_counts") and not compiled and "op_counts" not in row:
                     row["op_counts"] = child.call("op_counts", timeout=max(budget.left(), 60.0))
                 mb *= 2
             row["status"] = "done"
