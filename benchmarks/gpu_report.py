@@ -58,7 +58,7 @@ FULL = {
     "e2e": {"sizes": ["350m", "1b", "125m"], "encodings": ["tape", "rope"], "seq_len": 2048,
             "compile": [False], "min_micro_batch": 1, "max_micro_batch": 64, "warmup": 2,
             "steps": 3,
-            "profile_steps": 1,
+            "profile_steps": 1, "op_counts": True,
             "overrides": ["train.device=auto", "train.dtype=bf16", "parallel.zero_stage=1"]},
 }
 _TINY_TRAIN = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=2",
@@ -80,6 +80,7 @@ SMOKE = {
               "check_len": 24, "warmup": 0, "reps": 1, "extra": False, "max_per_kernel": 1},
     "e2e": {"sizes": ["tiny"], "encodings": ["tape", "rope"], "seq_len": 32, "compile": [False],
             "min_micro_batch": 1, "max_micro_batch": 2, "warmup": 1, "steps": 1, "profile_steps": 1,
+            "op_counts": True,
             "overrides": ["train.device=cpu", "train.dtype=bf16", "parallel.zero_stage=1",
                           *_TINY_TRAIN]},
 }

@@ -84,6 +84,11 @@ def test_cpu_smoke_report_is_complete_and_finite(tmp_path):
         prof = r["profile"]
         assert prof["device"] == "cpu" and prof["categories"]["matmul"] > 0, prof
         assert 0 < prof["busy_ms"] <= 1.05 * prof["step_ms"], prof
+        ops = r["op_counts"]  # a step's operators by phase (benchmarks/step_ops.py)
+        assert {"forward", "backward", "optimizer_step/adamw"} <= set(ops["phases"]), ops
+        scan = ops["phases"].get("optimizer_step/overflow scan", {"ops": 0})  # ZeRO-1 bf16:
+        assert "optimizer_step/grad norm" in ops["phases"] and scan["ops"] == 0, ops  # none
+        assert ops["totals"]["ops"] > ops["phases"]["forward"]["ops"] > 0, ops
     sweep = data["sections"]["sweep"]
     assert {r["kernel"] for r in sweep["results"]} == {"fwd", "bwd_dkv", "bwd_dq"}
     assert all(r["ok"] for r in sweep["results"]) and len(sweep["paste"]) == 3
@@ -436,6 +441,8 @@ def test_compiled_end_to_end_rows_follow_their_eager_row(monkeypatch, tmp_path):
         def call(self, method, *args, timeout=None):
             if method == "profile":
                 return {"device": "cpu", "categories": {}, "step_ms": 1.0, "top": []}
+            if method == "op_counts":
+                return {"totals": {"ops": 1}}
             mb = args[0]
             if mb > fits[self.compiled]:
                 return {"micro_batch": mb, "oom": True}
@@ -448,7 +455,7 @@ def test_compiled_end_to_end_rows_follow_their_eager_row(monkeypatch, tmp_path):
     monkeypatch.setattr(trainer_process, "Child", FakeChild)
     plan = {"sizes": ["tiny"], "encodings": ["tape"], "seq_len": 32, "compile": [False, True],
             "max_micro_batch": 64, "warmup": 0, "steps": 1, "profile_steps": 1,
-            "overrides": []}
+            "op_counts": True, "overrides": []}
     rows = []
     end_to_end.end_to_end(REPO / "configs/train/demo.yaml", tmp_path, plan, None,
                           Budget(60.0, _time.monotonic() + 60.0), rows, lambda: None)
@@ -458,6 +465,8 @@ def test_compiled_end_to_end_rows_follow_their_eager_row(monkeypatch, tmp_path):
     assert [p["micro_batch"] for p in compiled["probes"]] == [4, 8, 16]
     assert (eager["compile"], eager["micro_batch"]) == (False, 4)
     assert (compiled["compile"], compiled["micro_batch"]) == (True, 8)
+    # Operators counted once, in the eager row (a dispatch mode runs compiled blocks eagerly).
+    assert eager["op_counts"] == {"totals": {"ops": 1}} and "op_counts" not in compiled
     # e2e.min_micro_batch: the eager search starts there (a short lease skips the small ones)
     built.clear()
     rows = []

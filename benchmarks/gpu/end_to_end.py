@@ -126,6 +126,14 @@ class TrainerProbe:
                 "per_step": sum(syncs.sites.values()) / steps, "sites": dict(syncs.sites),
                 "per_micro_batch": dict(syncs.mid_step)}
 
+    def op_counts(self) -> dict:
+        """Operators, views and host reads of one step by phase on the batches of the last
+        ``measure`` (``benchmarks/step_ops.py``; the CPU figures are in docs/kernel.md)."""
+        from step_ops import KINDS, count_step
+
+        counter = count_step(self.trainer, warmup=0)
+        return {"phases": counter.table(), "totals": {k: counter.total(k) for k in KINDS}}
+
     def profile(self, steps: int) -> dict:
         """``time_breakdown`` of ``steps`` more steps on the batches of the last ``measure``."""
         from torch.profiler import ProfilerActivity, profile
@@ -256,6 +264,10 @@ def end_to_end(recipe: Path, work: Path, plan: dict, peak_tflops: float | None,
                 if plan.get("profile_steps"):  # now: after an OOM the trainer is unusable
                     probe["profile"] = child.call("profile", plan["profile_steps"],
                                                   timeout=max(budget.left(), 60.0))
+                # Once an eager row (they hardly depend on the batch; a dispatch mode would run
+                # compiled blocks eagerly): docs/kernel.md, "Host overhead per step".
+                if plan.get("op_counts") and not compiled and "op_counts" not in row:
+                    row["op_counts"] = child.call("op_counts", timeout=max(budget.left(), 60.0))
                 mb *= 2
             row["status"] = "done"
         except OutOfTime as exc:

@@ -639,15 +639,24 @@ class Trainer:
         batches = [next(self.data_iter) for _ in range(self.cfg.train.grad_accum_steps)]
         return batches, time.perf_counter() - start
 
-    def train_step(self) -> dict:
-        """One optimizer step on every rank; returns its metrics (same on all ranks)."""
+    def train_step(self, *, read_grad_norm: bool = True) -> dict:
+        """One optimizer step on every rank; returns its metrics (same on all ranks).
+
+        ``read_grad_norm=False``: ``grad_norm`` is None, not read back from the device (on a
+        GPU reading it waits for the optimizer step to finish before the host may queue the
+        next step); ``train()`` reads it on the steps it logs only."""
         first = not self._stepped  # of this process: compilation, autotuning, cold caches
         self._stepped = True
         with self._watched(f"step {self.state.step + 1}"
                            + (" (the first of this process)" if first else ""), long=first):
-            return self._train_step()
+            return self._train_step(read_grad_norm)
 
-    def _train_step(self) -> dict:
+    def _logs_step(self, step: int) -> bool:
+        """Whether ``train()`` writes or prints the metrics of ``step``."""
+        logging_cfg, last = self.cfg.logging, step == self.cfg.train.max_steps
+        return last or step % logging_cfg.interval == 0 or step % logging_cfg.console_interval == 0
+
+    def _train_step(self, read_grad_norm: bool = True) -> dict:
         cfg = self.cfg
         label = self.profiler.label
         step_start = time.perf_counter()
@@ -693,7 +702,7 @@ class Trainer:
                         "row)", self.state.step, agreed["loss_sum"], self.state.bad_steps_in_row)
         else:
             self.state.bad_steps_in_row = 0
-        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = self.engine.get_global_grad_norm() if read_grad_norm else None
         grad_norm = float(grad_norm) if grad_norm is not None else None
         tokens_per_s = input_tokens / step_time
         metrics = {
@@ -746,7 +755,7 @@ class Trainer:
         try:
             while self.state.step < max_steps:
                 self._profile_before_step()
-                metrics = self.train_step()
+                metrics = self.train_step(read_grad_norm=self._logs_step(self.state.step + 1))
                 step = self.state.step
                 if bar is not None:
                     bar.update(1)
