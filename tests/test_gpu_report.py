@@ -380,6 +380,7 @@ def test_plan_and_share_overrides_are_checked_and_applied():
 
 
 def _sleeper(seconds):
+    print("asleep", flush=True)  # into the child's log
     time.sleep(seconds)
     return seconds
 
@@ -398,7 +399,14 @@ def test_a_stuck_child_gives_up_with_its_stack(tmp_path):
     error; a child that answers in time is waited for (control)."""
     from trainer_process import BenchmarkError, Child
 
-    stuck = Child("stuck", tmp_path / "stuck.log", _Slow, 600.0)
+    log = tmp_path / "stuck.log"
+    stuck = Child("stuck", log, _Slow, 600.0)
+    # Its stack is asked for once it is inside _sleeper (a spawned child can take longer than
+    # the timeout to get there on a busy machine; a signal before faulthandler is set kills it).
+    deadline = time.monotonic() + 120
+    while not (log.exists() and "asleep" in log.read_text()):
+        assert time.monotonic() < deadline and stuck.proc.is_alive()
+        time.sleep(0.05)
     start = time.monotonic()
     with pytest.raises(BenchmarkError, match="no answer in 3 s") as err:
         stuck.result(timeout=3.0)
