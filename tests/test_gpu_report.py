@@ -419,6 +419,18 @@ def test_a_stuck_child_gives_up_with_its_stack(tmp_path):
     quick.close()
 
 
+def test_a_child_that_ends_before_it_opens_its_log_is_a_benchmark_error(tmp_path):
+    """A child gone before its log exists (here: the log's directory is missing) is reported as
+    died, saying there is no log; reading the log was a FileNotFoundError instead."""
+    from trainer_process import BenchmarkError, Child
+
+    gone = Child("gone", tmp_path / "missing" / "gone.log", _Slow, 0.0)
+    with pytest.raises(BenchmarkError, match=r"gone died \(exit code 1\)") as err:
+        gone.result(timeout=120.0)
+    assert "(no log: the child never opened it)" in str(err.value)
+    gone.close()
+
+
 def test_compiled_end_to_end_rows_follow_their_eager_row(monkeypatch, tmp_path):
     """``e2e.compile=[false, true]``: after each eager row the same model runs with
     ``train.compile=true`` (and only then), its micro-batch search starting where the eager
