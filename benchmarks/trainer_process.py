@@ -81,7 +81,7 @@ class Child:
         self.proc.join(5)
         code = self.proc.exitcode
         why = "killed by SIGKILL (out of memory?)" if code == -9 else f"exit code {code}"
-        tail = "".join(self.log_path.read_text(errors="replace").splitlines(True)[-15:])
+        tail = self._log_tail(15)
         raise BenchmarkError(f"{self.name} died ({why}); last lines of {self.log_path}:\n{tail}")
 
     def _stuck(self, timeout: float):
@@ -90,9 +90,16 @@ class Child:
         if self.proc.pid is not None and self.proc.is_alive():
             os.kill(self.proc.pid, signal.SIGUSR1)
             time.sleep(1.0)
-        tail = "".join(self.log_path.read_text(errors="replace").splitlines(True)[-40:])
+        tail = self._log_tail(40)
         raise BenchmarkError(f"{self.name}: no answer in {timeout:.0f} s (stuck or too slow); "
                              f"its stacks and last lines of {self.log_path}:\n{tail}")
+
+    def _log_tail(self, lines: int) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:  # the child ended or was stopped before it opened its log
+            return "(no log: the child never opened it)\n"
+        return "".join(text.splitlines(True)[-lines:])
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop the child: asked politely (``timeout`` s), then terminated."""

@@ -208,7 +208,9 @@ def test_a_running_prepare_is_not_joined_by_a_second(tmp_path, corpus):
 
 
 # Runs tape-data with its claim of the scratch slowed down: it sleeps in the middle of it (after
-# the look for a live owner, before writing its own) and again just after it.
+# the look for a live owner, before writing its own), and just after it waits for the file
+# <claiming>.go (the test writes it once the second prepare has ended, however slowly that one
+# started on a busy machine: the first cannot finish and leave a complete output meanwhile).
 _SLOW_CLAIM = """
 import sys, time
 from pathlib import Path
@@ -219,7 +221,9 @@ def slow_truncate(self, state):
     time.sleep(2)
     return truncate(self, state)
 def slow_digests(self, *args):
-    time.sleep(3)
+    go, deadline = Path(sys.argv[1] + ".go"), time.monotonic() + 600
+    while not go.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     digests(self, *args)
 prepare_scratch.PrepareScratch._truncate = slow_truncate
 prepare_scratch.DigestLog.__init__ = slow_digests
@@ -244,11 +248,13 @@ def test_two_prepares_started_at_once_do_not_both_resume(tmp_path, corpus, refer
         while not claiming.exists() and first.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         second = _prepare(out, "--input", str(corpus), *OPTIONS)
+        (tmp_path / "claiming.go").touch()
         assert second.returncode == 1, second.stderr[-2000:]
         assert f"is being written by another tape-data prepare with the same options (pid " \
                f"{first.pid}" in second.stderr
         assert first.wait(timeout=120) == 0, first.stderr.read()[-2000:]
     finally:
+        (tmp_path / "claiming.go").touch()
         if first.poll() is None:
             first.kill()
             first.wait()

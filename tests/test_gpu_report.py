@@ -385,6 +385,7 @@ def test_plan_and_share_overrides_are_checked_and_applied():
 
 
 def _sleeper(seconds):
+    print("asleep", flush=True)  # into the child's log
     time.sleep(seconds)
     return seconds
 
@@ -403,7 +404,14 @@ def test_a_stuck_child_gives_up_with_its_stack(tmp_path):
     error; a child that answers in time is waited for (control)."""
     from trainer_process import BenchmarkError, Child
 
-    stuck = Child("stuck", tmp_path / "stuck.log", _Slow, 600.0)
+    log = tmp_path / "stuck.log"
+    stuck = Child("stuck", log, _Slow, 600.0)
+    # Its stack is asked for once it is inside _sleeper (a spawned child can take longer than
+    # the timeout to get there on a busy machine; a signal before faulthandler is set kills it).
+    deadline = time.monotonic() + 120
+    while not (log.exists() and "asleep" in log.read_text()):
+        assert time.monotonic() < deadline and stuck.proc.is_alive()
+        time.sleep(0.05)
     start = time.monotonic()
     with pytest.raises(BenchmarkError, match="no answer in 3 s") as err:
         stuck.result(timeout=3.0)
@@ -414,6 +422,18 @@ def test_a_stuck_child_gives_up_with_its_stack(tmp_path):
     quick = Child("quick", tmp_path / "quick.log", _Slow, 0.0)
     assert quick.result(timeout=120.0) is None
     quick.close()
+
+
+def test_a_child_that_ends_before_it_opens_its_log_is_a_benchmark_error(tmp_path):
+    """A child gone before its log exists (here: the log's directory is missing) is reported as
+    died, saying there is no log; reading the log was a FileNotFoundError instead."""
+    from trainer_process import BenchmarkError, Child
+
+    gone = Child("gone", tmp_path / "missing" / "gone.log", _Slow, 0.0)
+    with pytest.raises(BenchmarkError, match=r"gone died \(exit code 1\)") as err:
+        gone.result(timeout=120.0)
+    assert "(no log: the child never opened it)" in str(err.value)
+    gone.close()
 
 
 def test_compiled_end_to_end_rows_follow_their_eager_row(monkeypatch, tmp_path):

@@ -180,8 +180,9 @@ def test_a_conversion_reports_progress_in_lines_and_its_last_output_when_it_fail
         assert not (tag / "universal").exists() and not list(tag.glob(".universal.tmp*"))
     lines = [r.getMessage() for r in caplog.records]
     assert not any("\r" in line for line in lines)
-    assert "universal conversion of step_00000004: 1. Extracting ZeRO fragments (0 s so far)" \
-        in lines, lines
+    # The time so far when the child printed it: its start-up alone can take a second when busy.
+    assert any(re.fullmatch(r"universal conversion of step_00000004: 1\. Extracting ZeRO "
+                            r"fragments \(\d+ s so far\)", line) for line in lines), lines
     assert any(line.startswith("universal conversion of step_00000004: 2. Merging slices (")
                for line in lines)
     periodic = [line for line in lines if " so far, " in line]

@@ -185,9 +185,10 @@ if restart == 0:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() > 0:
             break
-        if steps == 0:
-            with open(os.path.join(out, f"waiting-{rank}"), "w") as f:
+        if steps == 0:  # written whole, then named: a reader never meets it empty
+            with open(os.path.join(out, f".waiting-{rank}"), "w") as f:
                 f.write(f"{os.getpid()} {os.environ['SLURM_NODEID']}")
+            os.replace(os.path.join(out, f".waiting-{rank}"), os.path.join(out, f"waiting-{rank}"))
         steps += 1
         time.sleep(0.2)
 record["steps_before_stop"] = steps
@@ -231,7 +232,6 @@ def wait_for_probe_loop(cluster, job_id: int, out: Path, log: Path) -> list[int]
             f"{info}\n{log.read_text() if log.exists() else 'no log'}")
         assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
         time.sleep(0.3)
-    time.sleep(0.2)   # the pid is written right after the file is created
     return [int((out / f"waiting-{r}").read_text().split()[0]) for r in (0, 1)]
 
 

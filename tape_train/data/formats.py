@@ -19,6 +19,7 @@ builder cannot name the failing line or skip a bad record; Hub datasets go throu
 
 from __future__ import annotations
 
+import _io
 import atexit
 import gc
 import glob
@@ -27,6 +28,8 @@ import json
 import logging
 import os
 import re
+import time
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -544,16 +547,59 @@ def _read_parquet(shard: Shard, start: int, text_field: str, skip_bad: bool,
 
 
 _hub_opened = False
+# The Arrow batch iterators of the Hub shards being read (``_read_hub``), closed at exit.
+_hub_streams: "weakref.WeakSet" = weakref.WeakSet()
+_RELEASE_WAIT_S = 30.0  # at exit, the longest wait for Arrow's threads to let go of files
 
 
 @atexit.register  # registered on import, before the loader's prefetch stop: runs after it
-def _collect_hub_streams() -> None:
-    """Parquet streams of ``datasets`` leave Arrow readers in reference cycles; collected during
-    interpreter teardown, when Arrow's runtime is gone, they abort the process ("terminate
-    called without an active exception", huggingface/datasets#7566; with row-group shards on
-    a busy machine 11 of 80 exits aborted, none of 100 with this). Collect them at exit."""
-    if _hub_opened:
-        gc.collect()
+def _end_hub_streams() -> None:
+    """Close the Hub streams still open and wait until Arrow's threads have let go of the files
+    they read, before the interpreter finalises. A Parquet stream of ``datasets`` reads a Python
+    file object on Arrow's threads; the last reference to it is often dropped there, a moment
+    after the stream ends or is closed. A thread that needs the GIL for that once finalisation
+    has begun is ended by Python mid-C++ and aborts the process ("terminate called without an
+    active exception", huggingface/datasets#7566): seen on a busy machine when a stream ended
+    just before exit (a loader freed as the process returned), or when one was left to the
+    interpreter's teardown (readers in reference cycles, loaders held to the end)."""
+    if not _hub_opened:
+        return
+    for stream in list(_hub_streams):
+        try:
+            stream.close()
+        except Exception:  # noqa: BLE001 - a stream already broken: nothing left to end
+            pass
+    gc.collect()
+    held = _files_held_natively()
+    deadline = time.monotonic() + _RELEASE_WAIT_S
+    while any(ref() is not None for ref in held) and time.monotonic() < deadline:
+        time.sleep(0.01)  # without the GIL: the thread holding the file can drop it
+
+
+def _files_held_natively() -> list:
+    """Weak references to the closed file objects that no Python object refers to: what only
+    native code (Arrow's threads) still holds."""
+    closed = [obj for obj in gc.get_objects() if _is_closed_file(obj)]
+    if not closed:
+        return []
+    ids = {id(obj) for obj in closed}
+    referred = {id(ref) for holder in gc.get_referrers(*closed) if holder is not closed
+                for ref in gc.get_referents(holder) if id(ref) in ids}
+    held = []
+    for obj in closed:
+        if id(obj) not in referred:
+            try:
+                held.append(weakref.ref(obj))
+            except TypeError:  # cannot be watched: not waited for
+                pass
+    return held
+
+
+def _is_closed_file(obj) -> bool:
+    try:  # _io._IOBase: every file object, io's and fsspec's (the type only: no attribute hooks)
+        return issubclass(type(obj), _io._IOBase) and obj.closed is True
+    except Exception:  # noqa: BLE001 - an object half torn down
+        return False
 
 
 def open_hub_dataset(source: SourceConfig):
@@ -644,7 +690,9 @@ def _read_hub(shard: Shard, ds, start: int, text_field: str, skip_bad: bool,
         log.info("data: %s: resuming at record %d (the shard is streamed up to it)",
                  shard.path, start)
     index = 0
-    for table in part.with_format("arrow").iter(batch_size=_HUB_BATCH):
+    tables = part.with_format("arrow").iter(batch_size=_HUB_BATCH)
+    _hub_streams.add(tables)
+    for table in tables:
         first = max(index, start)
         own = range(first + (phase - first) % stride, index + table.num_rows, stride)
         names = table.column_names
