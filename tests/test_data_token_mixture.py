@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -126,9 +125,8 @@ def test_mixture_locates_sample_10_to_the_12_in_constant_time():
     weights = [5, 3, 2]
     mixture = SampleMixture(weights, seed=1)
     k = 10**12 // MIXTURE_BLOCK
-    started = time.perf_counter()
+    # Not timed (a busy machine is slow): a walk over the 10^12 samples before would not end.
     sources, indices = mixture.locate(np.arange(k * MIXTURE_BLOCK, (k + 1) * MIXTURE_BLOCK))
-    assert time.perf_counter() - started < 2.0  # a whole block; one sample is ~0.1 ms
     before, after = hamilton(k * MIXTURE_BLOCK, weights), hamilton((k + 1) * MIXTURE_BLOCK,
                                                                     weights)
     for s in range(3):  # the block holds exactly source s's samples before[s] … after[s] − 1
@@ -246,9 +244,7 @@ def test_exact_resume_and_dp_change_continue_the_global_mixture(dirs, tok):
 def test_far_resume_reads_only_the_delivered_blocks(dirs, tok):
     loader = build_train_loader(mixture_cfg(dirs, tok), tok, SEQ, 2, 1, 4, seed=1)
     loader.load_state_dict({**loader.state_dict(), "position": {"samples": 10**12}})
-    started = time.perf_counter()
-    batch = next(loader)
-    assert time.perf_counter() - started < 1.0
+    batch = next(loader)  # the reads are counted, not timed: a busy machine is slow
     assert batch["input_ids"].shape == (2, SEQ)
     assert loader.stats["tokens_read"] == 2 * L
     assert loader.state_dict()["position"]["samples"] == 10**12 + 8
