@@ -104,6 +104,9 @@ BAD_INPUTS = {
                                    "data.sources[0]: data.format=tokens needs prepared "
                                    "directories (from `tape-data prepare --tokenize`), got hub "
                                    "'some/corpus'"),
+    "block windows beyond RAM": (["data.block_shuffle_window=1000000000"],
+                                 "data.block_shuffle_window=1000000000: two windows of "
+                                 "1000000000 blocks of 65 tokens hold 242.14 GiB per rank"),
     "bad layout": (["parallel.tp=2", "--world-size", "3"],
                    "parallel layout: world size 3 is not divisible by parallel.sp × parallel.tp"),
 }
@@ -248,6 +251,26 @@ def test_ranks_outnumbering_shards_is_a_warning_not_an_error(corpus):
         assert part in line, part
     assert shared() == []
     assert shared("--world-size", "4", "data.sharding=global") == []
+
+
+def test_block_windows_are_counted_for_every_rank_on_the_node(corpus, monkeypatch):
+    """Every rank holds two block windows of W x (seq_len + 1) 2-byte ids in host memory: with
+    3 GiB of RAM, W = 2**22 at seq_len 64 (1.02 GiB per rank) fits one rank, not four, and
+    shuffle: false (no block windows) holds none."""
+    from tape_train.train import memory
+
+    monkeypatch.setattr(memory, "device_memory", lambda *a, **k: (3 * 2**30, "RAM (test)"))
+
+    def refused(*args) -> list[str]:
+        rc, out, err = dry_run(["--config", str(corpus / "run.yaml"), "--dry-run",
+                                "data.block_shuffle_window=4194304", *args])
+        return [ln for ln in error_lines(err) if "data.block_shuffle_window=" in ln]
+
+    assert refused() == []
+    (line,) = refused("--world-size", "4")
+    assert ("1.02 GiB per rank, 4.06 GiB for 4 rank(s) here, more than the 3.00 GiB of RAM "
+            "(test); lower it (default 1024)") in line
+    assert refused("--world-size", "4", "data.shuffle=false") == []
 
 
 def _write_marker(run_dir: Path, config: dict, dp: int) -> Path:
