@@ -446,6 +446,52 @@ def test_export_names_a_model_config_it_cannot_build_in_one_line(tmp_path, capsy
     assert "Traceback" not in err and not (tmp_path / "bad").exists()
 
 
+def test_weights_that_do_not_fit_the_recorded_model_config_are_one_line(tmp_path, capsys):
+    """A marker whose model config is not the one its weights were trained with (another
+    model's config, a value of the wrong type): tape-export, tape-eval and tape-generate name
+    the marker (by the path given, not a private mirror of it) and the first parameters of
+    another shape, in one line, exit 1; no export is written. An export whose config.json
+    was swapped is refused the same way. Control: the untouched checkpoint exports."""
+    import json
+
+    from tape_train.eval.cli import main as evaluate
+    from tape_train.inference.export import main as export
+    from tape_train.inference.generate import main as generate
+    from tape_train.train import checkpoint as ckpt
+
+    make_checkpoint(tmp_path / "run", "tape", seed=1)
+    tag = ckpt.find_latest_complete(tmp_path / "run")
+    assert export([str(tag), "--out", str(tmp_path / "good")]) == 0  # negative control
+    good = json.loads((tag / ckpt.MARKER).read_text())
+    marker = json.loads(json.dumps(good))
+    marker["config"]["model"]["hidden_size"] = 64  # weights of hidden size 32
+    (tag / ckpt.MARKER).write_text(json.dumps(marker))
+    shapes = (f"checkpoint {tag}: its weights do not match the model config of its "
+              f"COMPLETE.json: ")
+    for run in (lambda: export([str(tag), "--out", str(tmp_path / "bad")]),
+                lambda: evaluate(["--checkpoint", str(tag), "--lengths", "4", "--max-tokens",
+                                  "8", "--out", str(tmp_path / "eval"), "--no-progress"]),
+                lambda: generate([str(tag), "--prompt", "a", "--max-new-tokens", "1"])):
+        capsys.readouterr()
+        assert run() == 1
+        (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ": error: " in ln]
+        assert shapes in line and "of another shape (embed.weight [50, 32] where the config " \
+            "makes [50, 64]" in line, line
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "eval" / "eval.json").exists()
+    marker["config"]["model"]["hidden_size"] = "abc"
+    (tag / ckpt.MARKER).write_text(json.dumps(marker))
+    assert export([str(tag), "--out", str(tmp_path / "bad")]) == 1
+    assert (f"tape-export: error: {tag / ckpt.MARKER} [model]: model.hidden_size: expected "
+            f"int, got 'abc'") in capsys.readouterr().err
+    config = json.loads((tmp_path / "good" / "config.json").read_text())
+    (tmp_path / "good" / "config.json").write_text(json.dumps({**config, "hidden_size": 64}))
+    capsys.readouterr()
+    assert generate([str(tmp_path / "good"), "--prompt", "a", "--max-new-tokens", "1"]) == 1
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ": error: " in ln]
+    assert (f"model.safetensors: weights do not match {tmp_path / 'good' / 'config.json'}: 12 "
+            f"of another shape (embed.weight [50, 32] where the config makes [50, 64]") in line
+
+
 @pytest.mark.parametrize("args, message", [
     (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),

@@ -566,8 +566,9 @@ def run(args) -> int:
                 vanished = deleted_while_read(
                     c.tag_dir, exc, when="after tape-eval checked it at the start" + (
                         f" (evaluated since, and not reported: {done})" if runs else ""))
-                if vanished is None:
-                    raise
+                if vanished is None:  # named by its own path, not by the mirror's
+                    raise CheckpointError(str(exc).replace(str(tag_dirs[i]), str(c.tag_dir))
+                                          ) from None
                 raise vanished from None
             model = TransformerLM(c.model_cfg)
             missing, unexpected = model.load_state_dict(state, strict=False)
