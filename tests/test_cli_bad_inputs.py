@@ -659,6 +659,54 @@ def test_prepare_and_tokenizer_onto_a_file_say_so(tmp_path, capsys):
     assert "tape-tokenizer: error:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command, args, message", [
+    # Path("") is the current directory: the shards, or tokenizer files named ".model",
+    # landed there.
+    ("data", ["prepare", "--input", "{d}/in.jsonl", "--out", ""],
+     "tape-data: error: --out '' is empty (an unset shell variable?): name the output "
+     "directory, e.g. --out data/mine (--out . for this one)"),
+    ("tokenizer", ["train", "--input", "{d}/in.jsonl", "--vocab-size", "400", "--out", " "],
+     "tape-tokenizer: error: --out ' ' is empty (an unset shell variable?): name the output "
+     "prefix"),
+    # These were tracebacks from NumPy and sentencepiece (the thread count after the read).
+    ("data", ["prepare", "--input", "{d}/in.jsonl", "--out", "{d}/out", "--seed", "-1"],
+     "tape-data: error: --seed must be in [0, 4294967295] (2**32 - 1), got -1"),
+    ("tokenizer", ["train", "--input", "{d}/in.jsonl", "--vocab-size", "400", "--out",
+                   "{d}/tok", "--seed", "-5"],
+     "tape-tokenizer: error: tokenizer seed must be in [0, 4294967295] (2**32 - 1), got -5"),
+    ("tokenizer", ["train", "--input", "{d}/in.jsonl", "--vocab-size", "400", "--out",
+                   "{d}/tok", "--num-threads", "2000"],
+     "tape-tokenizer: error: tokenizer num_threads must be an integer from 0 (all cores) to "
+     "1024 (sentencepiece's limit), got 2000"),
+    ("tokenizer", ["info", "{tok}", "--text", "ab\udcffc"],
+     "tape-tokenizer: error: --text is not valid UTF-8 text (byte 0xff at character 2); pass "
+     "UTF-8"),
+])
+def test_data_and_tokenizer_options_that_cannot_be_are_one_line(run_and_tokenizers, tmp_path,
+                                                                 capsys, monkeypatch, command,
+                                                                 args, message):
+    """Each is refused in one line, exit 1, before anything is read or written: the working
+    directory stays empty. Control: the same commands with a named --out and good values."""
+    from tape_train.data.cli import main as data_main
+    from tape_train.data.testing import real_text_documents, write_jsonl
+    from tape_train.data.tokenizer_cli import main as tok_main
+
+    _, tok, _ = run_and_tokenizers
+    write_jsonl(tmp_path / "in.jsonl", real_text_documents(max_documents=200))
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    main = data_main if command == "data" else tok_main
+    argv = [a.format(d=tmp_path, tok=tok) for a in args]
+    capsys.readouterr()
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert list(work.iterdir()) == [] and not (tmp_path / "out").exists()
+    good = {"-1": "7", "-5": "7", "2000": "1", "ab\udcffc": "abc", "": "out", " ": "tok"}
+    assert main([good.get(a, a) for a in argv]) == 0
+
+
 def test_generate_streams_characters_spelled_in_byte_pieces(run_and_tokenizers, capsys,
                                                             monkeypatch):
     """A continuation with a character the tokenizer spells as byte-fallback pieces printed
