@@ -125,6 +125,23 @@ def test_each_bad_input_is_one_line_and_exit_1(corpus, name):
     assert "nothing was started" in err
 
 
+@pytest.mark.parametrize("run_dir", ["{d}/afile/run", "{d}/afile"])
+def test_a_run_dir_that_cannot_be_a_directory_is_not_also_an_unreadable_lock(corpus, run_dir):
+    """A run dir under a regular file, or a regular file itself: the one error says so; it
+    was also warned about as a run directory with an unreadable lock (reading RUN.lock inside
+    it failed). Control: a real unreadable lock is still warned about."""
+    rc, out, err = dry_run(["--config", str(corpus / "run.yaml"), "--dry-run",
+                            f"train.run_dir={run_dir.format(d=corpus)}"])
+    assert rc == 1 and len(error_lines(err)) == 1, err
+    assert "lock" not in err, err
+    locked = corpus / "locked_run"
+    locked.mkdir(exist_ok=True)
+    (locked / "RUN.lock").write_bytes(b"\xff not json")
+    rc, out, err = dry_run(["--config", str(corpus / "run.yaml"), "--dry-run",
+                            f"train.run_dir={locked}"])
+    assert rc == 0 and f"has an unreadable lock {locked / 'RUN.lock'}" in err, err
+
+
 @pytest.mark.parametrize("name, is_dir, expected", [
     ("metrics.jsonl", True, "is a directory; the run writes to it: move it away"),
     ("tensorboard", False, "is not a directory; the run writes into it: move it away"),
