@@ -290,6 +290,22 @@ def test_block_windows_are_counted_for_every_rank_on_the_node(corpus, monkeypatc
     assert refused("--world-size", "4", "data.shuffle=false") == []
 
 
+def test_a_slurm_node_counts_the_block_windows_of_its_own_ranks(corpus, monkeypatch):
+    """The start-up check on each CPU node of a 4-node job compares the block windows of its
+    own processes with its RAM: one process (1.02 GiB of windows, 3 GiB of RAM) fits; it
+    counted all 4 nodes' ranks (4.06 GiB). Control: 4 processes on the node do not fit."""
+    from tape_train.cluster import preflight as node_preflight
+    from tape_train.train import memory
+
+    monkeypatch.setattr(memory, "device_memory", lambda *a, **k: (3 * 2**30, "RAM (test)"))
+    monkeypatch.setenv("SLURM_NNODES", "4")
+    args = ["--config", str(corpus / "run.yaml"), "data.block_shuffle_window=4194304",
+            "data.sharding=global"]
+    assert node_preflight.check_run_inputs(args, gpus_per_node=0, procs_per_node=1).ok
+    refused = node_preflight.check_run_inputs(args, gpus_per_node=0, procs_per_node=4)
+    assert not refused.ok and "4.06 GiB for 4 rank(s) here" in refused.detail
+
+
 def _write_marker(run_dir: Path, config: dict, dp: int) -> Path:
     tag = run_dir / "checkpoints" / "step_00000010"
     tag.mkdir(parents=True)
