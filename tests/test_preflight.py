@@ -104,9 +104,9 @@ BAD_INPUTS = {
                                    "data.sources[0]: data.format=tokens needs prepared "
                                    "directories (from `tape-data prepare --tokenize`), got hub "
                                    "'some/corpus'"),
-    "block windows beyond RAM": (["data.block_shuffle_window=1000000000"],
-                                 "data.block_shuffle_window=1000000000: two windows of "
-                                 "1000000000 blocks of 65 tokens hold 242.14 GiB per rank"),
+    "block windows beyond RAM": (["data.block_shuffle_window=1000000000000"],
+                                 "data.block_shuffle_window=1000000000000: two windows of "
+                                 "1000000000000 blocks of 65 tokens hold 242143.87 GiB per rank"),
     "bad layout": (["parallel.tp=2", "--world-size", "3"],
                    "parallel layout: world size 3 is not divisible by parallel.sp × parallel.tp"),
 }
