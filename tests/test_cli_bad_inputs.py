@@ -594,6 +594,19 @@ def test_tape_submit_checks_eval_lengths_before_submitting(tmp_path, capsys):
                  "--eval-lengths", "16", "32"]) == 0
 
 
+def test_tape_submit_refuses_an_empty_log_dir(tmp_path, capsys):
+    """An empty --log-dir (an unset shell variable) put the batch scripts and Slurm's logs
+    into the working directory. Control: a named one passes."""
+    from tape_train.cluster.submit import main
+
+    path = _base_yaml(tmp_path)
+    assert main(["--config", str(path), "--dry-run", "--no-preflight", "--log-dir", ""]) == 1
+    err = capsys.readouterr().err
+    assert "tape-submit: error: --log-dir '' is empty (an unset shell variable?)" in err
+    assert main(["--config", str(path), "--dry-run", "--no-preflight", "--log-dir",
+                 str(tmp_path / "logs")]) == 0
+
+
 @pytest.mark.parametrize("args, message", [
     (["--eval-after", "--eval-arg=--max-tokens=-5"],
      "tape-eval --max-tokens=-5: --max-tokens must be a positive integer or 'all'"),
