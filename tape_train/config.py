@@ -31,7 +31,7 @@ from typing import Any, Literal
 import yaml
 
 from tape_train import hints
-from tape_train.hints import did_you_mean, read_yaml
+from tape_train.hints import MAX_SEED, did_you_mean, read_yaml  # noqa: F401 - MAX_SEED: public
 from tape_train.model.config import (MODEL_CONFIG_DIR, SHAPE_FIELDS, ModelConfig,
                                      load_model_config)
 from tape_train.resources import named_file, resource_dir
@@ -43,10 +43,6 @@ SECTIONS = ("model", "data", "eval", "train", "optim", "checkpoint", "parallel",
 # The longest collective/start-up timeout: faulthandler's timer (the watchdog's backstop) and
 # threading's waits overflow at about 9.2e9 s; a year is far beyond any job's time limit.
 MAX_TIMEOUT_S = 365 * 86400
-# The largest seed: NumPy's generators take no negative seed, torch's none past 64 bits, and
-# the per-rank and per-sample streams derive their seeds from it by multiplying (train.seed,
-# tape-generate --seed).
-MAX_SEED = 2**32 - 1
 
 
 class ConfigError(ValueError):

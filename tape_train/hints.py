@@ -16,6 +16,39 @@ from typing import Any, Literal
 import yaml
 
 
+# The largest seed: NumPy's generators take no negative seed, torch's none past 64 bits, and
+# the per-rank and per-sample streams derive their seeds from it by multiplying (train.seed,
+# tape-generate --seed, tape-data prepare --seed, tape-tokenizer train --seed).
+MAX_SEED = 2**32 - 1
+
+
+def seed_error(name: str, value: int) -> str | None:
+    """Why ``value`` cannot be the seed ``name`` (outside ``[0, MAX_SEED]``), else ``None``."""
+    if 0 <= value <= MAX_SEED:
+        return None
+    return f"{name} must be in [0, {MAX_SEED}] (2**32 - 1), got {value}"
+
+
+def utf8_error(flag: str, value: str | None) -> str | None:
+    """Why the command-line text ``value`` of ``flag`` is not UTF-8 (bytes of another encoding
+    reach Python as lone surrogates), naming the first bad character; else ``None``."""
+    try:
+        (value or "").encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(value[exc.start])
+        what = f"byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        return f"{flag} is not valid UTF-8 text ({what} at character {exc.start}); pass UTF-8"
+    return None
+
+
+def empty_out_error(value: str, name_it: str) -> str | None:
+    """An empty ``--out`` (an unset shell variable) would write into the current directory:
+    the message says so and what to name (``name_it``); ``None`` when it is not empty."""
+    if value.strip():
+        return None
+    return f"--out {value!r} is empty (an unset shell variable?): {name_it}"
+
+
 def did_you_mean(value: object, choices: Iterable, prefix: str = "", cutoff: float = 0.6) -> str:
     """``" (did you mean '<prefix><closest>'?)"``, or ``""`` when nothing is close."""
     close = difflib.get_close_matches(str(value), [str(c) for c in choices], 1, cutoff)

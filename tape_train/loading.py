@@ -528,6 +528,12 @@ def _consolidate(tag_dir: Path, map_dtype: torch.dtype | None
         if not states:
             raise CheckpointError(f"{tag_dir}: no mp_rank_*_model_states.pt")
         state = torch.load(states[0], map_location="cpu", weights_only=False)["module"]
+    from tape_train.model.pretrained import weights_mismatch
+
+    problem = weights_mismatch(state, model_cfg)
+    if problem:  # a marker edited, or weights of another model copied in with it
+        raise CheckpointError(f"checkpoint {tag_dir}: its weights do not match the model config "
+                              f"of its {MARKER}: {problem}")
     state = {k: (v.to(map_dtype) if map_dtype is not None and v.is_floating_point() else v)
              for k, v in state.items()}
     return model_cfg, state, meta
@@ -596,8 +602,13 @@ def checkpoint_model_config(tag_dir: Path, meta: dict):
     if not isinstance(model, dict):
         raise CheckpointError(f"{tag_dir / MARKER} records no model config (config.model); "
                               f"the weights cannot be rebuilt from it")
-    return ModelConfig.from_dict(dict(model),
-                                 source=f"{tag_dir / MARKER} [model]").for_any_device()
+    source = f"{tag_dir / MARKER} [model]"
+    try:
+        return ModelConfig.from_dict(dict(model), source=source).for_any_device()
+    except (TypeError, ValueError) as exc:  # a value of the wrong type or out of range
+        if source in str(exc):
+            raise
+        raise ValueError(f"{source}: {exc}") from None
 
 
 def _read_universal_weights_of(tag_dir: Path) -> dict[str, torch.Tensor]:

@@ -446,6 +446,52 @@ def test_export_names_a_model_config_it_cannot_build_in_one_line(tmp_path, capsy
     assert "Traceback" not in err and not (tmp_path / "bad").exists()
 
 
+def test_weights_that_do_not_fit_the_recorded_model_config_are_one_line(tmp_path, capsys):
+    """A marker whose model config is not the one its weights were trained with (another
+    model's config, a value of the wrong type): tape-export, tape-eval and tape-generate name
+    the marker (by the path given, not a private mirror of it) and the first parameters of
+    another shape, in one line, exit 1; no export is written. An export whose config.json
+    was swapped is refused the same way. Control: the untouched checkpoint exports."""
+    import json
+
+    from tape_train.eval.cli import main as evaluate
+    from tape_train.inference.export import main as export
+    from tape_train.inference.generate import main as generate
+    from tape_train.train import checkpoint as ckpt
+
+    make_checkpoint(tmp_path / "run", "tape", seed=1)
+    tag = ckpt.find_latest_complete(tmp_path / "run")
+    assert export([str(tag), "--out", str(tmp_path / "good")]) == 0  # negative control
+    good = json.loads((tag / ckpt.MARKER).read_text())
+    marker = json.loads(json.dumps(good))
+    marker["config"]["model"]["hidden_size"] = 64  # weights of hidden size 32
+    (tag / ckpt.MARKER).write_text(json.dumps(marker))
+    shapes = (f"checkpoint {tag}: its weights do not match the model config of its "
+              f"COMPLETE.json: ")
+    for run in (lambda: export([str(tag), "--out", str(tmp_path / "bad")]),
+                lambda: evaluate(["--checkpoint", str(tag), "--lengths", "4", "--max-tokens",
+                                  "8", "--out", str(tmp_path / "eval"), "--no-progress"]),
+                lambda: generate([str(tag), "--prompt", "a", "--max-new-tokens", "1"])):
+        capsys.readouterr()
+        assert run() == 1
+        (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ": error: " in ln]
+        assert shapes in line and "of another shape (embed.weight [50, 32] where the config " \
+            "makes [50, 64]" in line, line
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "eval" / "eval.json").exists()
+    marker["config"]["model"]["hidden_size"] = "abc"
+    (tag / ckpt.MARKER).write_text(json.dumps(marker))
+    assert export([str(tag), "--out", str(tmp_path / "bad")]) == 1
+    assert (f"tape-export: error: {tag / ckpt.MARKER} [model]: model.hidden_size: expected "
+            f"int, got 'abc'") in capsys.readouterr().err
+    config = json.loads((tmp_path / "good" / "config.json").read_text())
+    (tmp_path / "good" / "config.json").write_text(json.dumps({**config, "hidden_size": 64}))
+    capsys.readouterr()
+    assert generate([str(tmp_path / "good"), "--prompt", "a", "--max-new-tokens", "1"]) == 1
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ": error: " in ln]
+    assert (f"model.safetensors: weights do not match {tmp_path / 'good' / 'config.json'}: 12 "
+            f"of another shape (embed.weight [50, 32] where the config makes [50, 64]") in line
+
+
 @pytest.mark.parametrize("args, message", [
     (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0"),
     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
@@ -548,6 +594,19 @@ def test_tape_submit_checks_eval_lengths_before_submitting(tmp_path, capsys):
                  "--eval-lengths", "16", "32"]) == 0
 
 
+def test_tape_submit_refuses_an_empty_log_dir(tmp_path, capsys):
+    """An empty --log-dir (an unset shell variable) put the batch scripts and Slurm's logs
+    into the working directory. Control: a named one passes."""
+    from tape_train.cluster.submit import main
+
+    path = _base_yaml(tmp_path)
+    assert main(["--config", str(path), "--dry-run", "--no-preflight", "--log-dir", ""]) == 1
+    err = capsys.readouterr().err
+    assert "tape-submit: error: --log-dir '' is empty (an unset shell variable?)" in err
+    assert main(["--config", str(path), "--dry-run", "--no-preflight", "--log-dir",
+                 str(tmp_path / "logs")]) == 0
+
+
 @pytest.mark.parametrize("args, message", [
     (["--eval-after", "--eval-arg=--max-tokens=-5"],
      "tape-eval --max-tokens=-5: --max-tokens must be a positive integer or 'all'"),
@@ -611,6 +670,54 @@ def test_prepare_and_tokenizer_onto_a_file_say_so(tmp_path, capsys):
     assert tok_main(["train", "--input", str(tmp_path / "in.jsonl"), "--vocab-size", "300",
                      "--out", str(tmp_path / "file" / "tok")]) == 1
     assert "tape-tokenizer: error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, args, message", [
+    # Path("") is the current directory: the shards, or tokenizer files named ".model",
+    # landed there.
+    ("data", ["prepare", "--input", "{d}/in.jsonl", "--out", ""],
+     "tape-data: error: --out '' is empty (an unset shell variable?): name the output "
+     "directory, e.g. --out data/mine (--out . for this one)"),
+    ("tokenizer", ["train", "--input", "{d}/in.jsonl", "--vocab-size", "400", "--out", " "],
+     "tape-tokenizer: error: --out ' ' is empty (an unset shell variable?): name the output "
+     "prefix"),
+    # These were tracebacks from NumPy and sentencepiece (the thread count after the read).
+    ("data", ["prepare", "--input", "{d}/in.jsonl", "--out", "{d}/out", "--seed", "-1"],
+     "tape-data: error: --seed must be in [0, 4294967295] (2**32 - 1), got -1"),
+    ("tokenizer", ["train", "--input", "{d}/in.jsonl", "--vocab-size", "400", "--out",
+                   "{d}/tok", "--seed", "-5"],
+     "tape-tokenizer: error: tokenizer seed must be in [0, 4294967295] (2**32 - 1), got -5"),
+    ("tokenizer", ["train", "--input", "{d}/in.jsonl", "--vocab-size", "400", "--out",
+                   "{d}/tok", "--num-threads", "2000"],
+     "tape-tokenizer: error: tokenizer num_threads must be an integer from 0 (all cores) to "
+     "1024 (sentencepiece's limit), got 2000"),
+    ("tokenizer", ["info", "{tok}", "--text", "ab\udcffc"],
+     "tape-tokenizer: error: --text is not valid UTF-8 text (byte 0xff at character 2); pass "
+     "UTF-8"),
+])
+def test_data_and_tokenizer_options_that_cannot_be_are_one_line(run_and_tokenizers, tmp_path,
+                                                                 capsys, monkeypatch, command,
+                                                                 args, message):
+    """Each is refused in one line, exit 1, before anything is read or written: the working
+    directory stays empty. Control: the same commands with a named --out and good values."""
+    from tape_train.data.cli import main as data_main
+    from tape_train.data.testing import real_text_documents, write_jsonl
+    from tape_train.data.tokenizer_cli import main as tok_main
+
+    _, tok, _ = run_and_tokenizers
+    write_jsonl(tmp_path / "in.jsonl", real_text_documents(max_documents=200))
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    main = data_main if command == "data" else tok_main
+    argv = [a.format(d=tmp_path, tok=tok) for a in args]
+    capsys.readouterr()
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert list(work.iterdir()) == [] and not (tmp_path / "out").exists()
+    good = {"-1": "7", "-5": "7", "2000": "1", "ab\udcffc": "abc", "": "out", " ": "tok"}
+    assert main([good.get(a, a) for a in argv]) == 0
 
 
 def test_generate_streams_characters_spelled_in_byte_pieces(run_and_tokenizers, capsys,

@@ -496,3 +496,28 @@ def test_override_with_an_incompatible_position_restarts_the_stream(tok, corpus,
     assert "starting the stream from the beginning" in caplog.text
     fresh = build_train_loader(one_cfg, tok, SEQ, 2, seed=1)
     assert torch.equal(take(resumed, 1)[0], take(fresh, 1)[0])
+
+
+@pytest.mark.parametrize("huge, plain", [((1e308, 1e308), (1.0, 1.0)),
+                                         ((1.5e308, 7.5e307), (2.0, 1.0))])
+def test_the_text_mixture_draws_by_the_ratio_of_weights_whose_sum_overflows(corpus, huge,
+                                                                            plain):
+    """Weights are relative: 1e308 and 1e308 draw as 1 and 1. Their float sum overflowed to
+    inf, every share became 0 and the first source was never drawn. The same ratio in
+    ordinary numbers (the control) draws the identical sources document for document."""
+    from tape_train.data.config import SourceConfig
+    from tape_train.data.formats import SkipLog
+    from tape_train.data.sources import DocumentStream, SourceCursor
+
+    def choices(weights) -> list[int]:
+        cursors = [SourceCursor(SourceConfig(path=str(corpus["root"] / name), weight=w),
+                                index=i, seed=1, shuffle=True, window_size=4,
+                                eval_fraction=0.0, skip_bad=False, skips=SkipLog())
+                   for i, (name, w) in enumerate(zip("ab", weights))]
+        stream = DocumentStream(cursors, seed=1)
+        return [stream.choice(g) for g in range(6000)]
+
+    drawn = choices(huge)
+    assert drawn == choices(plain)
+    share = drawn.count(0) / len(drawn)
+    assert abs(share - plain[0] / sum(plain)) < 0.03

@@ -119,11 +119,34 @@ def test_auto_backend_on_cpu_and_unsupported_requests_fail_clearly():
     (dict(num_layers=0), "model.num_layers must be a positive integer"),
     (dict(attn_backend="fast"), "model.attn_backend='fast'"),
     (dict(tape_post_attn="sum"), "model.tape_post_attn"),
+    # These built a model that failed at its first forward (division by zero, math domain
+    # error, bucket index out of range) or had no FIRE MLP at all.
+    (dict(pe="t5", t5_num_buckets=1), "model.t5_num_buckets must be an integer >= 2, got 1"),
+    (dict(pe="t5", t5_max_distance=0), "model.t5_max_distance must be a positive integer"),
+    (dict(pe="t5", t5_max_distance=16), r"model.t5_max_distance \(16\) must exceed "
+                                        r"model.t5_num_buckets // 2 \(16\)"),
+    (dict(pe="fire", fire_hidden=0), "model.fire_hidden must be a positive integer, got 0"),
+    (dict(pe="randpe", randpe_max_len=-3), "model.randpe_max_len must be a positive integer"),
 ])
 def test_bad_configuration_names_the_field(overrides, message):
     base = dict(vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96)
     with pytest.raises(ValueError, match=message):
         ModelConfig(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("buckets, max_distance", [(2, 2), (32, 17), (32, 128)])
+def test_the_smallest_valid_t5_buckets_stay_in_the_table(buckets, max_distance):
+    """Control for the t5 bounds: at the smallest accepted values every distance up to far
+    beyond t5_max_distance lands in a bucket of the table, and the model's logits are finite."""
+    from tape_train.model.pe.t5 import causal_bucket
+
+    cfg = ModelConfig(vocab_size=97, hidden_size=32, num_layers=1, num_heads=2,
+                      intermediate_size=64, max_seq_len=512, pe="t5", t5_num_buckets=buckets,
+                      t5_max_distance=max_distance)
+    found = causal_bucket(torch.arange(-3, 4 * max_distance + 600), buckets, max_distance)
+    assert 0 <= int(found.min()) and int(found.max()) == buckets - 1
+    logits = TransformerLM(cfg)(torch.randint(0, 97, (1, 48))).logits
+    assert torch.isfinite(logits).all()
 
 
 def test_unknown_yaml_key_and_missing_size(tmp_path):

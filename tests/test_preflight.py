@@ -104,6 +104,9 @@ BAD_INPUTS = {
                                    "data.sources[0]: data.format=tokens needs prepared "
                                    "directories (from `tape-data prepare --tokenize`), got hub "
                                    "'some/corpus'"),
+    "block windows beyond RAM": (["data.block_shuffle_window=1000000000000"],
+                                 "data.block_shuffle_window=1000000000000: two windows of "
+                                 "1000000000000 blocks of 65 tokens hold 242143.87 GiB per rank"),
     "bad layout": (["parallel.tp=2", "--world-size", "3"],
                    "parallel layout: world size 3 is not divisible by parallel.sp × parallel.tp"),
 }
@@ -120,6 +123,23 @@ def test_each_bad_input_is_one_line_and_exit_1(corpus, name):
     assert expected.format(d=corpus) in lines[0]
     assert "Traceback" not in err
     assert "nothing was started" in err
+
+
+@pytest.mark.parametrize("run_dir", ["{d}/afile/run", "{d}/afile"])
+def test_a_run_dir_that_cannot_be_a_directory_is_not_also_an_unreadable_lock(corpus, run_dir):
+    """A run dir under a regular file, or a regular file itself: the one error says so; it
+    was also warned about as a run directory with an unreadable lock (reading RUN.lock inside
+    it failed). Control: a real unreadable lock is still warned about."""
+    rc, out, err = dry_run(["--config", str(corpus / "run.yaml"), "--dry-run",
+                            f"train.run_dir={run_dir.format(d=corpus)}"])
+    assert rc == 1 and len(error_lines(err)) == 1, err
+    assert "lock" not in err, err
+    locked = corpus / "locked_run"
+    locked.mkdir(exist_ok=True)
+    (locked / "RUN.lock").write_bytes(b"\xff not json")
+    rc, out, err = dry_run(["--config", str(corpus / "run.yaml"), "--dry-run",
+                            f"train.run_dir={locked}"])
+    assert rc == 0 and f"has an unreadable lock {locked / 'RUN.lock'}" in err, err
 
 
 @pytest.mark.parametrize("name, is_dir, expected", [
@@ -248,6 +268,42 @@ def test_ranks_outnumbering_shards_is_a_warning_not_an_error(corpus):
         assert part in line, part
     assert shared() == []
     assert shared("--world-size", "4", "data.sharding=global") == []
+
+
+def test_block_windows_are_counted_for_every_rank_on_the_node(corpus, monkeypatch):
+    """Every rank holds two block windows of W x (seq_len + 1) 2-byte ids in host memory: with
+    3 GiB of RAM, W = 2**22 at seq_len 64 (1.02 GiB per rank) fits one rank, not four, and
+    shuffle: false (no block windows) holds none."""
+    from tape_train.train import memory
+
+    monkeypatch.setattr(memory, "device_memory", lambda *a, **k: (3 * 2**30, "RAM (test)"))
+
+    def refused(*args) -> list[str]:
+        rc, out, err = dry_run(["--config", str(corpus / "run.yaml"), "--dry-run",
+                                "data.block_shuffle_window=4194304", *args])
+        return [ln for ln in error_lines(err) if "data.block_shuffle_window=" in ln]
+
+    assert refused() == []
+    (line,) = refused("--world-size", "4")
+    assert ("1.02 GiB per rank, 4.06 GiB for 4 rank(s) here, more than the 3.00 GiB of RAM "
+            "(test); lower it (default 1024)") in line
+    assert refused("--world-size", "4", "data.shuffle=false") == []
+
+
+def test_a_slurm_node_counts_the_block_windows_of_its_own_ranks(corpus, monkeypatch):
+    """The start-up check on each CPU node of a 4-node job compares the block windows of its
+    own processes with its RAM: one process (1.02 GiB of windows, 3 GiB of RAM) fits; it
+    counted all 4 nodes' ranks (4.06 GiB). Control: 4 processes on the node do not fit."""
+    from tape_train.cluster import preflight as node_preflight
+    from tape_train.train import memory
+
+    monkeypatch.setattr(memory, "device_memory", lambda *a, **k: (3 * 2**30, "RAM (test)"))
+    monkeypatch.setenv("SLURM_NNODES", "4")
+    args = ["--config", str(corpus / "run.yaml"), "data.block_shuffle_window=4194304",
+            "data.sharding=global"]
+    assert node_preflight.check_run_inputs(args, gpus_per_node=0, procs_per_node=1).ok
+    refused = node_preflight.check_run_inputs(args, gpus_per_node=0, procs_per_node=4)
+    assert not refused.ok and "4.06 GiB for 4 rank(s) here" in refused.detail
 
 
 def _write_marker(run_dir: Path, config: dict, dp: int) -> Path:

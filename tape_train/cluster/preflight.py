@@ -137,6 +137,7 @@ def check_run_inputs(train_args: list[str], gpus_per_node: int, procs_per_node: 
         cfg = load_run_config(parsed.config, parsed.overrides)
         world = int(os.environ.get("SLURM_NNODES", "1")) * (gpus_per_node or procs_per_node)
         report = run_preflight(cfg, world_size=world, gpus_per_node=gpus_per_node,
+                               ranks_per_node=gpus_per_node or procs_per_node,
                                check_resume=check_resume, resume_from=parsed.resume_from,
                                allow_config_change=parsed.allow_config_change, plan=False,
                                limits=RUN_START_LIMITS)

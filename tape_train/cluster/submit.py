@@ -345,6 +345,10 @@ def _main(argv: list[str] | None) -> int:
     train_args = ["--config", args.config, *args.overrides]
     try:
         run_dir = resolve_run_dir(train_args, base_dir=workdir)
+        if not args.log_dir.strip():  # the scripts and Slurm's logs would land in workdir
+            raise ValueError(f"--log-dir {args.log_dir!r} is empty (an unset shell variable?): "
+                             f"name the directory of the scripts and logs, e.g. --log-dir "
+                             f"logs/slurm (--log-dir . for this one)")
         log_dir = (workdir / args.log_dir).resolve()
         opts = ClusterOptions(
             nodes=args.nodes, gpus_per_node=args.gpus_per_node,

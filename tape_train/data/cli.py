@@ -35,7 +35,7 @@ from tape_train.data.corpus import (SHUFFLE_BYTES, DocumentSource, read_complete
 from tape_train.data.formats import (MANIFEST_NAME, SkipLog, hub_shards, open_hub_dataset,
                                      read_documents, resolve_local_shards)
 from tape_train.data.prepare_scratch import interrupted_scratch, remove_finished_scratch
-from tape_train.hints import example_on_missing
+from tape_train.hints import empty_out_error, example_on_missing, seed_error
 from tape_train.machine_cache import cache_dir, usable_cpus
 from tape_train.progress import MODES, progress_bar, setup_cli_logging
 
@@ -230,6 +230,11 @@ def _hub_records(source: SourceConfig, dataset, shards, skip_bad: bool, bar,
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    problem = (empty_out_error(args.out, "name the output directory, e.g. --out data/mine "
+                                         "(--out . for this one)")
+               or seed_error("--seed", args.seed))
+    if problem:  # Path("") is the current directory
+        raise DataError(problem)
     out = Path(args.out)
     hub = _hub_source(args)
     if args.input:

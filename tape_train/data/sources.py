@@ -203,6 +203,10 @@ class DocumentStream:
         self.seed = seed
         self._stream_id = list(stream_id or [])  # (rank, world) of a per-rank stream
         weights = np.array([c.source.weight for c in cursors], dtype=np.float64)
+        with np.errstate(over="ignore"):
+            overflows = not np.isfinite(weights.sum())
+        if overflows:  # finite weights whose sum does not fit a float (1e308 each)
+            weights = weights / weights.max()
         self._cdf = np.cumsum(weights / weights.sum())
         self._cdf[-1] = 1.0
         self.g = 0

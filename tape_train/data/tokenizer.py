@@ -27,6 +27,7 @@ import sentencepiece as spm
 
 from tape_train.data.config import DataError
 from tape_train.files import write_atomic
+from tape_train.hints import seed_error
 from tape_train.machine_cache import usable_cpus
 
 log = logging.getLogger("tape_train.data")
@@ -181,6 +182,13 @@ class TokenizerTrainSpec:
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise TokenizerError(f"tokenizer {key} must be a positive integer or null, "
                                      f"got {value!r}")
+        if not isinstance(self.num_threads, int) or not 0 <= self.num_threads <= 1024:
+            raise TokenizerError(f"tokenizer num_threads must be an integer from 0 (all cores) "
+                                 f"to 1024 (sentencepiece's limit), got {self.num_threads!r}")
+        problem = (seed_error("tokenizer seed", self.seed) if isinstance(self.seed, int)
+                   else f"tokenizer seed must be an integer, got {self.seed!r}")
+        if problem:
+            raise TokenizerError(problem)
 
 
 def training_sentences(documents: Iterable[str], spec: TokenizerTrainSpec,

@@ -25,7 +25,7 @@ from tape_train.data.config import DataError, SourceConfig
 from tape_train.data.formats import SkipLog
 from tape_train.data.sources import SourceCursor
 from tape_train.files import write_atomic
-from tape_train.hints import example_on_missing, read_yaml
+from tape_train.hints import empty_out_error, example_on_missing, read_yaml, utf8_error
 from tape_train.progress import setup_cli_logging
 from tape_train.data.tokenizer import (MODEL_TYPES, TokenizerError, TokenizerTrainSpec,
                                        load_tokenizer, train_tokenizer)
@@ -131,6 +131,10 @@ def _one_pass(cursor: SourceCursor) -> Iterator[str]:
 
 
 def _train(args: argparse.Namespace) -> int:
+    problem = empty_out_error(args.out, "name the output prefix, e.g. --out data/mine/tokenizer "
+                                        "(writes data/mine/tokenizer.model)")
+    if problem:  # it would write .model, .vocab and .training.json here
+        raise DataError(problem)
     spec = _spec_from_args(args)
     documents = one_pass_documents(args.input, args.text_field, spec.seed,
                                    args.skip_bad_records)
@@ -159,6 +163,9 @@ def _info(args: argparse.Namespace) -> int:
         token_id = getattr(tok, f"{name}_id")
         print(f"{name + '_id:':11s} {token_id:<6d} {tok.id_to_piece(token_id)!r}")
     if args.text is not None:
+        problem = utf8_error("--text", args.text)
+        if problem:  # bytes of another encoding in argv
+            raise DataError(problem)
         ids = tok.encode(args.text)
         print(f"text:       {args.text!r}")
         print(f"ids:        {ids}")

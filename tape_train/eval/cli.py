@@ -406,9 +406,12 @@ class _Checkpoint:
 
 def _check_out(out: str) -> None:
     """``--out`` can be made and written (found now, not after evaluating every checkpoint)."""
-    if not out.strip():
-        raise ValueError(f"--out {out!r} is empty (an unset shell variable?): name the report "
-                         f"directory, e.g. --out eval_results (--out . for this one)")
+    from tape_train.hints import empty_out_error
+
+    problem = empty_out_error(out, "name the report directory, e.g. --out eval_results "
+                                   "(--out . for this one)")
+    if problem:
+        raise ValueError(problem)
     from tape_train.checkpoint_layout import CHECKPOINT_DIR, MARKER, step_of_tag
     from tape_train.files import unwritable_reason
 
@@ -566,8 +569,9 @@ def run(args) -> int:
                 vanished = deleted_while_read(
                     c.tag_dir, exc, when="after tape-eval checked it at the start" + (
                         f" (evaluated since, and not reported: {done})" if runs else ""))
-                if vanished is None:
-                    raise
+                if vanished is None:  # named by its own path, not by the mirror's
+                    raise CheckpointError(str(exc).replace(str(tag_dirs[i]), str(c.tag_dir))
+                                          ) from None
                 raise vanished from None
             model = TransformerLM(c.model_cfg)
             missing, unexpected = model.load_state_dict(state, strict=False)

@@ -158,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from tape_train.config import MAX_SEED
     from tape_train.data import TokenizerError, load_model_tokenizer, load_tokenizer
     from tape_train.devices import DeviceError, launch_int, pick_device
+    from tape_train.hints import seed_error, utf8_error
     from tape_train.inference import prompts as prompt_files
     from tape_train.inference.loading import load_for_inference
     from tape_train.model.generate import check_sampling
@@ -169,15 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the options first: nothing is loaded for a run that cannot sample
         check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                        name=lambda key: "--" + key.replace("_", "-"))
-        try:
-            (args.prompt or "").encode("utf-8")
-        except UnicodeEncodeError as exc:  # bytes of another encoding in argv
-            code = ord(args.prompt[exc.start])
-            what = f"byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
-            raise ValueError(f"--prompt is not valid UTF-8 text ({what} at character "
-                             f"{exc.start}); pass UTF-8") from None
-        if not 0 <= args.seed <= MAX_SEED:  # the same range as train.seed
-            raise ValueError(f"--seed must be in [0, {MAX_SEED}] (2**32 - 1), got {args.seed}")
+        problem = utf8_error("--prompt", args.prompt) or seed_error("--seed", args.seed)
+        if problem:  # bytes of another encoding in argv; the seed: the range of train.seed
+            raise ValueError(problem)
         if args.num_samples < 1:
             raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
         if args.prompt_file is not None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tape_train.files import unwritable_reason
-from tape_train.hints import did_you_mean
+from tape_train.hints import did_you_mean, empty_out_error
 
 STDIN = "-"
 STDIN_NAME = "<stdin>"
@@ -166,9 +166,9 @@ def check_out(out: str, prompts_path: str) -> None:
     model loads, not after sampling every prompt)."""
     if out == STDIN:
         return
-    if not out.strip():
-        raise PromptError(f"--out {out!r} is empty (an unset shell variable?): name the JSONL "
-                          f"file to write, or - for standard output")
+    problem = empty_out_error(out, "name the JSONL file to write, or - for standard output")
+    if problem:
+        raise PromptError(problem)
     target = Path(out)
     if target.is_dir():
         raise PromptError(f"--out {out}: is a directory; name the JSONL file to write")

@@ -87,10 +87,19 @@ class ModelConfig:
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                    "intermediate_size", "max_seq_len", "tape_position_size"):
+                    "intermediate_size", "max_seq_len", "tape_position_size", "randpe_max_len",
+                    "fire_hidden", "t5_max_distance"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"model.{key} must be a positive integer, got {value!r}")
+        # T5's buckets: half exact distances, half log-spaced from there to t5_max_distance.
+        if not isinstance(self.t5_num_buckets, int) or self.t5_num_buckets < 2:
+            raise ValueError(f"model.t5_num_buckets must be an integer >= 2, "
+                             f"got {self.t5_num_buckets!r}")
+        if self.t5_max_distance <= self.t5_num_buckets // 2:
+            raise ValueError(f"model.t5_max_distance ({self.t5_max_distance}) must exceed "
+                             f"model.t5_num_buckets // 2 ({self.t5_num_buckets // 2}), the exact "
+                             f"distances its log-spaced buckets start after")
         if self.pe not in ENCODINGS:
             raise ValueError(choice_error("model.pe", self.pe, tuple(ENCODINGS)))
         if self.attn_backend not in ATTENTION_BACKENDS:

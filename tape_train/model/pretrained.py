@@ -227,6 +227,22 @@ def parameter_names(cfg: ModelConfig) -> list[str]:
         return list(TransformerLM(cfg).state_dict().keys())
 
 
+def weights_mismatch(state: dict[str, torch.Tensor], cfg: ModelConfig) -> str | None:
+    """Why ``state`` does not load into ``TransformerLM(cfg)`` (names missing or unexpected,
+    shapes that differ), in one line; ``None`` when it does. Nothing is allocated."""
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in TransformerLM(cfg).state_dict().items()}
+    missing = [k for k in want if k not in state
+               and not (cfg.tie_embeddings and k == "lm_head.weight")]
+    unexpected = [k for k in state if k not in want]
+    shapes = [f"{k} {list(state[k].shape)} where the config makes {list(want[k])}"
+              for k in want if k in state and tuple(state[k].shape) != want[k]]
+    parts = [f"{len(found)} {what} ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''})"
+             for what, found in (("missing", missing), ("unexpected", unexpected),
+                                 ("of another shape", shapes)) if found]
+    return "; ".join(parts) or None
+
+
 def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
                     device: str | torch.device = "cpu") -> TransformerLM:
     """Load an export directory written by :func:`save_pretrained` (or ``tape-export``)."""
@@ -257,15 +273,14 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype | None = None,
     except SafetensorError as exc:
         raise ValueError(f"{path / WEIGHTS}: not a readable safetensors file, damaged or cut "
                          f"short ({type(exc).__name__}: {exc}); re-export the model") from exc
-    if dtype is None:  # the export's own (no tensors: the mismatch below names the file)
+    problem = weights_mismatch(state, cfg)
+    if problem:
+        raise ValueError(f"{path / WEIGHTS}: weights do not match {path / CONFIG}: {problem}")
+    if dtype is None:  # the export's own
         dtype = next(iter(state.values())).dtype if state else torch.float32
     with torch.device(device):
         # In the final dtype before the weights are copied in: an fp64 export loaded into
         # fp32 parameters first would be rounded to fp32 on the way.
         model = TransformerLM(cfg).to(dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"{path / WEIGHTS}: weights do not match {path / CONFIG}: missing "
-                         f"{missing[:5]}, unexpected {unexpected[:5]}")
+    model.load_state_dict(state, strict=False)
     return model.eval()

@@ -14,6 +14,7 @@ Checks: train.seq_len <= model.max_seq_len; the rank grid (``RankGrid.from_sizes
 each of its files (up to ``max_shards``) opens and its first documents read and tokenise;
 with ``data.format: tokens`` the token shards match the tokenizer and the mixture weights are
 valid (each source's blocks, share and samples per epoch are reported);
+the block shuffle windows of the ranks on a node fit in its RAM;
 held-out documents are long enough for every evaluation length (counted over the documents
 the evaluation will score, ``eval.max_tokens``); the run directory is writable with room for
 ``checkpoint.keep`` + 1 checkpoints; ``profile.ranks`` within the world (and what profiling
@@ -109,6 +110,9 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
         report.info("data: synthetic tokens (train.synthetic_data): no corpus or tokenizer")
     elif check_data or check_eval:
         tokenizer = _check_tokenizer(cfg, report)
+    if not synthetic and cfg.data.format == "text" and lengths_ok and (check_data or check_eval):
+        _check_block_window(cfg, tokenizer, ranks_per_node or gpus_per_node or world_size,
+                            report)
     sources_ok = True
     text_shards = None
     if check_data and not synthetic:
@@ -295,6 +299,29 @@ def _check_tokenizer(cfg, report: Report):
             report.warn(f"data.tokenizer: {tok.vocab_size} tokens fill less than half of "
                         f"model.vocab_size={vocab}")
     return tok
+
+
+def _check_block_window(cfg, tokenizer, ranks_here: int, report: Report) -> None:
+    """Two block shuffle windows of ``W × (seq_len + 1)`` token ids per rank, held in host
+    memory on every rank of a node, and one window tokenised before the first batch: a ``W``
+    whose windows cannot fit in this machine's RAM is refused before anything is packed."""
+    from tape_train.data.config import BLOCK_SHUFFLE_WINDOW
+    from tape_train.data.tokens import token_dtype
+    from tape_train.train.memory import device_memory
+
+    window = cfg.data.block_window
+    if window <= 1:
+        return
+    vocab = tokenizer.vocab_size if tokenizer is not None else cfg.model.vocab_size
+    per_rank = 2 * window * (cfg.train.seq_len + 1) * token_dtype(vocab).itemsize
+    have, source = device_memory("cpu")
+    need = per_rank * ranks_here
+    if need > have:
+        report.problem(f"data.block_shuffle_window={window}: two windows of {window} blocks of "
+                       f"{cfg.train.seq_len + 1} tokens hold {per_rank / GIB:.2f} GiB per rank, "
+                       f"{need / GIB:.2f} GiB for {ranks_here} rank(s) here, more than the "
+                       f"{have / GIB:.2f} GiB of {source}; lower it (default "
+                       f"{BLOCK_SHUFFLE_WINDOW})")
 
 
 def _check_sources(cfg, tokenizer, report: Report, limits: Limits, dp: int | None) -> list:

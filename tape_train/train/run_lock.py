@@ -264,6 +264,8 @@ def lock_refusal(run_dir: str | os.PathLike) -> str | None:
     """What ``RunLock(run_dir).acquire()`` would refuse with now, without taking the lock
     (``None``: it would succeed). For start-up checks that run before the trainer."""
     lock = RunLock(run_dir)
+    if not lock.path.parent.is_dir():  # none yet, or a file in the way (the run dir check's)
+        return None
     return _refusal(lock.path, lock._read(), lock.me)[0]
 
 
