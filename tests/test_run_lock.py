@@ -13,6 +13,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -335,3 +337,68 @@ def test_concurrent_starts_exactly_one_wins(tmp_path, stale):
     assert outcomes.count("won") == 1, outcomes
     assert all("in use by another run" in o or "other processes are starting" in o
                for o in outcomes if o != "won"), outcomes
+
+
+def test_a_late_takeover_of_the_same_stale_lock_never_removes_the_new_holders(tmp_path,
+                                                                             monkeypatch):
+    """Starters A and B both judge the same lock stale; A takes it over and holds the run; B,
+    slower, then takes over what it judged. B must leave A's lock alone, even when a third
+    starter C tries at any moment B touches the lock files (with the lock moved aside and put
+    back, C could create its own in the gap: two runs on one directory)."""
+    from tape_train.train import run_lock
+
+    _write_lock(tmp_path, pid=_dead_pid())
+    b = RunLock(tmp_path)
+    stale = b._read()
+    assert stale and run_lock._refusal(b.path, stale, b.me)[0] is None  # judged stale
+    a = RunLock(tmp_path).acquire()
+    c_outcomes = []
+
+    def c_tries() -> None:
+        try:
+            RunLock(tmp_path).acquire()
+            c_outcomes.append("won")
+        except RunLockError as exc:
+            c_outcomes.append(str(exc))
+
+    real_rename, real_unlink = os.rename, Path.unlink
+
+    def rename_then_c(src, dst):
+        real_rename(src, dst)
+        c_tries()
+
+    def unlink_then_c(self, missing_ok=False):
+        real_unlink(self, missing_ok=missing_ok)
+        if self.name == "RUN.lock":
+            c_tries()
+
+    monkeypatch.setattr(run_lock.os, "rename", rename_then_c)
+    monkeypatch.setattr(Path, "unlink", unlink_then_c)
+    b._take_over(stale)  # B, late, with its judgement of the old lock
+    monkeypatch.undo()
+    a.verify()  # A still holds the run
+    c_tries()
+    assert "won" not in c_outcomes and c_outcomes, c_outcomes
+    assert not list(tmp_path.glob(".RUN.lock.takeover*")), list(tmp_path.iterdir())
+    # Control: the takeover itself still works when the lock is the stale one judged.
+    a.release()
+    _write_lock(tmp_path, pid=_dead_pid())
+    d = RunLock(tmp_path)
+    assert d._take_over(d._read()) and not d.path.exists()
+
+
+def test_a_takeover_left_by_a_killed_start_is_cleared(tmp_path, caplog):
+    """A start killed between taking the ``.takeover`` file and removing the stale lock leaves
+    the file: the next start waits TAKEOVER_STALE_S at most, not forever."""
+    from tape_train.train import run_lock
+
+    _write_lock(tmp_path, pid=_dead_pid())
+    mutex = tmp_path / ".RUN.lock.takeover"
+    mutex.write_text(json.dumps({"token": "killed"}))
+    with pytest.raises(RunLockError, match="other processes are starting"):
+        RunLock(tmp_path).acquire()  # a fresh takeover file: someone may be taking over
+    old = time.time() - run_lock.TAKEOVER_STALE_S - 5
+    os.utime(mutex, (old, old))
+    with caplog.at_level("WARNING", logger="tape_train.train"):
+        RunLock(tmp_path).acquire()
+    assert "left" in caplog.text and not mutex.exists()

@@ -36,6 +36,12 @@ or squeue missing, failing, silent or slower than ``SLURM_QUERY_TIMEOUT_S``; or 
 job ran on another cluster, whose ids ours does not know, or its lock does not name its
 cluster) -- the refusal then says what Slurm answered. A lock that cannot be parsed is
 refused too (it may be being written): delete it by hand once sure nothing runs there.
+
+A takeover is serialised by ``.RUN.lock.takeover`` (taken the same way, held for
+milliseconds): its holder checks that the lock is still the stale one it judged and only then
+removes it, so a slower starter that judged the same lock never removes the lock a faster one
+has created meanwhile. One older than ``TAKEOVER_STALE_S`` (a start killed in between) is
+removed with a warning.
 """
 
 from __future__ import annotations
@@ -68,6 +74,9 @@ ENDED_JOB_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NO
 # A job id as SLURM_JOB_ID holds it (array tasks and heterogeneous job components have their
 # own plain numeric id there); anything else in a lock is never passed to squeue.
 _JOB_ID = re.compile(r"[0-9]{1,12}")
+# A takeover (check the stale lock is still there, remove it) holds its ``.takeover`` file for
+# milliseconds; one this old was left by a start killed in between.
+TAKEOVER_STALE_S = 30.0
 
 
 class RunLockError(RuntimeError):
@@ -302,22 +311,28 @@ class RunLock:
                            f"on the same run directory")
 
     def _create(self) -> bool:
-        """Write our record to a private file, then hard-link it to the lock name: the link
-        fails if the lock exists, and a reader never sees a lock without its content."""
-        tmp = self.path.with_name(f".{LOCK_NAME}.{self.me['token'].replace(':', '-')}.tmp")
+        """Take the free lock name (``_link_record``)."""
+        if not self._link_record(self.path):
+            return False
+        fsync_dir(self.path.parent)
+        return True
+
+    def _link_record(self, target: Path) -> bool:
+        """Write our record to a private file, then hard-link it to ``target``: the link fails
+        if ``target`` exists, and a reader never sees it without its content."""
+        tmp = target.with_name(f".{target.name}.{self.me['token'].replace(':', '-')}.tmp")
         try:
             with open(tmp, "w") as fh:
                 fh.write(json.dumps(self.me) + "\n")
                 fh.flush()
                 os.fsync(fh.fileno())
-            os.link(tmp, self.path)
+            os.link(tmp, target)
         except FileExistsError:
             return False
         except OSError as exc:
-            raise RunLockError(f"cannot create lock {self.path}: {exc.strerror or exc}") from exc
+            raise RunLockError(f"cannot create lock {target}: {exc.strerror or exc}") from exc
         finally:
             tmp.unlink(missing_ok=True)
-        fsync_dir(self.path.parent)
         return True
 
     def _read(self) -> dict | None:
@@ -330,26 +345,45 @@ class RunLock:
         return holder if isinstance(holder, dict) else None
 
     def _take_over(self, holder: dict) -> bool:
-        """Move the stale lock aside, then check it was the one judged stale (another starter
-        may have replaced it meanwhile: then it is put back and the create is retried)."""
+        """Remove the stale lock ``holder`` judged, if it is still the lock; False when it is
+        not (then the start judges again). Takeovers are serialised by a second lock, its
+        ``.takeover`` file: a starter that judged the same stale lock later must not remove
+        the lock the first one has created meanwhile (nothing but a takeover ever removes
+        another process's lock, and one at a time checks, then removes)."""
         if not holder:
             return True  # released meanwhile
-        aside = self.path.with_name(f".{LOCK_NAME}.stale-{self.me['token'].replace(':', '-')}")
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
+        mutex = self.path.with_name(f".{LOCK_NAME}.takeover")
+        if not self._link_record(mutex):
+            self._clear_stale_takeover(mutex)
+            time.sleep(0.05)  # another starter is taking over: judge again after it
             return False
         try:
-            moved = json.loads(aside.read_text())
-        except (OSError, ValueError):
-            moved = None
-        if moved != holder:  # not the lock we judged: restore it, never overwriting
+            if self._read() != holder:
+                return False  # replaced or released since it was judged
+            self.path.unlink(missing_ok=True)
+            fsync_dir(self.path.parent)
+            return True
+        finally:
             try:
-                os.link(aside, self.path)
-            except OSError:
-                pass
-        aside.unlink(missing_ok=True)
-        return moved == holder
+                mine = json.loads(mutex.read_text()).get("token") == self.me["token"]
+            except (OSError, ValueError, AttributeError):
+                mine = False
+            if mine:
+                mutex.unlink(missing_ok=True)
+
+    @staticmethod
+    def _clear_stale_takeover(mutex: Path) -> None:
+        """A takeover holds its file for milliseconds: one older than TAKEOVER_STALE_S was left
+        by a starter killed during its takeover, and is removed (else no start could take a
+        stale lock again)."""
+        try:
+            age = time.time() - mutex.stat().st_mtime
+        except OSError:
+            return
+        if age > TAKEOVER_STALE_S:
+            log.warning("removing %s, left %.0f s ago by a start killed while taking over the "
+                        "lock", mutex, age)
+            mutex.unlink(missing_ok=True)
 
     def verify(self) -> None:
         """Raise ``RunLockError`` unless the lock file is still this process's."""
