@@ -520,6 +520,35 @@ def test_the_script_used_as_is_checks_its_settings_from_the_environment(tmp_path
     assert "srun" in calls and "nodeA:29500" in out
 
 
+@pytest.mark.parametrize("given, slurm_gpus, procs", [(None, "2", 2), ("0", "2", 1), (None, None, 1)])
+def test_the_script_used_as_is_runs_one_process_per_gpu_of_the_job(tmp_path, given, slurm_gpus,
+                                                                  procs):
+    """`sbatch --gpus-per-node=2 launch/slurm/train.sbatch ...` (or --gres=gpu:2): Slurm says
+    SLURM_GPUS_ON_NODE=2 (measured on the test cluster with GPU GRES), and the script starts
+    one trainer per GPU and checks that the nodes see them. It used to take 0 GPUs: one
+    trainer per node on cuda:0 alone while the start-up checks reported a CPU node. An explicit
+    TAPE_GPUS_PER_NODE wins; without GPUs from Slurm it stays a CPU job."""
+    bin_dir = _fake_slurm_bin(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FAKE_", "TAPE_"))}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", FAKE_DIR=str(tmp_path),
+               SLURM_JOB_ID=str(JOB_ID), SLURM_NNODES="2", SLURM_JOB_NODELIST="node[A-B]",
+               SLURM_CPUS_PER_TASK="8", TAPE_PYTHON=str(bin_dir / "fakepython"),
+               FAKE_TRAIN_RC="0", TAPE_MAX_STALLED_REQUEUES="0")
+    if given is not None:
+        env["TAPE_GPUS_PER_NODE"] = given
+    if slurm_gpus is not None:
+        env["SLURM_GPUS_ON_NODE"] = slurm_gpus
+    proc = subprocess.run(["bash", str(default_template_dir() / "train.sbatch"), "--config",
+                           "run.yaml"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    preflight, train = [c for c in (tmp_path / "calls").read_text().splitlines()
+                        if c.startswith("srun")]
+    gpus = procs if procs > 1 else 0
+    assert f"--gpus-per-node {gpus} --min-free-gb 10 --procs-per-node {procs} " in preflight
+    assert f"--nproc_per_node={procs} " in train
+    assert f"procs_per_node={procs} gpus_per_node={gpus} " in proc.stdout
+
+
 # ----------------------------------------------------------------------------------------------
 # Requeue without progress (tape_train.cluster.requeue_guard, run for real by the script)
 # ----------------------------------------------------------------------------------------------
