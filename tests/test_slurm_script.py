@@ -520,7 +520,8 @@ def test_the_script_used_as_is_checks_its_settings_from_the_environment(tmp_path
     assert "srun" in calls and "nodeA:29500" in out
 
 
-@pytest.mark.parametrize("given, slurm_gpus, procs", [(None, "2", 2), ("0", "2", 1), (None, None, 1)])
+@pytest.mark.parametrize("given, slurm_gpus, procs",
+                         [(None, "2", 2), ("0", "2", 1), (None, None, 1)])
 def test_the_script_used_as_is_runs_one_process_per_gpu_of_the_job(tmp_path, given, slurm_gpus,
                                                                   procs):
     """`sbatch --gpus-per-node=2 launch/slurm/train.sbatch ...` (or --gres=gpu:2): Slurm says

@@ -95,6 +95,14 @@ def test_parse_time_limit_rejects_other_text_naming_the_option(text):
     # These undo a rendered line: more tasks than nodes (two torchruns per node), no requeue.
     (dict(extra_sbatch=["--ntasks=8"]), r"--ntasks is set by the script \(one task per node"),
     (dict(extra_sbatch=["--no-requeue"]), r"--no-requeue is set by the script \(it requeues"),
+    # GPUs asked for past --gpus-per-node: trainers on some of them (cuda:0 alone without it).
+    (dict(extra_sbatch=["--gres=gpu:a100:8"]), r"--sbatch-arg '--gres=gpu:a100:8' asks for "
+                                              r"GPUs: give them with --gpus-per-node N"),
+    (dict(gpus_per_node=8, extra_sbatch=["--gpus=16"]), "'--gpus=16' asks for GPUs"),
+    (dict(gpus_per_node=8, extra_sbatch=["--gpus-per-task=1"]), "asks for GPUs"),
+    (dict(extra_sbatch=["--tres-per-task=gres/gpu:1"]), "asks for GPUs"),
+    (dict(gpu_type="a100"), "a GPU type needs a number of GPUs >= 1"),
+    (dict(gpus_per_node=8, gpu_type="a 100"), "a GPU type needs"),
     (dict(max_restarts=-1), "--max-restarts must be an integer >= 0"),
     (dict(min_free_gb=float("inf")), "--min-free-gb must be a finite number >= 0, got inf"),
     (dict(min_free_gb=float("nan")), "--min-free-gb must be a finite number >= 0, got nan"),
@@ -178,6 +186,29 @@ def test_gpu_render_four_nodes_with_placement_options():
         assert line in header, line
     assert "\nTAPE_GPUS_PER_NODE=8\n" in script and "\nTAPE_PROCS_PER_NODE=8\n" in script
     assert opts.world_size == 32
+
+
+def test_gpus_of_a_gres_type_are_asked_for_as_slurm_takes_them(tmp_path, monkeypatch):
+    """Clusters with typed GPU GRES want `--gpus-per-node=a100:8`: tape-submit takes that form
+    (one trainer per GPU, 8) and renders it for training and evaluation; other GRES (a disk)
+    still go through --sbatch-arg."""
+    monkeypatch.chdir(tmp_path)
+    config = write_config(tmp_path)
+    rc, out, err = run_submit(["--config", str(config), "--nodes", "2", "--gpus-per-node",
+                               "a100:8", "--sbatch-arg=--gres=nvme:1", "--eval-after",
+                               "--dry-run", "--no-preflight"])
+    assert rc == 0, err
+    train, _, evaluation = out.partition(submit.EVAL_SEPARATOR)
+    for script in (train, evaluation):
+        assert "#SBATCH --gpus-per-node=a100:8\n" in script and "\nTAPE_GPUS_PER_NODE=8\n" in script
+    assert "#SBATCH --gres=nvme:1\n" in train and "\nTAPE_PROCS_PER_NODE=8\n" in train
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as exited, contextlib.redirect_stderr(err):
+        submit.main(["--config", str(config), "--gpus-per-node", "a100:", "--dry-run"])
+    assert exited.value.code == 2 and "argument --gpus-per-node: 'a100:' is not a number of " \
+        "GPUs (8) or a GRES type and a number (a100:8)" in err.getvalue(), err.getvalue()
+    rc, out, err = run_submit(["--config", str(config), "--gpus-per-node", "-1", "--dry-run"])
+    assert rc == 1 and "--gpus-per-node must be an integer >= 0, got -1" in err, err
 
 
 def test_eval_render_one_task_with_a_nodes_gpus_and_arguments():

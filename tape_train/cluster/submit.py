@@ -35,6 +35,7 @@ from tape_train.cluster.render import (
     ClusterOptions,
     RenderError,
     default_template_dir,
+    parse_gpus_per_node,
     parse_time_limit,
     read_template,
     render_eval_script,
@@ -60,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dotted config overrides, e.g. train.max_steps=1000")
     g = p.add_argument_group("allocation")
     g.add_argument("--nodes", type=int, default=1, help="nodes, one torchrun each (default: 1)")
-    g.add_argument("--gpus-per-node", type=int, default=0,
-                   help="GPUs per node; 0 (default) runs on CPU nodes with gloo")
+    g.add_argument("--gpus-per-node", type=_gpus_per_node, default=(None, 0),
+                   metavar="[TYPE:]N", help="GPUs per node, with their GRES type where the "
+                   "cluster wants one (a100:8); 0 (default) runs on CPU nodes with gloo")
     g.add_argument("--procs-per-node", type=int, default=1,
                    help="CPU nodes only: trainer processes per node (default: %(default)s)")
     g.add_argument("--cpus-per-task", type=int, default=8,
@@ -130,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "this machine has no such GPU")
     return example_on_missing(p, "tape-submit --config configs/train/demo.yaml --nodes 2 "
                                  "--time 01:00:00 --dry-run")
+
+
+def _gpus_per_node(text: str) -> tuple[str | None, int]:
+    try:
+        return parse_gpus_per_node(text)
+    except RenderError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--gpus-per-node ")) from None
 
 
 def _job_name(config: str, explicit: str | None) -> str:
@@ -312,7 +321,7 @@ def preflight(args: argparse.Namespace, opts: ClusterOptions, train_args: list[s
     parsed = parse_train_args(train_args)
     cfg = load_run_config(parsed.config, parsed.overrides)
     report = run_preflight(cfg, world_size=opts.nodes * opts.procs,
-                           gpus_per_node=args.gpus_per_node, resume_from=parsed.resume_from,
+                           gpus_per_node=opts.gpus_per_node, resume_from=parsed.resume_from,
                            allow_config_change=parsed.allow_config_change, gpu_name=args.gpu_name,
                            ranks_per_node=opts.procs)
     out, err = format_report(report, prefix="tape-submit")
@@ -347,7 +356,8 @@ def _main(argv: list[str] | None) -> int:
         run_dir = resolve_run_dir(train_args, base_dir=workdir)
         log_dir = (workdir / args.log_dir).resolve()
         opts = ClusterOptions(
-            nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+            nodes=args.nodes, gpu_type=args.gpus_per_node[0],
+            gpus_per_node=args.gpus_per_node[1],
             procs_per_node=args.procs_per_node, cpus_per_task=args.cpus_per_task,
             time=args.time, partition=args.partition, account=args.account, qos=args.qos,
             job_name=_job_name(args.config, args.job_name), signal_grace=args.signal_grace,
