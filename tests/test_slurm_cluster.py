@@ -314,9 +314,14 @@ def test_two_node_probe_rendezvous_and_signal_forwarding(cluster, tmp_path, monk
     assert sorted(r["SLURM_NODEID"] for r in records) == ["0", "1"]
     assert len({r["SLURMD_NODENAME"] for r in records}) == 2
 
-    assert len(re.findall(r"\[preflight ttnode\d\] all 5 start-up checks passed", text)) == 2
+    assert len(re.findall(r"\[preflight ttnode\d\] all 6 start-up checks passed", text)) == 2
     assert "caught SIGUSR1" in text and "SLURM_RESTART_COUNT=0" in text
     assert f"master=ttnode1:{15000 + job_id % 15000}" in text
+    # Each node resolved the rendezvous host; the one hosting the store found its port free.
+    port = 15000 + job_id % 15000
+    assert f"[preflight ttnode1] ok     rendezvous: ttnode1:{port} (127.0.1.1), hosted " \
+        "here, port free" in text, text
+    assert f"[preflight ttnode2] ok     rendezvous: ttnode1:{port} (127.0.1.1)\n" in text, text
     assert "WARNING: this torchrun has no" not in text   # it takes every option
     assert "NOT requeueing: restart count 0 reached TAPE_MAX_REQUEUES=0" in text
 
@@ -655,7 +660,7 @@ def test_two_node_training_finishes(cluster, training_jobs):
     start = events(run_dir)[0]
     assert start["world_size"] == 2 and start["slurm_restart_count"] == 0
     assert (run_dir / "checkpoints" / f"step_{MAX_STEPS:08d}").is_dir()
-    assert len(re.findall(r"\[preflight ttnode\d\] all 6 start-up checks passed", log)) == 2
+    assert len(re.findall(r"\[preflight ttnode\d\] all 7 start-up checks passed", log)) == 2
     assert "training finished (exit 0)" in log
 
 

@@ -165,3 +165,38 @@ def test_free_disk_is_measured_at_the_nearest_existing_parent(tmp_path):
     result = preflight.check_free_disk(tmp_path / "not" / "yet" / "created", 0.0)
     assert result.ok and f"free at {tmp_path}" in result.detail
     assert not Path(tmp_path / "not").exists()
+
+
+def test_the_rendezvous_host_must_resolve_and_its_port_be_free_where_it_is_hosted(tmp_path,
+                                                                                 monkeypatch):
+    """train.sbatch exports MASTER_ADDR (the first node's name) and MASTER_PORT (from the job
+    id) before the checks. A name that does not resolve on a node, or a port already taken on
+    the host node (another job's rendezvous there: 15000 + job id mod 15000 repeats every
+    15000 jobs), failed only inside torchrun after the imports, the other nodes waiting for a
+    store nobody hosts. Only the node of that name tries the port."""
+    import socket
+
+    args = ["--run-dir", str(tmp_path / "run"), "--min-free-gb", "0"]
+    monkeypatch.setenv("MASTER_ADDR", "no-such-node.invalid")
+    monkeypatch.setenv("MASTER_PORT", "15123")
+    rc, out, err = run_preflight(args)
+    assert rc == 1
+    assert ("[preflight gpu-node-17] FAILED rendezvous: the rendezvous host no-such-node.invalid "
+            "(the first node of the job) does not resolve on gpu-node-17") in err
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setenv("MASTER_ADDR", "localhost")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        rc, out, err = run_preflight(args)          # another node: it only resolves the name
+        assert rc == 0 and f"ok     rendezvous: localhost:{port} (" in out, err
+        assert "all 6 start-up checks passed" in out
+        monkeypatch.setenv("SLURMD_NODENAME", "localhost")
+        rc, out, err = run_preflight(args)
+        assert rc == 1
+        assert (f"[preflight localhost] FAILED rendezvous: port {port} on localhost, where the "
+                f"rendezvous is hosted, is taken (Address already in use)") in err
+        assert "TAPE_MASTER_PORT=<free port>" in err
+    rc, out, err = run_preflight(args)              # released: the same node passes
+    assert rc == 0 and "hosted here, port free" in out, err

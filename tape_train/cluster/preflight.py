@@ -5,7 +5,8 @@
 
 Checks: the Python version, that the training packages import, that the node sees the GPUs
 requested (or says it is a CPU node), that the run directory is writable (and, on the node of
-rank 0, not locked by another run: ``RUN.lock``) and has free space,
+rank 0, not locked by another run: ``RUN.lock``) and has free space, that the rendezvous host
+train.sbatch exports (MASTER_ADDR) resolves here (and, on that node, that its port is free),
 and, given the training arguments, the trainer's own input checks as this node sees them
 (``tape_train.train.preflight``: tokenizer, data files, held-out lengths, the job's layout).
 The run directory is `--run-dir`, or `train.run_dir` of the training arguments after `--`.
@@ -81,6 +82,39 @@ def check_devices(gpus_per_node: int) -> CheckResult:
     ok = visible >= gpus_per_node
     return CheckResult("devices", ok, f"{visible} CUDA device(s) visible, {gpus_per_node} "
                        f"requested (CUDA_VISIBLE_DEVICES={cvd})")
+
+
+def check_rendezvous(node: str) -> CheckResult | None:
+    """The rendezvous endpoint train.sbatch exports (MASTER_ADDR, MASTER_PORT; None without
+    them): that its host name resolves on this node, and, on the node of that name, which
+    hosts the store, that nothing listens on the port yet. Either would otherwise show only
+    after the imports, as torchrun's `RendezvousConnectionError`, with the other nodes waiting
+    for a rendezvous nobody hosts (up to its join timeout, 600 s)."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port or not port.isdigit():
+        return None
+    try:
+        addresses = sorted({info[4][0] for info in socket.getaddrinfo(
+            host, int(port), type=socket.SOCK_STREAM)})
+    except (OSError, UnicodeError) as exc:
+        return CheckResult("rendezvous", False, f"the rendezvous host {host} (the first node "
+                           f"of the job) does not resolve on {node} ({exc}): every node must "
+                           f"resolve the node names Slurm gives (SLURM_JOB_NODELIST)")
+    where = f"{host}:{port} ({', '.join(addresses)})"
+    if node != host:
+        return CheckResult("rendezvous", True, where)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As the store binds it: a port left in TIME_WAIT by an earlier run is no obstacle.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", int(port)))
+        except OSError as exc:
+            return CheckResult("rendezvous", False, f"port {port} on {node}, where the "
+                               f"rendezvous is hosted, is taken ({exc.strerror}): by another "
+                               f"job on this node or a service; give the job another one with "
+                               f"TAPE_MASTER_PORT=<free port> in the environment it is "
+                               f"submitted from")
+    return CheckResult("rendezvous", True, f"{where}, hosted here, port free")
 
 
 def check_run_dir_writable(run_dir: Path, node: str, check_lock: bool = False) -> CheckResult:
@@ -162,6 +196,9 @@ def run_checks(run_dir: Path, gpus_per_node: int, min_free_gb: float,
         check_run_dir_writable(run_dir, node, check_lock=first_node),
         check_free_disk(run_dir, min_free_gb),
     ]
+    rendezvous = check_rendezvous(node)
+    if rendezvous is not None:
+        results.append(rendezvous)
     if train_args:
         results.append(check_run_inputs(train_args, gpus_per_node, procs_per_node,
                                         check_resume=first_node))
