@@ -200,3 +200,31 @@ def test_the_rendezvous_host_must_resolve_and_its_port_be_free_where_it_is_hoste
         assert "TAPE_MASTER_PORT=<free port>" in err
     rc, out, err = run_preflight(args)              # released: the same node passes
     assert rc == 0 and "hosted here, port free" in out, err
+
+
+@pytest.mark.parametrize("device, fails", [("auto", True), ("cuda", True), ("cpu", False)])
+def test_a_cpu_job_on_a_node_showing_gpus_fails_unless_the_run_says_cpu(tmp_path, monkeypatch,
+                                                                        device, fails):
+    """--gpus-per-node 0 (tape-submit's default) where the node shows CUDA devices anyway (GPUs
+    not confined to their jobs, or given by default): with train.device auto the trainer
+    computes on cuda:<local rank>, one GPU per node, maybe another job's. The check said
+    "CPU node: ... training on CPU with gloo". This machine has no GPU: torch is told it has 4."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text(f"model: tiny\ntrain:\n  device: {device}\n"
+                                       "  synthetic_data: true\n")
+    result = preflight.run_checks(tmp_path / "run", 0, 0.0, "gpu-node-17",
+                                  ["--config", "run.yaml"])[2]
+    assert result.name == "devices" and result.ok is not fails, result
+    if fails:
+        assert result.detail.startswith(
+            "4 CUDA device(s) visible (CUDA_VISIBLE_DEVICES=0,1,2,3) but none requested: the "
+            f"trainer (train.device={device}) would compute on cuda:0") and \
+            "--gpus-per-node N" in result.detail, result.detail
+    else:
+        assert "CPU node: no GPUs requested" in result.detail
+    # Another --train-module (no trainer arguments to read): reported, not judged.
+    assert preflight.run_checks(tmp_path / "run", 0, 0.0, "gpu-node-17")[2].ok

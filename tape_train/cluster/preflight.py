@@ -68,8 +68,11 @@ def check_imports(modules: tuple[str, ...] = REQUIRED_MODULES) -> CheckResult:
     return CheckResult("imports", True, ", ".join(found))
 
 
-def check_devices(gpus_per_node: int) -> CheckResult:
-    """CUDA devices visible vs. requested; on CPU jobs just reports that it is a CPU node."""
+def check_devices(gpus_per_node: int, train_device: str | None = None) -> CheckResult:
+    """CUDA devices visible vs. requested. On CPU jobs, that the trainer will not take a GPU
+    anyway: with ``train.device`` auto (``train_device``; None: not the trainer's) it computes
+    on ``cuda:<local rank>`` wherever CUDA devices are visible (a node whose GPUs are not
+    confined to their jobs, or given by default)."""
     try:
         import torch
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -77,6 +80,13 @@ def check_devices(gpus_per_node: int) -> CheckResult:
         return CheckResult("devices", False, f"cannot query CUDA devices: {exc}")
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
     if gpus_per_node == 0:
+        if visible and train_device is not None and train_device != "cpu":
+            return CheckResult("devices", False, f"{visible} CUDA device(s) visible "
+                               f"(CUDA_VISIBLE_DEVICES={cvd}) but none requested: the trainer "
+                               f"(train.device={train_device}) would compute on cuda:0, 1, ... "
+                               f"(one per process) beside GPUs that may be another job's; ask "
+                               f"for them (tape-submit --gpus-per-node N, sbatch "
+                               f"--gpus-per-node=N) or set train.device=cpu")
         return CheckResult("devices", True, f"CPU node: no GPUs requested, training on CPU with "
                            f"gloo ({visible} CUDA device(s) visible, unused)")
     ok = visible >= gpus_per_node
@@ -163,12 +173,9 @@ def check_run_inputs(train_args: list[str], gpus_per_node: int, procs_per_node: 
     with ``check_resume`` (the first node) also whether the checkpoint it would resume from
     can continue on this job's layout (the trainer's refusal, before torchrun restarts it)."""
     try:
-        from tape_train.cluster.run_args import parse_train_args
-        from tape_train.config import load_run_config
         from tape_train.train.preflight import RUN_START_LIMITS, run_preflight
 
-        parsed = parse_train_args(train_args)
-        cfg = load_run_config(parsed.config, parsed.overrides)
+        parsed, cfg = _load_run(train_args)
         world = int(os.environ.get("SLURM_NNODES", "1")) * (gpus_per_node or procs_per_node)
         report = run_preflight(cfg, world_size=world, gpus_per_node=gpus_per_node,
                                check_resume=check_resume, resume_from=parsed.resume_from,
@@ -182,6 +189,26 @@ def check_run_inputs(train_args: list[str], gpus_per_node: int, procs_per_node: 
                        f"readable here")
 
 
+def _load_run(train_args: list[str]):
+    """The training arguments parsed, and the run config they load (raises as they do)."""
+    from tape_train.cluster.run_args import parse_train_args
+    from tape_train.config import load_run_config
+
+    parsed = parse_train_args(train_args)
+    return parsed, load_run_config(parsed.config, parsed.overrides)
+
+
+def _train_device(train_args: list[str] | None) -> str | None:
+    """``train.device`` of the run (None without the trainer's arguments, or when they do not
+    load: the run-inputs check reports that)."""
+    if not train_args:
+        return None
+    try:
+        return _load_run(train_args)[1].train.device
+    except Exception:  # reported, with its cause, by check_run_inputs
+        return None
+
+
 def run_checks(run_dir: Path, gpus_per_node: int, min_free_gb: float,
                node: str | None = None, train_args: list[str] | None = None,
                procs_per_node: int = 1) -> list[CheckResult]:
@@ -192,7 +219,7 @@ def run_checks(run_dir: Path, gpus_per_node: int, min_free_gb: float,
     results = [
         check_python(),
         check_imports(),
-        check_devices(gpus_per_node),
+        check_devices(gpus_per_node, _train_device(train_args)),
         check_run_dir_writable(run_dir, node, check_lock=first_node),
         check_free_disk(run_dir, min_free_gb),
     ]
