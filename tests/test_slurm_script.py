@@ -414,11 +414,14 @@ def test_trainer_exit_75_without_our_signal_requeues(fake_slurm):
     assert f"scontrol requeue {JOB_ID}" in calls
 
 
-def test_failed_preflight_stops_before_training(fake_slurm):
-    rc, calls, out = run_script(fake_slurm, FAKE_PREFLIGHT_RC=1)
+@pytest.mark.parametrize("step_rc", [1, 143])
+def test_failed_preflight_stops_before_training(fake_slurm, step_rc):
+    # 143: srun's exit when the other node, still checking, was ended by --kill-on-bad-exit
+    # (measured, 2 nodes): the job ended FAILED 143:0 as if SIGTERMed. It is the checks' 1.
+    rc, calls, out = run_script(fake_slurm, FAKE_PREFLIGHT_RC=step_rc)
     assert rc == 1, out
     assert len([c for c in calls if c.startswith("srun")]) == 1
-    assert "start-up checks failed" in out
+    assert f"start-up checks failed on at least one node (exit {step_rc})" in out
 
 
 def test_usr1_during_the_start_up_checks_requeues_without_training(fake_slurm):
