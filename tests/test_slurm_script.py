@@ -483,6 +483,18 @@ def test_outside_slurm_the_script_refuses_to_run(fake_slurm):
     assert proc.returncode == 2 and "not inside a Slurm job" in proc.stderr
 
 
+def _as_shipped_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of train.sbatch submitted as it is: stand-in Slurm commands, a 2-node
+    job, no TAPE_* setting but the interpreter's (and no progress guard)."""
+    bin_dir = _fake_slurm_bin(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FAKE_", "TAPE_"))}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", FAKE_DIR=str(tmp_path),
+               SLURM_JOB_ID=str(JOB_ID), SLURM_NNODES="2", SLURM_JOB_NODELIST="node[A-B]",
+               SLURM_CPUS_PER_TASK="8", TAPE_PYTHON=str(bin_dir / "fakepython"),
+               FAKE_TRAIN_RC="0", TAPE_MAX_STALLED_REQUEUES="0")
+    return env
+
+
 @pytest.mark.parametrize("setting, value, message", [
     ("TAPE_GPUS_PER_NODE", "abc", "TAPE_GPUS_PER_NODE=abc is not a whole number >= 0"),
     ("TAPE_GPUS_PER_NODE", "08", "TAPE_GPUS_PER_NODE=08 is not a whole number >= 0"),
@@ -499,12 +511,7 @@ def test_the_script_used_as_is_checks_its_settings_from_the_environment(tmp_path
     word where bash does arithmetic failed mid-job (`abc: unbound variable` after the start-up
     checks had run on every node; TAPE_PROCS_PER_NODE=0 divided by zero): now one line, exit
     2, before any step."""
-    bin_dir = _fake_slurm_bin(tmp_path)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FAKE_", "TAPE_"))}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", FAKE_DIR=str(tmp_path),
-               SLURM_JOB_ID=str(JOB_ID), SLURM_NNODES="2", SLURM_JOB_NODELIST="node[A-B]",
-               SLURM_CPUS_PER_TASK="8", TAPE_PYTHON=str(bin_dir / "fakepython"),
-               FAKE_TRAIN_RC="0", TAPE_MAX_STALLED_REQUEUES="0")
+    env = _as_shipped_env(tmp_path)
     script = default_template_dir() / "train.sbatch"
 
     def run(**extra):
@@ -532,12 +539,7 @@ def test_the_script_used_as_is_runs_one_process_per_gpu_of_the_job(tmp_path, giv
     one trainer per GPU and checks that the nodes see them. It used to take 0 GPUs: one
     trainer per node on cuda:0 alone while the start-up checks reported a CPU node. An explicit
     TAPE_GPUS_PER_NODE wins; without GPUs from Slurm it stays a CPU job."""
-    bin_dir = _fake_slurm_bin(tmp_path)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FAKE_", "TAPE_"))}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", FAKE_DIR=str(tmp_path),
-               SLURM_JOB_ID=str(JOB_ID), SLURM_NNODES="2", SLURM_JOB_NODELIST="node[A-B]",
-               SLURM_CPUS_PER_TASK="8", TAPE_PYTHON=str(bin_dir / "fakepython"),
-               FAKE_TRAIN_RC="0", TAPE_MAX_STALLED_REQUEUES="0")
+    env = _as_shipped_env(tmp_path)
     if given is not None:
         env["TAPE_GPUS_PER_NODE"] = given
     if slurm_gpus is not None:
