@@ -101,6 +101,7 @@ def test_parse_time_limit_rejects_other_text_naming_the_option(text):
     (dict(gpus_per_node=8, extra_sbatch=["--gpus=16"]), "'--gpus=16' asks for GPUs"),
     (dict(gpus_per_node=8, extra_sbatch=["--gpus-per-task=1"]), "asks for GPUs"),
     (dict(extra_sbatch=["--tres-per-task=gres/gpu:1"]), "asks for GPUs"),
+    (dict(extra_sbatch=["--gres=nvme:1,gpu:2"]), "asks for GPUs"),
     (dict(gpu_type="a100"), "a GPU type needs a number of GPUs >= 1"),
     (dict(gpus_per_node=8, gpu_type="a 100"), "a GPU type needs"),
     (dict(max_restarts=-1), "--max-restarts must be an integer >= 0"),
@@ -195,13 +196,13 @@ def test_gpus_of_a_gres_type_are_asked_for_as_slurm_takes_them(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     config = write_config(tmp_path)
     rc, out, err = run_submit(["--config", str(config), "--nodes", "2", "--gpus-per-node",
-                               "a100:8", "--sbatch-arg=--gres=nvme:1", "--eval-after",
+                               "a100:8", "--sbatch-arg=--gres=nvme:1,gpumem:2", "--eval-after",
                                "--dry-run", "--no-preflight"])
     assert rc == 0, err
     train, _, evaluation = out.partition(submit.EVAL_SEPARATOR)
     for script in (train, evaluation):
         assert "#SBATCH --gpus-per-node=a100:8\n" in script and "\nTAPE_GPUS_PER_NODE=8\n" in script
-    assert "#SBATCH --gres=nvme:1\n" in train and "\nTAPE_PROCS_PER_NODE=8\n" in train
+    assert "#SBATCH --gres=nvme:1,gpumem:2\n" in train and "\nTAPE_PROCS_PER_NODE=8\n" in train
     err = io.StringIO()
     with pytest.raises(SystemExit) as exited, contextlib.redirect_stderr(err):
         submit.main(["--config", str(config), "--gpus-per-node", "a100:", "--dry-run"])

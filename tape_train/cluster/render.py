@@ -183,8 +183,10 @@ class ClusterOptions:
                 raise RenderError(f"--sbatch-arg {line!r} must be one long option like "
                                   "--constraint=a100")
             option, _, value = line[2:].partition("=")
-            if option in GPU_SBATCH_OPTIONS and (option.startswith("gpus")
-                                                 or "gpu" in value.lower()):
+            # --gres=gpu:a100:8,nvme:1 or --tres-per-task=gres/gpu:1; not --gres=nvme:1.
+            asked = {re.split(r"[:=]", item)[0].removeprefix("gres/").lower()
+                     for item in value.split(",")}
+            if option in GPU_SBATCH_OPTIONS and (option.startswith("gpus") or "gpu" in asked):
                 raise RenderError(f"--sbatch-arg {line!r} asks for GPUs: give them with "
                                   f"--gpus-per-node N (or TYPE:N, e.g. a100:8), which starts "
                                   f"one trainer per GPU on each node")
