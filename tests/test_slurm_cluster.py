@@ -152,6 +152,25 @@ def test_dry_run_scripts_pass_sbatch_test_only(cluster, tmp_path, monkeypatch):
     assert not (tmp_path / "logs").exists(), "--dry-run must not create files"
 
 
+def test_a_job_no_node_can_hold_is_refused_not_queued(cluster, tmp_path, monkeypatch):
+    """More CPUs per node than the partition has in all: sbatch 22.05 queued such a job (one
+    asking for fewer, still more than a node has, it refused itself), which then pended for
+    ever (PartitionConfig). tape-submit asks `sbatch --test-only` first and queues nothing.
+    (Every job the tests below submit with tape-submit passed the same question.)"""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf_path))
+    config = write_run_config(tmp_path / "run.yaml", tmp_path / "run")
+    cpus = NUM_NODES * CPUS_PER_NODE + 1
+    rc, out, err = tape_submit(["--config", str(config), "--cpus-per-task", str(cpus), "--time",
+                                "00:30:00", "--job-name", "too-wide", "--no-preflight"])
+    assert rc == 1 and out == "", err
+    assert "Requested node configuration is not available: no node of the partition has " \
+        f"what each node of this job asks for (--cpus-per-task {cpus}" in err, err
+    assert "nothing was submitted" in err and not (tmp_path / "logs").exists()
+    queued = cluster.run(["squeue", "--noheader", "--name=too-wide", "--states=all"]).stdout
+    assert queued.strip() == "", queued
+
+
 # Runs under torchrun in place of the trainer: records what each rank sees, and in a first run
 # (SLURM_RESTART_COUNT=0) waits for USR1/TERM, agreeing on it across ranks at "step
 # boundaries" like the trainer, then exits 75; a rerun would exit 0 at once.

@@ -344,6 +344,12 @@ def test_tape_submit_without_sbatch_says_so(tmp_path, monkeypatch):
 FAKE_SBATCH = r"""#!/bin/bash
 echo "sbatch $*" >> "$FAKE_DIR/calls"
 env | grep '^SBATCH_' | sort > "$FAKE_DIR/sbatch_env"
+if [[ $1 == --test-only ]]; then   # FAKE_NO_NODE_FITS: no node has what the job asks for
+    [[ -z ${FAKE_NO_NODE_FITS:-} ]] || {
+        echo "allocation failure: Requested node configuration is not available" >&2; exit 1; }
+    echo "sbatch: Job 99 to start at 2026-01-01T00:00:00 using 16 processors on nodes n[1-2]" >&2
+    exit 0
+fi
 if [[ -n ${FAKE_SBATCH_FAIL:-} && " $* " == *"$FAKE_SBATCH_FAIL"* ]]; then
     echo "sbatch: error: Batch job submission failed: Invalid partition name specified" >&2
     exit 1
@@ -378,7 +384,7 @@ def slurm_client(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     monkeypatch.setenv("FAKE_DIR", str(tmp_path))
     for name in ("FAKE_SBATCH_FAIL", "FAKE_PARTITIONS", "FAKE_QUEUE", "SBATCH_PARTITION",
-                 "FAKE_SBATCH_BANNER", "FAKE_SBATCH_CLUSTER"):
+                 "FAKE_SBATCH_BANNER", "FAKE_SBATCH_CLUSTER", "FAKE_NO_NODE_FITS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
     return tmp_path / "calls"
@@ -407,6 +413,29 @@ def test_a_refused_submission_leaves_no_script_or_log_directory(tmp_path, slurm_
     rc, out, err = run_submit(submit_args(tmp_path))
     assert rc == 0 and out == "41\n", err
     assert len(list((tmp_path / "logs" / "slurm").glob("tape-run.*.train.sbatch"))) == 1
+
+
+def test_a_job_no_node_can_hold_is_refused_before_it_is_queued(tmp_path, slurm_client,
+                                                               monkeypatch):
+    """--cpus-per-task 64 where no node has 64 CPUs (nor the partition in all: a 1-node
+    partition of 48): sbatch queued it and it pended for ever (PartitionConfig; measured on
+    22.05, where `sbatch --test-only` refuses it). Now nothing is queued, no script or log
+    directory is left; a job that fits is submitted after the same question (the control)."""
+    monkeypatch.setenv("FAKE_NO_NODE_FITS", "1")
+    rc, out, err = run_submit(submit_args(tmp_path, "--cpus-per-task", "64", "--gpus-per-node",
+                                          "a100:8"))
+    assert rc == 1 and out == "", err
+    assert ("tape-submit: error: sbatch --test-only: allocation failure: Requested node "
+            "configuration is not available: no node of the partition has what each node of "
+            "this job asks for (--cpus-per-task 64, --gpus-per-node a100:8, and any "
+            "--sbatch-arg") in err, err
+    assert "nothing was submitted" in err and not (tmp_path / "logs").exists()
+    assert [c.split()[1] for c in slurm_client.read_text().splitlines()] == ["--test-only"]
+    monkeypatch.delenv("FAKE_NO_NODE_FITS")
+    rc, out, err = run_submit(submit_args(tmp_path))
+    assert rc == 0 and out == "41\n", err
+    assert [c.split()[1] for c in slurm_client.read_text().splitlines()][1:] == [
+        "--test-only", "--parsable"]
 
 
 def test_the_job_id_is_read_from_the_last_line_of_sbatch_parsable(tmp_path, slurm_client,

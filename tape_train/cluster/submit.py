@@ -196,6 +196,32 @@ def _sbatch(args: list[str], drop_env: dict[str, str] | None = None) -> int:
     return int(ids[-1])
 
 
+def never_starts(script: Path, opts: ClusterOptions, drop_env: dict[str, str]) -> str | None:
+    """Why Slurm would never start ``script``, or None: no node of the partition has what one
+    node of the job asks for (its CPUs, GPUs, a --constraint, memory). sbatch queues such a
+    job where partition limits are not enforced at submission (EnforcePartLimits=NO, the
+    default) and it pends for ever (PartitionConfig); `sbatch --test-only` refuses it
+    (measured, 22.05). No answer in time, or any other, is left to sbatch itself."""
+    from tape_train.train.run_lock import SLURM_QUERY_TIMEOUT_S
+
+    env = {k: v for k, v in os.environ.items() if k not in drop_env}
+    try:
+        proc = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True,
+                              text=True, env=env, timeout=SLURM_QUERY_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    said = proc.stderr.strip().splitlines()
+    if proc.returncode == 0 or not any("Requested node configuration is not available" in line
+                                       for line in said):
+        return None
+    gpus = (f", --gpus-per-node {opts.gpu_type + ':' if opts.gpu_type else ''}"
+            f"{opts.gpus_per_node}" if opts.gpus_per_node else "")
+    return (f"sbatch --test-only: {said[-1]}: no node of the partition has what each node of "
+            f"this job asks for (--cpus-per-task {opts.cpus_per_task}{gpus}, and any "
+            f"--sbatch-arg such as --constraint or --mem); queued, it would pend for ever "
+            f"(PartitionConfig)")
+
+
 def _slurm_answer(argv: list[str]) -> str | None:
     """stdout of a Slurm query, or None when there is no answer (not installed, failing, slow):
     the checks that use it only catch early what sbatch or the job would show later."""
@@ -471,6 +497,9 @@ def _main(argv: list[str] | None) -> int:
             print(f"tape-submit: {var}={os.environ[var]} is set here: not passed to sbatch, "
                   f"where it would override the script's #SBATCH {option} (Slurm ranks the "
                   f"environment above the script)", file=sys.stderr)
+        refusal = never_starts(train_file, opts, overriding)
+        if refusal:
+            raise RuntimeError(refusal)
         job_id = _sbatch([str(train_file)], overriding)
     except RuntimeError as exc:
         # Nothing was queued: no script is kept that looks submitted, no empty log directory.
