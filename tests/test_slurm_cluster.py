@@ -167,6 +167,11 @@ def test_a_job_no_node_can_hold_is_refused_not_queued(cluster, tmp_path, monkeyp
     assert "Requested node configuration is not available: no node of the partition has " \
         f"what each node of this job asks for (--cpus-per-task {cpus}" in err, err
     assert "nothing was submitted" in err and not (tmp_path / "logs").exists()
+    rc, out, err = tape_submit(["--config", str(config), "--cpus-per-task", str(cpus), "--time",
+                                "00:30:00", "--job-name", "too-wide", "--no-preflight",
+                                "--dry-run"])   # the script given to sbatch on stdin
+    assert rc == 1 and "#SBATCH --job-name=too-wide" in out, err
+    assert "Requested node configuration is not available" in err, err
     queued = cluster.run(["squeue", "--noheader", "--name=too-wide", "--states=all"]).stdout
     assert queued.strip() == "", queued
 

@@ -431,10 +431,17 @@ def test_a_job_no_node_can_hold_is_refused_before_it_is_queued(tmp_path, slurm_c
             "--sbatch-arg") in err, err
     assert "nothing was submitted" in err and not (tmp_path / "logs").exists()
     assert [c.split()[1] for c in slurm_client.read_text().splitlines()] == ["--test-only"]
+    # The dry run asks too (where sbatch is): the script is printed, exit 1.
+    rc, out, err = run_submit(submit_args(tmp_path, "--cpus-per-task", "64", "--dry-run"))
+    assert rc == 1 and out.startswith("#!/bin/bash\n"), err
+    assert "no node of the partition has what each node of this job asks for (--cpus-per-task " \
+        "64, and any --sbatch-arg" in err and "a submit would refuse this job" in err, err
+    assert "to submit the script by hand" not in err
+    slurm_client.unlink()
     monkeypatch.delenv("FAKE_NO_NODE_FITS")
     rc, out, err = run_submit(submit_args(tmp_path))
     assert rc == 0 and out == "41\n", err
-    assert [c.split()[1] for c in slurm_client.read_text().splitlines()][1:] == [
+    assert [c.split()[1] for c in slurm_client.read_text().splitlines()] == [
         "--test-only", "--parsable"]
 
 
@@ -555,7 +562,9 @@ def test_dry_run_says_how_to_submit_the_script_by_hand(tmp_path, slurm_client):
             f"{tmp_path}/logs/slurm && sbatch <file>\n") in err
     rc, out, err = run_submit(submit_args(tmp_path, "--dry-run", "--eval-after"))
     assert "is a second file: sbatch --dependency=afterok:<training job id>" in err
-    assert not (tmp_path / "logs").exists() and not (tmp_path / "calls").exists()
+    # sbatch was only asked whether a node can hold the job (--test-only), nothing queued.
+    assert not (tmp_path / "logs").exists()
+    assert {c.split()[1] for c in slurm_client.read_text().splitlines()} == {"--test-only"}
 
 
 def test_an_interpreter_missing_here_is_warned_about(tmp_path, slurm_client):

@@ -196,17 +196,17 @@ def _sbatch(args: list[str], drop_env: dict[str, str] | None = None) -> int:
     return int(ids[-1])
 
 
-def never_starts(script: Path, opts: ClusterOptions, drop_env: dict[str, str]) -> str | None:
-    """Why Slurm would never start ``script``, or None: no node of the partition has what one
-    node of the job asks for (its CPUs, GPUs, a --constraint, memory). sbatch queues such a
-    job where partition limits are not enforced at submission (EnforcePartLimits=NO, the
-    default) and it pends for ever (PartitionConfig); `sbatch --test-only` refuses it
+def never_starts(script: str, opts: ClusterOptions, drop_env: dict[str, str]) -> str | None:
+    """Why Slurm would never start the job ``script`` (its text), or None: no node of the
+    partition has what one node of the job asks for (its CPUs, GPUs, a --constraint, memory).
+    sbatch refuses most such jobs itself, but queued one asking for more than the partition
+    has in all, which pended for ever (PartitionConfig); `sbatch --test-only` refuses both
     (measured, 22.05). No answer in time, or any other, is left to sbatch itself."""
     from tape_train.train.run_lock import SLURM_QUERY_TIMEOUT_S
 
     env = {k: v for k, v in os.environ.items() if k not in drop_env}
     try:
-        proc = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True,
+        proc = subprocess.run(["sbatch", "--test-only"], input=script, capture_output=True,
                               text=True, env=env, timeout=SLURM_QUERY_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -462,6 +462,11 @@ def _main(argv: list[str] | None) -> int:
         # The checks a submit would make, so that a dry run says whether the job would be
         # queued; the script is printed either way (it is what a submit would render).
         code = preflight(args, opts, train_args) if check else 0
+        refusal = never_starts(train_script, opts, overriding) if shutil.which("sbatch") else None
+        if refusal:
+            print(f"tape-submit: error: {refusal}: a submit would refuse this job",
+                  file=sys.stderr)
+            code = 1
         sys.stderr.flush()
         sys.stdout.write(train_script)
         if eval_script is not None:
@@ -497,7 +502,7 @@ def _main(argv: list[str] | None) -> int:
             print(f"tape-submit: {var}={os.environ[var]} is set here: not passed to sbatch, "
                   f"where it would override the script's #SBATCH {option} (Slurm ranks the "
                   f"environment above the script)", file=sys.stderr)
-        refusal = never_starts(train_file, opts, overriding)
+        refusal = never_starts(train_script, opts, overriding)
         if refusal:
             raise RuntimeError(refusal)
         job_id = _sbatch([str(train_file)], overriding)
