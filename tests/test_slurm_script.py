@@ -552,6 +552,11 @@ def test_the_script_used_as_is_runs_one_process_per_gpu_of_the_job(tmp_path, giv
     gpus = procs if procs > 1 else 0
     assert f"--gpus-per-node {gpus} --min-free-gb 10 --procs-per-node {procs} " in preflight
     assert f"--nproc_per_node={procs} " in train
+    # Each step asks for the node's GPUs itself (a job's --gpus-per-task=1 would give its one
+    # task 1 GPU); a CPU job's steps ask for none.
+    for step in (preflight, train):
+        assert (f"--ntasks-per-node=1 --gpus-per-node={gpus} " in step) is (gpus > 0), step
+        assert step.count("--gpus-per-node=") == (gpus > 0), step
     assert f"procs_per_node={procs} gpus_per_node={gpus} " in proc.stdout
 
 
