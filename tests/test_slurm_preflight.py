@@ -165,3 +165,66 @@ def test_free_disk_is_measured_at_the_nearest_existing_parent(tmp_path):
     result = preflight.check_free_disk(tmp_path / "not" / "yet" / "created", 0.0)
     assert result.ok and f"free at {tmp_path}" in result.detail
     assert not Path(tmp_path / "not").exists()
+
+
+def test_the_rendezvous_host_must_resolve_and_its_port_be_free_where_it_is_hosted(tmp_path,
+                                                                                 monkeypatch):
+    """train.sbatch exports MASTER_ADDR (the first node's name) and MASTER_PORT (from the job
+    id) before the checks. A name that does not resolve on a node, or a port already taken on
+    the host node (another job's rendezvous there: 15000 + job id mod 15000 repeats every
+    15000 jobs), failed only inside torchrun after the imports, the other nodes waiting for a
+    store nobody hosts. Only the node of that name tries the port."""
+    import socket
+
+    args = ["--run-dir", str(tmp_path / "run"), "--min-free-gb", "0"]
+    monkeypatch.setenv("MASTER_ADDR", "no-such-node.invalid")
+    monkeypatch.setenv("MASTER_PORT", "15123")
+    rc, out, err = run_preflight(args)
+    assert rc == 1
+    assert ("[preflight gpu-node-17] FAILED rendezvous: the rendezvous host no-such-node.invalid "
+            "(the first node of the job) does not resolve on gpu-node-17") in err
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setenv("MASTER_ADDR", "localhost")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        rc, out, err = run_preflight(args)          # another node: it only resolves the name
+        assert rc == 0 and f"ok     rendezvous: localhost:{port} (" in out, err
+        assert "all 6 start-up checks passed" in out
+        monkeypatch.setenv("SLURMD_NODENAME", "localhost")
+        rc, out, err = run_preflight(args)
+        assert rc == 1
+        assert (f"[preflight localhost] FAILED rendezvous: port {port} on localhost, where the "
+                f"rendezvous is hosted, is taken (Address already in use)") in err
+        assert "TAPE_MASTER_PORT=<free port>" in err
+    rc, out, err = run_preflight(args)              # released: the same node passes
+    assert rc == 0 and "hosted here, port free" in out, err
+
+
+@pytest.mark.parametrize("device, fails", [("auto", True), ("cuda", True), ("cpu", False)])
+def test_a_cpu_job_on_a_node_showing_gpus_fails_unless_the_run_says_cpu(tmp_path, monkeypatch,
+                                                                        device, fails):
+    """--gpus-per-node 0 (tape-submit's default) where the node shows CUDA devices anyway (GPUs
+    not confined to their jobs, or given by default): with train.device auto the trainer
+    computes on cuda:<local rank>, one GPU per node, maybe another job's. The check said
+    "CPU node: ... training on CPU with gloo". This machine has no GPU: torch is told it has 4."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text(f"model: tiny\ntrain:\n  device: {device}\n"
+                                       "  synthetic_data: true\n")
+    result = preflight.run_checks(tmp_path / "run", 0, 0.0, "gpu-node-17",
+                                  ["--config", "run.yaml"])[2]
+    assert result.name == "devices" and result.ok is not fails, result
+    if fails:
+        assert result.detail.startswith(
+            "4 CUDA device(s) visible (CUDA_VISIBLE_DEVICES=0,1,2,3) but none requested: the "
+            f"trainer (train.device={device}) would compute on cuda:0") and \
+            "--gpus-per-node N" in result.detail, result.detail
+    else:
+        assert "CPU node: no GPUs requested" in result.detail
+    # Another --train-module (no trainer arguments to read): reported, not judged.
+    assert preflight.run_checks(tmp_path / "run", 0, 0.0, "gpu-node-17")[2].ok

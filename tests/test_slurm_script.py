@@ -414,11 +414,14 @@ def test_trainer_exit_75_without_our_signal_requeues(fake_slurm):
     assert f"scontrol requeue {JOB_ID}" in calls
 
 
-def test_failed_preflight_stops_before_training(fake_slurm):
-    rc, calls, out = run_script(fake_slurm, FAKE_PREFLIGHT_RC=1)
+@pytest.mark.parametrize("step_rc", [1, 143])
+def test_failed_preflight_stops_before_training(fake_slurm, step_rc):
+    # 143: srun's exit when the other node, still checking, was ended by --kill-on-bad-exit
+    # (measured, 2 nodes): the job ended FAILED 143:0 as if SIGTERMed. It is the checks' 1.
+    rc, calls, out = run_script(fake_slurm, FAKE_PREFLIGHT_RC=step_rc)
     assert rc == 1, out
     assert len([c for c in calls if c.startswith("srun")]) == 1
-    assert "start-up checks failed" in out
+    assert f"start-up checks failed on at least one node (exit {step_rc})" in out
 
 
 def test_usr1_during_the_start_up_checks_requeues_without_training(fake_slurm):
@@ -480,6 +483,18 @@ def test_outside_slurm_the_script_refuses_to_run(fake_slurm):
     assert proc.returncode == 2 and "not inside a Slurm job" in proc.stderr
 
 
+def _as_shipped_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of train.sbatch submitted as it is: stand-in Slurm commands, a 2-node
+    job, no TAPE_* setting but the interpreter's (and no progress guard)."""
+    bin_dir = _fake_slurm_bin(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FAKE_", "TAPE_"))}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", FAKE_DIR=str(tmp_path),
+               SLURM_JOB_ID=str(JOB_ID), SLURM_NNODES="2", SLURM_JOB_NODELIST="node[A-B]",
+               SLURM_CPUS_PER_TASK="8", TAPE_PYTHON=str(bin_dir / "fakepython"),
+               FAKE_TRAIN_RC="0", TAPE_MAX_STALLED_REQUEUES="0")
+    return env
+
+
 @pytest.mark.parametrize("setting, value, message", [
     ("TAPE_GPUS_PER_NODE", "abc", "TAPE_GPUS_PER_NODE=abc is not a whole number >= 0"),
     ("TAPE_GPUS_PER_NODE", "08", "TAPE_GPUS_PER_NODE=08 is not a whole number >= 0"),
@@ -496,12 +511,7 @@ def test_the_script_used_as_is_checks_its_settings_from_the_environment(tmp_path
     word where bash does arithmetic failed mid-job (`abc: unbound variable` after the start-up
     checks had run on every node; TAPE_PROCS_PER_NODE=0 divided by zero): now one line, exit
     2, before any step."""
-    bin_dir = _fake_slurm_bin(tmp_path)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FAKE_", "TAPE_"))}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", FAKE_DIR=str(tmp_path),
-               SLURM_JOB_ID=str(JOB_ID), SLURM_NNODES="2", SLURM_JOB_NODELIST="node[A-B]",
-               SLURM_CPUS_PER_TASK="8", TAPE_PYTHON=str(bin_dir / "fakepython"),
-               FAKE_TRAIN_RC="0", TAPE_MAX_STALLED_REQUEUES="0")
+    env = _as_shipped_env(tmp_path)
     script = default_template_dir() / "train.sbatch"
 
     def run(**extra):
@@ -518,6 +528,36 @@ def test_the_script_used_as_is_checks_its_settings_from_the_environment(tmp_path
     rc, out, calls = run(TAPE_MASTER_PORT="29500")
     assert rc == 0 and "training finished (exit 0)" in out, out
     assert "srun" in calls and "nodeA:29500" in out
+
+
+@pytest.mark.parametrize("given, slurm_gpus, procs",
+                         [(None, "2", 2), ("0", "2", 1), (None, None, 1)])
+def test_the_script_used_as_is_runs_one_process_per_gpu_of_the_job(tmp_path, given, slurm_gpus,
+                                                                  procs):
+    """`sbatch --gpus-per-node=2 launch/slurm/train.sbatch ...` (or --gres=gpu:2): Slurm says
+    SLURM_GPUS_ON_NODE=2 (measured on the test cluster with GPU GRES), and the script starts
+    one trainer per GPU and checks that the nodes see them. It used to take 0 GPUs: one
+    trainer per node on cuda:0 alone while the start-up checks reported a CPU node. An explicit
+    TAPE_GPUS_PER_NODE wins; without GPUs from Slurm it stays a CPU job."""
+    env = _as_shipped_env(tmp_path)
+    if given is not None:
+        env["TAPE_GPUS_PER_NODE"] = given
+    if slurm_gpus is not None:
+        env["SLURM_GPUS_ON_NODE"] = slurm_gpus
+    proc = subprocess.run(["bash", str(default_template_dir() / "train.sbatch"), "--config",
+                           "run.yaml"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    preflight, train = [c for c in (tmp_path / "calls").read_text().splitlines()
+                        if c.startswith("srun")]
+    gpus = procs if procs > 1 else 0
+    assert f"--gpus-per-node {gpus} --min-free-gb 10 --procs-per-node {procs} " in preflight
+    assert f"--nproc_per_node={procs} " in train
+    # Each step asks for the node's GPUs itself (a job's --gpus-per-task=1 would give its one
+    # task 1 GPU); a CPU job's steps ask for none.
+    for step in (preflight, train):
+        assert (f"--ntasks-per-node=1 --gpus-per-node={gpus} " in step) is (gpus > 0), step
+        assert step.count("--gpus-per-node=") == (gpus > 0), step
+    assert f"procs_per_node={procs} gpus_per_node={gpus} " in proc.stdout
 
 
 # ----------------------------------------------------------------------------------------------

@@ -95,6 +95,15 @@ def test_parse_time_limit_rejects_other_text_naming_the_option(text):
     # These undo a rendered line: more tasks than nodes (two torchruns per node), no requeue.
     (dict(extra_sbatch=["--ntasks=8"]), r"--ntasks is set by the script \(one task per node"),
     (dict(extra_sbatch=["--no-requeue"]), r"--no-requeue is set by the script \(it requeues"),
+    # GPUs asked for past --gpus-per-node: trainers on some of them (cuda:0 alone without it).
+    (dict(extra_sbatch=["--gres=gpu:a100:8"]), r"--sbatch-arg '--gres=gpu:a100:8' asks for "
+                                              r"GPUs: give them with --gpus-per-node N"),
+    (dict(gpus_per_node=8, extra_sbatch=["--gpus=16"]), "'--gpus=16' asks for GPUs"),
+    (dict(gpus_per_node=8, extra_sbatch=["--gpus-per-task=1"]), "asks for GPUs"),
+    (dict(extra_sbatch=["--tres-per-task=gres/gpu:1"]), "asks for GPUs"),
+    (dict(extra_sbatch=["--gres=nvme:1,gpu:2"]), "asks for GPUs"),
+    (dict(gpu_type="a100"), "a GPU type needs a number of GPUs >= 1"),
+    (dict(gpus_per_node=8, gpu_type="a 100"), "a GPU type needs"),
     (dict(max_restarts=-1), "--max-restarts must be an integer >= 0"),
     (dict(min_free_gb=float("inf")), "--min-free-gb must be a finite number >= 0, got inf"),
     (dict(min_free_gb=float("nan")), "--min-free-gb must be a finite number >= 0, got nan"),
@@ -178,6 +187,29 @@ def test_gpu_render_four_nodes_with_placement_options():
         assert line in header, line
     assert "\nTAPE_GPUS_PER_NODE=8\n" in script and "\nTAPE_PROCS_PER_NODE=8\n" in script
     assert opts.world_size == 32
+
+
+def test_gpus_of_a_gres_type_are_asked_for_as_slurm_takes_them(tmp_path, monkeypatch):
+    """Clusters with typed GPU GRES want `--gpus-per-node=a100:8`: tape-submit takes that form
+    (one trainer per GPU, 8) and renders it for training and evaluation; other GRES (a disk)
+    still go through --sbatch-arg."""
+    monkeypatch.chdir(tmp_path)
+    config = write_config(tmp_path)
+    rc, out, err = run_submit(["--config", str(config), "--nodes", "2", "--gpus-per-node",
+                               "a100:8", "--sbatch-arg=--gres=nvme:1,gpumem:2", "--eval-after",
+                               "--dry-run", "--no-preflight"])
+    assert rc == 0, err
+    train, _, evaluation = out.partition(submit.EVAL_SEPARATOR)
+    for script in (train, evaluation):
+        assert "#SBATCH --gpus-per-node=a100:8\n" in script and "\nTAPE_GPUS_PER_NODE=8\n" in script
+    assert "#SBATCH --gres=nvme:1,gpumem:2\n" in train and "\nTAPE_PROCS_PER_NODE=8\n" in train
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as exited, contextlib.redirect_stderr(err):
+        submit.main(["--config", str(config), "--gpus-per-node", "a100:", "--dry-run"])
+    assert exited.value.code == 2 and "argument --gpus-per-node: 'a100:' is not a number of " \
+        "GPUs (8) or a GRES type and a number (a100:8)" in err.getvalue(), err.getvalue()
+    rc, out, err = run_submit(["--config", str(config), "--gpus-per-node", "-1", "--dry-run"])
+    assert rc == 1 and "--gpus-per-node must be an integer >= 0, got -1" in err, err
 
 
 def test_eval_render_one_task_with_a_nodes_gpus_and_arguments():
@@ -312,6 +344,12 @@ def test_tape_submit_without_sbatch_says_so(tmp_path, monkeypatch):
 FAKE_SBATCH = r"""#!/bin/bash
 echo "sbatch $*" >> "$FAKE_DIR/calls"
 env | grep '^SBATCH_' | sort > "$FAKE_DIR/sbatch_env"
+if [[ $1 == --test-only ]]; then   # FAKE_NO_NODE_FITS: no node has what the job asks for
+    [[ -z ${FAKE_NO_NODE_FITS:-} ]] || {
+        echo "allocation failure: Requested node configuration is not available" >&2; exit 1; }
+    echo "sbatch: Job 99 to start at 2026-01-01T00:00:00 using 16 processors on nodes n[1-2]" >&2
+    exit 0
+fi
 if [[ -n ${FAKE_SBATCH_FAIL:-} && " $* " == *"$FAKE_SBATCH_FAIL"* ]]; then
     echo "sbatch: error: Batch job submission failed: Invalid partition name specified" >&2
     exit 1
@@ -346,7 +384,7 @@ def slurm_client(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     monkeypatch.setenv("FAKE_DIR", str(tmp_path))
     for name in ("FAKE_SBATCH_FAIL", "FAKE_PARTITIONS", "FAKE_QUEUE", "SBATCH_PARTITION",
-                 "FAKE_SBATCH_BANNER", "FAKE_SBATCH_CLUSTER"):
+                 "FAKE_SBATCH_BANNER", "FAKE_SBATCH_CLUSTER", "FAKE_NO_NODE_FITS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
     return tmp_path / "calls"
@@ -375,6 +413,36 @@ def test_a_refused_submission_leaves_no_script_or_log_directory(tmp_path, slurm_
     rc, out, err = run_submit(submit_args(tmp_path))
     assert rc == 0 and out == "41\n", err
     assert len(list((tmp_path / "logs" / "slurm").glob("tape-run.*.train.sbatch"))) == 1
+
+
+def test_a_job_no_node_can_hold_is_refused_before_it_is_queued(tmp_path, slurm_client,
+                                                               monkeypatch):
+    """--cpus-per-task 64 where no node has 64 CPUs (nor the partition in all: a 1-node
+    partition of 48): sbatch queued it and it pended for ever (PartitionConfig; measured on
+    22.05, where `sbatch --test-only` refuses it). Now nothing is queued, no script or log
+    directory is left; a job that fits is submitted after the same question (the control)."""
+    monkeypatch.setenv("FAKE_NO_NODE_FITS", "1")
+    rc, out, err = run_submit(submit_args(tmp_path, "--cpus-per-task", "64", "--gpus-per-node",
+                                          "a100:8"))
+    assert rc == 1 and out == "", err
+    assert ("tape-submit: error: sbatch --test-only: allocation failure: Requested node "
+            "configuration is not available: no node of the partition has what each node of "
+            "this job asks for (--cpus-per-task 64, --gpus-per-node a100:8, and any "
+            "--sbatch-arg") in err, err
+    assert "nothing was submitted" in err and not (tmp_path / "logs").exists()
+    assert [c.split()[1] for c in slurm_client.read_text().splitlines()] == ["--test-only"]
+    # The dry run asks too (where sbatch is): the script is printed, exit 1.
+    rc, out, err = run_submit(submit_args(tmp_path, "--cpus-per-task", "64", "--dry-run"))
+    assert rc == 1 and out.startswith("#!/bin/bash\n"), err
+    assert "no node of the partition has what each node of this job asks for (--cpus-per-task " \
+        "64, and any --sbatch-arg" in err and "a submit would refuse this job" in err, err
+    assert "to submit the script by hand" not in err
+    slurm_client.unlink()
+    monkeypatch.delenv("FAKE_NO_NODE_FITS")
+    rc, out, err = run_submit(submit_args(tmp_path))
+    assert rc == 0 and out == "41\n", err
+    assert [c.split()[1] for c in slurm_client.read_text().splitlines()] == [
+        "--test-only", "--parsable"]
 
 
 def test_the_job_id_is_read_from_the_last_line_of_sbatch_parsable(tmp_path, slurm_client,
@@ -494,7 +562,9 @@ def test_dry_run_says_how_to_submit_the_script_by_hand(tmp_path, slurm_client):
             f"{tmp_path}/logs/slurm && sbatch <file>\n") in err
     rc, out, err = run_submit(submit_args(tmp_path, "--dry-run", "--eval-after"))
     assert "is a second file: sbatch --dependency=afterok:<training job id>" in err
-    assert not (tmp_path / "logs").exists() and not (tmp_path / "calls").exists()
+    # sbatch was only asked whether a node can hold the job (--test-only), nothing queued.
+    assert not (tmp_path / "logs").exists()
+    assert {c.split()[1] for c in slurm_client.read_text().splitlines()} == {"--test-only"}
 
 
 def test_an_interpreter_missing_here_is_warned_about(tmp_path, slurm_client):

@@ -5,7 +5,8 @@
 
 Checks: the Python version, that the training packages import, that the node sees the GPUs
 requested (or says it is a CPU node), that the run directory is writable (and, on the node of
-rank 0, not locked by another run: ``RUN.lock``) and has free space,
+rank 0, not locked by another run: ``RUN.lock``) and has free space, that the rendezvous host
+train.sbatch exports (MASTER_ADDR) resolves here (and, on that node, that its port is free),
 and, given the training arguments, the trainer's own input checks as this node sees them
 (``tape_train.train.preflight``: tokenizer, data files, held-out lengths, the job's layout).
 The run directory is `--run-dir`, or `train.run_dir` of the training arguments after `--`.
@@ -67,8 +68,11 @@ def check_imports(modules: tuple[str, ...] = REQUIRED_MODULES) -> CheckResult:
     return CheckResult("imports", True, ", ".join(found))
 
 
-def check_devices(gpus_per_node: int) -> CheckResult:
-    """CUDA devices visible vs. requested; on CPU jobs just reports that it is a CPU node."""
+def check_devices(gpus_per_node: int, train_device: str | None = None) -> CheckResult:
+    """CUDA devices visible vs. requested. On CPU jobs, that the trainer will not take a GPU
+    anyway: with ``train.device`` auto (``train_device``; None: not the trainer's) it computes
+    on ``cuda:<local rank>`` wherever CUDA devices are visible (a node whose GPUs are not
+    confined to their jobs, or given by default)."""
     try:
         import torch
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -76,11 +80,51 @@ def check_devices(gpus_per_node: int) -> CheckResult:
         return CheckResult("devices", False, f"cannot query CUDA devices: {exc}")
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
     if gpus_per_node == 0:
+        if visible and train_device is not None and train_device != "cpu":
+            return CheckResult("devices", False, f"{visible} CUDA device(s) visible "
+                               f"(CUDA_VISIBLE_DEVICES={cvd}) but none requested: the trainer "
+                               f"(train.device={train_device}) would compute on cuda:0, 1, ... "
+                               f"(one per process) beside GPUs that may be another job's; ask "
+                               f"for them (tape-submit --gpus-per-node N, sbatch "
+                               f"--gpus-per-node=N) or set train.device=cpu")
         return CheckResult("devices", True, f"CPU node: no GPUs requested, training on CPU with "
                            f"gloo ({visible} CUDA device(s) visible, unused)")
     ok = visible >= gpus_per_node
     return CheckResult("devices", ok, f"{visible} CUDA device(s) visible, {gpus_per_node} "
                        f"requested (CUDA_VISIBLE_DEVICES={cvd})")
+
+
+def check_rendezvous(node: str) -> CheckResult | None:
+    """The rendezvous endpoint train.sbatch exports (MASTER_ADDR, MASTER_PORT; None without
+    them): that its host name resolves on this node, and, on the node of that name, which
+    hosts the store, that nothing listens on the port yet. Either would otherwise show only
+    after the imports, as torchrun's `RendezvousConnectionError`, with the other nodes waiting
+    for a rendezvous nobody hosts (up to its join timeout, 600 s)."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port or not port.isdigit():
+        return None
+    try:
+        addresses = sorted({info[4][0] for info in socket.getaddrinfo(
+            host, int(port), type=socket.SOCK_STREAM)})
+    except (OSError, UnicodeError) as exc:
+        return CheckResult("rendezvous", False, f"the rendezvous host {host} (the first node "
+                           f"of the job) does not resolve on {node} ({exc}): every node must "
+                           f"resolve the node names Slurm gives (SLURM_JOB_NODELIST)")
+    where = f"{host}:{port} ({', '.join(addresses)})"
+    if node != host:
+        return CheckResult("rendezvous", True, where)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As the store binds it: a port left in TIME_WAIT by an earlier run is no obstacle.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", int(port)))
+        except OSError as exc:
+            return CheckResult("rendezvous", False, f"port {port} on {node}, where the "
+                               f"rendezvous is hosted, is taken ({exc.strerror}): by another "
+                               f"job on this node or a service; give the job another one with "
+                               f"TAPE_MASTER_PORT=<free port> in the environment it is "
+                               f"submitted from")
+    return CheckResult("rendezvous", True, f"{where}, hosted here, port free")
 
 
 def check_run_dir_writable(run_dir: Path, node: str, check_lock: bool = False) -> CheckResult:
@@ -129,12 +173,9 @@ def check_run_inputs(train_args: list[str], gpus_per_node: int, procs_per_node: 
     with ``check_resume`` (the first node) also whether the checkpoint it would resume from
     can continue on this job's layout (the trainer's refusal, before torchrun restarts it)."""
     try:
-        from tape_train.cluster.run_args import parse_train_args
-        from tape_train.config import load_run_config
         from tape_train.train.preflight import RUN_START_LIMITS, run_preflight
 
-        parsed = parse_train_args(train_args)
-        cfg = load_run_config(parsed.config, parsed.overrides)
+        parsed, cfg = _load_run(train_args)
         world = int(os.environ.get("SLURM_NNODES", "1")) * (gpus_per_node or procs_per_node)
         report = run_preflight(cfg, world_size=world, gpus_per_node=gpus_per_node,
                                ranks_per_node=gpus_per_node or procs_per_node,
@@ -149,6 +190,26 @@ def check_run_inputs(train_args: list[str], gpus_per_node: int, procs_per_node: 
                        f"readable here")
 
 
+def _load_run(train_args: list[str]):
+    """The training arguments parsed, and the run config they load (raises as they do)."""
+    from tape_train.cluster.run_args import parse_train_args
+    from tape_train.config import load_run_config
+
+    parsed = parse_train_args(train_args)
+    return parsed, load_run_config(parsed.config, parsed.overrides)
+
+
+def _train_device(train_args: list[str] | None) -> str | None:
+    """``train.device`` of the run (None without the trainer's arguments, or when they do not
+    load: the run-inputs check reports that)."""
+    if not train_args:
+        return None
+    try:
+        return _load_run(train_args)[1].train.device
+    except Exception:  # reported, with its cause, by check_run_inputs
+        return None
+
+
 def run_checks(run_dir: Path, gpus_per_node: int, min_free_gb: float,
                node: str | None = None, train_args: list[str] | None = None,
                procs_per_node: int = 1) -> list[CheckResult]:
@@ -159,10 +220,13 @@ def run_checks(run_dir: Path, gpus_per_node: int, min_free_gb: float,
     results = [
         check_python(),
         check_imports(),
-        check_devices(gpus_per_node),
+        check_devices(gpus_per_node, _train_device(train_args)),
         check_run_dir_writable(run_dir, node, check_lock=first_node),
         check_free_disk(run_dir, min_free_gb),
     ]
+    rendezvous = check_rendezvous(node)
+    if rendezvous is not None:
+        results.append(rendezvous)
     if train_args:
         results.append(check_run_inputs(train_args, gpus_per_node, procs_per_node,
                                         check_resume=first_node))

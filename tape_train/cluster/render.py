@@ -46,6 +46,10 @@ RENDERED_SBATCH_OPTIONS = {
     "per node)", "ntasks": "the script (one task per node, a torchrun starting --procs-per-node "
     "or --gpus-per-node processes)", "requeue": "the script", "no-requeue": "the script (it "
     "requeues itself on the time-limit warning)", "open-mode": "the script"}
+# The sbatch options that ask for GPUs otherwise: the job would get GPUs the script does not
+# start trainers for (--gres=gpu:3 with --gpus-per-node=2: 3 GPUs, steps and trainers on 2; with
+# no --gpus-per-node, one trainer per node on cuda:0 alone; measured with GPU GRES, 22.05).
+GPU_SBATCH_OPTIONS = ("gpus", "gpus-per-task", "gpus-per-socket", "gres", "tres-per-task")
 # Values that end up on an `#SBATCH --key=value` line: no whitespace, no shell/sbatch quoting.
 _SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.,:+@%/=-]+$")
 # sbatch reads an #SBATCH value as one shell-like word (get_argument() in src/sbatch/opt.c, the
@@ -82,6 +86,7 @@ class ClusterOptions:
     Attributes:
         nodes: nodes in the allocation (one torchrun per node).
         gpus_per_node: GPUs per node; 0 means CPU nodes (gloo) with `procs_per_node` trainers.
+        gpu_type: the GPUs' GRES type (`--gpus-per-node=<type>:<n>`, e.g. `a100`), or None.
         procs_per_node: CPU only: trainer processes per node (torchrun --nproc_per_node).
         cpus_per_task: CPUs per node-task (shared by that node's trainer processes).
         time: Slurm time limit (see `parse_time_limit`).
@@ -107,6 +112,7 @@ class ClusterOptions:
 
     nodes: int = 1
     gpus_per_node: int = 0
+    gpu_type: str | None = None
     procs_per_node: int = 1
     cpus_per_task: int = 8
     time: str = "04:00:00"
@@ -137,6 +143,10 @@ class ClusterOptions:
         if self.gpus_per_node > 0 and self.procs_per_node not in (1, self.gpus_per_node):
             raise RenderError(f"--procs-per-node {self.procs_per_node} is for CPU nodes; with "
                               f"--gpus-per-node {self.gpus_per_node} there is one process per GPU")
+        if self.gpu_type is not None and (self.gpus_per_node == 0 or not re.match(
+                r"^[A-Za-z0-9_.-]+$", self.gpu_type)):
+            raise RenderError(f"--gpus-per-node {self.gpu_type}:{self.gpus_per_node}: a GPU "
+                              "type needs a number of GPUs >= 1 and a plain name (a100:8)")
         limit = parse_time_limit(self.time)
         if self.signal_grace >= limit:
             raise RenderError(f"--signal-grace {self.signal_grace} s must be shorter than the "
@@ -172,7 +182,14 @@ class ClusterOptions:
             if not line.startswith("--") or "\n" in line:
                 raise RenderError(f"--sbatch-arg {line!r} must be one long option like "
                                   "--constraint=a100")
-            option = line[2:].split("=", 1)[0]
+            option, _, value = line[2:].partition("=")
+            # --gres=gpu:a100:8,nvme:1 or --tres-per-task=gres/gpu:1; not --gres=nvme:1.
+            asked = {re.split(r"[:=]", item)[0].removeprefix("gres/").lower()
+                     for item in value.split(",")}
+            if option in GPU_SBATCH_OPTIONS and (option.startswith("gpus") or "gpu" in asked):
+                raise RenderError(f"--sbatch-arg {line!r} asks for GPUs: give them with "
+                                  f"--gpus-per-node N (or TYPE:N, e.g. a100:8), which starts "
+                                  f"one trainer per GPU on each node")
             if option in RENDERED_SBATCH_OPTIONS:
                 raise RenderError(f"--sbatch-arg {line!r}: --{option} is set by "
                                   f"{RENDERED_SBATCH_OPTIONS[option]}; a second #SBATCH line "
@@ -203,9 +220,7 @@ def train_header(opts: ClusterOptions) -> list[str]:
         f"--cpus-per-task={opts.cpus_per_task}",
         f"--time={opts.time}",
     ]
-    if opts.gpus_per_node > 0:
-        lines.append(f"--gpus-per-node={opts.gpus_per_node}")
-    lines += _placement(opts)
+    lines += _gpus(opts) + _placement(opts)
     lines += [
         f"--signal=B:USR1@{opts.signal_grace}",
         "--requeue",
@@ -228,9 +243,7 @@ def eval_header(opts: ClusterOptions, time: str) -> list[str]:
         f"--cpus-per-task={opts.cpus_per_task}",
         f"--time={time}",
     ]
-    if opts.gpus_per_node > 0:
-        lines.append(f"--gpus-per-node={opts.gpus_per_node}")
-    lines += _placement(opts)
+    lines += _gpus(opts) + _placement(opts)
     lines += [
         "--requeue",
         "--open-mode=append",
@@ -250,6 +263,22 @@ def _output(opts: ClusterOptions) -> str:
     """The --output line: the log directory ('%' doubled: Slurm's pattern character), then
     the job name and id."""
     return f"--output={_sbatch_path(opts.log_dir.replace('%', '%%') + '/%x-%j.out')}"
+
+
+def _gpus(opts: ClusterOptions) -> list[str]:
+    """The --gpus-per-node line (`<type>:<n>` with a GPU type), none on CPU nodes."""
+    if opts.gpus_per_node == 0:
+        return []
+    return [f"--gpus-per-node={f'{opts.gpu_type}:' if opts.gpu_type else ''}{opts.gpus_per_node}"]
+
+
+def parse_gpus_per_node(text: str) -> tuple[str | None, int]:
+    """`--gpus-per-node` as Slurm takes it, `N` or `TYPE:N` (`a100:8`): (type or None, N)."""
+    match = re.match(r"^(?:([^:]+):)?(-?[0-9]+)$", text.strip())
+    if not match:
+        raise RenderError(f"--gpus-per-node {text!r} is not a number of GPUs (8) or a GRES "
+                          f"type and a number (a100:8)")
+    return match.group(1), int(match.group(2))
 
 
 def _placement(opts: ClusterOptions) -> list[str]:

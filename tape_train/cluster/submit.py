@@ -35,6 +35,7 @@ from tape_train.cluster.render import (
     ClusterOptions,
     RenderError,
     default_template_dir,
+    parse_gpus_per_node,
     parse_time_limit,
     read_template,
     render_eval_script,
@@ -60,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dotted config overrides, e.g. train.max_steps=1000")
     g = p.add_argument_group("allocation")
     g.add_argument("--nodes", type=int, default=1, help="nodes, one torchrun each (default: 1)")
-    g.add_argument("--gpus-per-node", type=int, default=0,
-                   help="GPUs per node; 0 (default) runs on CPU nodes with gloo")
+    g.add_argument("--gpus-per-node", type=_gpus_per_node, default=(None, 0),
+                   metavar="[TYPE:]N", help="GPUs per node, with their GRES type where the "
+                   "cluster wants one (a100:8); 0 (default) runs on CPU nodes with gloo")
     g.add_argument("--procs-per-node", type=int, default=1,
                    help="CPU nodes only: trainer processes per node (default: %(default)s)")
     g.add_argument("--cpus-per-task", type=int, default=8,
@@ -132,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
                                  "--time 01:00:00 --dry-run")
 
 
+def _gpus_per_node(text: str) -> tuple[str | None, int]:
+    try:
+        return parse_gpus_per_node(text)
+    except RenderError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--gpus-per-node ")) from None
+
+
 def _job_name(config: str, explicit: str | None) -> str:
     if explicit:
         return explicit
@@ -185,6 +194,32 @@ def _sbatch(args: list[str], drop_env: dict[str, str] | None = None) -> int:
     if not ids:
         raise RuntimeError(f"sbatch printed no job id: {proc.stdout!r}")
     return int(ids[-1])
+
+
+def never_starts(script: str, opts: ClusterOptions, drop_env: dict[str, str]) -> str | None:
+    """Why Slurm would never start the job ``script`` (its text), or None: no node of the
+    partition has what one node of the job asks for (its CPUs, GPUs, a --constraint, memory).
+    sbatch refuses most such jobs itself, but queued one asking for more than the partition
+    has in all, which pended for ever (PartitionConfig); `sbatch --test-only` refuses both
+    (measured, 22.05). No answer in time, or any other, is left to sbatch itself."""
+    from tape_train.train.run_lock import SLURM_QUERY_TIMEOUT_S
+
+    env = {k: v for k, v in os.environ.items() if k not in drop_env}
+    try:
+        proc = subprocess.run(["sbatch", "--test-only"], input=script, capture_output=True,
+                              text=True, env=env, timeout=SLURM_QUERY_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    said = proc.stderr.strip().splitlines()
+    if proc.returncode == 0 or not any("Requested node configuration is not available" in line
+                                       for line in said):
+        return None
+    gpus = (f", --gpus-per-node {opts.gpu_type + ':' if opts.gpu_type else ''}"
+            f"{opts.gpus_per_node}" if opts.gpus_per_node else "")
+    return (f"sbatch --test-only: {said[-1]}: no node of the partition has what each node of "
+            f"this job asks for (--cpus-per-task {opts.cpus_per_task}{gpus}, and any "
+            f"--sbatch-arg such as --constraint or --mem); queued, it would pend for ever "
+            f"(PartitionConfig)")
 
 
 def _slurm_answer(argv: list[str]) -> str | None:
@@ -312,7 +347,7 @@ def preflight(args: argparse.Namespace, opts: ClusterOptions, train_args: list[s
     parsed = parse_train_args(train_args)
     cfg = load_run_config(parsed.config, parsed.overrides)
     report = run_preflight(cfg, world_size=opts.nodes * opts.procs,
-                           gpus_per_node=args.gpus_per_node, resume_from=parsed.resume_from,
+                           gpus_per_node=opts.gpus_per_node, resume_from=parsed.resume_from,
                            allow_config_change=parsed.allow_config_change, gpu_name=args.gpu_name,
                            ranks_per_node=opts.procs)
     out, err = format_report(report, prefix="tape-submit")
@@ -351,7 +386,8 @@ def _main(argv: list[str] | None) -> int:
                              f"logs/slurm (--log-dir . for this one)")
         log_dir = (workdir / args.log_dir).resolve()
         opts = ClusterOptions(
-            nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+            nodes=args.nodes, gpu_type=args.gpus_per_node[0],
+            gpus_per_node=args.gpus_per_node[1],
             procs_per_node=args.procs_per_node, cpus_per_task=args.cpus_per_task,
             time=args.time, partition=args.partition, account=args.account, qos=args.qos,
             job_name=_job_name(args.config, args.job_name), signal_grace=args.signal_grace,
@@ -430,6 +466,11 @@ def _main(argv: list[str] | None) -> int:
         # The checks a submit would make, so that a dry run says whether the job would be
         # queued; the script is printed either way (it is what a submit would render).
         code = preflight(args, opts, train_args) if check else 0
+        refusal = never_starts(train_script, opts, overriding) if shutil.which("sbatch") else None
+        if refusal:
+            print(f"tape-submit: error: {refusal}: a submit would refuse this job",
+                  file=sys.stderr)
+            code = 1
         sys.stderr.flush()
         sys.stdout.write(train_script)
         if eval_script is not None:
@@ -465,6 +506,9 @@ def _main(argv: list[str] | None) -> int:
             print(f"tape-submit: {var}={os.environ[var]} is set here: not passed to sbatch, "
                   f"where it would override the script's #SBATCH {option} (Slurm ranks the "
                   f"environment above the script)", file=sys.stderr)
+        refusal = never_starts(train_script, opts, overriding)
+        if refusal:
+            raise RuntimeError(refusal)
         job_id = _sbatch([str(train_file)], overriding)
     except RuntimeError as exc:
         # Nothing was queued: no script is kept that looks submitted, no empty log directory.
