@@ -176,7 +176,8 @@ def count_step(trainer, warmup: int, read_grad_norm: bool = False) -> StepOpCoun
     restore = instrument(trainer, counter)
     try:
         with counter:
-            metrics = trainer.train_step(read_grad_norm=read_grad_norm)
+            trainer._read_grad_norm = read_grad_norm  # as train() sets it per step
+            metrics = trainer.train_step()
             with counter.phase("logging"):
                 trainer._log_step(trainer.state.step, metrics)
     finally:

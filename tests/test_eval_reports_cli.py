@@ -808,6 +808,11 @@ def test_a_checkpoint_rotated_away_while_another_is_evaluated_is_still_evaluated
     from tape_train import loading
     from tape_train.eval import perplexity
 
+    # A temp dir of this test's own: other tests' processes (killed on purpose) may leave
+    # their copies in the worker's.
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
     make_checkpoint(tmp_path / "a", "tape", seed=1)
     make_checkpoint(tmp_path / "b", "rope", seed=2)
     tag_b = tmp_path / "b" / "checkpoints" / "step_00000005"
@@ -835,7 +840,7 @@ def test_a_checkpoint_rotated_away_while_another_is_evaluated_is_still_evaluated
     assert not tag_b.exists()
     both = perplexities(tmp_path / "o")
     assert sorted(both) == ["A", "B"]
-    assert not list(Path(tempfile.gettempdir()).glob("tape-held-*"))
+    assert not list(private_tmp.glob("tape-held-*"))
     # B's numbers are those of B evaluated with its tag in place.
     make_checkpoint(tmp_path / "b", "rope", seed=2)
     monkeypatch.setattr(perplexity, "evaluate_perplexity", real)

@@ -135,6 +135,7 @@ class Trainer:
         self._restore_algorithms = None
         self._timeout_in_force: float | None = None
         self._stepped = False      # a step ran in this process (the first compiles, autotunes)
+        self._read_grad_norm = True  # for the next train_step(); train() sets it per step
         self._in_train = False     # inside train(): a phase lasts until the next one starts
         self._attempt: int | None = None  # in-job restart attempt (restarts.guarded() only)
         self.profiler = RunProfiler()  # off until set-up knows the rank and the device
@@ -639,12 +640,14 @@ class Trainer:
         batches = [next(self.data_iter) for _ in range(self.cfg.train.grad_accum_steps)]
         return batches, time.perf_counter() - start
 
-    def train_step(self, *, read_grad_norm: bool = True) -> dict:
+    def train_step(self) -> dict:
         """One optimizer step on every rank; returns its metrics (same on all ranks).
 
-        ``read_grad_norm=False``: ``grad_norm`` is None, not read back from the device (on a
-        GPU reading it waits for the optimizer step to finish before the host may queue the
-        next step); ``train()`` reads it on the steps it logs only."""
+        ``grad_norm`` is None on the steps ``train()`` does not log: it is not read back from
+        the device there (on a GPU reading it waits for the optimizer step to finish before
+        the host may queue the next step). A call from elsewhere reads it. (No argument for
+        this: code that wraps ``train_step`` keeps working.)"""
+        read_grad_norm, self._read_grad_norm = self._read_grad_norm, True
         first = not self._stepped  # of this process: compilation, autotuning, cold caches
         self._stepped = True
         with self._watched(f"step {self.state.step + 1}"
@@ -755,7 +758,8 @@ class Trainer:
         try:
             while self.state.step < max_steps:
                 self._profile_before_step()
-                metrics = self.train_step(read_grad_norm=self._logs_step(self.state.step + 1))
+                self._read_grad_norm = self._logs_step(self.state.step + 1)
+                metrics = self.train_step()
                 step = self.state.step
                 if bar is not None:
                     bar.update(1)
