@@ -5,14 +5,18 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# `make test`: the suite in two pytest workers (pytest-xdist, a module at a time each, longest
-# first: tests/conftest.py), the modules that mostly wait out timeouts beside the ones that
-# compute; then the modules marked `alone` (timing tests with seconds-long allowances) in one
-# process, with the machine to themselves. Fails if either part fails; one part that selects
-# no test (exit 5) is not a failure, both are. TEST_WORKERS=0: the first part in one process.
+# `make test` (what CI runs): every test but those marked `integration`, in two parts: the
+# suite in two pytest workers (pytest-xdist, a module at a time each, longest first:
+# tests/conftest.py), the modules that mostly wait out timeouts beside the ones that compute;
+# then the tests marked `alone` (timing tests with seconds-long allowances) in one process,
+# with the machine to themselves. Fails if either part fails; one part that selects no test
+# (exit 5) is not a failure, both are. TEST_WORKERS=0: the first part in one process.
+# `make test-integration`: the tests marked `integration` (whole-system runs of minutes each:
+# the real Slurm cluster, long hang and conversion faults, the GPU report's CPU smoke, CPU
+# Adam), the same two parts. `make test-all`: both.
 TEST_WORKERS ?= 2
 
-.PHONY: install test demo bench gpu-report extrapolation clean
+.PHONY: install test test-integration test-all demo bench gpu-report extrapolation clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,13 +26,23 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
-	@rc=0; none=0; echo "== the suite, $(TEST_WORKERS) workers (the tests marked 'alone' follow) =="; \
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m 'not alone' \
-		$(PYTEST_ARGS) || { code=$$?; [ $$code -eq 5 ] && none=1 || rc=$$code; }; \
-	echo "== the tests that run alone (marked 'alone') =="; \
-	$(PY) -m pytest -m alone $(PYTEST_ARGS) || { code=$$?; [ $$code -eq 5 ] && [ $$none -eq 0 ] || rc=$$code; }; \
+# $(call suite,<marker expression>): the two parts over the tests it selects.
+suite = rc=0; none=0; echo "== $(1): $(TEST_WORKERS) workers (the tests marked 'alone' follow) =="; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		-m '($(1)) and not alone' $(PYTEST_ARGS) || { code=$$?; [ $$code -eq 5 ] && none=1 || rc=$$code; }; \
+	echo "== $(1): the tests that run alone (marked 'alone') =="; \
+	$(PY) -m pytest -m '($(1)) and alone' $(PYTEST_ARGS) || { code=$$?; [ $$code -eq 5 ] && [ $$none -eq 0 ] || rc=$$code; }; \
 	exit $$rc
+
+test: $(STAMP)
+	@$(call suite,not integration)
+
+test-integration: $(STAMP)
+	@$(call suite,integration)
+
+test-all: $(STAMP)
+	@rc=0; $(MAKE) --no-print-directory test || rc=1; \
+	$(MAKE) --no-print-directory test-integration || rc=1; exit $$rc
 
 demo: $(STAMP)
 	bash launch/demo.sh

@@ -292,6 +292,11 @@ class SlurmCluster:
                        restart_count=int(fields.get("Restarts", "0")),
                        node_list=fields.get("NodeList", ""), raw=proc.stdout.strip())
 
+    def _forgotten(self, job_id: int) -> bool:
+        """Whether scontrol says the job id is not one it knows (not a transient failure)."""
+        proc = self.run(["scontrol", "-o", "show", "job", str(job_id)], check=False)
+        return proc.returncode != 0 and "Invalid job id" in proc.stderr
+
     def wait_for_job(self, job_id: int, timeout: float, poll: float = 1.0,
                      states: frozenset[str] = FINAL_JOB_STATES) -> JobInfo:
         """Poll until the job is in one of `states`; TimeoutError (with diagnostics) if not."""
@@ -301,6 +306,9 @@ class SlurmCluster:
             info = self.job_info(job_id)
             if info is not None and info.state in states:
                 return info
+            if info is None and self._forgotten(job_id):
+                raise LookupError(f"job {job_id}: slurmctld no longer knows it (purged, or "
+                                  f"never submitted)\n{self.diagnostics()}")
             time.sleep(poll)
         raise TimeoutError(f"job {job_id} not in {sorted(states)} after {timeout:.0f} s; last: "
                            f"{info.raw if info else 'unknown'}\n{self.diagnostics()}")
@@ -395,7 +403,10 @@ class SlurmCluster:
             "SchedulerParameters=bf_interval=1,sched_interval=2",
             "SlurmdParameters=config_overrides",
             "KillWait=5",
-            "MinJobAge=600",
+            # Job records kept for the cluster's life (0: never purged): a module run of 40 min
+            # on a loaded machine outlived MinJobAge=600, and a test waiting for an early job
+            # that had ended long before polled a job id the controller had forgotten.
+            "MinJobAge=0",
             "ReturnToService=2",
             "JobRequeue=1",
             "MailProg=/bin/true",

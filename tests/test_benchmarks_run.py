@@ -26,6 +26,7 @@ def _run(*args: str, timeout: float = 1200) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_quick_run_writes_a_consistent_report(tmp_path):
     from tape_train.config import load_run_config
     from tape_train.model.flops import training_flops_per_token

@@ -36,6 +36,7 @@ def _numbers(obj):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 def test_cpu_smoke_report_is_complete_and_finite(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                TRITON_DEFAULT_FP_FUSION="1")

@@ -68,7 +68,8 @@ from tape_train.train.run_lock import LOCK_NAME  # noqa: E402
 
 REPO_ROOT = Path(tape_train.__file__).resolve().parents[1]
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.waits, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.waits, pytest.mark.integration,
+              pytest.mark.timeout(300)]
 
 NUM_NODES = 4
 CPUS_PER_NODE = 2
@@ -1054,6 +1055,7 @@ def _stopped(pids: list[int]) -> bool:
     return all(state == "T" for state in states)
 
 
+@pytest.mark.timeout(600)  # two 2-node jobs, each waited for up to 240 s
 def test_a_suspended_job_runs_on_and_a_downed_node_requeues_it(cluster, corpus, training_jobs,
                                                               tmp_path, monkeypatch):
     # Side by side, two 2-node jobs (train.collective_timeout_s=20, so 10 s per step phase):
@@ -1067,10 +1069,7 @@ def test_a_suspended_job_runs_on_and_a_downed_node_requeues_it(cluster, corpus, 
     # A node set DOWN requeues every job on it: the two jobs get two nodes each, and the
     # earlier training jobs have ended (they have, when the whole module runs).
     for job_id, *_ in training_jobs.values():
-        # One slurmctld no longer knows ended more than MinJobAge (600 s) ago: a module run of
-        # 21 min on a loaded machine waited here for a purged job until the test's timeout.
-        if cluster.job_info(job_id) is not None:
-            cluster.wait_for_job(job_id, timeout=300)
+        cluster.wait_for_job(job_id, timeout=300)  # records are never purged (MinJobAge=0)
     monkeypatch.setenv("SLURM_CONF", str(cluster.conf_path))
     (tmp_path / "slow_trainer.py").write_text(SLOW_TRAINER)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(REPO_ROOT)]))

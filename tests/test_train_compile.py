@@ -32,6 +32,7 @@ def _loss_and_grads(model, ids, n):
 
 
 @needs_cxx
+@pytest.mark.integration
 def test_compiled_blocks_match_eager_and_break_only_at_the_attention_core():
     from torch._dynamo.utils import counters
 

@@ -548,6 +548,7 @@ def _gone_soon(pid: int, seconds: float = 5.0) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.integration
 def test_a_long_conversion_that_moves_is_not_taken_for_a_hang_and_a_stalled_one_is(tmp_path):
     """A 1-rank checkpoint resumed on 2 ranks: rank 0 converts it to the universal form while
     rank 1 waits. With train.startup_timeout_s=20 (10 s per phase without progress), a
@@ -590,6 +591,7 @@ def test_a_long_conversion_that_moves_is_not_taken_for_a_hang_and_a_stalled_one_
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.integration
 def test_a_stop_during_the_conversion_ends_it_at_once_and_the_rerun_resumes_exactly(tmp_path):
     """A 1-rank checkpoint resumed on 2 ranks, its conversion slowed to 60 s (a worker
     process writing): SIGUSR1 to the waiting rank 1 only, then SIGTERM to every process of
@@ -709,6 +711,7 @@ def _stops(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.integration
 def test_workers_stop_with_a_checkpoint_when_their_launcher_is_killed(tmp_path, slow_reference):
     """torchrun SIGKILLed during step 2 (rank 0 reads each step's data for 1 s): both workers,
     in sessions of their own, get SIGTERM from the kernel (their parent died), stop at the step

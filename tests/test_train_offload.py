@@ -53,7 +53,7 @@ TWO = ("train.grad_accum_steps=1",)
 Z1_OFFLOAD = ("parallel.zero_stage=1", "parallel.offload_optimizer=cpu")
 TP2, SP2 = ("parallel.tp=2",), ("parallel.sp=2",)
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.integration]
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
