@@ -260,6 +260,39 @@ def _tree_size(root: Path) -> tuple[int, int]:
     return files, size
 
 
+# A child that used at least this share of a core since the last tick moved, whatever it
+# wrote or printed: a converter that imports torch and DeepSpeed, or reads a large shard,
+# prints nothing for seconds (over 10 s on a busy 2-core machine, which ended a resume's
+# conversion under train.startup_timeout_s=20). One that waits on something that never comes
+# uses none; the watcher thread of loading._WITH_PARENT, waking once a second, about 1e-5.
+CPU_MOVING_SHARE = 0.05
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _group_cpu_s(pgid: int) -> float | None:
+    """CPU seconds used so far by the processes of process group ``pgid`` (with their reaped
+    children), from /proc; None where there is no /proc."""
+    total, found = 0, False
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:  # ended meanwhile
+            continue
+        fields = stat[stat.rindex(b")") + 2:].split()
+        # fields[0] is the state (stat's 3rd field): pgrp is the 5th, utime..cstime 14th-17th.
+        if int(fields[2]) == pgid:
+            found = True
+            total += sum(int(f) for f in fields[11:15])
+    return total / _CLOCK_TICKS if found else None
+
+
 def run_with_progress(cmd: list[str], *, what: str, output_dir: Path, logger: logging.Logger,
                       tick: Callable[[bool], None] | None = None, tick_s: float = 5.0,
                       stage_prefix: str | None = None) -> tuple[int, list[str]]:
@@ -270,7 +303,8 @@ def run_with_progress(cmd: list[str], *, what: str, output_dir: Path, logger: lo
     bytes it wrote under ``output_dir``, its stage and bar position, and how long it has not
     moved if it stopped. Never a carriage return. ``tick(moved)`` is called every ``tick_s``
     while it runs, ``moved`` saying whether it wrote or printed anything since the previous
-    call (a trainer tells its watchdog and the ranks waiting for it). If ``tick`` raises, or
+    call (a trainer tells its watchdog and the ranks waiting for it), or used at least
+    ``CPU_MOVING_SHARE`` of a core (Linux: its process group's CPU time). If ``tick`` raises, or
     the caller is interrupted, the child is killed with everything it started (it runs as
     the leader of a new session, so its worker processes are in its process group, and a
     terminal's Ctrl-C reaches only the caller, which decides).
@@ -285,6 +319,7 @@ def run_with_progress(cmd: list[str], *, what: str, output_dir: Path, logger: lo
                              lambda stage: logger.info("%s: %s (%s so far)", what, stage,
                                                        _elapsed(time.monotonic() - start)))
         seen, moved_at, logged_at = (0, 0, 0), start, start
+        cpu_seen, ticked_at = 0.0, start
         while True:
             try:
                 child.wait(timeout=tick_s)
@@ -293,7 +328,10 @@ def run_with_progress(cmd: list[str], *, what: str, output_dir: Path, logger: lo
                 pass
             now = time.monotonic()
             files, size = _tree_size(output_dir)
-            moved = (files, size, output.reads) != seen
+            cpu = _group_cpu_s(child.pid)
+            computed = cpu is not None and cpu - cpu_seen >= CPU_MOVING_SHARE * (now - ticked_at)
+            cpu_seen, ticked_at = (cpu if cpu is not None else cpu_seen), now
+            moved = (files, size, output.reads) != seen or computed
             seen = (files, size, output.reads)
             moved_at = now if moved else moved_at
             if tick is not None:

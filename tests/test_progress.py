@@ -144,6 +144,28 @@ sys.exit(int(sys.argv[1]))
 """
 
 
+@pytest.mark.parametrize("work", ["compute", "sleep"])
+def test_a_child_that_computes_without_a_word_moves_and_one_that_sleeps_does_not(tmp_path, work):
+    """A converter importing torch and DeepSpeed prints and writes nothing for seconds (over
+    10 s on a busy 2-core machine, where a resume under train.startup_timeout_s=20 was ended
+    as stuck): its CPU time says it moves. The same silence asleep is no progress (the
+    negative control: a stalled converter must still be found)."""
+    from tape_train.progress import run_with_progress
+
+    body = ("import time\nend = time.monotonic() + 3\nwhile time.monotonic() < end:\n"
+            "    sum(range(10000))\n" if work == "compute" else "import time\ntime.sleep(3)\n")
+    ticks = []
+    code, _ = run_with_progress([sys.executable, "-c", body], what="child",
+                                output_dir=tmp_path / "out", logger=logging.getLogger("t"),
+                                tick=ticks.append, tick_s=0.3)
+    assert code == 0 and len(ticks) >= 6, ticks
+    later = ticks[3:]  # past the interpreter's own start-up, which computes
+    if work == "compute":
+        assert sum(later) >= len(later) - 1, ticks
+    else:
+        assert not any(later), ticks
+
+
 @pytest.mark.parametrize("status", [0, 3])
 def test_a_conversion_reports_progress_in_lines_and_its_last_output_when_it_fails(
         tmp_path, monkeypatch, caplog, status):

@@ -489,8 +489,8 @@ class Trainer:
         The conversion may take longer than ``train.startup_timeout_s`` (minutes on a large
         model): the ranks do not wait for it in one collective but in a beat, a small
         all-reduce every few seconds through which rank 0 says whether the conversion moved
-        (wrote or printed anything) since the last one. Each rank's watchdog is told of that
-        progress, so only a conversion that stops moving counts as a hang: rank 0's watchdog
+        (wrote, printed or computed anything) since the last one. Each rank's watchdog is told
+        of that progress, so only a conversion that stops moving counts as a hang: rank 0's watchdog
         ends it after half the timeout without progress, and the waiting ranks' beat then fails
         in one line.
 
