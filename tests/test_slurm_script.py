@@ -805,6 +805,9 @@ def test_eval_script_runs_one_process_per_gpu_of_the_job(tmp_path):
     assert rc == 0, output[-3000:]
     assert len(calls) == 1 and "-m tape_train.cluster.torchrun --standalone " \
         "--nproc_per_node=2 -m tape_train.eval.cli --checkpoint run" in calls[0]
+    # The step asks for the node's 2 GPUs (a job's --gpus-per-task=1 would give it one).
+    assert calls[0].startswith("srun --export=ALL --ntasks=1 --cpus-per-task=") \
+        and " --gpus-per-node=2 " in calls[0], calls
     assert "2 process(es), gpus_per_node=2 OMP_NUM_THREADS=2" in output
     report = json.loads((tmp_path / "run" / "eval" / "eval.json").read_text())
     assert report["settings"]["world_size"] == 2 and output.count("| model |") == 1
@@ -858,7 +861,7 @@ def test_torchrun_stopped_by_a_signal_says_so_in_one_line(tmp_path, sig, name):
 def test_eval_script_on_a_cpu_node_runs_one_process_and_reports_failures(tmp_path):
     rc, calls, output = run_eval_script(tmp_path, ["--checkpoint", "run"], srun=FAILING_SRUN)
     assert rc == 3 and "evaluation failed (exit 3)" in output
-    assert len(calls) == 1 and "torchrun" not in calls[0]
+    assert len(calls) == 1 and "torchrun" not in calls[0] and "--gpus" not in calls[0]
     assert calls[0].endswith("-c import sys; from tape_train.eval.cli import main; "
                              "sys.exit(main()) --checkpoint run")
     rc, calls, output = run_eval_script(tmp_path, ["--checkpoint", "run"], TAPE_GPUS_PER_NODE="a")
