@@ -20,6 +20,8 @@ import platform
 from collections.abc import Callable
 from pathlib import Path
 
+from tape_train.files import write_atomic
+
 CACHE_ENV = "TAPE_TRAIN_CACHE_DIR"
 # /proc/cpuinfo flags that decide how fast bf16 and fp32 GEMMs can be.
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -149,11 +151,8 @@ def cached(name: str, key: str, measure: Callable[[], float], keep: bool = True
     if not keep:
         return value, False
     table[full_key] = value
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+    try:  # a failed write (a full disk) leaves the old table and no temporary file
+        write_atomic(path, json.dumps(table, indent=1, sort_keys=True))
     except OSError:
         pass
     return value, False

@@ -99,6 +99,42 @@ def test_measurements_are_cached_per_machine_key(monkeypatch):
     assert len(calls) == 3 + 1
 
 
+def test_a_failed_write_of_the_cache_keeps_its_table_and_leaves_no_temporary_file(monkeypatch):
+    """A full disk while the table is written: the value is still returned, the old table
+    stays whole and nothing is left beside it (a .tmp<pid> file stayed before)."""
+    import builtins
+    import errno
+
+    machine_cache.cached("x", "before", lambda: 0.25)
+    path = machine_cache.cache_dir() / "measurements.json"
+    before = path.read_bytes()
+    real_open = builtins.open
+
+    class FullDisk:
+        def __init__(self, fh):
+            self.fh = fh
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def full_open(file, mode="r", *args, **kwargs):
+        fh = real_open(file, mode, *args, **kwargs)
+        return FullDisk(fh) if "w" in mode and "measurements" in str(file) else fh
+
+    monkeypatch.setattr(builtins, "open", full_open)
+    assert machine_cache.cached("x", "after", lambda: 0.5) == (0.5, False)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in path.parent.iterdir() if "measurements" in p.name) \
+        == ["measurements.json"]
+
+
 def _no_home(monkeypatch):
     """No HOME and a user id the password database lacks (a container started with --user)."""
     import pwd
