@@ -607,6 +607,22 @@ def test_tape_submit_refuses_an_empty_log_dir(tmp_path, capsys):
                  str(tmp_path / "logs")]) == 0
 
 
+@pytest.mark.parametrize("label", ["", "  ", "a|b", "two\nlines"])
+def test_tape_eval_refuses_a_label_that_cannot_name_a_row(tmp_path, capsys, label):
+    """A blank --label (an unset shell variable) made a nameless row and legend entry; one
+    with '|' broke the Markdown table. Refused before any checkpoint is read; a plain one is
+    not (the checkpoint that does not exist is the next error: the positive control)."""
+    from tape_train.eval.cli import main as eval_main
+
+    missing = str(tmp_path / "nowhere")
+    assert eval_main(["--checkpoint", missing, "--label", label, "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"tape-eval: error: --label {label!r}: a name must be one line"), err
+    assert eval_main(["--checkpoint", missing, "--label", "TAPE 1", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "--label" not in err and "nowhere" in err, err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--eval-after", "--eval-arg=--max-tokens=-5"],
      "tape-eval --max-tokens=-5: --max-tokens must be a positive integer or 'all'"),

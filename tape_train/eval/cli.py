@@ -117,6 +117,11 @@ def _given_settings(args: argparse.Namespace) -> dict:
     if args.label is not None and len(args.label) != len(args.checkpoint):
         raise ValueError(f"--label got {len(args.label)} name(s) for {len(args.checkpoint)} "
                          f"checkpoint(s): give one per checkpoint, in the same order")
+    for label in args.label or ():
+        if not label.strip() or "\n" in label or "|" in label:
+            raise ValueError(f"--label {label!r}: a name must be one line, not blank (an unset "
+                             f"shell variable?), without '|' (it names a row of the Markdown "
+                             f"table and a line of the plot's legend)")
     given = {key: getattr(args, option[2:].replace("-", "_"))
              for key, option in OPTION_OF_KEY.items()}
     given = {key: value for key, value in given.items() if value is not None}
