@@ -149,10 +149,23 @@ def read_named_yaml(name_or_path: str, directory: Path, kind: str,
         raise (missing or error)(f"{kind} config {name_or_path!r} {what}"
                                  f"{did_you_mean(given.stem, names)}: looked for {looked}; "
                                  f"named {kind} configs: {', '.join(names)}")
+    corpus = "".join(s for s in path.suffixes if s.lower() in _CORPUS_SUFFIXES)
+    if corpus:
+        raise error(f"{kind} config {name_or_path!r}: a {corpus} file is a corpus, not a {kind} "
+                    f"config (YAML)" + (f"; name it in a data config's sources (`sources: "
+                                        f"[{{path: {name_or_path}}}]`, e.g. configs/data/demo."
+                                        f"yaml), or pass a prepared data directory"
+                                        if kind == "data" else ""))
     data = read_yaml(path, error)[1] or {}
     if not isinstance(data, dict):
         raise error(f"{path}: expected a mapping of keys, got {type(data).__name__}")
     return path, data
+
+
+# What a corpus file given where a YAML config belongs ends with (its read failed with "not
+# valid YAML" on the first record's quote or brace, or parsed a line of text as a string).
+_CORPUS_SUFFIXES = (".jsonl", ".txt", ".text", ".parquet", ".arrow", ".csv", ".tsv",
+                    ".gz", ".zst", ".bz2", ".xz")
 
 
 def check_field_types(obj: Any, section: str, error: type[Exception] = ValueError) -> None:

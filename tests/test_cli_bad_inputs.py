@@ -607,6 +607,27 @@ def test_tape_submit_refuses_an_empty_log_dir(tmp_path, capsys):
                  str(tmp_path / "logs")]) == 0
 
 
+@pytest.mark.parametrize("name", ["train.jsonl", "corpus.jsonl.gz", "part-0.parquet"])
+def test_a_corpus_file_given_as_the_data_config_is_named_as_such(tmp_path, capsys, name):
+    """`tape-eval --data train.jsonl` said "not valid YAML" at the first record's brace (or
+    read a text line as a string): the corpus is named as one, with where it belongs. A JSON
+    or YAML config file is still a config (the positive control)."""
+    from tape_train.data import DataError, load_data_config
+    from tape_train.eval.cli import main as eval_main
+
+    corpus = tmp_path / name
+    corpus.write_text('{"text": "a document"}\n')
+    with pytest.raises(DataError, match=rf"data config '{corpus}': a \.\S+ file is a corpus, "
+                                        rf"not a data config \(YAML\); name it in a data "
+                                        rf"config's sources"):
+        load_data_config(str(corpus))
+    assert eval_main(["--checkpoint", str(tmp_path), "--data", str(corpus), "--no-progress"]) == 1
+    assert "is a corpus, not a data config" in capsys.readouterr().err
+    config = tmp_path / "data.json"
+    config.write_text('{"sources": [{"path": "%s"}], "tokenizer": "t.model"}' % corpus)
+    assert load_data_config(str(config)).sources[0].path == str(corpus)
+
+
 @pytest.mark.parametrize("label", ["", "  ", "a|b", "two\nlines"])
 def test_tape_eval_refuses_a_label_that_cannot_name_a_row(tmp_path, capsys, label):
     """A blank --label (an unset shell variable) made a nameless row and legend entry; one
