@@ -593,6 +593,7 @@ def test_requeue_guard_counts_restarts_without_a_new_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("progress", [False, True])
 def test_job_stops_requeueing_after_restarts_without_progress(tmp_path, progress):
     bin_dir = _fake_slurm_bin(tmp_path)

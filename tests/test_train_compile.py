@@ -109,6 +109,7 @@ def _eager_then_compiled(run_dir: str) -> dict:
 
 @needs_cxx
 @pytest.mark.distributed
+@pytest.mark.integration
 def test_compiled_training_with_zero3_and_checkpointing_matches_eager(tmp_path):
     out = run_distributed_test(_eager_then_compiled, world_size=1, args=(str(tmp_path),),
                                timeout=600)[0]

@@ -408,6 +408,7 @@ def test_slow_but_progressing_ranks_are_not_ended(slow_reference):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.integration
 def test_stuck_and_stopped_ranks_end_the_run_and_the_rerun_continues_exactly(
         tmp_path, slow_reference):
     run_dir = tmp_path / "run"

@@ -194,6 +194,7 @@ def _train_groups(cpu_adam: bool, decay_embeddings: bool = True, steps: int = 4)
     return opt, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.integration  # builds DeepSpeed's cpu_adam op: minutes of C++
 def test_cpu_adam_is_the_same_adamw_on_the_same_groups():
     _cpu_adam_or_skip()
     opt, ours = _train_groups(cpu_adam=True)
@@ -206,6 +207,7 @@ def test_cpu_adam_is_the_same_adamw_on_the_same_groups():
     assert float((ours["embed.weight"] - wrong["embed.weight"]).abs().max()) > 1e-4
 
 
+@pytest.mark.integration  # builds DeepSpeed's cpu_adam op: minutes of C++
 def test_cpu_adam_skips_while_flagged_and_loads_a_torch_adamw_state():
     import torch
 
