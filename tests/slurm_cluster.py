@@ -403,10 +403,11 @@ class SlurmCluster:
             "SchedulerParameters=bf_interval=1,sched_interval=2",
             "SlurmdParameters=config_overrides",
             "KillWait=5",
-            # Job records kept for the cluster's life (0: never purged): a module run of 40 min
-            # on a loaded machine outlived MinJobAge=600, and a test waiting for an early job
-            # that had ended long before polled a job id the controller had forgotten.
-            "MinJobAge=0",
+            # Job records kept for 2 h, the longest module run and more: one of 40 min on a
+            # loaded machine outlived MinJobAge=600, and a test waiting for an early job that
+            # had ended long before polled a job id the controller had forgotten. (22.05 reads
+            # 0, "never purge" in its manual, as "must be at least 2": purged after 2 s.)
+            "MinJobAge=7200",
             "ReturnToService=2",
             "JobRequeue=1",
             "MailProg=/bin/true",

@@ -1069,7 +1069,7 @@ def test_a_suspended_job_runs_on_and_a_downed_node_requeues_it(cluster, corpus, 
     # A node set DOWN requeues every job on it: the two jobs get two nodes each, and the
     # earlier training jobs have ended (they have, when the whole module runs).
     for job_id, *_ in training_jobs.values():
-        cluster.wait_for_job(job_id, timeout=300)  # records are never purged (MinJobAge=0)
+        cluster.wait_for_job(job_id, timeout=300)  # records are kept (MinJobAge=7200)
     monkeypatch.setenv("SLURM_CONF", str(cluster.conf_path))
     (tmp_path / "slow_trainer.py").write_text(SLOW_TRAINER)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(REPO_ROOT)]))
