@@ -204,6 +204,75 @@ print("finished", flush=True)
 """
 
 
+@pytest.mark.parametrize("fixed", [True, False])
+def test_a_stop_right_after_the_arm_before_the_watchdog_ran_is_given_back(monkeypatch, caplog,
+                                                                        fixed):
+    """SIGSTOP in the instant after `arm()`, before the watchdog thread woke for the new phase
+    (CI: the test above, stopped 4 s under a 2 s allowance, was ended as stuck): that wake is
+    late too, due at the phase's start. The stop is a jump of the watchdog's clock made while
+    `arm()` still holds the lock, so the thread's first look comes after it, every time; the
+    trainer's thread uses no CPU meanwhile, as a stopped one. Without the fix (the negative
+    control: the wake is judged from the phase's start with no stop detection) the phase is
+    overrun at once."""
+    import logging
+    import time as real_time
+
+    from tape_train.train import watchdog as wd
+
+    offset = [0.0]
+
+    class Clock:
+        def __getattr__(self, name):
+            return getattr(real_time, name)
+
+        @staticmethod
+        def monotonic():
+            return real_time.monotonic() + offset[0]
+
+    overruns = []
+
+    def overrun(self, phase):  # recorded, and the phase ended, instead of ending the process
+        overruns.append(phase.name)
+        self._phase = None
+
+    monkeypatch.setattr(wd, "time", Clock())
+    monkeypatch.setattr(wd.Watchdog, "_overrun", overrun)
+    caplog.set_level(logging.INFO, logger=wd.log.name)
+    watchdog = wd.Watchdog(2)
+    deadline = real_time.monotonic() + 10
+    while watchdog._thread.is_alive() and real_time.monotonic() < deadline:
+        with watchdog._cond:  # until the thread waits for a phase (it holds the lock till then)
+            if watchdog._cond._waiters:
+                break
+        real_time.sleep(0.01)
+    real_cond = watchdog._cond
+
+    class StoppedInArm:  # arm() takes the lock, sets the phase, notifies: stopped right there
+        def __enter__(self):
+            return real_cond.__enter__()
+
+        def __exit__(self, *exc):
+            return real_cond.__exit__(*exc)
+
+        def notify(self):
+            offset[0] += 4.0  # twice the allowance
+            real_cond.notify()
+
+    if not fixed:
+        monkeypatch.setattr(wd, "STOPPED_GAP_S", float("inf"))
+    watchdog._cond = StoppedInArm()
+    watchdog.arm("step 9", 4.0, "train.collective_timeout_s")  # 2 s allowance
+    watchdog._cond = real_cond
+    real_time.sleep(0.5)
+    watchdog.disarm()
+    watchdog.close()
+    if fixed:
+        assert overruns == [], caplog.text
+        assert "rank 2: this process did not run for 4 s" in caplog.text
+    else:
+        assert overruns and overruns[0] == "step 9"
+
+
 @pytest.mark.parametrize("cpu_time", [True, False])
 def test_a_trainer_that_holds_the_gil_is_not_taken_for_a_stopped_one(tmp_path, cpu_time):
     """The watchdog's wake also comes late when the trainer's thread holds the GIL for seconds

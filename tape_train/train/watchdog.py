@@ -93,6 +93,7 @@ class _Phase:
     key: str              # the config key that sets it
     started: float
     warned: bool = False
+    cpu_started: float = 0.0  # the trainer thread's CPU seconds when it was armed
 
     @property
     def budget_s(self) -> float:
@@ -136,7 +137,8 @@ class Watchdog:
         """Start phase ``name``: it may take ``timeout_s / 2`` on this rank."""
         now = time.monotonic()
         with self._cond:
-            self._phase = self._last = phase = _Phase(name, timeout_s, key, now)
+            self._phase = self._last = phase = _Phase(name, timeout_s, key, now,
+                                                      cpu_started=self._trainer_cpu_s())
             self._cond.notify()
         # Backstop for a hang that holds the GIL (the thread above cannot run then): a C
         # thread dumps the stacks and exits once even the waiting allowance is over.
@@ -192,6 +194,11 @@ class Watchdog:
                 phase = self._phase
                 if phase is None:
                     self._cond.wait()
+                    if self._phase is not None:
+                        # Woken by arm(): this wake was due when the phase started. A process
+                        # stopped between the two (SIGSTOP right after the arm, before this
+                        # thread ran) is a late wake like any other, not a stuck phase.
+                        due, cpu_before, wait = self._phase.started, self._phase.cpu_started, 0.0
                     continue
                 remaining = phase.deadline() - now
                 if remaining > 0:
