@@ -155,3 +155,110 @@ def test_a_model_far_too_large_is_refused_before_it_is_built_and_traced(monkeypa
         "alone: does not fit" in problem, problem
     monkeypatch.undo()
     assert memory_problems(2) == []  # control: a model that fits is traced as before
+
+
+_EVAL_FORWARD = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from memory_utils import high_water_bytes, rss_bytes
+from tape_train.config import load_run_config
+from tape_train.model import TransformerLM
+cfg = load_run_config(None, ["model.base=tiny"]).model
+torch.manual_seed(0)
+model = TransformerLM(cfg).eval()
+ids = torch.randint(0, cfg.vocab_size, ({batch}, {length}))
+with torch.no_grad():
+    model(ids[:1, :64], labels=ids[:1, :64])  # thread pools and kernels up: not the batch's
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    base = rss_bytes()
+    model(ids, labels=ids)
+    print(high_water_bytes() - base)
+"""
+
+
+def test_the_evaluation_forward_estimate_against_a_measured_forward():
+    """``eval_forward_bytes`` against the resident peak of the real no-grad forward with labels
+    (the evaluation's call), TAPE, ``tiny``, fp32, 4 windows of 1024 tokens, in a fresh
+    process (one thread: the measurement does not depend on the load). Negative control:
+    the estimate for a quarter of the batch is outside the tolerance."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from tape_train.train.memory import eval_forward_bytes
+
+    batch, length = 4, 1024
+    code = _EVAL_FORWARD.format(tests=str(ROOT / "tests"), batch=batch, length=length)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    measured = int(out.stdout.split()[-1])
+    cfg = load_run_config(None, ["model.base=tiny"]).model
+    estimate = eval_forward_bytes(cfg, batch, length, torch.float32)
+    assert 0.9 <= estimate / measured <= 1.5, (estimate, measured)
+    quarter = eval_forward_bytes(cfg, batch // 4, length, torch.float32)
+    assert not 0.9 <= quarter / measured <= 1.5, (quarter, measured)
+
+
+def _eval_plan(overrides: list[str], gb: float):
+    from tape_train.train.preflight import run_preflight
+
+    cfg = load_run_config(None, ["model=tiny", "train.device=cpu", "train.dtype=fp32",
+                                 "train.synthetic_data=true", "train.seq_len=256",
+                                 "train.micro_batch_size=2", *overrides])
+    return run_preflight(cfg, world_size=1, check_data=False, check_eval=False,
+                         check_resume=False, device_memory_gb=gb)
+
+
+def test_a_scheduled_evaluation_that_does_not_fit_is_refused_at_start_up():
+    """The steps fit and the evaluation (8 windows of 8 x 256 tokens by default) does not: the
+    run would have ended at its first evaluation, eval.interval steps in. Controls: no
+    scheduled evaluation, or a smaller eval.batch_size, and the same memory is no problem."""
+    cfg = load_run_config(None, ["model=tiny", "train.dtype=fp32", "train.seq_len=256",
+                                 "train.micro_batch_size=2", "eval.interval=100",
+                                 "eval.batch_size=8"])
+    est = estimate_memory(cfg, 1)
+    assert est.evaluation.length == 2048 and est.evaluation.batch == 8
+    assert est.evaluation.total_bytes > est.total_bytes
+    between = (est.total_bytes + est.evaluation.total_bytes) / 2 / 1e9
+    refused = _eval_plan(["eval.interval=100", "eval.batch_size=8"], between)
+    [problem] = [p for p in refused.problems if "memory" in p]
+    assert problem.startswith("memory for the scheduled evaluation (eval.batch_size=8 windows "
+                              "of 2048 tokens, the longest of eval.lengths): 1 rank(s) on "
+                              "this node need ~"), problem
+    assert problem.endswith("does not fit; lower eval.batch_size or the longest of "
+                            "eval.lengths"), problem
+    assert not [p for p in _eval_plan(["eval.interval=0"], between).problems if "memory" in p]
+    small = _eval_plan(["eval.interval=100", "eval.batch_size=1"], between)
+    assert not [p for p in small.problems if "memory" in p]
+    assert any(line.startswith("memory for the scheduled evaluation (eval.batch_size=1 ")
+               for line in small.lines)
+
+
+def test_an_out_of_memory_in_an_evaluation_names_eval_batch_size(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+
+    from tape_train.train.loop import Trainer
+
+    def said(phase: str) -> str:
+        fake = SimpleNamespace(
+            watchdog=SimpleNamespace(phase=(phase, 0.0)),
+            dist=SimpleNamespace(device=torch.device("cpu")),
+            profiler=SimpleNamespace(after_out_of_memory=lambda step, where: None),
+            state=SimpleNamespace(step=7),
+            cfg=SimpleNamespace(eval=SimpleNamespace(batch_size=6),
+                                profile=SimpleNamespace(enabled=False, memory_snapshot=False)))
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="tape_train"):
+            Trainer._out_of_memory(fake)
+        return caplog.records[-1].getMessage()
+
+    line = said("the evaluation at step 7")
+    assert "in the evaluation at step 7; an evaluation forward holds eval.batch_size=6 " \
+           "windows of the longest of eval.lengths: lower eval.batch_size" in line, line
+    assert "eval.batch_size" not in said("step 8")  # control: a training step's

@@ -1059,6 +1059,10 @@ class Trainer:
                                                                     and profile.memory_snapshot):
             hint = (" (profile.enabled=true profile.memory_snapshot=true records a memory "
                     "snapshot of the next one: docs/training.md, \"Profiling a run\")")
+        if "evaluation" in where:
+            hint += (f"; an evaluation forward holds eval.batch_size={self.cfg.eval.batch_size} "
+                     f"windows of the longest of eval.lengths: lower eval.batch_size (the "
+                     f"dry run's memory plan has a line for the scheduled evaluation)")
         log.error("out of memory on %s in %s%s", device or "the device", where, hint)
 
 

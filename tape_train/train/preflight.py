@@ -740,6 +740,25 @@ def _plan_memory(cfg, world_size: int, device_type: str, ranks_per_node: int,
         report.info(line)
         if need > 0.9 * have:
             report.warn(f"{line}: above 90 % of the device")
+    if est.evaluation is not None:
+        _plan_eval_memory(est.evaluation, per_node, who, have, source, report)
+
+
+def _plan_eval_memory(ev, per_node: int, who: str, have: int, source: str,
+                      report: Report) -> None:
+    """The scheduled evaluation beside the model states: refused like a step that does not
+    fit, at start-up rather than at the first ``eval.interval`` hours later."""
+    need = ev.total_bytes * per_node
+    line = (f"memory for the scheduled evaluation (eval.batch_size={ev.batch} windows of "
+            f"{ev.length} tokens, the longest of eval.lengths): {who} ~{need / GIB:.2f} GiB of "
+            f"{have / GIB:.2f} GiB ({source})")
+    if need > have:
+        report.problem(f"{line}: does not fit; lower eval.batch_size or the longest of "
+                       f"eval.lengths")
+    elif need > 0.9 * have:
+        report.warn(f"{line}: above 90 % of the device")
+    else:
+        report.info(line)
 
 
 def planning_peak_tflops(cfg, device_type: str, gpu_name: str | None = None,
