@@ -157,11 +157,14 @@ def _flip(path: Path) -> None:
 
 DAMAGE = {
     "flipped weights": (lambda d: _flip(d / "model.safetensors"),
-                        "model.safetensors is damaged: xxh3_64"),
+                        r"model.safetensors: tensor \S+ differs from the exported one \(sha256"),
     "flipped tokenizer": (lambda d: _flip(d / "tokenizer.model"),
-                          "tokenizer.model is damaged: xxh3_64"),
+                          "tokenizer.model: its sha256 differs from the exported file's"),
     "truncated weights": (lambda d: (d / "model.safetensors").write_bytes(
-        (d / "model.safetensors").read_bytes()[:5000]), "model.safetensors is damaged"),
+        (d / "model.safetensors").read_bytes()[:5000]),
+        r"model.safetensors: cut short at 5000 of \d+ bytes: tensor \S+ ends past the end"),
+    "tokenizer gone": (lambda d: (d / "tokenizer.model").unlink(),
+                     r"tokenizer.model: missing \(export.json lists it"),
     "garbled config": (lambda d: (d / "config.json").write_text("{"),
                        "config.json: not valid JSON"),
     "config a list": (lambda d: (d / "config.json").write_text("[1]"),
@@ -171,9 +174,9 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_damaged_export_is_named_instead_of_loaded(tmp_path, damage):
-    """export.json records the xxh3 of the weights and the tokenizer: bytes changed on disk
-    are refused naming the file (they used to load and generate silently); a garbled config
-    or a cut safetensors file is one line naming it, not a traceback."""
+    """export.json records the sha256 of every file and of every tensor: bytes changed on disk
+    are refused naming the file and the tensor (they used to load and generate silently); a
+    garbled config or a cut safetensors file is one line naming it, not a traceback."""
     from tape_train.inference.generate import main as generate
     from tape_train.loading import load_model
 
@@ -197,13 +200,30 @@ def test_exports_without_checksums_still_load_and_a_cut_one_is_named(tmp_path):
     model = small_model("rope", dtype=torch.float32)
     out = save_pretrained(model.state_dict(), model.cfg, tmp_path / "export")
     info = json.loads((out / "export.json").read_text())
-    assert set(info["checksums"]) == {"model.safetensors"}  # no tokenizer given
-    del info["checksums"], info["checksum"]
+    assert set(info["integrity"]["files"]) == {"model.safetensors", "config.json"}
+    del info["integrity"]
     (out / "export.json").write_text(json.dumps(info))
     from_pretrained(out)
     weights = out / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:5000])
     with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file"):
+        from_pretrained(out)
+
+
+def test_exports_with_the_earlier_xxh3_checksums_are_still_checked(tmp_path):
+    """Exports written before the integrity record carry the xxh3 of their weights."""
+    from tape_train.checkpoint_layout import file_checksum
+
+    model = small_model("rope", dtype=torch.float32)
+    out = save_pretrained(model.state_dict(), model.cfg, tmp_path / "export")
+    info = json.loads((out / "export.json").read_text())
+    del info["integrity"]
+    info.update(checksum="xxh3_64",
+                checksums={"model.safetensors": file_checksum(out / "model.safetensors")})
+    (out / "export.json").write_text(json.dumps(info))
+    from_pretrained(out)
+    _flip(out / "model.safetensors")
+    with pytest.raises(ValueError, match="model.safetensors is damaged: xxh3_64"):
         from_pretrained(out)
 
 

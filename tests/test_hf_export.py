@@ -124,8 +124,8 @@ def test_padded_batches_give_each_rows_own_logits(exports, pe):
 @pytest.mark.slow
 def test_remote_code_loads_without_tape_train(exports):
     _, path = exports["tape"]
-    for name in REMOTE_FILES:
-        assert "tape_train" not in (REMOTE_CODE_DIR / name).read_text().replace(
+    for name in REMOTE_FILES:  # as the export holds them
+        assert "tape_train" not in (path / name).read_text().replace(
             "tape-train", "")
     code = ("import sys; sys.modules['tape_train'] = None\n"
             "import torch, transformers\n"
@@ -230,6 +230,9 @@ def test_exports_in_directories_of_one_name_run_their_own_remote_code(tmp_path):
                                                  .read_text())
     with open(older / "modeling_tape.py", "a") as fh:
         fh.write("\nTapeForCausalLM.older_code = True\n")
+    info = json.loads((older / "export.json").read_text())
+    del info["integrity"]  # nor had it the record of its files
+    (older / "export.json").write_text(json.dumps(info))
     newer = save_hf(model.state_dict(), model.cfg, tmp_path / "b" / "export")
     first, second = _load(older), _load(newer)
     assert getattr(first, "older_code", False)
@@ -265,3 +268,129 @@ def test_loss_honours_num_items_in_batch_as_llama_does(exports):
             torch.testing.assert_close(hf(input_ids=x, labels=labels[1]).loss,
                                        nll[-2 * 11:][labels[1][:, 1:].flatten() != -100].mean(),
                                        rtol=1e-5, atol=0)
+
+
+def _tensor_span(path: Path, name: str) -> tuple[int, int]:
+    """(start, end) byte offsets of tensor ``name``'s data in the safetensors file."""
+    import struct
+
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    begin, end = json.loads(raw[8:8 + length])[name]["data_offsets"]
+    return 8 + length + begin, 8 + length + end
+
+
+def _remove_tensor(path: Path, name: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path))
+    del state[name]
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def _flip_in_tensor(path: Path, name: str) -> None:
+    start, end = _tensor_span(path, name)
+    data = bytearray(path.read_bytes())
+    data[(start + end) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _cut_in_tensor(path: Path, name: str) -> None:
+    start, end = _tensor_span(path, name)
+    path.write_bytes(path.read_bytes()[:(start + end) // 2])
+
+
+_DAMAGED_TENSOR = "layers.1.attn.k_proj.weight"
+HF_DAMAGE = {  # what is done to the export, what the error must say
+    "tensor removed": (lambda d: _remove_tensor(d / "model.safetensors", _DAMAGED_TENSOR),
+                       rf"model.safetensors: tensor {_DAMAGED_TENSOR} is missing"),
+    "tensor bytes changed": (lambda d: _flip_in_tensor(d / "model.safetensors", _DAMAGED_TENSOR),
+                             rf"model.safetensors: tensor {_DAMAGED_TENSOR} differs from the "
+                             rf"exported one"),
+    "file cut short": (lambda d: _cut_in_tensor(d / "model.safetensors", _DAMAGED_TENSOR),
+                       rf"model.safetensors: cut short at \d+ of \d+ bytes: tensor "
+                       rf"{_DAMAGED_TENSOR} ends past the end"),
+    "weights emptied": (lambda d: (d / "model.safetensors").write_bytes(b""),
+                        r"model.safetensors: 0 bytes, too short to be a safetensors file"),
+    "weights garbage": (lambda d: (d / "model.safetensors").write_bytes(os.urandom(4096)),
+                        r"model.safetensors: cut short, its safetensors header"),
+    "tokenizer file gone": (lambda d: (d / "tokenizer.json").unlink(),
+                            r"tokenizer.json: missing \(export.json lists it"),
+}
+
+
+def _fresh_hf_export(root: Path, pe: str, tokenizer) -> Path:
+    model = small_model(pe, dtype=torch.float32, vocab_size=tokenizer.vocab_size)
+    return save_hf(model.state_dict(), model.cfg, root / pe, tokenizer=tokenizer.path)
+
+
+@pytest.mark.parametrize("damage", list(HF_DAMAGE))
+def test_a_damaged_hf_export_is_refused_naming_the_file_and_tensor(tmp_path, tok, damage):
+    """transformers alone loads an export missing a tensor (or with a cut or changed one)
+    with that tensor at random and a warning; the remote code checks export.json's record
+    first and refuses it, naming the file and the tensor. Negative control: the intact
+    export loads and computes what the saved model computes."""
+    out = _fresh_hf_export(tmp_path, "tape", tok)
+    reference = _load(out)(input_ids=tokens(vocab=97)).logits  # intact: loads
+    change, message = HF_DAMAGE[damage]
+    change(out)
+    with pytest.raises(ValueError, match=message) as err:
+        _load(out)
+    assert str(out) in str(err.value)
+    if damage == "tensor bytes changed":  # what loading it would have computed
+        from safetensors.torch import load_file
+
+        state = load_file(str(out / "model.safetensors"))
+        model = small_model("tape", dtype=torch.float32, vocab_size=tok.vocab_size)
+        model.load_state_dict(state, strict=False)
+        assert (model(tokens(vocab=97)).logits - reference).abs().max() > 0
+
+
+def test_an_hf_export_without_an_integrity_record_loads_with_a_warning(tmp_path, tok, caplog):
+    out = _fresh_hf_export(tmp_path, "tape", tok)
+    info = json.loads((out / "export.json").read_text())
+    del info["integrity"]
+    (out / "export.json").write_text(json.dumps(info))
+    _flip_in_tensor(out / "model.safetensors", _DAMAGED_TENSOR)  # nothing to compare it with
+    with caplog.at_level("WARNING"):
+        _load(out)
+    assert "no integrity record in export.json" in caplog.text
+
+
+@pytest.mark.parametrize("pe", ["rope", "tape"])
+def test_export_check_script_shipped_in_every_hf_export(tmp_path, tok, pe):
+    """A RoPE export loads as transformers' own LlamaForCausalLM, which checks nothing: the
+    export carries export_check.py, run by hand (torch, transformers and tape-train aside)."""
+    out = _fresh_hf_export(tmp_path, pe, tok)
+    script = out / "export_check.py"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def check():
+        return subprocess.run([sys.executable, "-I", str(script), str(out)], capture_output=True,
+                              text=True, env=env, cwd=tmp_path, timeout=60)
+
+    ok = check()
+    assert ok.returncode == 0 and "every file matches export.json" in ok.stdout, ok.stderr
+    name = "model.layers.1.self_attn.k_proj.weight" if pe == "rope" else _DAMAGED_TENSOR
+    _flip_in_tensor(out / "model.safetensors", name)
+    bad = check()
+    assert bad.returncode == 1
+    assert bad.stderr.strip() == (
+        f"error: {out / 'model.safetensors'}: tensor {name} differs from the exported one "
+        f"{bad.stderr.split('exported one ', 1)[1].strip()}")
+    assert "Traceback" not in bad.stderr
+
+
+def test_settings_users_edit_are_not_damage(tmp_path, tok):
+    """config.json and generation_config.json are edited on purpose (use_cache, sampling
+    defaults): only their presence is checked, their parsers and the weights' shapes do the
+    rest. Control: the same export with a deleted generation_config.json is refused."""
+    out = _fresh_hf_export(tmp_path, "tape", tok)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "use_cache": False}, indent=1))
+    generation = out / "generation_config.json"
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), "top_p": 0.5}))
+    assert _load(out).config.use_cache is False
+    generation.unlink()
+    with pytest.raises(ValueError, match=r"generation_config.json: missing"):
+        _load(out)

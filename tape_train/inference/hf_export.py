@@ -19,11 +19,14 @@ import torch
 
 from tape_train.model.config import ModelConfig
 from tape_train.model.pretrained import (CONFIG, PROVENANCE, TOKENIZER, WEIGHTS, cast_state,
-                                         export_checksums, save_weights,
+                                         export_integrity, save_weights,
                                          write_dir_atomically)
 
 REMOTE_CODE_DIR = Path(__file__).resolve().parent / "hf_remote"
-REMOTE_FILES = ("configuration_tape.py", "modeling_tape.py")
+REMOTE_FILES = ("configuration_tape.py", "modeling_tape.py", "export_check.py")
+# Copied into every --hf export, RoPE's plain Llama too: `python export_check.py DIR` checks it.
+CHECK_FILE = "export_check.py"
+CHECK_SOURCE = Path(__file__).resolve().parents[1] / CHECK_FILE  # tape_train/export_check.py
 
 
 def hf_architecture(cfg: ModelConfig) -> str:
@@ -53,15 +56,18 @@ def _tape_config(cfg: ModelConfig) -> dict:
 
 def write_remote_code(out_dir: Path) -> None:
     """Copy the remote code into ``out_dir``; configuration_tape.py ends with the sha256 of
-    modeling_tape.py. transformers keys the config class it loads by that file's bytes and
-    directory name alone and maps a known config class to the model class loaded first, so
+    modeling_tape.py and export_check.py. transformers keys the config class it loads by that
+    file's bytes and directory name alone and maps a known config class to the model class loaded first, so
     two exports in directories of the same name (``*/export``) with different modelling code
     (an older export) would otherwise both run whichever was loaded first in a process."""
-    modeling = (REMOTE_CODE_DIR / "modeling_tape.py").read_bytes()
-    (out_dir / "modeling_tape.py").write_bytes(modeling)
+    suffix = ""
+    for name, source in (("modeling_tape.py", REMOTE_CODE_DIR / "modeling_tape.py"),
+                         (CHECK_FILE, CHECK_SOURCE)):
+        code = source.read_bytes()
+        (out_dir / name).write_bytes(code)
+        suffix += f"# {name} sha256 {hashlib.sha256(code).hexdigest()}\n"
     (out_dir / "configuration_tape.py").write_text(
-        (REMOTE_CODE_DIR / "configuration_tape.py").read_text()
-        + f"\n# modeling_tape.py sha256 {hashlib.sha256(modeling).hexdigest()}\n")
+        (REMOTE_CODE_DIR / "configuration_tape.py").read_text() + "\n" + suffix)
 
 
 def write_tokenizer_files(out_dir: Path, tokenizer: str | Path | None, cfg: ModelConfig
@@ -116,9 +122,11 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Pat
                           pad_token_id=ids["pad"])
         if arch == "tape":
             write_remote_code(tmp)
+        else:
+            shutil.copyfile(CHECK_SOURCE, tmp / CHECK_FILE)
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / PROVENANCE).write_text(json.dumps({"format": f"hf-{arch}", **(provenance or {}),
-                                                  **export_checksums(tmp)},
+                                                  **export_integrity(tmp)},
                                                  indent=2, default=str) + "\n")
 
     return write_dir_atomically(Path(out_dir), write)

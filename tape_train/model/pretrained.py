@@ -149,31 +149,30 @@ def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
     return out_dir
 
 
-def export_checksums(out_dir: Path) -> dict:
-    """``{"checksum": "xxh3_64", "checksums": {name: digest}}`` of the weights and the
-    sentencepiece model in ``out_dir``, for ``export.json``: ``from_pretrained`` compares them
-    before loading, so bytes changed on disk or in transit are named instead of generating
-    from damaged weights."""
-    from tape_train.checkpoint_layout import CHECKSUM, file_checksum
+def export_integrity(out_dir: Path) -> dict:
+    """``{"integrity": {...}}`` for ``export.json``: the size and sha256 of every file of
+    ``out_dir`` and of every tensor of its safetensors files
+    (``tape_train/export_check.py``, the one place that writes and checks
+    it; it is copied into every ``--hf`` export, whose remote code checks it too)."""
+    from tape_train.export_check import KEY, describe
 
-    names = [n for n in (WEIGHTS, TOKENIZER) if (Path(out_dir) / n).is_file()]
-    return {"checksum": CHECKSUM,
-            "checksums": {n: file_checksum(Path(out_dir) / n) for n in names}}
+    return {KEY: describe(out_dir)}
 
 
 def verify_export(path: Path) -> None:
-    """Raise ``ValueError`` naming the first file of an export that does not match the
-    checksum in its ``export.json`` (exports written before checksums: nothing to compare; a
-    listed file that is absent is left to whoever needs it)."""
+    """Raise ``ValueError`` naming the first file (and tensor) of an export that differs
+    from its ``export.json``. Exports written before the integrity record carry the xxh3 of
+    the weights and the tokenizer (``checksums``), compared instead; those written before
+    checksums, or without ``export.json``, have nothing to compare."""
     from tape_train.checkpoint_layout import CHECKSUM, file_checksum
+    from tape_train.export_check import verify
 
+    if verify(path):
+        return
     try:
         info = json.loads((path / PROVENANCE).read_text())
     except FileNotFoundError:
         return
-    except ValueError as exc:
-        raise ValueError(f"{path / PROVENANCE}: not valid JSON ({exc}); re-export the "
-                         f"model") from exc
     sums = info.get("checksums") if isinstance(info, dict) else None
     if not isinstance(sums, dict):
         return
@@ -212,11 +211,11 @@ def save_pretrained(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: s
         (tmp / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / TOKENIZER)
-        info = {"dtype": str(dtype).removeprefix("torch."), **(provenance or {}),
-                **export_checksums(tmp)}
-        (tmp / PROVENANCE).write_text(json.dumps(info, indent=2, default=str) + "\n")
-        if extra is not None:
+        if extra is not None:  # before export.json: its record covers every file
             extra(tmp)
+        info = {"dtype": str(dtype).removeprefix("torch."), **(provenance or {}),
+                **export_integrity(tmp)}
+        (tmp / PROVENANCE).write_text(json.dumps(info, indent=2, default=str) + "\n")
 
     return write_dir_atomically(Path(out_dir), write)
 
