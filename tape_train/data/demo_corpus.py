@@ -172,7 +172,7 @@ def fetch_demo_packages(cache_dir: Path) -> dict[str, tuple[Path, str]]:
             f"prepare --demo: none of the demo packages (python3.N-doc, "
             f"{', '.join(FIXED_PACKAGES)}) could be downloaded with apt-get; it needs network "
             f"access to Debian's or Ubuntu's archive (--demo-source python needs none)",
-            why="none of its packages could be downloaded from Debian's archive")
+            why="none of the demo packages could be downloaded from the archive")
     if not any(name in debs for name in _PYTHON_DOC_CANDIDATES):
         log.warning("prepare: no python3.N-doc package could be downloaded; skipping it")
     for name in FIXED_PACKAGES:

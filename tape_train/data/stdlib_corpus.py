@@ -77,7 +77,7 @@ def module_files(root: Path) -> list[str]:
             if (name.endswith(".py") and name not in SKIPPED_FILES
                     and not name.startswith("_sysconfigdata")):
                 found.append((relative / name).as_posix())
-    return sorted(found)
+    return found
 
 
 def module_name(relative: str) -> str:
@@ -110,7 +110,7 @@ def _is_code_line(line: str) -> bool:
     try:
         with warnings.catch_warnings():  # "'float' object is not callable" and the like
             warnings.simplefilter("ignore")
-            compile(line, "<line>", "exec")
+            compile(line, "<line>", "exec", ast.PyCF_ONLY_AST)
     except (SyntaxError, ValueError):
         return line.endswith(":") and bool(re.match(r"(if|for|while|def|class|elif|else|try"
                                                      r"|except|with)\b", line))
@@ -138,18 +138,27 @@ def strip_doctests(text: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", "\n".join(kept)).strip()
 
 
-def _string_lines(tree: ast.AST) -> set[int]:
-    """Lines inside multi-line string literals: a ``#`` there is text, not a comment."""
+def _statements(body: list[ast.stmt], prefix: str) -> Iterator[tuple[ast.stmt, str]]:
+    """Every statement of ``body``, nested ones included (not expressions: walking those
+    would take most of the time), with the qualified name of the class or function holding
+    it."""
+    for node in body:
+        yield node, prefix
+        inner = f"{prefix}.{node.name}" if isinstance(node, _TITLED) else prefix
+        for field in ("body", "orelse", "finalbody"):
+            yield from _statements(getattr(node, field, []), inner)
+        for clause in (*getattr(node, "handlers", []), *getattr(node, "cases", [])):
+            yield from _statements(clause.body, inner)
+
+
+def _comment_blocks(source: str, tree: ast.Module) -> Iterator[tuple[int, str]]:
+    """``(first line, text)`` of each run of whole-line comments between statements, ``#``
+    marks removed. Lines inside a simple statement are not comments between statements: a
+    ``#`` line there is inside a string, or remarks on one item of a bracketed literal."""
     inside: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Constant, ast.JoinedStr)) and node.end_lineno != node.lineno:
+    for node, _ in _statements(tree.body, ""):
+        if not hasattr(node, "body") and node.end_lineno > node.lineno:
             inside.update(range(node.lineno + 1, node.end_lineno + 1))
-    return inside
-
-
-def _comment_blocks(source: str, tree: ast.AST) -> Iterator[tuple[int, str]]:
-    """``(first line, text)`` of each run of whole-line comments, ``#`` marks removed."""
-    inside = _string_lines(tree)
     block: list[str] = []
     start = 0
     for number, line in enumerate(source.splitlines() + [""], start=1):
@@ -169,19 +178,9 @@ def _docstrings(tree: ast.Module, name: str) -> Iterator[tuple[int, str, str]]:
     doc = ast.get_docstring(tree, clean=True)
     if doc:
         yield 0, name, doc
-
-    def visit(node: ast.AST, prefix: str) -> Iterator[tuple[int, str, str]]:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, _TITLED):
-                title = f"{prefix}.{child.name}"
-                doc = ast.get_docstring(child, clean=True)
-                if doc:
-                    yield child.lineno, title, doc
-                yield from visit(child, title)
-            elif not isinstance(child, (ast.expr, ast.Lambda)):
-                yield from visit(child, prefix)
-
-    yield from visit(tree, name)
+    for node, prefix in _statements(tree.body, name):
+        if isinstance(node, _TITLED) and (doc := ast.get_docstring(node, clean=True)):
+            yield node.lineno, f"{prefix}.{node.name}", doc
 
 
 def module_document(source: bytes, relative: str) -> str:
