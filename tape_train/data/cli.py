@@ -29,19 +29,20 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tape_train.data.config import DataError, SourceConfig
 from tape_train.data import demo_sources
+from tape_train.data.config import DataError, SourceConfig
 from tape_train.data.corpus import (SHUFFLE_BYTES, DocumentSource, read_complete_manifest,
                                     write_corpus)
 from tape_train.data.formats import (MANIFEST_NAME, SkipLog, hub_shards, open_hub_dataset,
                                      read_documents, resolve_local_shards)
-from tape_train.data.demo_sources import DEFAULT_EVAL_FRACTION, DEMO_SOURCES
+from tape_train.data.demo_sources import DEMO_SOURCES
 from tape_train.data.prepare_scratch import interrupted_scratch, remove_finished_scratch
 from tape_train.hints import empty_out_error, example_on_missing, seed_error
 from tape_train.machine_cache import cache_dir, usable_cpus
 from tape_train.progress import MODES, progress_bar, setup_cli_logging
 
 log = logging.getLogger("tape_train.data")
+EVAL_FRACTION = 0.01  # --eval-fraction's default (demo_sources.EVAL_FRACTION: the stdlib's)
 
 
 def _default_cache_dir() -> Path:
@@ -87,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="training shards (a multiple of your data-parallel sizes; default 16)")
     prep.add_argument("--eval-fraction", type=float, default=None,
                       help=f"fraction of documents held out for evaluation (default "
-                           f"{DEFAULT_EVAL_FRACTION['debian']}; "
-                           f"{DEFAULT_EVAL_FRACTION['python']} for --demo from the Python "
+                           f"{EVAL_FRACTION}; {demo_sources.EVAL_FRACTION['python']} for "
+                           f"--demo from the Python "
                            f"standard library, whose few documents 1 %% would hardly sample)")
     prep.add_argument("--seed", type=int, default=0, help="seed of the shard shuffle (default: 0)")
     prep.add_argument("--cache-dir", type=Path, default=None,
@@ -264,7 +265,7 @@ def _prepare(args: argparse.Namespace) -> int:
         configs = {None: {"inputs": list(args.input), "text_field": args.text_field}}
     for source, config in configs.items():
         eval_fraction = (args.eval_fraction if args.eval_fraction is not None
-                         else DEFAULT_EVAL_FRACTION[source or "debian"])
+                         else demo_sources.EVAL_FRACTION.get(source, EVAL_FRACTION))
         config.update(num_shards=args.num_shards, eval_fraction=eval_fraction, seed=args.seed)
         if args.shuffle_bytes != SHUFFLE_BYTES:
             config.update(shuffle_bytes=args.shuffle_bytes)
