@@ -68,7 +68,9 @@ def python_identity() -> dict:
 
 
 def module_files(root: Path) -> list[str]:
-    """The ``.py`` files read, relative to ``root`` with ``/``, in sorted order."""
+    """The ``.py`` files read, relative to ``root`` with ``/``: a walk in sorted order (each
+    directory's files by name, then its subdirectories by name), whatever order the file
+    system lists them in."""
     found = []
     for directory, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS and not d.startswith("config-"))
