@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README demo (`make demo`): a tiny TAPE language model trained on CPU in a few minutes.
 #
-#   1. demo corpus      tape-data prepare --demo --out data/demo        (Debian docs, ~30 MB)
+#   1. demo corpus      tape-data prepare --demo --out data/demo        (Debian docs via apt,
+#                       ~30 MB; without apt or the archive: this Python's stdlib, ~2.7 MB)
 #   2. tokenizer        tape-tokenizer train ... --out data/demo/tokenizer   (8k BPE)
 #   3. training         launch/local.sh 1 --config configs/train/demo.yaml   (runs/demo)
 #   4. evaluation       tape-eval: perplexity at the run's eval: lengths -> runs/demo/eval

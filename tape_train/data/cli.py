@@ -1,6 +1,7 @@
 """``tape-data``: prepare corpora as JSONL.zst shards + manifest.
 
-    tape-data prepare --demo --out data/demo            # Debian demo corpus (needs apt)
+    tape-data prepare --demo --out data/demo            # demo corpus: Debian's docs via apt,
+                                                        # else this Python's stdlib
     tape-data prepare --input docs/ more/*.jsonl --out data/mine
     tape-data prepare --input docs/ --out data/mine-tok --tokenize --tokenizer tok.model
     tape-data prepare --hub HuggingFaceFW/fineweb-edu --hub-config sample-10BT --out data/fw \\
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -29,17 +29,20 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tape_train.data import demo_sources
 from tape_train.data.config import DataError, SourceConfig
 from tape_train.data.corpus import (SHUFFLE_BYTES, DocumentSource, read_complete_manifest,
                                     write_corpus)
 from tape_train.data.formats import (MANIFEST_NAME, SkipLog, hub_shards, open_hub_dataset,
                                      read_documents, resolve_local_shards)
+from tape_train.data.demo_sources import DEMO_SOURCES
 from tape_train.data.prepare_scratch import interrupted_scratch, remove_finished_scratch
 from tape_train.hints import empty_out_error, example_on_missing, seed_error
 from tape_train.machine_cache import cache_dir, usable_cpus
 from tape_train.progress import MODES, progress_bar, setup_cli_logging
 
 log = logging.getLogger("tape_train.data")
+EVAL_FRACTION = 0.01  # --eval-fraction's default (demo_sources.EVAL_FRACTION: the stdlib's)
 
 
 def _default_cache_dir() -> Path:
@@ -54,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare", help="write JSONL.zst shards + manifest.json")
     what = prep.add_mutually_exclusive_group(required=True)
     what.add_argument("--demo", action="store_true",
-                      help="build the demo corpus from Debian documentation packages")
+                      help="build the demo corpus (--demo-source: Debian's documentation "
+                           "packages, or this Python's standard library)")
     what.add_argument("--input", nargs="+", metavar="PATH",
                       help="local files, directories or globs (.jsonl[.gz|.zst], .parquet, "
                            ".txt/.md/.rst[.gz|.zst]; text files are one document each)")
@@ -62,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a Hugging Face Hub dataset (or a local dataset directory, or a "
                            "datasets builder such as json/parquet with --data-files), streamed "
                            "once with datasets")
+    prep.add_argument("--demo-source", choices=DEMO_SOURCES, default=None,
+                      help="--demo: debian (documentation packages fetched with apt-get; an "
+                           "error without apt), python (docstrings and pydoc topics of the "
+                           "running Python's standard library: no apt, no network), or auto "
+                           "(the default: debian where apt is there and works, else python, "
+                           "with a warning). Their perplexities are not comparable")
     prep.add_argument("--hub-config", default=None, metavar="C",
                       help="dataset configuration of --hub (e.g. en for allenai/c4)")
     prep.add_argument("--split", default=None, help="split of --hub (default train)")
@@ -76,8 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="JSONL/Parquet/Hub field with the text (default: text)")
     prep.add_argument("--num-shards", type=int, default=16,
                       help="training shards (a multiple of your data-parallel sizes; default 16)")
-    prep.add_argument("--eval-fraction", type=float, default=0.01,
-                      help="fraction of documents held out for evaluation (default 0.01)")
+    prep.add_argument("--eval-fraction", type=float, default=None,
+                      help=f"fraction of documents held out for evaluation (default "
+                           f"{EVAL_FRACTION}; {demo_sources.EVAL_FRACTION['python']} for "
+                           f"--demo from the Python "
+                           f"standard library, whose few documents 1 %% would hardly sample)")
     prep.add_argument("--seed", type=int, default=0, help="seed of the shard shuffle (default: 0)")
     prep.add_argument("--cache-dir", type=Path, default=None,
                       help="where downloaded .deb files are kept "
@@ -239,16 +252,23 @@ def _prepare(args: argparse.Namespace) -> int:
     hub = _hub_source(args)
     if args.input:
         _check_out_outside_inputs(args.input, out)
+    if args.demo_source is not None and not args.demo:
+        raise DataError("--demo-source goes with --demo (it chooses the demo corpus's text)")
+    # The config each possible outcome records: --demo-source auto may end as either source.
     if args.demo:
-        config = {"demo": True}
+        configs = {source: demo_sources.demo_config(source)
+                   for source in demo_sources.candidates(args.demo_source or "auto")}
     elif hub is not None:
-        config = {"hub": hub.hub, "hub_config": hub.config, "split": hub.split,
-                  "data_files": hub.data_files, "text_field": hub.text_field}
+        configs = {None: {"hub": hub.hub, "hub_config": hub.config, "split": hub.split,
+                          "data_files": hub.data_files, "text_field": hub.text_field}}
     else:
-        config = {"inputs": list(args.input), "text_field": args.text_field}
-    config.update(num_shards=args.num_shards, eval_fraction=args.eval_fraction, seed=args.seed)
-    if args.shuffle_bytes != SHUFFLE_BYTES:
-        config.update(shuffle_bytes=args.shuffle_bytes)
+        configs = {None: {"inputs": list(args.input), "text_field": args.text_field}}
+    for source, config in configs.items():
+        eval_fraction = (args.eval_fraction if args.eval_fraction is not None
+                         else demo_sources.EVAL_FRACTION.get(source, EVAL_FRACTION))
+        config.update(num_shards=args.num_shards, eval_fraction=eval_fraction, seed=args.seed)
+        if args.shuffle_bytes != SHUFFLE_BYTES:
+            config.update(shuffle_bytes=args.shuffle_bytes)
     tokenizer = None
     workers = usable_cpus() if args.workers is None else args.workers
     if workers <= 0:
@@ -262,11 +282,13 @@ def _prepare(args: argparse.Namespace) -> int:
         from tape_train.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer)
-        config.update(tokenizer_sha256=tokenizer.sha256)
+        for config in configs.values():
+            config.update(tokenizer_sha256=tokenizer.sha256)
     existing = read_complete_manifest(out)
     if existing is not None:  # its scratch is not needed; --force then rebuilds, not re-moves
         remove_finished_scratch(out)
-    if existing is not None and existing.get("config") == config and not args.force:
+    if (existing is not None and existing.get("config") in configs.values()
+            and not args.force):
         splits = existing["splits"]
         print(f"tape-data: {out} is already complete ({splits['train']['documents']} train / "
               f"{splits['eval']['documents']} eval documents); use --force to rebuild")
@@ -277,13 +299,10 @@ def _prepare(args: argparse.Namespace) -> int:
         return 0
     bar = None
     if args.demo:
-        from tape_train.data import demo_corpus
-
-        debs = demo_corpus.fetch_demo_packages(args.cache_dir or _default_cache_dir())
-        documents = functools.partial(demo_corpus.iter_demo_documents, debs)
-        extra = {"packages": {name: version for name, (_, version) in debs.items()}}
-        inputs = {"packages": {name: [version, deb.stat().st_size]
-                               for name, (deb, version) in debs.items()}}
+        demo = demo_sources.open_demo_corpus(args.demo_source or "auto",
+                                             args.cache_dir or _default_cache_dir())
+        config = configs[demo.source]
+        documents, extra, inputs = demo.documents, demo.extra, demo.inputs
     elif hub is not None:
         dataset, facts = open_hub_dataset(hub)
         extra = {"hub": {"name": hub.hub, "config": hub.config, "split": hub.split,
@@ -295,10 +314,12 @@ def _prepare(args: argparse.Namespace) -> int:
     else:
         documents, inputs = _local_documents(args.input, args.text_field, args.skip_bad_records)
         extra = {}
+    if not args.demo:
+        (config,) = configs.values()
     try:
         with _logging_around(bar):
             manifest = write_corpus(documents, out, num_shards=args.num_shards,
-                                    eval_fraction=args.eval_fraction, seed=args.seed,
+                                    eval_fraction=config["eval_fraction"], seed=args.seed,
                                     shuffle_bytes=args.shuffle_bytes, config=config,
                                     extra=extra, tokenizer=tokenizer, workers=workers,
                                     inputs=inputs, fresh=args.fresh)
@@ -306,17 +327,17 @@ def _prepare(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     _print_summary(out, manifest)
-    _warn_thin_splits(out, manifest, args)
+    _warn_thin_splits(out, manifest, config["eval_fraction"])
     return 0
 
 
-def _warn_thin_splits(out: Path, manifest: dict, args) -> None:
+def _warn_thin_splits(out: Path, manifest: dict, eval_fraction: float) -> None:
     """A small corpus written as it was asked, with what that means for training."""
     splits = manifest["splits"]
     train, held_out = splits["train"]["documents"], splits["eval"]["documents"]
-    if held_out == 0 and args.eval_fraction > 0:
+    if held_out == 0 and eval_fraction > 0:
         print(f"tape-data: warning: {out}: no document was held out ({train} documents x "
-              f"--eval-fraction {args.eval_fraction}): training's evaluation needs held-out "
+              f"--eval-fraction {eval_fraction}): training's evaluation needs held-out "
               f"documents (eval.interval > 0): re-run with a larger --eval-fraction, or give the "
               f"run data.eval_sources", file=sys.stderr)
     if 0 < train < splits["train"]["shards"]:

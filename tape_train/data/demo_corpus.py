@@ -43,11 +43,23 @@ def _run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
 
 
+class DemoSourceUnavailable(DataError):
+    """Debian's packages cannot be had here: no apt tools, or none could be downloaded.
+    ``why`` says which in a few words (``--demo-source auto`` names it when it falls back)."""
+
+    def __init__(self, message: str, why: str):
+        super().__init__(message)
+        self.why = why
+
+
 def require_apt() -> None:
     for tool in ("apt-get", "apt-cache", "dpkg-deb"):
         if shutil.which(tool) is None:
-            raise DataError(f"prepare --demo needs {tool} (a Debian/Ubuntu machine); use "
-                            f"`tape-data prepare --input <files>` for other text")
+            raise DemoSourceUnavailable(
+                f"prepare --demo needs {tool} (a Debian/Ubuntu machine); use --demo-source "
+                f"python for the demo corpus from this Python's standard library, or "
+                f"`tape-data prepare --input <files>` for other text",
+                why=f"{tool} not found on PATH")
 
 
 # python3.N-doc for any N here; the newest the archive has is used.
@@ -156,9 +168,11 @@ def fetch_demo_packages(cache_dir: Path) -> dict[str, tuple[Path, str]]:
                      and not (has_python_doc and name in _PYTHON_DOC_CANDIDATES)}
             debs.update(download_packages(fresh, cache_dir, private))
     if not debs:
-        raise DataError(f"prepare --demo: none of the demo packages (python3.N-doc, "
-                        f"{', '.join(FIXED_PACKAGES)}) could be downloaded with apt-get; it "
-                        f"needs network access to Debian's or Ubuntu's archive")
+        raise DemoSourceUnavailable(
+            f"prepare --demo: none of the demo packages (python3.N-doc, "
+            f"{', '.join(FIXED_PACKAGES)}) could be downloaded with apt-get; it needs network "
+            f"access to Debian's or Ubuntu's archive (--demo-source python needs none)",
+            why="none of the demo packages could be downloaded from the archive")
     if not any(name in debs for name in _PYTHON_DOC_CANDIDATES):
         log.warning("prepare: no python3.N-doc package could be downloaded; skipping it")
     for name in FIXED_PACKAGES:
