@@ -715,6 +715,53 @@ def _same_file(fd: int, path: Path) -> bool:
     return (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino)
 
 
+def trained_tokenizer(tag_dir: Path, meta: dict) -> str | None:
+    """The sha256 of the tokenizer ``tag_dir``'s run trained with: saved rank 0's data-loader
+    state (``data.state.recorded_tokenizer``). ``None`` where the checkpoint does not say:
+    synthetic data, a state without it, or one that cannot be read (the loaders name it)."""
+    from tape_train.checkpoint_layout import rank_state_name
+    from tape_train.data.state import recorded_tokenizer
+
+    if ((meta.get("config") or {}).get("train") or {}).get("synthetic_data"):
+        return None
+    try:
+        state = torch.load(Path(tag_dir) / rank_state_name(0), map_location="cpu",
+                           weights_only=False)
+    except Exception:  # noqa: BLE001 - unreadable: nothing to compare (resume names the file)
+        return None
+    return recorded_tokenizer(state.get("loader") if isinstance(state, dict) else None)
+
+
+def other_tokenizer(tag_dir: Path, meta: dict, tokenizer) -> str | None:
+    """Why ``tokenizer`` (a loaded ``Tokenizer``) is not the one ``tag_dir``'s run trained
+    with, or ``None`` when it is (or the checkpoint does not say)."""
+    own = ((meta.get("config") or {}).get("data") or {}).get("tokenizer")
+    return tokenizer_mismatch(tokenizer, trained_tokenizer(tag_dir, meta),
+                              f"the one {tag_dir}'s run trained with", own)
+
+
+def tokenizer_mismatch(tokenizer, expected: str | None, whose: str,
+                       own: str | None = None) -> str | None:
+    """Why ``tokenizer`` is not ``whose`` (sha256 ``expected``; ``own``: its path), or
+    ``None`` when it is or nothing is known: with another tokenizer of the same size the
+    model's token ids are read as other pieces, and perplexities, samples and exports are
+    wrong without any error."""
+    if expected is None or expected == tokenizer.sha256:
+        return None
+    changed = own is not None and _same_path(own, tokenizer.path)
+    return (f"tokenizer {tokenizer.path} (sha256 {tokenizer.sha256[:12]}…) is not {whose} "
+            f"(sha256 {expected[:12]}…{f', its data.tokenizer {own}' if own else ''}"
+            f"{', a file that has changed since' if changed else ''}): the model's token ids "
+            f"would be read as other pieces")
+
+
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(os.path.expanduser(a), os.path.expanduser(b))
+    except OSError:
+        return False
+
+
 def is_export_dir(path: Path) -> bool:
     """A ``save_pretrained`` directory (weights and config present)."""
     from tape_train.model.pretrained import CONFIG, WEIGHTS

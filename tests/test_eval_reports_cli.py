@@ -140,7 +140,7 @@ class StateDictEngine:
 
 
 def make_checkpoint(run_dir, pe, seed, step=5, vocab_size=50, data=None, seq_len=8,
-                    train=None, meta=None, eval_section=None, **model_overrides):
+                    train=None, meta=None, eval_section=None, loader=None, **model_overrides):
     torch.manual_seed(seed)
     cfg = load_model_config("tiny", **{"num_layers": 1, "hidden_size": 32, "num_heads": 2,
                                        "intermediate_size": 64, "vocab_size": vocab_size,
@@ -159,7 +159,8 @@ def make_checkpoint(run_dir, pe, seed, step=5, vocab_size=50, data=None, seq_len
     ckpt.save_checkpoint(StateDictEngine(model), run_dir, step, rank=0,
                          meta={"step": step, "world_size": 1, "zero_stage": 0,
                                "config": config, **(meta or {})},
-                         rank_state={"rng": ckpt.capture_rng_state(), "loader": None}, keep=2)
+                         rank_state={"rng": ckpt.capture_rng_state(), "loader": loader},
+                         keep=2)
     return model
 
 
@@ -354,6 +355,77 @@ def test_bits_per_byte_counts_the_bytes_of_exactly_the_text_scored(tmp_path):
     first_text = [len(tok.decode(ids[:1]).encode("utf-8")) for ids, _, _ in no_bos]
     assert first_text[2] > 0
     assert scored_bytes(no_bos) == sum(sizes) - sum(first_text)
+
+
+def test_a_tokenizer_other_than_the_runs_is_refused_by_eval_and_export(tmp_path, capsys,
+                                                                         caplog):
+    """tape-eval --tokenizer and tape-export --tokenizer with a tokenizer of the right size that
+    the run did not train with scored (ppl 6831) and bundled it without a word: the model's ids
+    read as other pieces. The sha256 the run's loader state recorded is compared: refused,
+    naming both, before any weights are read; --allow-other-tokenizer goes on with a warning.
+    The run's own data.tokenizer path retrained since is the same mistake. Control: the run's
+    tokenizer, given or by default, is accepted."""
+    from tape_train.data import DataConfig, build_train_loader
+    from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+    from tape_train.inference.export import main as export_main
+
+    texts = real_text_documents(max_documents=12)
+    write_jsonl(tmp_path / "train.jsonl", texts[:6])
+    write_jsonl(tmp_path / "heldout.jsonl", texts[6:])
+    tok = train_small_tokenizer(tmp_path / "tok", vocab_size=512, max_bytes=300_000)
+    other = train_small_tokenizer(tmp_path / "other", vocab_size=512, max_bytes=120_000)
+    assert other.sha256 != tok.sha256 and other.vocab_size == tok.vocab_size
+    data = {"sources": [{"path": str(tmp_path / "train.jsonl")}], "tokenizer": tok.path,
+            "eval_sources": [str(tmp_path / "heldout.jsonl")]}
+    loader = build_train_loader(DataConfig(**data), tok, seq_len=8, micro_batch_size=2)
+    next(loader)
+    state = loader.state_dict()  # what the trainer saves: its fingerprint holds the sha256
+    loader.close()
+    make_checkpoint(tmp_path / "run", "tape", seed=3, vocab_size=512, data=data, loader=state)
+
+    def evaluate(*extra):
+        return main(["--checkpoint", str(tmp_path / "run"), "--protocols", "nonoverlap",
+                     "--lengths", "8", "--max-tokens", "100", "--out", str(tmp_path / "ev"),
+                     "--no-progress", *extra])
+
+    def export(name, *extra):
+        return export_main([str(tmp_path / "run"), "--out", str(tmp_path / name), *extra])
+
+    capsys.readouterr()
+    assert evaluate("--tokenizer", other.path) == 1
+    err = capsys.readouterr().err
+    assert f"tokenizer {other.path} (sha256 {other.sha256[:12]}…) is not the one " in err
+    assert f"trained with (sha256 {tok.sha256[:12]}…, its data.tokenizer {tok.path}): " in err
+    assert "--allow-other-tokenizer" in err and not (tmp_path / "ev").exists()
+    assert export("a", "--tokenizer", other.path) == 1
+    assert f"(sha256 {tok.sha256[:12]}…" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+    with caplog.at_level(logging.WARNING):
+        assert evaluate("--tokenizer", other.path, "--allow-other-tokenizer") == 0
+        assert export("b", "--tokenizer", other.path, "--allow-other-tokenizer") == 0
+    assert sum("--allow-other-tokenizer:" in r.getMessage() for r in caplog.records) == 2
+    report = json.loads((tmp_path / "ev" / "eval.json").read_text())
+    assert "not the tokenizer the run trained with" in json.dumps(report)
+    # control: the run's own tokenizer, named or by default
+    assert evaluate("--tokenizer", tok.path) == 0 and evaluate() == 0
+    assert export("c", "--tokenizer", tok.path) == 0 and export("d") == 0
+    # the run's data.tokenizer retrained in place since: refused by default too
+    Path(tok.path).write_bytes(Path(other.path).read_bytes())
+    assert evaluate() == 1
+    assert "a file that has changed since" in capsys.readouterr().err
+    assert export("e") == 1 and not (tmp_path / "e").exists()
+    # tape-generate: a --tokenizer other than the export's own bundled one
+    from tape_train.inference.generate import main as generate_main
+
+    capsys.readouterr()
+    sample = [str(tmp_path / "c"), "--prompt", "The", "--max-new-tokens", "3", "--device", "cpu",
+              "--dtype", "fp32"]
+    assert generate_main([*sample, "--tokenizer", other.path]) == 1
+    err = capsys.readouterr().err
+    assert f"is not the model's own, {tmp_path / 'c' / 'tokenizer.model'} (sha256 " in err, err
+    assert generate_main([*sample, "--tokenizer", other.path, "--allow-other-tokenizer"]) == 0
+    assert "--allow-other-tokenizer: decoding with it anyway" in capsys.readouterr().err
+    assert generate_main([*sample, "--tokenizer", str(tmp_path / "c" / "tokenizer.model")]) == 0
 
 
 def test_a_run_read_from_another_directory_finds_the_data_and_tokenizer_it_named(

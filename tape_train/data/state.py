@@ -224,3 +224,14 @@ def _unique(names) -> list:
         if name not in out:
             out.append(name)
     return out
+
+
+def recorded_tokenizer(state) -> str | None:
+    """The sha256 of the sentencepiece model a saved loader ``state`` read its data with
+    (``fingerprint_fields["tokenizer"]`` of a text or token loader); ``None`` where the state
+    does not say (no state, an older or synthetic one)."""
+    fields = state.get("fingerprint_fields") if isinstance(state, dict) else None
+    sha = fields.get("tokenizer") if isinstance(fields, dict) else None
+    if isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha):
+        return sha
+    return None

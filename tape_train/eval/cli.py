@@ -65,7 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data config (YAML path or name in configs/data) or a prepared data "
                         "directory (default: the data section of the first checkpoint's config)")
     p.add_argument("--tokenizer", default=None, metavar="MODEL",
-                   help="sentencepiece model (default: the data config's tokenizer)")
+                   help="sentencepiece model (default: the data config's tokenizer); one "
+                        "that is not the tokenizer a checkpoint's run trained with (its "
+                        "sha256, recorded in the checkpoint) is refused")
+    p.add_argument("--allow-other-tokenizer", action="store_true",
+                   help="evaluate with a tokenizer other than the one a checkpoint's run "
+                        "trained with (a warning, and the report says so)")
     p.add_argument("--out", default="eval_results", metavar="DIR",
                    help="output directory (default: %(default)s)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
@@ -312,8 +317,26 @@ def _documents(args, first: _Checkpoint, longest: int):
 
     data_cfg, desc = _data_config(args.data, config, args.tokenizer)
     tokenizer = load_model_tokenizer(data_cfg.tokenizer, first.model_cfg.vocab_size)
-    return (iter_eval_documents(data_cfg, tokenizer, byte_ends=True), desc,
-            data_cfg.tokenizer)
+    return iter_eval_documents(data_cfg, tokenizer, byte_ends=True), desc, tokenizer
+
+
+def _check_trained_tokenizer(checkpoints: list[_Checkpoint], tokenizer, allow: bool) -> str:
+    """Refuse a tokenizer that is not the one a checkpoint's run trained with (the sha256
+    recorded in the checkpoint: ``loading.other_tokenizer``), or with ``allow`` warn and
+    return the words the report's description gets."""
+    from tape_train.loading import other_tokenizer
+
+    for c in checkpoints:
+        why = other_tokenizer(c.tag_dir, c.meta, tokenizer)
+        if why is None:
+            continue
+        if not allow:
+            raise ValueError(f"{why}; pass the run's tokenizer with --tokenizer, or "
+                             f"--allow-other-tokenizer to evaluate anyway")
+        log.warning("%s; --allow-other-tokenizer: evaluating anyway", why)
+        return (f"; tokenised with {tokenizer.path}, not the tokenizer the run trained with "
+                f"(--allow-other-tokenizer)")
+    return ""
 
 
 def _check_same_tokenizer(checkpoints: list[_Checkpoint], used: str) -> None:
@@ -465,8 +488,11 @@ def _held_out(args, checkpoints: list[_Checkpoint], max_tokens: int | None):
     first = checkpoints[0]
     longest = max(max(c.lengths) for c in checkpoints)
     source, description, tokenizer = _documents(args, first, longest)
+    if tokenizer is not None:
+        description += _check_trained_tokenizer(checkpoints, tokenizer,
+                                                args.allow_other_tokenizer)
     if tokenizer is not None and args.tokenizer is None:
-        _check_same_tokenizer(checkpoints[1:], tokenizer)
+        _check_same_tokenizer(checkpoints[1:], tokenizer.path)
     other_data = _other_training_data(checkpoints, args.data)
     if other_data is not None:
         log.warning("%s", other_data)

@@ -32,7 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf", action="store_true",
                         help="write a Hugging Face directory: LlamaForCausalLM for pe=rope, "
                              "remote code (trust_remote_code=True) for every other encoding")
-    parser.add_argument("--tokenizer", help="tokenizer .model to bundle (default: the run's)")
+    parser.add_argument("--tokenizer", help="tokenizer .model to bundle (default: the run's); "
+                                            "one that is not the tokenizer the run trained "
+                                            "with (its sha256, recorded in the checkpoint) is "
+                                            "refused")
+    parser.add_argument("--allow-other-tokenizer", action="store_true",
+                        help="bundle a tokenizer other than the one the run trained with")
     example_on_missing(parser, "tape-export runs/demo --out exports/demo")
     args = parser.parse_args(argv)
     setup_cli_logging()
@@ -43,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from tape_train.files import human_bytes
     from tape_train.inference.hf_export import save_hf, write_tokenizer_files
     from tape_train.inference.hf_tokenizer import unsupported
+    from tape_train.checkpoint_layout import read_marker, resolve_checkpoint, with_run_paths
     from tape_train.loading import CheckpointError, load_model_from_checkpoint
     from tape_train.model.pretrained import check_export_target, save_pretrained
 
@@ -54,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
             if problem:
                 raise TokenizerError(f"{problem}; --hf needs them (a plain export, without "
                                      f"--hf, bundles the tokenizer.model alone)")
-        cfg, state, meta = load_model_from_checkpoint(args.checkpoint)
+        tag_dir = resolve_checkpoint(args.checkpoint)  # verified: its checksums read back
+        if args.tokenizer:  # before the (possibly long) consolidation
+            _check_trained_tokenizer(tag_dir, with_run_paths(read_marker(tag_dir), tag_dir),
+                                     load_tokenizer(args.tokenizer), args.allow_other_tokenizer)
+        cfg, state, meta = load_model_from_checkpoint(tag_dir, verify=False)
     except (CheckpointError, OSError, ValueError) as exc:  # a bad --tokenizer included
         print(f"tape-export: error: {'--tokenizer: ' if isinstance(exc, TokenizerError) else ''}"
               f"{exc}",
@@ -68,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = None
     if tokenizer:
         try:
-            load_model_tokenizer(tokenizer, cfg.vocab_size)
+            loaded = load_model_tokenizer(tokenizer, cfg.vocab_size)
+            if not args.tokenizer:  # the run's own path: retrained since?
+                _check_trained_tokenizer(tag_dir, meta, loaded, args.allow_other_tokenizer)
         except ValueError as exc:
             print(f"tape-export: error: --tokenizer: {exc}" if args.tokenizer else
                   f"tape-export: error: {exc} (bundle another with --tokenizer)", file=sys.stderr)
@@ -116,5 +128,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _check_trained_tokenizer(tag_dir: Path, meta: dict, tokenizer, allow: bool) -> None:
+    """A tokenizer other than the run's (``loading.other_tokenizer``) is refused, or with
+    ``allow`` bundled after a warning."""
+    from tape_train.loading import other_tokenizer
+
+    why = other_tokenizer(tag_dir, meta, tokenizer)
+    if why is None:
+        return
+    if not allow:
+        raise ValueError(f"{why}; bundle the run's tokenizer with --tokenizer, or pass "
+                         f"--allow-other-tokenizer to bundle this one anyway")
+    log.warning("%s; --allow-other-tokenizer: bundling it anyway", why)
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

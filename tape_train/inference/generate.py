@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from tape_train.hints import example_on_missing
 
@@ -135,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                              "probability (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the sampling, 0 to 2**32 - 1 (default: %(default)s)")
-    parser.add_argument("--tokenizer", help="sentencepiece .model (default: the model's own)")
+    parser.add_argument("--tokenizer", help="sentencepiece .model (default: the model's own; "
+                                            "another than the model's own is refused)")
+    parser.add_argument("--allow-other-tokenizer", action="store_true",
+                        help="decode with a --tokenizer other than the model's own")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to decode: auto (the GPU at LOCAL_RANK, default 0, where "
                              "CUDA is available, else the CPU), cpu or cuda")
@@ -199,13 +203,25 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"tape-generate: error: {exc}", file=sys.stderr)
         return 1
-    tok_path = args.tokenizer or tok_path
+    own_tokenizer, tok_path = tok_path, args.tokenizer or tok_path
     if tok_path is None:
         print("tape-generate: error: no tokenizer bundled with the model; pass --tokenizer",
               file=sys.stderr)
         return 1
     try:
         tokenizer = load_model_tokenizer(tok_path, model.cfg.vocab_size)
+        why = None
+        if args.tokenizer and own_tokenizer and Path(own_tokenizer).is_file():
+            from tape_train.loading import tokenizer_mismatch
+
+            why = tokenizer_mismatch(tokenizer, load_tokenizer(own_tokenizer).sha256,
+                                     f"the model's own, {own_tokenizer}")
+        if why and not args.allow_other_tokenizer:
+            raise TokenizerError(f"{why}; leave --tokenizer out, or pass "
+                                 f"--allow-other-tokenizer to decode with it anyway")
+        if why:
+            print(f"tape-generate: warning: {why}; --allow-other-tokenizer: decoding with it "
+                  f"anyway", file=sys.stderr)
     except TokenizerError as exc:
         print(f"tape-generate: error: {exc}", file=sys.stderr)
         return 1
