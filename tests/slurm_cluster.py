@@ -315,18 +315,43 @@ class SlurmCluster:
 
     def step_end_times(self, job_id: int) -> dict[str, list[str]]:
         """When each step of the job ended, from every slurmd's log: step ("batch", "extern",
-        "0", ...) -> the timestamps (ISO, sortable) of its `[<job>.<step>] done with job` lines,
-        one per node and run of the job, in time order."""
-        done = re.compile(rf"^\[([0-9T:.-]+)\] \[{job_id}\.(\w+)\] done with job$")
-        ends: dict[str, list[str]] = {}
+        "0", ...) -> the timestamps (ISO, sortable) of its end lines, one per node and run of
+        the job, in time order. 22.05 logs `[<job>.<step>] done with job`; 24.11 `[<job>.<step>]
+        done with step` (extern) and `[<job>.<step>] stepd_cleanup: done with step (rc[...]...)`."""
+        done = re.compile(rf"^\[([0-9T:.-]+)\] \[{job_id}\.(\w+)\] "
+                          r"(?:stepd_cleanup: )?done with (?:job|step)\b")
+        return self._step_log_times(done)
+
+    def step_signals(self, job_id: int, signum: int) -> dict[str, list[str]]:
+        """Which steps of the job slurmstepd was asked to send signal `signum` to, from every
+        slurmd's debug log: step -> the timestamps of its `_handle_signal_container for <step>
+        uid=U signal=N` lines (22.05 and 24.11 alike; 24.11 adds `flag=0x...`), one per node.
+        The request itself: on 24.11 an extern step whose `sleep` a signal killed lives on
+        until the job ends, so its end time no longer shows the signal (22.05: it ended)."""
+        asked = re.compile(rf"^\[([0-9T:.-]+)\] \[{job_id}\.(\w+)\] debug:\s+"
+                           rf"_handle_signal_container for \S+ uid=\d+ signal={signum}\b")
+        return self._step_log_times(asked)
+
+    def _step_log_times(self, pattern: re.Pattern) -> dict[str, list[str]]:
+        """step -> sorted timestamps of the slurmd log lines `pattern` matches (groups: the
+        timestamp, the step)."""
+        found: dict[str, list[str]] = {}
         for log in self.log_dir.glob("slurmd-*.log"):
             if log.name.endswith(".stdout.log"):
                 continue
             for line in log.read_text(errors="replace").splitlines():
-                match = done.match(line)
+                match = pattern.match(line)
                 if match:
-                    ends.setdefault(match.group(2), []).append(match.group(1))
-        return {step: sorted(times) for step, times in ends.items()}
+                    found.setdefault(match.group(2), []).append(match.group(1))
+        return {step: sorted(times) for step, times in found.items()}
+
+    def version(self) -> tuple[int, int]:
+        """(major, minor) of the installed Slurm, from `sinfo --version` ("slurm-wlm 24.11.5" on Debian)."""
+        out = self.run(["sinfo", "--version"]).stdout
+        match = re.search(r"(\d+)\.(\d+)", out)
+        if match is None:
+            raise RuntimeError(f"`sinfo --version` printed no version: {out!r}")
+        return int(match.group(1)), int(match.group(2))
 
     def diagnostics(self, tail_lines: int = 30) -> str:
         """The last lines of every daemon log, for failure messages."""
@@ -391,7 +416,8 @@ class SlurmCluster:
             f"SlurmctldLogFile={w}/log/slurmctld.log",
             f"SlurmdLogFile={w}/log/slurmd-%n.log",
             "SlurmctldDebug=info",
-            "SlurmdDebug=info",
+            # debug: slurmstepd logs each signal request it handles, per step (step_signals).
+            "SlurmdDebug=debug",
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",
             "JobAcctGatherType=jobacct_gather/none",
