@@ -13,6 +13,7 @@ import pytest
 from tape_train.data import DataConfig, build_train_loader, iter_eval_documents
 from tape_train.data import cli as data_cli
 from tape_train.data import tokenizer_cli
+from tape_train.data.config import DataError
 from tape_train.data.corpus import read_complete_manifest
 from tape_train.data.sources import is_held_out
 from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
@@ -707,3 +708,16 @@ def test_the_held_out_split_named_as_training_files_is_refused(tmp_path):
     held = list(iter_eval_documents(cfg, tok))
     assert held and len(held) == json.loads((out / "manifest.json").read_text())[
         "splits"]["eval"]["documents"]
+
+
+def test_an_unusable_cache_directory_is_named_even_when_apt_knows_no_package(tmp_path):
+    """With no package lists apt knows no demo package: the message about the cache directory
+    that cannot be made indexed the empty list (an IndexError instead of the error)."""
+    from tape_train.data import demo_corpus
+
+    (tmp_path / "file").write_text("x")
+    cache = tmp_path / "file" / "cache"
+    with pytest.raises(DataError, match=r"cannot download the demo packages into .*file/cache: "):
+        demo_corpus.download_packages({}, cache, [])
+    with pytest.raises(DataError, match=r"cannot download 1 package\(s\) \(fortunes, \.\.\.\)"):
+        demo_corpus.download_packages({"fortunes": "1"}, cache, [])

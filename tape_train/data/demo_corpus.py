@@ -98,9 +98,9 @@ def demo_packages(apt_options: list[str]) -> dict[str, str]:
 
 
 def _unwritable_cache(cache_dir: Path, names: list[str], why: str) -> str:
-    return (f"prepare --demo: cannot download {len(names)} package(s) ({names[0]}, ...) into "
-            f"{cache_dir}: {why}; give --cache-dir a writable directory, or set "
-            f"TAPE_TRAIN_CACHE_DIR")
+    which = f"{len(names)} package(s) ({names[0]}, ...)" if names else "the demo packages"
+    return (f"prepare --demo: cannot download {which} into {cache_dir}: {why}; give "
+            f"--cache-dir a writable directory, or set TAPE_TRAIN_CACHE_DIR")
 
 
 def download_packages(wanted: dict[str, str], cache_dir: Path,
