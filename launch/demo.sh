@@ -11,7 +11,8 @@
 # checkpoint (or reports it is complete), evaluation is redone (it takes seconds).
 # Extra arguments are passed to tape-train as overrides, e.g. `bash launch/demo.sh
 # train.max_steps=100`; the evaluation follows the run's eval: section, overrides included
-# (`eval.lengths=[64,128]`), as the run's scheduled evaluations did.
+# (`eval.lengths=[64,128]`), as the run's scheduled evaluations did; `train.run_dir=runs/mine`
+# trains, evaluates and reports there instead of runs/demo.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -24,6 +25,11 @@ export PYTHON="$PWD/$bin/python"
 export PYTHONUNBUFFERED=1
 data=data/demo
 run_dir=runs/demo
+# A train.run_dir override (the last one given, as tape-train reads them) moves the run, and
+# with it the evaluation and the paths printed at the end.
+for arg in "$@"; do
+    if [[ $arg == train.run_dir=* ]]; then run_dir=${arg#train.run_dir=}; fi
+done
 
 step() { printf '\n==> %s (%ds so far)\n' "$*" "$SECONDS"; }
 

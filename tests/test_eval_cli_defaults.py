@@ -221,16 +221,15 @@ def test_merge_settings_keeps_a_shared_value_and_names_every_run_that_differs():
     assert merge_settings({}, dict(list(runs.items())[:2])).config.batch_size == 8
 
 
-def test_the_demo_s_final_evaluation_follows_the_run_it_trained(tmp_path):
-    """launch/demo.sh passes its arguments to training as overrides; its final tape-eval had
-    its own lengths and token cap (128..1024, 16384), so `bash launch/demo.sh
-    eval.lengths=[64,128]` trained and logged at 64, 128 but reported 128..1024."""
+def _run_demo_sh_with_stubs(tmp_path, *args):
+    """launch/demo.sh in a copy of the repo whose local.sh and .venv/bin programs only record
+    how they were called: (each call's command line, demo.sh's stdout)."""
     import shutil
     import subprocess
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch").mkdir(parents=True)
     shutil.copy(repo / "launch" / "demo.sh", tmp_path / "launch" / "demo.sh")
     calls = tmp_path / "calls"
     stub = f'#!/bin/bash\necho "$(basename "$0") $*" >> {calls}\n'
@@ -244,14 +243,37 @@ def test_the_demo_s_final_evaluation_follows_the_run_it_trained(tmp_path):
     data.mkdir(parents=True)
     (data / "manifest.json").write_text("{}")
     (data / "tokenizer.model").write_text("")
-    proc = subprocess.run(["bash", str(tmp_path / "launch" / "demo.sh"),
-                           "eval.lengths=[64,128]"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(["bash", str(tmp_path / "launch" / "demo.sh"), *args],
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    train, evaluate = calls.read_text().splitlines()
+    return calls.read_text().splitlines(), proc.stdout
+
+
+def test_the_demo_s_final_evaluation_follows_the_run_it_trained(tmp_path):
+    """launch/demo.sh passes its arguments to training as overrides; its final tape-eval had
+    its own lengths and token cap (128..1024, 16384), so `bash launch/demo.sh
+    eval.lengths=[64,128]` trained and logged at 64, 128 but reported 128..1024."""
+    (train, evaluate), _ = _run_demo_sh_with_stubs(tmp_path, "eval.lengths=[64,128]")
     assert train.startswith("local.sh 1 --config configs/train/demo.yaml") \
         and train.endswith("eval.lengths=[64,128]")
     assert evaluate.startswith("tape-eval --checkpoint runs/demo --out runs/demo/eval")
     assert "--lengths" not in evaluate and "--max-tokens" not in evaluate
+
+
+def test_the_demo_evaluates_and_reports_the_run_dir_it_was_given(tmp_path):
+    """`bash launch/demo.sh train.run_dir=runs/mine` trained into runs/mine (the override
+    comes after demo.sh's own train.run_dir=runs/demo, and the last one wins) but evaluated
+    runs/demo, another run or none, and its closing lines named runs/demo's files."""
+    (train, evaluate), out = _run_demo_sh_with_stubs(
+        tmp_path, "train.run_dir=runs/first", "train.max_steps=10", "train.run_dir=runs/mine")
+    assert train.endswith("train.run_dir=runs/mine")
+    assert evaluate.startswith("tape-eval --checkpoint runs/mine --out runs/mine/eval")
+    assert "runs/mine/metrics.jsonl" in out and "runs/mine/eval/ppl_vs_length.png" in out
+    assert "runs/demo" not in out and "runs/first" not in evaluate + out
+    # without the override: runs/demo, as before (negative control)
+    (_, evaluate), out = _run_demo_sh_with_stubs(tmp_path / "plain", "train.max_steps=10")
+    assert evaluate.startswith("tape-eval --checkpoint runs/demo --out runs/demo/eval")
+    assert "runs/demo/metrics.jsonl" in out
 
 
 def test_lengths_the_held_out_data_cannot_fill_say_where_they_came_from(tmp_path, capsys):

@@ -183,8 +183,11 @@ def test_a_conversion_reports_progress_in_lines_and_its_last_output_when_it_fail
     (tag / "COMPLETE.json").write_text(json.dumps({"files": {}, "zero_stage": 1}))
     script = tmp_path / "converter.py"
     script.write_text(_CONVERTER)
+    # -u as converter_command's own: a piped child's print() is block-buffered, and without
+    # it the stage lines arrived only at its exit wherever PYTHONUNBUFFERED is unset (a plain
+    # shell's `make test`; .ci/run sets it)
     monkeypatch.setattr(loading, "converter_command", lambda tag_dir, out: [
-        sys.executable, str(script), str(status), "--output_folder", str(out)])
+        sys.executable, "-u", str(script), str(status), "--output_folder", str(out)])
     monkeypatch.setattr(progress, "LOG_EVERY_S", 0.5)
     ticks = []
     caplog.set_level(logging.INFO, logger="tape_train.checkpoint")
