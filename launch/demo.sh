@@ -48,7 +48,15 @@ else
 fi
 
 step "3/4 training the tiny TAPE model on CPU -> $run_dir"
-bash launch/local.sh 1 --config configs/train/demo.yaml "train.run_dir=$run_dir" "$@"
+code=0
+bash launch/local.sh 1 --config configs/train/demo.yaml "train.run_dir=$run_dir" "$@" || code=$?
+if (( code != 0 )); then
+    if (( code == 130 || code == 75 )); then  # Ctrl-C; SIGTERM/SIGUSR1 (tape_train.train.signals)
+        echo "demo.sh: training stopped with a checkpoint (exit $code); run 'make demo' again" \
+             "to continue from it" >&2
+    fi
+    exit "$code"
+fi
 
 step "4/4 perplexity at the context lengths of the run's eval: section -> $run_dir/eval"
 progress=()

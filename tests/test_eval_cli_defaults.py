@@ -221,9 +221,10 @@ def test_merge_settings_keeps_a_shared_value_and_names_every_run_that_differs():
     assert merge_settings({}, dict(list(runs.items())[:2])).config.batch_size == 8
 
 
-def _run_demo_sh_with_stubs(tmp_path, *args):
+def _run_demo_sh_with_stubs(tmp_path, *args, training_exit=0, expect=0):
     """launch/demo.sh in a copy of the repo whose local.sh and .venv/bin programs only record
-    how they were called: (each call's command line, demo.sh's stdout)."""
+    how they were called (local.sh then exits ``training_exit``): (each call's command line,
+    demo.sh's stdout), or with ``expect`` != 0 (demo.sh's exit code), its stderr."""
     import shutil
     import subprocess
     from pathlib import Path
@@ -233,7 +234,7 @@ def _run_demo_sh_with_stubs(tmp_path, *args):
     shutil.copy(repo / "launch" / "demo.sh", tmp_path / "launch" / "demo.sh")
     calls = tmp_path / "calls"
     stub = f'#!/bin/bash\necho "$(basename "$0") $*" >> {calls}\n'
-    (tmp_path / "launch" / "local.sh").write_text(stub)
+    (tmp_path / "launch" / "local.sh").write_text(stub + f"exit {training_exit}\n")
     bin_dir = tmp_path / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
     for name in ("python", "tape-data", "tape-tokenizer", "tape-eval"):
@@ -245,8 +246,8 @@ def _run_demo_sh_with_stubs(tmp_path, *args):
     (data / "tokenizer.model").write_text("")
     proc = subprocess.run(["bash", str(tmp_path / "launch" / "demo.sh"), *args],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return calls.read_text().splitlines(), proc.stdout
+    assert proc.returncode == expect, proc.stderr
+    return calls.read_text().splitlines(), proc.stdout if expect == 0 else proc.stderr
 
 
 def test_the_demo_s_final_evaluation_follows_the_run_it_trained(tmp_path):
@@ -274,6 +275,20 @@ def test_the_demo_evaluates_and_reports_the_run_dir_it_was_given(tmp_path):
     (_, evaluate), out = _run_demo_sh_with_stubs(tmp_path / "plain", "train.max_steps=10")
     assert evaluate.startswith("tape-eval --checkpoint runs/demo --out runs/demo/eval")
     assert "runs/demo/metrics.jsonl" in out
+
+
+@pytest.mark.parametrize("code", [130, 75])
+def test_a_demo_stopped_in_training_says_how_to_continue(tmp_path, code):
+    """Ctrl-C stops the demo's training at a step with a checkpoint (exit 130); demo.sh
+    ended with make's 'Error 130' and no word that `make demo` continues. Control: a training
+    that fails (exit 1) ends demo.sh with its code and no such line, and nothing is evaluated."""
+    calls, err = _run_demo_sh_with_stubs(tmp_path, training_exit=code, expect=code)
+    assert err.strip().splitlines()[-1] == (
+        f"demo.sh: training stopped with a checkpoint (exit {code}); run 'make demo' again to "
+        f"continue from it")
+    assert not any(c.startswith("tape-eval") for c in calls)
+    calls, err = _run_demo_sh_with_stubs(tmp_path / "failed", training_exit=1, expect=1)
+    assert "make demo" not in err and not any(c.startswith("tape-eval") for c in calls)
 
 
 def test_lengths_the_held_out_data_cannot_fill_say_where_they_came_from(tmp_path, capsys):
