@@ -169,6 +169,12 @@ def verify(directory):
         raise ExportDamagedError(f"{info_path}: its {KEY!r} record is not one this code reads "
                                  f"(algorithm {ALGORITHM}, a 'files' object); re-export the model")
     for name, expected in sorted(record["files"].items()):
+        tensors = expected.get("tensors", {}) if isinstance(expected, dict) else None
+        if (not isinstance(tensors, dict) or os.path.basename(name) != name
+                or name in ("", ".", "..")
+                or not all(isinstance(t, dict) for t in tensors.values())):
+            raise ExportDamagedError(f"{info_path}: its {KEY!r} record is not one this code "
+                                     f"reads (the entry of {name!r}); re-export the model")
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
             _refuse(path, f"missing ({PROVENANCE} lists it: the export is incomplete)")

@@ -771,7 +771,8 @@ def is_export_dir(path: Path) -> bool:
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None):
     """``(model in eval mode, tokenizer path or None, meta)`` from an export directory or a
-    training checkpoint (run dir → its latest complete checkpoint, or a tag dir).
+    training checkpoint (run dir → its latest complete checkpoint, or a tag dir; ``meta``: its
+    marker with ``tag_dir``, the checkpoint read).
 
     ``dtype``: cast the model (default: the export's stored dtype, fp32 for checkpoints).
     """
@@ -785,9 +786,10 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None):
         tok = path / TOKENIZER
         return (from_pretrained(path, dtype=dtype), str(tok) if tok.is_file() else None,
                 {"source": str(path)})
-    cfg, state, meta = load_model_from_checkpoint(path)
+    tag_dir = resolve_checkpoint(path)
+    cfg, state, meta = load_model_from_checkpoint(tag_dir, verify=False)
     model = TransformerLM(cfg)
     model.load_state_dict(state)
     model = model.to(dtype or torch.float32).eval()
     tokenizer = (meta.get("config") or {}).get("data", {}).get("tokenizer")
-    return model, tokenizer, meta
+    return model, tokenizer, {**meta, "tag_dir": str(tag_dir)}

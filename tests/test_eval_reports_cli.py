@@ -358,7 +358,7 @@ def test_bits_per_byte_counts_the_bytes_of_exactly_the_text_scored(tmp_path):
 
 
 def test_a_tokenizer_other_than_the_runs_is_refused_by_eval_and_export(tmp_path, capsys,
-                                                                         caplog):
+                                                                         caplog, monkeypatch):
     """tape-eval --tokenizer and tape-export --tokenizer with a tokenizer of the right size that
     the run did not train with scored (ppl 6831) and bundled it without a word: the model's ids
     read as other pieces. The sha256 the run's loader state recorded is compared: refused,
@@ -409,11 +409,16 @@ def test_a_tokenizer_other_than_the_runs_is_refused_by_eval_and_export(tmp_path,
     # control: the run's own tokenizer, named or by default
     assert evaluate("--tokenizer", tok.path) == 0 and evaluate() == 0
     assert export("c", "--tokenizer", tok.path) == 0 and export("d") == 0
-    # the run's data.tokenizer retrained in place since: refused by default too
+    # the run's data.tokenizer retrained in place since: refused by default too, the export
+    # before the weights are consolidated
+    good = Path(tok.path).read_bytes()
     Path(tok.path).write_bytes(Path(other.path).read_bytes())
     assert evaluate() == 1
     assert "a file that has changed since" in capsys.readouterr().err
-    assert export("e") == 1 and not (tmp_path / "e").exists()
+    with monkeypatch.context() as m:
+        m.setattr("tape_train.loading._consolidate", lambda *a: pytest.fail("consolidated"))
+        assert export("e") == 1 and not (tmp_path / "e").exists()
+    assert "a file that has changed since" in capsys.readouterr().err
     # tape-generate: a --tokenizer other than the export's own bundled one
     from tape_train.inference.generate import main as generate_main
 
@@ -426,6 +431,14 @@ def test_a_tokenizer_other_than_the_runs_is_refused_by_eval_and_export(tmp_path,
     assert generate_main([*sample, "--tokenizer", other.path, "--allow-other-tokenizer"]) == 0
     assert "--allow-other-tokenizer: decoding with it anyway" in capsys.readouterr().err
     assert generate_main([*sample, "--tokenizer", str(tmp_path / "c" / "tokenizer.model")]) == 0
+    # a checkpoint: compared with the sha256 its run recorded, its data.tokenizer retrained
+    # since too; a run whose data.tokenizer cannot be read any more takes a good --tokenizer
+    run = [str(tmp_path / "run"), *sample[1:]]
+    assert generate_main(run) == 1
+    assert "a file that has changed since" in capsys.readouterr().err
+    (tmp_path / "good.model").write_bytes(good)
+    Path(tok.path).write_bytes(b"not a model")
+    assert generate_main([*run, "--tokenizer", str(tmp_path / "good.model")]) == 0
 
 
 def test_a_run_read_from_another_directory_finds_the_data_and_tokenizer_it_named(

@@ -246,3 +246,22 @@ def test_an_export_missing_its_weights_is_named_as_an_export(tmp_path):
     (out / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="not an exported model .missing model.safetensors"):
         load_model(out)  # not "no complete checkpoint under export/checkpoints"
+
+
+@pytest.mark.parametrize("entry", ["x", {"size": 1, "tensors": "x"},
+                                   {"size": 1, "tensors": {"a": 1}}])
+def test_an_integrity_record_of_another_shape_is_one_error_not_a_traceback(tmp_path, entry):
+    """An export.json whose integrity entries are not objects (edited by hand, another tool)
+    raised AttributeError from the check; it is refused like any record this code cannot read,
+    and so is an entry naming a path outside the export."""
+    import json
+
+    from tape_train.export_check import ExportDamagedError, verify
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    for name, value in (("model.safetensors", entry), ("../outside", {"size": 0})):
+        record = {"integrity": {"algorithm": "sha256", "files": {name: value}}}
+        (tmp_path / "export.json").write_text(json.dumps(record))
+        with pytest.raises(ExportDamagedError, match=r"record is not one this code reads "
+                                                      r"\(the entry of "):
+            verify(tmp_path)

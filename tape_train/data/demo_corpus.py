@@ -148,6 +148,7 @@ def fetch_demo_packages(cache_dir: Path) -> dict[str, tuple[Path, str]]:
     needed, the machine's lists untouched) and the rest is downloaded with those. Packages still missing then are skipped with a warning;
     none at all is an error."""
     require_apt()
+    update_error = None
     lists_dir = cache_dir / "apt-lists"
     private = _private_lists_options(lists_dir)
     # Lists fetched by an earlier run are at least as new as the machine's were then.
@@ -161,18 +162,23 @@ def fetch_demo_packages(cache_dir: Path) -> dict[str, tuple[Path, str]]:
                  lists_dir)
         update = _run(["apt-get", *private, "update"])
         if update.returncode != 0:
-            log.warning("prepare: apt-get update failed: %s", update.stderr.strip()[-300:])
+            update_error = (update.stderr.strip().splitlines() or [f"exit {update.returncode}"])
+            update_error = update_error[-1][-300:]
+            # Said once: in the error (or auto's one warning) when nothing could be had.
+            (log.warning if debs else log.info)("prepare: apt-get update failed: %s",
+                                                update_error)
         else:
             fresh = {name: version for name, version in demo_packages(private).items()
                      if name not in debs
                      and not (has_python_doc and name in _PYTHON_DOC_CANDIDATES)}
             debs.update(download_packages(fresh, cache_dir, private))
     if not debs:
+        cause = f" (apt-get update: {update_error})" if update_error else ""
         raise DemoSourceUnavailable(
             f"prepare --demo: none of the demo packages (python3.N-doc, "
-            f"{', '.join(FIXED_PACKAGES)}) could be downloaded with apt-get; it needs network "
-            f"access to Debian's or Ubuntu's archive (--demo-source python needs none)",
-            why="none of the demo packages could be downloaded from the archive")
+            f"{', '.join(FIXED_PACKAGES)}) could be downloaded with apt-get{cause}; it needs "
+            f"network access to Debian's or Ubuntu's archive (--demo-source python needs none)",
+            why=f"none of the demo packages could be downloaded from the archive{cause}")
     if not any(name in debs for name in _PYTHON_DOC_CANDIDATES):
         log.warning("prepare: no python3.N-doc package could be downloaded; skipping it")
     for name in FIXED_PACKAGES:

@@ -331,8 +331,10 @@ def _check_trained_tokenizer(checkpoints: list[_Checkpoint], tokenizer, allow: b
         if why is None:
             continue
         if not allow:
-            raise ValueError(f"{why}; pass the run's tokenizer with --tokenizer, or "
-                             f"--allow-other-tokenizer to evaluate anyway")
+            fix = ("pass the run's tokenizer with --tokenizer" if len(checkpoints) == 1 else
+                   "checkpoints evaluated together must share a tokenizer: evaluate the ones "
+                   "of other tokenizers separately")
+            raise ValueError(f"{why}; {fix}, or --allow-other-tokenizer to evaluate anyway")
         log.warning("%s; --allow-other-tokenizer: evaluating anyway", why)
         return (f"; tokenised with {tokenizer.path}, not the tokenizer the run trained with "
                 f"(--allow-other-tokenizer)")
@@ -488,11 +490,11 @@ def _held_out(args, checkpoints: list[_Checkpoint], max_tokens: int | None):
     first = checkpoints[0]
     longest = max(max(c.lengths) for c in checkpoints)
     source, description, tokenizer = _documents(args, first, longest)
+    if tokenizer is not None and args.tokenizer is None:  # runs of different tokenizers first
+        _check_same_tokenizer(checkpoints[1:], tokenizer.path)
     if tokenizer is not None:
         description += _check_trained_tokenizer(checkpoints, tokenizer,
                                                 args.allow_other_tokenizer)
-    if tokenizer is not None and args.tokenizer is None:
-        _check_same_tokenizer(checkpoints[1:], tokenizer.path)
     other_data = _other_training_data(checkpoints, args.data)
     if other_data is not None:
         log.warning("%s", other_data)

@@ -61,13 +61,22 @@ def main(argv: list[str] | None = None) -> int:
                 raise TokenizerError(f"{problem}; --hf needs them (a plain export, without "
                                      f"--hf, bundles the tokenizer.model alone)")
         tag_dir = resolve_checkpoint(args.checkpoint)  # verified: its checksums read back
-        if args.tokenizer:  # before the (possibly long) consolidation
-            _check_trained_tokenizer(tag_dir, with_run_paths(read_marker(tag_dir), tag_dir),
-                                     load_tokenizer(args.tokenizer), args.allow_other_tokenizer)
+        marker = with_run_paths(read_marker(tag_dir), tag_dir)
+        own = ((marker.get("config") or {}).get("data") or {}).get("tokenizer")
+        # Before the (possibly long) consolidation: the tokenizer to bundle is the run's.
+        if args.tokenizer:
+            _check_trained_tokenizer(tag_dir, marker, load_tokenizer(args.tokenizer),
+                                     args.allow_other_tokenizer)
+        elif own and Path(own).is_file():  # the run's own path: retrained since?
+            try:
+                own_tokenizer = load_tokenizer(own)
+            except TokenizerError as exc:
+                raise TokenizerError(f"{exc} (bundle another with --tokenizer)") from None
+            _check_trained_tokenizer(tag_dir, marker, own_tokenizer, args.allow_other_tokenizer)
         cfg, state, meta = load_model_from_checkpoint(tag_dir, verify=False)
     except (CheckpointError, OSError, ValueError) as exc:  # a bad --tokenizer included
-        print(f"tape-export: error: {'--tokenizer: ' if isinstance(exc, TokenizerError) else ''}"
-              f"{exc}",
+        named = isinstance(exc, TokenizerError) and args.tokenizer
+        print(f"tape-export: error: {'--tokenizer: ' if named else ''}{exc}",
               file=sys.stderr)
         return 1
     tokenizer = args.tokenizer or (meta.get("config") or {}).get("data", {}).get("tokenizer")
@@ -78,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = None
     if tokenizer:
         try:
-            loaded = load_model_tokenizer(tokenizer, cfg.vocab_size)
-            if not args.tokenizer:  # the run's own path: retrained since?
-                _check_trained_tokenizer(tag_dir, meta, loaded, args.allow_other_tokenizer)
+            load_model_tokenizer(tokenizer, cfg.vocab_size)
         except ValueError as exc:
             print(f"tape-export: error: --tokenizer: {exc}" if args.tokenizer else
                   f"tape-export: error: {exc} (bundle another with --tokenizer)", file=sys.stderr)

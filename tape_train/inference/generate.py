@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if precision.warning:
         print(f"tape-generate: {precision.warning}", file=sys.stderr)
     try:
-        model, tok_path, _ = load_for_inference(args.model, dtype=precision.torch_dtype)
+        model, tok_path, meta = load_for_inference(args.model, dtype=precision.torch_dtype)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"tape-generate: error: {exc}", file=sys.stderr)
         return 1
@@ -210,15 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         tokenizer = load_model_tokenizer(tok_path, model.cfg.vocab_size)
-        why = None
-        if args.tokenizer and own_tokenizer and Path(own_tokenizer).is_file():
-            from tape_train.loading import tokenizer_mismatch
-
-            why = tokenizer_mismatch(tokenizer, load_tokenizer(own_tokenizer).sha256,
-                                     f"the model's own, {own_tokenizer}")
+        why = _other_tokenizer(tokenizer, meta, own_tokenizer if args.tokenizer else None)
         if why and not args.allow_other_tokenizer:
-            raise TokenizerError(f"{why}; leave --tokenizer out, or pass "
-                                 f"--allow-other-tokenizer to decode with it anyway")
+            fix = ("leave --tokenizer out" if args.tokenizer and own_tokenizer
+                   else "pass the run's tokenizer with --tokenizer")
+            raise TokenizerError(f"{why}; {fix}, or pass --allow-other-tokenizer to decode "
+                                 f"with it anyway")
         if why:
             print(f"tape-generate: warning: {why}; --allow-other-tokenizer: decoding with it "
                   f"anyway", file=sys.stderr)
@@ -241,6 +238,27 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write("\n")
     return 0
 
+
+
+def _other_tokenizer(tokenizer, meta: dict, own: str | None) -> str | None:
+    """Why ``tokenizer`` is not the model's own, or None: for a training checkpoint the sha256
+    its run recorded (``loading.other_tokenizer``: a ``data.tokenizer`` retrained since too);
+    for an export, with ``own`` (its bundled tokenizer, where --tokenizer replaces it), that
+    file's. An own tokenizer that cannot be read is nothing to compare, with a warning."""
+    from tape_train.data import TokenizerError, load_tokenizer
+    from tape_train.loading import other_tokenizer, tokenizer_mismatch
+
+    if meta.get("tag_dir"):
+        return other_tokenizer(Path(meta["tag_dir"]), meta, tokenizer)
+    if not own or not Path(own).is_file():
+        return None
+    try:
+        expected = load_tokenizer(own).sha256
+    except TokenizerError as exc:
+        print(f"tape-generate: warning: the model's own tokenizer cannot be read ({exc}): "
+              f"--tokenizer is not compared with it", file=sys.stderr)
+        return None
+    return tokenizer_mismatch(tokenizer, expected, f"the model's own, {own}")
 
 if __name__ == "__main__":
     sys.exit(main())
