@@ -292,3 +292,14 @@ def test_a_prepared_demo_corpus_of_either_source_is_reused_by_auto(tmp_path, tin
     assert "already complete" in capsys.readouterr().out
     with pytest.raises(AssertionError, match="already complete"):
         data_cli.main(["prepare", "--demo", "--demo-source", "debian", "--out", str(out)])
+
+
+def test_comment_lines_are_numbered_as_ast_numbers_them():
+    """str.splitlines() also breaks at a form feed (and \\x1c-\\x1e, \\x85, \\u2028), which
+    ast does not: every comment after one was given a later line than its statement's."""
+    import ast
+
+    from tape_train.data.stdlib_corpus import _comment_blocks
+
+    source = "x = 1\n# a remark\x0c with a form feed\ny = [\n    1,\n]\n# the last one\n"
+    assert [line for line, _ in _comment_blocks(source, ast.parse(source))] == [2, 6]

@@ -163,7 +163,7 @@ def _comment_blocks(source: str, tree: ast.Module) -> Iterator[tuple[int, str]]:
             inside.update(range(node.lineno + 1, node.end_lineno + 1))
     block: list[str] = []
     start = 0
-    for number, line in enumerate(source.splitlines() + [""], start=1):
+    for number, line in enumerate(source.split("\n") + [""], start=1):
         stripped = line.strip()
         if stripped.startswith("#") and number not in inside and not stripped.startswith("#!"):
             if not block:
