@@ -441,6 +441,44 @@ def test_a_tokenizer_other_than_the_runs_is_refused_by_eval_and_export(tmp_path,
     assert generate_main([*run, "--tokenizer", str(tmp_path / "good.model")]) == 0
 
 
+def test_runs_of_two_tokenizers_evaluated_together_are_told_to_be_evaluated_apart(tmp_path,
+                                                                                 capsys):
+    """Two runs trained with different tokenizers, evaluated together: the refusal said to pass
+    the first run's tokenizer with --tokenizer, which the second run would refuse in turn. It
+    says that checkpoints evaluated together must share a tokenizer. Control: each run alone
+    is evaluated."""
+    from tape_train.data import DataConfig, build_train_loader
+    from tape_train.data.testing import real_text_documents, train_small_tokenizer, write_jsonl
+
+    texts = real_text_documents(max_documents=12)
+    write_jsonl(tmp_path / "train.jsonl", texts[:6])
+    write_jsonl(tmp_path / "heldout.jsonl", texts[6:])
+    runs = []
+    for name, max_bytes in (("a", 300_000), ("b", 120_000)):
+        tok = train_small_tokenizer(tmp_path / f"tok-{name}", vocab_size=512,
+                                    max_bytes=max_bytes)
+        data = {"sources": [{"path": str(tmp_path / "train.jsonl")}], "tokenizer": tok.path,
+                "eval_sources": [str(tmp_path / "heldout.jsonl")]}
+        loader = build_train_loader(DataConfig(**data), tok, seq_len=8, micro_batch_size=2)
+        next(loader)
+        make_checkpoint(tmp_path / name, "tape", seed=3, vocab_size=512, data=data,
+                        loader=loader.state_dict())
+        loader.close()
+        runs.append(str(tmp_path / name))
+
+    def evaluate(*checkpoints):
+        return main(["--checkpoint", *checkpoints, "--protocols", "nonoverlap", "--lengths",
+                     "8", "--max-tokens", "100", "--out", str(tmp_path / "ev"), "--no-progress"])
+
+    capsys.readouterr()
+    assert evaluate(*runs) == 1
+    err = capsys.readouterr().err
+    assert "checkpoints evaluated together must share a tokenizer (evaluate them separately" \
+        in err, err
+    assert "pass the run's tokenizer with --tokenizer" not in err
+    assert evaluate(runs[0]) == 0 and evaluate(runs[1]) == 0
+
+
 def test_a_run_read_from_another_directory_finds_the_data_and_tokenizer_it_named(
         tmp_path, monkeypatch, caplog):
     """A run's config names its data and tokenizer as given, often relative to the project
