@@ -355,6 +355,13 @@ def test_an_hf_export_without_an_integrity_record_loads_with_a_warning(tmp_path,
     with caplog.at_level("WARNING"):
         _load(out)
     assert "no integrity record in export.json" in caplog.text
+    # a model saved again by transformers (no export.json) loads without that word
+    _load(out).save_pretrained(tmp_path / "resaved")
+    assert not (tmp_path / "resaved" / "export.json").exists()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        _load(tmp_path / "resaved")
+    assert "integrity record" not in caplog.text
 
 
 @pytest.mark.parametrize("pe", ["rope", "tape"])

@@ -248,10 +248,13 @@ class TapePreTrainedModel(PreTrainedModel):
         checked (each file read and hashed once: 1.6 s for the 2.5 GB of a bf16 `1b` export on
         a 2-core AMD EPYC, from the page cache); a Hub id is not."""
         path = os.path.join(str(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
-        if os.path.isdir(path) and not verify_export(path):
+        # An export of tape-train without its record is named; a directory that never was
+        # one (saved again by save_pretrained, which writes no export.json) is not.
+        if (os.path.isdir(path) and not verify_export(path)
+                and os.path.isfile(os.path.join(path, "export.json"))):
             logging.getLogger(__name__).warning(
-                "%s: no integrity record in export.json (exported before checksums, or the "
-                "file was left out): its weights are loaded unchecked", path)
+                "%s: no integrity record in export.json (exported before checksums): its "
+                "weights are loaded unchecked", path)
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def _init_weights(self, module):
