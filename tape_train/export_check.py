@@ -68,7 +68,8 @@ def _header(path, size):
     for name, entry in entries.items():
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
         if (not isinstance(offsets, list) or len(offsets) != 2
-                or not all(isinstance(o, int) for o in offsets) or not 0 <= offsets[0] <= offsets[1]):
+                or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
             raise ExportDamagedError(f"{path}: tensor {name}: no valid data_offsets in the "
                                      f"safetensors header")
     return entries, 8 + length

@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:  # what can be checked before the (possibly long) consolidation
         check_export_target(args.out)
-        if args.tokenizer:
-            load_tokenizer(args.tokenizer)
+        given = load_tokenizer(args.tokenizer) if args.tokenizer else None
+        if given is not None:
             problem = unsupported(args.tokenizer) if args.hf else None
             if problem:
                 raise TokenizerError(f"{problem}; --hf needs them (a plain export, without "
@@ -64,9 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         marker = with_run_paths(read_marker(tag_dir), tag_dir)
         own = ((marker.get("config") or {}).get("data") or {}).get("tokenizer")
         # Before the (possibly long) consolidation: the tokenizer to bundle is the run's.
-        if args.tokenizer:
-            _check_trained_tokenizer(tag_dir, marker, load_tokenizer(args.tokenizer),
-                                     args.allow_other_tokenizer)
+        if given is not None:
+            _check_trained_tokenizer(tag_dir, marker, given, args.allow_other_tokenizer)
         elif own and Path(own).is_file():  # the run's own path: retrained since?
             try:
                 own_tokenizer = load_tokenizer(own)
@@ -151,4 +150,3 @@ def _check_trained_tokenizer(tag_dir: Path, meta: dict, tokenizer, allow: bool) 
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -239,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-
 def _other_tokenizer(tokenizer, meta: dict, own: str | None) -> str | None:
     """Why ``tokenizer`` is not the model's own, or None: for a training checkpoint the sha256
     its run recorded (``loading.other_tokenizer``: a ``data.tokenizer`` retrained since too);
@@ -259,6 +258,7 @@ def _other_tokenizer(tokenizer, meta: dict, own: str | None) -> str | None:
               f"--tokenizer is not compared with it", file=sys.stderr)
         return None
     return tokenizer_mismatch(tokenizer, expected, f"the model's own, {own}")
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -57,9 +57,10 @@ def _tape_config(cfg: ModelConfig) -> dict:
 def write_remote_code(out_dir: Path) -> None:
     """Copy the remote code into ``out_dir``; configuration_tape.py ends with the sha256 of
     modeling_tape.py and export_check.py. transformers keys the config class it loads by that
-    file's bytes and directory name alone and maps a known config class to the model class loaded first, so
-    two exports in directories of the same name (``*/export``) with different modelling code
-    (an older export) would otherwise both run whichever was loaded first in a process."""
+    file's bytes and directory name alone and maps a known config class to the model class
+    loaded first, so two exports in directories of the same name (``*/export``) with
+    different modelling code (an older export) would otherwise both run whichever was loaded
+    first in a process."""
     suffix = ""
     for name, source in (("modeling_tape.py", REMOTE_CODE_DIR / "modeling_tape.py"),
                          (CHECK_FILE, CHECK_SOURCE)):

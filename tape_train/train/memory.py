@@ -87,11 +87,6 @@ class ActivationTrace:
     largest_tensor: int        # the largest single saved tensor
 
 
-# Names of MemoryEstimate.parts that only a training step holds (prefixes).
-_STEP_PARTS = ("activations", "TAPE positional state", "positional encoding",
-               "backward transient", "loss chunk")
-
-
 @dataclass
 class EvalMemory:
     """The scheduled evaluation (``eval.interval`` > 0) during training, per rank: one forward
@@ -116,12 +111,6 @@ class MemoryEstimate:
     notes: list[str] = field(default_factory=list)
     host: dict[str, int] = field(default_factory=dict)  # ZeRO-Offload's states, on a GPU run
     evaluation: EvalMemory | None = None  # the scheduled evaluation's peak, where it runs
-
-    @property
-    def step_only_bytes(self) -> int:
-        """The parts of ``total_bytes`` a training step alone holds (its activations, the
-        backward's transient, the loss chunk); the rest stays during an evaluation."""
-        return sum(v for k, v in self.parts.items() if k.startswith(_STEP_PARTS))
 
     @property
     def total_bytes(self) -> int:
@@ -397,8 +386,11 @@ def estimate_memory(cfg, world_size: int, *, device_type: str = "cpu") -> Memory
     parts["TAPE positional state" if cfg.model.pe == "tape" else "positional encoding"] = \
         trace.positional
     parts["backward transient"] = 2 * trace.largest_tensor
-    parts["loss chunk (logits of one token chunk)"] = loss_chunk_bytes(
-        cfg.model.vocab_size, cfg.train.micro_batch_size * cfg.train.seq_len // sp, e)
+    loss_chunk = loss_chunk_bytes(cfg.model.vocab_size,
+                                  cfg.train.micro_batch_size * cfg.train.seq_len // sp, e)
+    parts["loss chunk (logits of one token chunk)"] = loss_chunk
+    # What a step alone holds (an evaluation between steps holds its own forward instead).
+    step_only = parts["activations"] + trace.positional + parts["backward transient"] + loss_chunk
     if device_type == "cpu":
         parts["DeepSpeed working copies (CPU, measured)"] = int(
             CPU_DEEPSPEED_COPIES[stage] * 4 * counts["local"])
@@ -415,7 +407,7 @@ def estimate_memory(cfg, world_size: int, *, device_type: str = "cpu") -> Memory
         batch = cfg.eval.batch_size
         forward = eval_forward_bytes(cfg.model, batch, length // sp, dtype, tp)
         est.evaluation = EvalMemory(batch, length, length // sp, forward,
-                                    est.total_bytes - est.step_only_bytes + forward)
+                                    est.total_bytes - step_only + forward)
     if checkpointing and cfg.model.pe == "tape":
         notes.append("with checkpointing TAPE's positional state is part of each layer's "
                      "saved input")
