@@ -719,14 +719,15 @@ def trained_tokenizer(tag_dir: Path, meta: dict) -> str | None:
     """The sha256 of the tokenizer ``tag_dir``'s run trained with: saved rank 0's data-loader
     state (``data.state.recorded_tokenizer``). ``None`` where the checkpoint does not say:
     synthetic data, a state without it, or one that cannot be read (the loaders name it)."""
+    from tape_train.checkpoint_layout import rank_state_name
     from tape_train.data.state import recorded_tokenizer
-    from tape_train.train.checkpoint import read_rank_state
 
     if ((meta.get("config") or {}).get("train") or {}).get("synthetic_data"):
         return None
-    try:
-        state = read_rank_state(Path(tag_dir), 0)
-    except CheckpointError:  # unreadable: nothing to compare (a resume names the file)
+    try:  # train.checkpoint.read_rank_state's read; that module is above this one
+        state = torch.load(Path(tag_dir) / rank_state_name(0), map_location="cpu",
+                           weights_only=False)
+    except Exception:  # noqa: BLE001 - unreadable: nothing to compare (a resume names it)
         return None
     return recorded_tokenizer(state.get("loader") if isinstance(state, dict) else None)
 
