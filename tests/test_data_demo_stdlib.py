@@ -303,3 +303,38 @@ def test_comment_lines_are_numbered_as_ast_numbers_them():
 
     source = "x = 1\n# a remark\x0c with a form feed\ny = [\n    1,\n]\n# the last one\n"
     assert [line for line, _ in _comment_blocks(source, ast.parse(source))] == [2, 6]
+
+
+def test_comments_inside_a_match_statement_are_kept():
+    """A match statement holds statements (in its cases) as if/for/while/try/with do: the
+    comments between them are prose, not lines inside a one-line statement. (Its statements
+    are in ``cases``, not ``body``: it was taken for a simple statement spanning lines.)"""
+    import ast
+
+    from tape_train.data.stdlib_corpus import _comment_blocks
+
+    source = textwrap.dedent("""\
+        def handle(command):
+            match command:
+                case "stop":
+                    # Stopping waits for the current step to end before it
+                    # writes the last checkpoint.
+                    return 0
+                case [first, *rest]:
+                    # A list of words is a command followed by its arguments.
+                    return first
+                case _:
+                    pass
+            x = [
+                # inside a literal, not between statements
+                1,
+            ]
+        """)
+    blocks = list(_comment_blocks(source, ast.parse(source)))
+    assert blocks == [
+        (4, "Stopping waits for the current step to end before it\n"
+            "writes the last checkpoint."),
+        (8, "A list of words is a command followed by its arguments.")]
+    text = stdlib_corpus.module_document(source.encode(), "commands.py")
+    assert "Stopping waits" in text and "A list of words" in text
+    assert "inside a literal" not in text

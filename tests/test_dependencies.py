@@ -5,10 +5,12 @@ from __future__ import annotations
 from importlib import metadata
 from pathlib import Path
 
-import pytest
 from packaging.requirements import Requirement
 
-tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+try:
+    import tomllib  # Python >= 3.11
+except ImportError:  # Python 3.10: the same parser as the tomli package (the test extra)
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 # What PyPI's wheels of a torch release require of Triton (their metadata: `triton==X;

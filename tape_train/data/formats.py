@@ -579,11 +579,14 @@ def _end_hub_streams() -> None:
 def _files_held_natively() -> list:
     """Weak references to the closed file objects that no Python object refers to: what only
     native code (Arrow's threads) still holds."""
-    closed = [obj for obj in gc.get_objects() if _is_closed_file(obj)]
+    closed = tuple(obj for obj in gc.get_objects() if _is_closed_file(obj))
     if not closed:
         return []
     ids = {id(obj) for obj in closed}
+    # The call's own argument tuple is a referrer of every one of them on Python 3.13 (it is
+    # tracked there): passed as `closed` itself, it is told apart from the real holders.
     referred = {id(ref) for holder in gc.get_referrers(*closed) if holder is not closed
+                and not _is_the_same_tuple(holder, closed)
                 for ref in gc.get_referents(holder) if id(ref) in ids}
     held = []
     for obj in closed:
@@ -593,6 +596,12 @@ def _files_held_natively() -> list:
             except TypeError:  # cannot be watched: not waited for
                 pass
     return held
+
+
+def _is_the_same_tuple(holder, items: tuple) -> bool:
+    """Whether ``holder`` is a tuple of exactly ``items`` (a copy of the argument tuple)."""
+    return (type(holder) is tuple and len(holder) == len(items)
+            and all(a is b for a, b in zip(holder, items)))
 
 
 def _is_closed_file(obj) -> bool:

@@ -153,13 +153,19 @@ def _statements(body: list[ast.stmt], prefix: str) -> Iterator[tuple[ast.stmt, s
             yield from _statements(clause.body, inner)
 
 
+def _is_compound(node: ast.stmt) -> bool:
+    """Whether ``node`` holds statements of its own (if, for, while, try, with, def, class,
+    and ``match``, whose statements are in its ``cases``, not in a ``body``)."""
+    return hasattr(node, "body") or hasattr(node, "cases")
+
+
 def _comment_blocks(source: str, tree: ast.Module) -> Iterator[tuple[int, str]]:
     """``(first line, text)`` of each run of whole-line comments between statements, ``#``
     marks removed. Lines inside a simple statement are not comments between statements: a
     ``#`` line there is inside a string, or remarks on one item of a bracketed literal."""
     inside: set[int] = set()
     for node, _ in _statements(tree.body, ""):
-        if not hasattr(node, "body") and node.end_lineno > node.lineno:
+        if not _is_compound(node) and node.end_lineno > node.lineno:
             inside.update(range(node.lineno + 1, node.end_lineno + 1))
     block: list[str] = []
     start = 0

@@ -19,8 +19,20 @@ _STDLIB_MODULES = ("argparse.py", "dataclasses.py", "difflib.py", "functools.py"
                    "random.py", "statistics.py", "textwrap.py", "typing.py", "zipfile.py")
 
 
-def real_text_files() -> list[Path]:
-    files = [_STDLIB / name for name in _STDLIB_MODULES if (_STDLIB / name).is_file()]
+def _module_files(stdlib: Path, name: str) -> list[Path]:
+    """The file of module ``name`` (``pathlib.py``), or where a newer Python made it a
+    package (``pathlib/``, ``zipfile/`` in 3.13), the package's ``.py`` files in sorted order;
+    ``[]`` where neither is."""
+    if (stdlib / name).is_file():
+        return [stdlib / name]
+    package = stdlib / name[:-len(".py")]
+    if package.is_dir():
+        return sorted(p for p in package.rglob("*.py") if "__pycache__" not in p.parts)
+    return []
+
+
+def real_text_files(stdlib: Path = _STDLIB) -> list[Path]:
+    files = [path for name in _STDLIB_MODULES for path in _module_files(stdlib, name)]
     licenses = Path("/usr/share/common-licenses")
     if licenses.is_dir():
         files += sorted(p for p in licenses.iterdir() if p.is_file() and not p.is_symlink())
