@@ -296,7 +296,8 @@ class Trainer:
             check_data=self.loader_factory is None,
             check_eval=self.eval_documents_fn is None and self.cfg.eval.enabled,
             check_resume=False, check_resume_data=True, resume_from=self.resume_from,
-            allow_config_change=self.allow_config_change, plan=False, limits=RUN_START_LIMITS)
+            allow_config_change=self.allow_config_change, plan=False, limits=RUN_START_LIMITS,
+            check_memory_floor=True)
         try:  # the dry run plans for the cluster's devices; this run needs them here
             check_device(self.cfg.train.device, launch_int("LOCAL_RANK"))
         except DeviceError as exc:
