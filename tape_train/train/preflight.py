@@ -504,7 +504,8 @@ def _check_run_dir(cfg, report: Report) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         report.problem(f"train.run_dir={run_dir}: exists and is not a directory")
         return
-    from tape_train.checkpoint_layout import checkpoint_root, list_tags, why_incomplete
+    from tape_train.checkpoint_layout import (checkpoint_root, list_tags, step_of_tag,
+                                              stray_tag_file, stray_tag_files, why_incomplete)
 
     root = checkpoint_root(run_dir)
     # What the run writes into, of the wrong kind (a stray copy, a mistyped mkdir): the trainer
@@ -518,6 +519,13 @@ def _check_run_dir(cfg, report: Report) -> None:
                            f"{'not a directory' if is_dir else 'a directory'}; the run writes "
                            f"{'into' if is_dir else 'to'} it: move it away")
             return
+    # A file named like a tag this run may save (copied there by hand): the save of that step
+    # would fail, a checkpoint interval's work (or a whole run) later.
+    stray = [p for p in stray_tag_files(root) if step_of_tag(p.name) <= cfg.train.max_steps]
+    if stray:
+        more = f" (and {len(stray) - 1} more like it)" if len(stray) > 1 else ""
+        report.problem(f"train.run_dir={run_dir}: {stray[0]}: {stray_tag_file(stray[0])}{more}")
+        return
     # Its checkpoints directory too, when there is one: a save there fails only after a
     # checkpoint interval's work.
     for probe in (existing, root) if root.is_dir() else (existing,):
