@@ -46,6 +46,11 @@ With ``eval.interval`` > 0 the estimate also holds the scheduled evaluation's pe
 (``MemoryEstimate.evaluation``): the model states and the rest a step does not free, plus one
 forward without autograd of ``eval.batch_size`` windows of the longest eval length
 (``eval_forward_bytes``); the preflight checks it against the device like a step.
+
+Before any of that, ``memory_floor`` bounds the peak from below from the config alone (model
+states, the layer inputs of one micro-batch, one hidden state of the evaluation batch; Python
+ints): the preflight refuses a run above the device with it, so no size is ever traced that
+would take hours or overflow torch's element counts.
 """
 
 from __future__ import annotations
@@ -377,7 +382,7 @@ class MemoryFloor:
         return self.model_states + self.eval_hidden if self.eval_hidden else 0
 
 
-def activation_floor(cfg, world_size: int) -> tuple[int, int]:
+def activation_floor(cfg) -> tuple[int, int]:
     """``(step, evaluation)``: bytes one rank's activations need at least. A step keeps every
     layer's input hidden state (micro-batch × seq_len / sp × hidden, in the run dtype) for the
     backward, with or without activation checkpointing; an evaluation (``eval.interval`` > 0)
@@ -399,7 +404,7 @@ def memory_floor(cfg, world_size: int, *, device_type: str = "cpu") -> MemoryFlo
     with ZeRO-Offload the model states may live on the host: only the activations count."""
     offloaded = (cfg.parallel.offload_optimizer, cfg.parallel.offload_params) != ("none", "none")
     states = 0 if device_type == "cuda" and offloaded else model_state_floor(cfg, world_size)
-    return MemoryFloor(states, *activation_floor(cfg, world_size))
+    return MemoryFloor(states, *activation_floor(cfg))
 
 
 def estimate_memory(cfg, world_size: int, *, device_type: str = "cpu") -> MemoryEstimate:
