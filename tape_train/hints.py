@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import difflib
 import math
+import re
 import typing
 from collections.abc import Iterable
 from pathlib import Path
@@ -137,7 +138,7 @@ def yaml_problem(exc: yaml.YAMLError, text: str = "") -> tuple[int | None, str]:
 
 
 def _yaml_hint(problem: str, context: str) -> str:
-    if "\\t" in problem or "tab" in problem:
+    if "\\t" in problem or re.search(r"\btab\b", problem):
         return "; YAML indents with spaces, not tabs"
     if problem.startswith("expected <block end>"):
         return "; indent this line like the keys beside it, or under the key it belongs to"
