@@ -244,6 +244,15 @@ def verify_files(tag_dir: Path, names: list[str] | None = None) -> str | None:
     return None
 
 
+def stray_tag_file(path: Path) -> str:
+    """Why ``path``, a checkpoint tag's name taken by something that is not a directory (a
+    file copied or written there by hand), stops a save: the end of the message."""
+    kind = "a symbolic link" if path.is_symlink() else "a file"
+    return (f"{kind} of that name is there, not a checkpoint directory, and the save of step "
+            f"{step_of_tag(path.name)} writes a directory there: move it away (it is not "
+            f"deleted)")
+
+
 def list_tags(root: Path) -> list[Path]:
     """Tag directories under a checkpoint root, oldest first."""
     root = Path(root)
@@ -251,6 +260,16 @@ def list_tags(root: Path) -> list[Path]:
         return []
     tags = [p for p in root.iterdir() if p.is_dir() and step_of_tag(p.name) is not None]
     return sorted(tags, key=lambda p: step_of_tag(p.name))
+
+
+def stray_tag_files(root: Path) -> list[Path]:
+    """What holds a tag's name under a checkpoint root but is not a directory, oldest first
+    (``list_tags`` skips them; a save of that step would fail on them)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    stray = [p for p in root.iterdir() if step_of_tag(p.name) is not None and not p.is_dir()]
+    return sorted(stray, key=lambda p: step_of_tag(p.name))
 
 
 def find_newest(path: str | Path, why_not: Callable[[Path], str | None],

@@ -31,7 +31,8 @@ from typing import Any, Literal
 import yaml
 
 from tape_train import hints
-from tape_train.hints import MAX_SEED, did_you_mean, read_yaml  # noqa: F401 - MAX_SEED: public
+from tape_train.hints import (MAX_SEED, did_you_mean, read_yaml,  # noqa: F401 - MAX_SEED: public
+                              yaml_problem)
 from tape_train.model.config import (MODEL_CONFIG_DIR, SHAPE_FIELDS, ModelConfig,
                                      load_model_config)
 from tape_train.resources import named_file, resource_dir
@@ -576,7 +577,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         closer = "]" if value[:1] == "[" else "}"
         hint = (f"; the shell splits an unquoted override at its spaces: quote the whole of it, "
                 f"e.g. '{key.strip()}={value} ...{closer}'" if cut else "")
-        raise ConfigError(f"override {item!r}: value is not valid YAML{hint} ({exc})") from None
+        problem = yaml_problem(exc)[1].replace("column ", "character ")
+        raise ConfigError(f"override {item!r}: value is not valid YAML{hint} ({problem})"
+                          ) from None
     return parts, value
 
 

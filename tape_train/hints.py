@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import difflib
 import math
+import re
 import typing
 from collections.abc import Iterable
 from pathlib import Path
@@ -101,10 +102,53 @@ def read_yaml(path: Path, error: type[Exception]) -> tuple[str, object]:
     try:
         return text, yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
-        for mark in (getattr(exc, "context_mark", None), getattr(exc, "problem_mark", None)):
-            if mark is not None:  # PyYAML names a string "<unicode string>": name the file
-                mark.name = str(path)
-        raise error(f"{path}: not valid YAML: {exc}") from None
+        line, problem = yaml_problem(exc, text)
+        raise error(f"{path}{f':{line}' if line else ''}: not valid YAML: {problem}") from None
+
+
+def yaml_problem(exc: yaml.YAMLError, text: str = "") -> tuple[int | None, str]:
+    """``(line, message)`` of PyYAML's error in one line: the 1-based line it points at (or
+    ``None``), and what it found there, the column, what it was parsing and where that began,
+    with a hint for the usual causes (a tab indent, a key indented unlike its neighbours, an
+    unquoted ``: `` in a value, an unclosed quote). PyYAML's own message is several lines
+    with a caret under a copy of the line. ``text``: the YAML, to place a reader error."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None)
+    if not isinstance(exc, yaml.MarkedYAMLError) or mark is None or not problem:
+        if isinstance(exc, yaml.reader.ReaderError):  # a control character, say
+            if isinstance(exc.character, bytes):
+                what = f"undecodable byte {exc.character!r}"
+            else:
+                what = f"unacceptable character #x{exc.character:04x}"
+            if not text:
+                return None, f"{what}: {exc.reason} (character {exc.position + 1})"
+            column = exc.position - text.rfind("\n", 0, exc.position)
+            return (text.count("\n", 0, exc.position) + 1,
+                    f"{what}: {exc.reason} (column {column})")
+        return None, " ".join(str(exc).replace('"<unicode string>"', "the text").split())
+    if isinstance(exc, yaml.constructor.ConstructorError) and not getattr(exc, "context", None):
+        return mark.line + 1, problem  # ours: "key 'x' given twice (first on line 2)"
+    where = f"column {mark.column + 1}"
+    context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and start is not None and (start.line, start.column) != (mark.line,
+                                                                        mark.column):
+        line_of = "" if start.line == mark.line else f"line {start.line + 1}, "
+        where += f", {context} from {line_of}column {start.column + 1}"
+    return mark.line + 1, f"{problem} ({where}){_yaml_hint(problem, context or '')}"
+
+
+def _yaml_hint(problem: str, context: str) -> str:
+    if "\\t" in problem or re.search(r"\btab\b", problem):
+        return "; YAML indents with spaces, not tabs"
+    if problem.startswith("expected <block end>"):
+        return "; indent this line like the keys beside it, or under the key it belongs to"
+    if problem.startswith("mapping values are not allowed"):
+        return "; quote a value that holds ': ', or start a nested mapping on its own line"
+    if "quoted scalar" in context:
+        return "; close the quote"
+    if ("end of stream" in problem or "stream end" in problem) and "flow" in context:
+        return "; close the bracket or brace"
+    return ""
 
 
 def example_on_missing(parser: argparse.ArgumentParser, example: str

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 
 import pytest
@@ -110,6 +111,28 @@ def test_failed_save_keeps_previous_checkpoint_for_resume(tmp_path, error):
     assert ckpt.find_latest_complete(tmp_path) == previous
     assert (tmp_path / "checkpoints" / ckpt.LATEST).read_text() == "step_00000005"
     assert ckpt.why_incomplete(previous) is None  # untouched
+
+
+@pytest.mark.parametrize("kind", ["file", "dangling symlink"])
+def test_a_file_where_the_tag_goes_is_named_and_left_alone(tmp_path, kind):
+    """A regular file (or a link to nothing) named like the tag being saved: the save said
+    only "File exists". Now it names the path and what to do, deletes nothing, and the
+    previous checkpoint stays the one to resume from."""
+    engine = FakeEngine()
+    previous = _save(engine, tmp_path, 5)
+    stray = tmp_path / "checkpoints" / "step_00000006"
+    stray.write_text("mine") if kind == "file" else stray.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ckpt.CheckpointError) as err:
+        _save(engine, tmp_path, 6)
+    what = "a file" if kind == "file" else "a symbolic link"
+    assert str(err.value) == (
+        f"cannot save checkpoint {stray}: {what} of that name is there, not a checkpoint "
+        f"directory, and the save of step 6 writes a directory there: move it away (it is not "
+        f"deleted); previous complete checkpoint: {previous} (a re-run resumes from it)")
+    assert os.path.lexists(stray) and not stray.is_dir()
+    assert ckpt.find_latest_complete(tmp_path) == previous
+    stray.unlink()
+    assert ckpt.why_incomplete(_save(engine, tmp_path, 6)) is None  # control
 
 
 def test_leftover_partial_tag_is_replaced_and_complete_tag_not_rewritten(tmp_path):

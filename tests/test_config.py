@@ -283,6 +283,9 @@ def test_a_key_or_override_mistaken_for_the_other_gets_its_fix(tmp_path):
     with pytest.raises(ConfigError) as err:  # control: a list that is wrong, not split
         load_run_config(_write(tmp_path, BASE), ["eval.lengths=[256, 512"])
     assert "value is not valid YAML (" in str(err.value) and "shell" not in str(err.value)
+    assert str(err.value).endswith("value is not valid YAML (expected ',' or ']', but got "
+                                   "'<stream end>' (character 10, while parsing a flow "
+                                   "sequence from character 1); close the bracket or brace)")
     with pytest.raises(ConfigError) as err:  # control: a misspelt key keeps did-you-mean
         load_run_config(_write(tmp_path, "model: tiny\ntrian: {lr: 1}\n"))
     assert "did you mean 'train'" in str(err.value)

@@ -163,6 +163,28 @@ def test_a_file_or_directory_of_the_wrong_kind_in_the_run_dir_is_refused(corpus,
     assert dry_run(args)[0] == 0
 
 
+def test_a_file_named_like_a_checkpoint_tag_is_refused_before_training(corpus, tmp_path):
+    """A regular file named step_00000002 in the checkpoints directory (a copy made by hand):
+    the save of step 2 met it with "File exists" after the steps' work. Refused up front,
+    naming the path; the file is left alone. Controls: one past train.max_steps (a step this
+    run never saves) and a name that is no tag (step_2) are no problem."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    stray = run / "checkpoints" / "step_00000002"
+    stray.write_text("x")
+    args = ["--config", str(corpus / "run.yaml"), "--dry-run", f"train.run_dir={run}",
+            "train.max_steps=10"]
+    rc, out, err = dry_run(args)
+    assert rc == 1 and error_lines(err) == [
+        f"tape-train: preflight: error: train.run_dir={run}: {stray}: a file of that name is "
+        f"there, not a checkpoint directory, and the save of step 2 writes a directory there: "
+        f"move it away (it is not deleted)"], err
+    assert stray.read_text() == "x"
+    stray.rename(run / "checkpoints" / "step_00000011")
+    (run / "checkpoints" / "step_2").write_text("x")
+    assert dry_run(args)[0] == 0
+
+
 def test_an_unwritable_checkpoints_directory_is_refused_by_the_dry_run(corpus, tmp_path,
                                                                        monkeypatch):
     """A run dir that is writable but whose checkpoints directory is not (read-only mount,

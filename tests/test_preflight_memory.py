@@ -262,3 +262,119 @@ def test_an_out_of_memory_in_an_evaluation_names_eval_batch_size(caplog):
     assert "in the evaluation at step 7; an evaluation forward holds eval.batch_size=6 " \
            "windows of the longest of eval.lengths: lower eval.batch_size" in line, line
     assert "eval.batch_size" not in said("step 8")  # control: a training step's
+
+
+def _floor_plan(overrides: list[str], **kwargs):
+    from tape_train.train.preflight import run_preflight
+
+    cfg = load_run_config(None, ["model=tiny", "train.device=cpu", "train.dtype=fp32",
+                                 "train.synthetic_data=true", "train.seq_len=256", *overrides])
+    kwargs = {"device_memory_gb": 16, **kwargs}
+    return run_preflight(cfg, world_size=1, check_data=False, check_eval=False,
+                         check_resume=False, **kwargs)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("train.micro_batch_size", 10**6), ("train.micro_batch_size", 10**9),
+    ("train.micro_batch_size", 10**18), ("train.micro_batch_size", 10**20),
+    ("eval.batch_size", 10**6), ("eval.batch_size", 10**20)])
+def test_a_micro_batch_far_too_large_is_refused_before_anything_is_traced(monkeypatch, key,
+                                                                          value):
+    """train.micro_batch_size=1000000 took the dry run 67 s (the trace looped over the loss's
+    token chunks), 1e9 hours, 1e18 ended in torch's integer overflow. The floor (model states
+    and the layer inputs one micro-batch keeps; one hidden state of the evaluation batch),
+    counted in Python ints from the config, already does not fit: refused at once, naming the
+    key and its value. Also with the device's memory unknown (CUDA planned without a GPU)."""
+    import time
+
+    from tape_train.train import memory
+
+    monkeypatch.setattr(memory, "trace_activations",
+                        lambda *a, **k: pytest.fail("model traced"))
+    evaluation = ["eval.interval=100"] if key.startswith("eval.") else []
+    start = time.perf_counter()
+    report = _floor_plan([*evaluation, f"{key}={value}"])
+    [problem] = [p for p in report.problems if p.startswith("memory")]
+    assert f"{key}={value} " in problem and "does not fit" in problem, problem
+    assert "of 14.90 GiB (--device-memory-gb)" in problem, problem
+    assert time.perf_counter() - start < 10
+    if value >= 10**18:  # beyond any device: refused without a trace where memory is unknown
+        unknown = _floor_plan([*evaluation, f"{key}={value}"], device_memory_gb=None,
+                              gpus_per_node=8)
+        [problem] = [p for p in unknown.problems if p.startswith("memory")]
+        assert f"{key}={value} " in problem and "1 PiB, more than any device has" in problem
+
+
+def test_the_memory_floor_is_below_the_traced_estimate_and_a_normal_size_still_plans():
+    """The floor is a lower bound of the estimate (a few layouts, encodings, checkpointing, an
+    evaluation), and a normal micro-batch is traced and planned as before (control)."""
+    from tape_train.train.memory import memory_floor
+
+    for overrides, world in [([], 1), (["train.activation_checkpointing=true"], 1),
+                             (["model.pe=rope", "train.dtype=bf16"], 1),
+                             (["parallel.zero_stage=3", "parallel.sp=2"], 4),
+                             (["parallel.tp=2", "model.pe=alibi"], 2)]:
+        cfg = load_run_config(None, ["model=tiny", "train.dtype=fp32", "eval.interval=10",
+                                     *overrides])
+        floor, est = memory_floor(cfg, world), estimate_memory(cfg, world)
+        assert 0 < floor.step <= est.total_bytes, (overrides, floor, est.total_bytes)
+        assert 0 < floor.evaluation <= est.evaluation.total_bytes, overrides
+    report = _floor_plan(["train.micro_batch_size=2", "eval.interval=100"])
+    assert not [p for p in report.problems if p.startswith("memory")], report.problems
+    assert any(line.startswith("memory: 1 rank(s) on this node need ~") for line in report.lines)
+
+
+def test_a_cpu_runs_start_checks_the_floor_against_ram_in_either_precision(monkeypatch):
+    """A real run (no plan) checks the same floor against the available RAM before the process
+    group and the loader (which packed a micro-batch of 1e20 rows for ever, deaf to SIGTERM).
+    With train.dtype=auto it is refused only when neither bf16 nor fp32 fits."""
+    from tape_train.train import memory
+    from tape_train.train.loop import Trainer
+    from tape_train.train.preflight import PreflightError, run_preflight
+
+    def start(overrides: list[str]) -> list[str]:
+        cfg = load_run_config(None, ["model=tiny", "train.device=cpu",
+                                     "train.synthetic_data=true", *overrides])
+        return run_preflight(cfg, world_size=1, check_data=False, check_eval=False,
+                             check_resume=False, plan=False, check_memory_floor=True).problems
+
+    huge = f"train.micro_batch_size={10**20}"
+    [problem] = start([huge])
+    assert f"train.micro_batch_size={10**20} " in problem and "available RAM" in problem
+    assert start(["train.micro_batch_size=2"]) == []  # control
+    # RAM between the bf16 and the fp32 floor: auto fits (bf16), fp32 alone does not.
+    sizes = ["train.micro_batch_size=64", "train.seq_len=256"]
+    floors = {d: memory.memory_floor(load_run_config(None, ["model=tiny", *sizes,
+                                                            f"train.dtype={d}"]), 1).step
+              for d in ("bf16", "fp32")}
+    assert floors["bf16"] < floors["fp32"]
+    monkeypatch.setattr(memory, "device_memory",
+                        lambda *a: ((floors["bf16"] + floors["fp32"]) // 2, "test RAM"))
+    assert start([*sizes, "train.dtype=auto"]) == []
+    assert len(start([*sizes, "train.dtype=fp32"])) == 1
+    # The trainer asks for it, before any process group.
+    monkeypatch.setattr(memory, "device_memory", lambda *a: (2**30, "test RAM"))
+    cfg = load_run_config(None, ["model=tiny", "train.device=cpu", "train.synthetic_data=true",
+                                 huge])
+    with pytest.raises(PreflightError, match=f"train.micro_batch_size={10**20} "):
+        Trainer(cfg, loader_factory=lambda *a: None, eval_documents=lambda: [])._preflight()
+
+
+def test_the_trace_runs_the_loss_as_one_chunk_with_the_same_bytes(monkeypatch):
+    """The meta-device trace runs the chunked loss as one chunk: what it saves (∂h, ∂W) is the
+    same as over many chunks, and its time no longer grows with the batch (one chunk's pass,
+    where 1e6 sequences made thousands)."""
+    import torch
+
+    from tape_train.model import lm_head
+
+    calls = []
+    plain = lm_head._chunk_loss
+    monkeypatch.setattr(lm_head, "_chunk_loss", lambda *a: calls.append(1) or plain(*a))
+    monkeypatch.setattr(lm_head, "LOGITS_CHUNK_ELEMENTS", 1 << 16)  # 8 tokens per chunk
+    cfg = load_run_config(None, ["model.base=tiny"]).model
+    one = trace_activations(cfg, 2, 64, torch.float32)
+    assert len(calls) == 1
+    chunked = trace_activations(cfg, 2, 64, torch.float32, chunked_loss=True)
+    assert len(calls) == 1 + 2 * 64 // lm_head.chunk_tokens(cfg.vocab_size) > 2
+    assert one == chunked

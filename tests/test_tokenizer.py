@@ -114,7 +114,9 @@ def test_cli_rejects_bad_spec_and_missing_input(tmp_path, capsys):
     assert tokenizer_cli.main(["train", "--input", str(tmp_path), "--spec", str(spec),
                                "--out", str(tmp_path / "t")]) == 1
     assert "vocab_sise" in capsys.readouterr().err
-    for text, message in (("vocab_size: [500\n", 'in "' + str(spec) + '", line 1, column 13'),
+    for text, message in (("vocab_size: [500\n", f"{spec}:2: not valid YAML: expected ',' or "
+                           f"']', but got '<stream end>' (column 1, while parsing a flow "
+                           f"sequence from line 1, column 13); close the bracket or brace\n"),
                           ("- 500\n", "must be a mapping of keys to values")):
         spec.write_text(text)
         assert tokenizer_cli.main(["train", "--input", str(tmp_path), "--spec", str(spec),

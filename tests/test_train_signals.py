@@ -182,3 +182,62 @@ def test_the_stop_is_named_after_the_signal_that_decided_it():
         assert (stop.signal_name, stop.agreed(_local_max)) == ("SIGUSR1", EXIT_REQUEUE)
     finally:
         stop.close()
+
+
+_FIRST_BATCH_OVERRIDES = [
+    "model=tiny", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
+    "model.intermediate_size=128", "model.vocab_size=256", "model.tape_position_size=8",
+    "train.seq_len=32", "train.micro_batch_size=2", "train.max_steps=4", "train.dtype=fp32",
+    "train.device=cpu", "train.synthetic_data=true", "checkpoint.interval=2",
+    "logging.peak_tflops=1.0", "eval.interval=0"]
+_FIRST_BATCH_SECONDS = 40
+
+
+def _stop_while_the_first_batch_is_read(run_dir: str) -> dict:
+    import time
+
+    import torch.distributed as dist
+
+    from tape_train.config import load_run_config
+    from tape_train.data.synthetic import SyntheticLoader
+    from tape_train.train.loop import Trainer
+
+    rank = dist.get_rank()
+    sent: list[float] = []
+
+    class SlowFirstBatch(SyntheticLoader):
+        """Rank 0's first batch takes long (a shuffle window filling, a slow file system),
+        and the job is pre-empted meanwhile: SIGTERM to rank 0 alone."""
+
+        def __next__(self):
+            if rank == 0 and self.position == 0:
+                sent.append(time.monotonic())
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(_FIRST_BATCH_SECONDS)
+            return super().__next__()
+
+    cfg = load_run_config(None, [*_FIRST_BATCH_OVERRIDES, f"train.run_dir={run_dir}"])
+    trainer = Trainer(cfg, loader_factory=lambda r, n: SlowFirstBatch(
+        256, 32, 2, 1, r, n, cfg.train.seed), eval_documents=lambda: [])
+    code = trainer.run()
+    ended = time.monotonic()
+    from pathlib import Path
+
+    from tape_train.checkpoint_layout import list_tags
+
+    return {"code": code, "after_signal": ended - sent[0] if sent else None,
+            "tags": [t.name for t in list_tags(Path(run_dir) / "checkpoints")]}
+
+
+def test_a_stop_before_the_first_batch_is_heard_while_the_batch_is_read(tmp_path):
+    """SIGTERM while the first batch was being read was acted on only after the batch, a step
+    and a checkpoint (here 40 s of reading later; forever for a loader that never delivers).
+    Now the ranks agree on it each second while the first batch is read: both exit 75 within
+    seconds, nothing trained or saved, the run dir left for the next start."""
+    from distributed import run_distributed_test
+
+    results = run_distributed_test(_stop_while_the_first_batch_is_read, world_size=2,
+                                   args=(str(tmp_path / "run"),), timeout=240)
+    assert [r["code"] for r in results] == [75, 75], results
+    assert results[0]["after_signal"] < _FIRST_BATCH_SECONDS / 4, results
+    assert results[0]["tags"] == [], results

@@ -123,11 +123,15 @@ class LMHead(nn.Module):
         # nn.Linear's own initialisation: the model re-initialises every weight, but drawing
         # the same random numbers here as the nn.Linear this replaced keeps a seed's weights.
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        # Tokens per loss chunk; None: by the vocabulary (``chunk_tokens``). The preflight's
+        # meta-device trace sets one chunk for all tokens: the same saved tensors (∂h, ∂W),
+        # without a loop over chunks that grows with the batch.
+        self.loss_chunk: int | None = None
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
             return F.linear(h, self.weight)
-        return chunked_cross_entropy_sum(h, self.weight, labels)
+        return chunked_cross_entropy_sum(h, self.weight, labels, self.loss_chunk)
 
     def extra_repr(self) -> str:
         return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}"

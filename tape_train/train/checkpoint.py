@@ -53,7 +53,8 @@ import torch
 from tape_train.checkpoint_layout import (  # noqa: F401 - re-exported
     CHECKSUM, LATEST, MARKER, UNIVERSAL, CheckpointError, checkpoint_root,
     checksum_bytes, describe_size, file_checksum, find_latest_complete, find_newest, list_tags, rank_state_name,
-    read_marker, resolve_checkpoint, step_of_tag, tag_for_step, verify_files, why_incomplete)
+    read_marker, resolve_checkpoint, step_of_tag, stray_tag_file, tag_for_step, verify_files,
+    why_incomplete)
 from tape_train.files import (describe_os_error, file_size_limit_hit, free_bytes, human_bytes,
                               is_disk_full, write_atomic)
 from tape_train.loading import (ensure_universal,  # noqa: F401 - re-exported
@@ -201,7 +202,15 @@ def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
             root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             error = exc
-    if tdist.all_reduce_max_int(1 if error is not None else 0):
+    # 2 on every rank when a rank sees a file where the tag's directory goes (never deleted:
+    # not the run's to remove), 1 when rank 0 could not create the root.
+    stray = os.path.lexists(tag_dir) and not tag_dir.is_dir()
+    failed = tdist.all_reduce_max_int(2 if stray else 1 if error is not None else 0)
+    if failed == 2:
+        raise CheckpointError(f"cannot save checkpoint {tag_dir}: "
+                              f"{stray_tag_file(tag_dir) if stray else 'another rank found a file there'}; "
+                              f"{_what_survives(root)}")
+    if failed:
         raise CheckpointError(f"cannot create the checkpoint directory: "
                               f"{describe_os_error(error, root) if error else 'see rank 0'}")
     existing = why_incomplete(tag_dir) if tag_dir.exists() else "absent"

@@ -135,6 +135,7 @@ class Trainer:
         self._restore_algorithms = None
         self._timeout_in_force: float | None = None
         self._stepped = False      # a step ran in this process (the first compiles, autotunes)
+        self._batches_read = False  # the first step's batches were read (a stop is heard then)
         self._read_grad_norm = True  # for the next train_step(); train() sets it per step
         self._in_train = False     # inside train(): a phase lasts until the next one starts
         self._attempt: int | None = None  # in-job restart attempt (restarts.guarded() only)
@@ -296,7 +297,8 @@ class Trainer:
             check_data=self.loader_factory is None,
             check_eval=self.eval_documents_fn is None and self.cfg.eval.enabled,
             check_resume=False, check_resume_data=True, resume_from=self.resume_from,
-            allow_config_change=self.allow_config_change, plan=False, limits=RUN_START_LIMITS)
+            allow_config_change=self.allow_config_change, plan=False, limits=RUN_START_LIMITS,
+            check_memory_floor=True)
         try:  # the dry run plans for the cluster's devices; this run needs them here
             check_device(self.cfg.train.device, launch_int("LOCAL_RANK"))
         except DeviceError as exc:
@@ -637,8 +639,45 @@ class Trainer:
 
     def _next_micro_batches(self) -> tuple[list[dict], float]:
         start = time.perf_counter()
-        batches = [next(self.data_iter) for _ in range(self.cfg.train.grad_accum_steps)]
+        if self._batches_read:
+            batches = [next(self.data_iter) for _ in range(self.cfg.train.grad_accum_steps)]
+        else:
+            batches = self._first_micro_batches()
+            self._batches_read = True
         return batches, time.perf_counter() - start
+
+    def _first_micro_batches(self) -> list[dict]:
+        """The process's first step's micro-batches, read while the ranks agree on a stop
+        signal every second. The first batch may take long (a loader filling its first
+        shuffle window, a slow file system, a network source), and a SIGTERM then was acted on
+        only after it, a step and a checkpoint later. Stopped here, nothing new was trained:
+        ``StoppedDuringSetup``, nothing saved, the signal's exit code. Collective: every rank
+        beats until all have their batches; a rank whose read fails raises at once, as its
+        plain read did."""
+        import threading
+
+        got: dict = {}
+
+        def read() -> None:
+            try:
+                got["batches"] = [next(self.data_iter)
+                                  for _ in range(self.cfg.train.grad_accum_steps)]
+            except BaseException as exc:  # noqa: BLE001 - raised again on the main thread
+                got["error"] = exc
+
+        reader = threading.Thread(target=read, name="tape-first-batch", daemon=True)
+        reader.start()
+        while True:
+            reader.join(timeout=1.0)
+            alive = reader.is_alive()  # not alive: it has left batches or an error
+            if not alive and "error" in got:
+                raise got["error"]
+            code = self.stop.agreed(tdist.all_reduce_max_int)
+            if code:  # the reader, a daemon, ends with the process
+                raise StoppedDuringSetup(code, "while waiting for the first batch",
+                                         self.stop.signal_name)
+            if not tdist.all_reduce_max_int(int(alive)):
+                return got["batches"]
 
     def train_step(self) -> dict:
         """One optimizer step on every rank; returns its metrics (same on all ranks).

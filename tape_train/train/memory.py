@@ -46,6 +46,11 @@ With ``eval.interval`` > 0 the estimate also holds the scheduled evaluation's pe
 (``MemoryEstimate.evaluation``): the model states and the rest a step does not free, plus one
 forward without autograd of ``eval.batch_size`` windows of the longest eval length
 (``eval_forward_bytes``); the preflight checks it against the device like a step.
+
+Before any of that, ``memory_floor`` bounds the peak from below from the config alone (model
+states, the layer inputs of one micro-batch, one hidden state of the evaluation batch; Python
+ints): the preflight refuses a run above the device with it, so no size is ever traced that
+would take hours or overflow torch's element counts.
 """
 
 from __future__ import annotations
@@ -182,11 +187,14 @@ def _memory_efficient_core():
     return Core()
 
 
-def trace_activations(model_cfg, micro_batch: int, seq_len: int, dtype, tp: int = 1
-                      ) -> ActivationTrace:
+def trace_activations(model_cfg, micro_batch: int, seq_len: int, dtype, tp: int = 1,
+                      *, chunked_loss: bool = False) -> ActivationTrace:
     """Run the model on the meta device and count what autograd saves (see module doc).
 
-    ``seq_len`` is the rank's local length (train.seq_len / sp).
+    ``seq_len`` is the rank's local length (train.seq_len / sp). The loss runs as one token
+    chunk unless ``chunked_loss``: it saves the same tensors either way (∂h and ∂W, formed in
+    its forward), and one chunk takes the same time at any batch, where the chunks' loop took
+    minutes at a micro-batch of a million sequences.
     """
     import torch
 
@@ -197,6 +205,8 @@ def trace_activations(model_cfg, micro_batch: int, seq_len: int, dtype, tp: int 
     model_cfg = dataclasses.replace(model_cfg, attn_backend="auto")
     with torch.device("meta"):
         model = TransformerLM(model_cfg).to(dtype)
+    if not chunked_loss:
+        model.lm_head.loss_chunk = micro_batch * seq_len
     if not model_cfg.encoding.dense_bias:  # dense-bias encodings keep SDPA with an N×N bias
         for layer in model.layers:
             layer.attn.core = _memory_efficient_core()
@@ -349,6 +359,52 @@ def model_state_floor(cfg, world_size: int) -> int:
     states = model_state_bytes(count_parameters(cfg.model)["total"] // tp,
                                cfg.parallel.zero_stage, cfg.train.dtype == "bf16", partitions)
     return sum(states.values())
+
+
+@dataclass
+class MemoryFloor:
+    """A lower bound of one rank's peak, from the config alone: no model built, no trace, in
+    exact integer arithmetic (any size, however absurd, costs microseconds and cannot
+    overflow). The preflight refuses a run whose floor exceeds the device before it traces
+    anything (``estimate_memory``: minutes at a micro-batch of millions, an integer overflow
+    in torch past 2**63 elements)."""
+
+    model_states: int    # weights, gradients, fp32 master, AdamW (0: offloaded off the device)
+    layer_inputs: int    # the hidden state every layer keeps of one micro-batch for backward
+    eval_hidden: int     # one hidden state of the scheduled evaluation's batch (0: none)
+
+    @property
+    def step(self) -> int:
+        return self.model_states + self.layer_inputs
+
+    @property
+    def evaluation(self) -> int:
+        return self.model_states + self.eval_hidden if self.eval_hidden else 0
+
+
+def activation_floor(cfg) -> tuple[int, int]:
+    """``(step, evaluation)``: bytes one rank's activations need at least. A step keeps every
+    layer's input hidden state (micro-batch × seq_len / sp × hidden, in the run dtype) for the
+    backward, with or without activation checkpointing; an evaluation (``eval.interval`` > 0)
+    holds at least one hidden state of ``eval.batch_size`` windows of the longest eval length
+    (0 without one). Python ints: exact at any size."""
+    sp = cfg.parallel.sp
+    e = 2 if cfg.train.dtype == "bf16" else 4
+    hidden = cfg.model.hidden_size * e
+    step = cfg.model.num_layers * cfg.train.micro_batch_size * (cfg.train.seq_len // sp) * hidden
+    evaluation = 0
+    if cfg.eval.enabled:
+        length = max(cfg.eval.resolve_lengths(cfg.train.seq_len))
+        evaluation = cfg.eval.batch_size * (length // sp) * hidden
+    return step, evaluation
+
+
+def memory_floor(cfg, world_size: int, *, device_type: str = "cpu") -> MemoryFloor:
+    """``MemoryFloor`` of ``cfg`` (``train.dtype`` resolved) on ``world_size`` ranks. On CUDA
+    with ZeRO-Offload the model states may live on the host: only the activations count."""
+    offloaded = (cfg.parallel.offload_optimizer, cfg.parallel.offload_params) != ("none", "none")
+    states = 0 if device_type == "cuda" and offloaded else model_state_floor(cfg, world_size)
+    return MemoryFloor(states, *activation_floor(cfg))
 
 
 def estimate_memory(cfg, world_size: int, *, device_type: str = "cpu") -> MemoryEstimate:

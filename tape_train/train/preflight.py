@@ -85,8 +85,11 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
                   check_resume_data: bool | None = None, plan: bool = True,
                   device_memory_gb: float | None = None,
                   gpu_name: str | None = None, assumed_mfu: float = DEFAULT_ASSUMED_MFU,
-                  ranks_per_node: int | None = None, limits: Limits = Limits()) -> Report:
+                  ranks_per_node: int | None = None, limits: Limits = Limits(),
+                  check_memory_floor: bool = False) -> Report:
     """All checks; ``plan=False`` leaves out the memory estimate and the step-time plan.
+    ``check_memory_floor`` (a CPU run's start, where ``plan`` is off): the memory floor
+    against this machine's available RAM (the plan checks it itself).
 
     ``gpus_per_node``: plan for CUDA nodes with that many GPUs (0: CPU nodes); ``None`` plans
     for this machine. ``ranks_per_node``: CPU ranks sharing one node's RAM (default: the GPUs
@@ -152,6 +155,9 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
             _check_resume(cfg, grid, tag, allow_config_change, report)
         if tag is not None and check_resume_data:
             _check_resume_data(cfg, tag, tokenizer, text_shards, allow_config_change, report)
+    if check_memory_floor and not plan and grid is not None and lengths_ok \
+            and device_type == "cpu":
+        _check_run_start_memory(cfg, world_size, ranks_per_node or world_size, report)
     if plan and (grid is None or not lengths_ok):
         report.info("memory and time plan: skipped until the layout and train.seq_len are valid")
     elif plan:
@@ -498,7 +504,8 @@ def _check_run_dir(cfg, report: Report) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         report.problem(f"train.run_dir={run_dir}: exists and is not a directory")
         return
-    from tape_train.checkpoint_layout import checkpoint_root, list_tags, why_incomplete
+    from tape_train.checkpoint_layout import (checkpoint_root, list_tags, step_of_tag,
+                                              stray_tag_file, stray_tag_files, why_incomplete)
 
     root = checkpoint_root(run_dir)
     # What the run writes into, of the wrong kind (a stray copy, a mistyped mkdir): the trainer
@@ -512,6 +519,13 @@ def _check_run_dir(cfg, report: Report) -> None:
                            f"{'not a directory' if is_dir else 'a directory'}; the run writes "
                            f"{'into' if is_dir else 'to'} it: move it away")
             return
+    # A file named like a tag this run may save (copied there by hand): the save of that step
+    # would fail, a checkpoint interval's work (or a whole run) later.
+    stray = [p for p in stray_tag_files(root) if step_of_tag(p.name) <= cfg.train.max_steps]
+    if stray:
+        more = f" (and {len(stray) - 1} more like it)" if len(stray) > 1 else ""
+        report.problem(f"train.run_dir={run_dir}: {stray[0]}: {stray_tag_file(stray[0])}{more}")
+        return
     # Its checkpoints directory too, when there is one: a save there fails only after a
     # checkpoint interval's work.
     for probe in (existing, root) if root.is_dir() else (existing,):
@@ -696,8 +710,7 @@ def _target_device(cfg, gpus_per_node: int | None) -> str:
 
 def _plan_memory(cfg, world_size: int, device_type: str, ranks_per_node: int,
                  device_memory_gb: float | None, gpu_name: str | None, report: Report) -> None:
-    from tape_train.train.memory import (CPU_RUNTIME_BYTES, device_memory, estimate_memory,
-                                         model_state_floor)
+    from tape_train.train.memory import CPU_RUNTIME_BYTES, device_memory, estimate_memory
 
     if device_memory_gb is not None:
         have, source = int(device_memory_gb * 10**9), "--device-memory-gb"
@@ -706,14 +719,9 @@ def _plan_memory(cfg, world_size: int, device_type: str, ranks_per_node: int,
     per_node = ranks_per_node if device_type == "cpu" else 1
     who = (f"{ranks_per_node} rank(s) on this node need" if device_type == "cpu"
            else "one rank needs")
-    offloaded = (cfg.parallel.offload_optimizer, cfg.parallel.offload_params) != ("none", "none")
-    floor = model_state_floor(cfg, world_size) * per_node
-    if have is not None and floor > have and (device_type == "cpu" or not offloaded):
-        report.problem(f"memory: {who} more than {floor / GIB:.2f} GiB of {have / GIB:.2f} GiB "
-                       f"({source}) for the weights, gradients and AdamW states alone: does "
-                       f"not fit; use a smaller model, raise parallel.zero_stage or use more "
-                       f"ranks")
-        return
+    if not _check_memory_floor([cfg], world_size, device_type, ranks_per_node, have, source,
+                               report):
+        return  # nothing traced: the trace of a size far too large takes hours, or overflows
     est = estimate_memory(cfg, world_size, device_type=device_type)
     offload = [f"{key}={getattr(cfg.parallel, key)}" for key in ("offload_optimizer",
                "offload_params") if getattr(cfg.parallel, key) != "none"]
@@ -742,6 +750,89 @@ def _plan_memory(cfg, world_size: int, device_type: str, ranks_per_node: int,
             report.warn(f"{line}: above 90 % of the device")
     if est.evaluation is not None:
         _plan_eval_memory(est.evaluation, per_node, who, have, source, report)
+
+
+def _check_run_start_memory(cfg, world_size: int, ranks_per_node: int, report: Report) -> None:
+    """A CPU run's start: the memory floor against the available RAM, before the process
+    group, the model and a loader that would pack a micro-batch of 1e20 rows for ever. With
+    ``train.dtype: auto`` (resolved later, or kept from a checkpoint) refused only when
+    neither bf16 nor fp32 fits."""
+    from tape_train.train.memory import device_memory
+
+    candidates = [cfg]
+    if cfg.train.dtype == "auto":
+        candidates = []
+        for dtype in ("bf16", "fp32"):
+            candidates.append(copy.deepcopy(cfg))
+            candidates[-1].train.dtype = dtype
+    have, source = device_memory("cpu")
+    _check_memory_floor(candidates, world_size, "cpu", ranks_per_node, have, source, report)
+
+
+# A lower bound above this is refused even where the device's memory is unknown (planning
+# for CUDA without --gpu-name): no device has a pebibyte, and the trace of such a size would
+# take hours or overflow torch's 64-bit element counts.
+_NO_DEVICE_HOLDS = 2**50
+
+
+def _check_memory_floor(candidates: list, world_size: int, device_type: str,
+                        ranks_per_node: int, have: int | None, source: str,
+                        report: Report) -> bool:
+    """Refuse, before anything is built or traced, a run whose memory floor
+    (``memory.memory_floor``: the model states and the layer inputs of one micro-batch, one
+    hidden state of the scheduled evaluation, from the config alone) exceeds the device. One
+    config per precision the run may take (``train.dtype: auto`` at a run's start: bf16 and
+    fp32); refused only when none fits, with the problems of the one needing least. True when
+    it fits."""
+    from tape_train.train.memory import memory_floor
+
+    per_node = ranks_per_node if device_type == "cpu" else 1
+    who = (f"{ranks_per_node} rank(s) on this node need" if device_type == "cpu"
+           else "one rank needs")
+    if have is None:
+        have, source = _NO_DEVICE_HOLDS, f"1 PiB, more than any device has; {source}"
+    found = []
+    for cfg in candidates:
+        floor = memory_floor(cfg, world_size, device_type=device_type)
+        problems = _floor_problems(cfg, floor, per_node, who, have, source)
+        if not problems:
+            return True
+        found.append((floor.step, problems))
+    for problem in min(found, key=lambda f: f[0])[1]:
+        report.problem(problem)
+    return False
+
+
+def _floor_problems(cfg, floor, per_node: int, who: str, have: int, source: str) -> list[str]:
+    train, of = cfg.train, f"of {_gib(have)} GiB ({source})"
+    if floor.model_states * per_node > have:
+        return [f"memory: {who} more than {_gib(floor.model_states * per_node)} GiB {of} for "
+                f"the weights, gradients and AdamW states alone: does not fit; use a smaller "
+                f"model, raise parallel.zero_stage or use more ranks"]
+    problems = []
+    if floor.step * per_node > have:
+        problems.append(
+            f"memory: {who} more than {_gib(floor.step * per_node)} GiB {of} for the model "
+            f"states and the layer inputs one micro-batch keeps for the backward "
+            f"(train.micro_batch_size={train.micro_batch_size} sequences of train.seq_len="
+            f"{train.seq_len} tokens) alone: does not fit; lower train.micro_batch_size "
+            f"(raise train.grad_accum_steps to keep the global batch)")
+    if floor.evaluation * per_node > have:
+        length = max(cfg.eval.resolve_lengths(train.seq_len))
+        problems.append(
+            f"memory for the scheduled evaluation (eval.batch_size={cfg.eval.batch_size} "
+            f"windows of {length} tokens, the longest of eval.lengths): {who} more than "
+            f"{_gib(floor.evaluation * per_node)} GiB {of} for the model states and one hidden "
+            f"state of the batch alone: does not fit; lower eval.batch_size or the longest of "
+            f"eval.lengths")
+    return problems
+
+
+def _gib(n: int) -> str:
+    """Bytes as GiB for a message: two decimals, or three digits and an exponent past a
+    million GiB (a micro-batch of 1e20 sequences)."""
+    gib = n / GIB
+    return f"{gib:.2f}" if gib < 1e6 else f"{gib:.3g}"
 
 
 def _plan_eval_memory(ev, per_node: int, who: str, have: int, source: str,
@@ -834,7 +925,7 @@ def _duration(seconds: float) -> str:
         return f"{seconds / 60:.0f} min"
     if seconds < 3 * 86400:
         return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
+    return f"{seconds / 86400:.1f} days" if seconds < 1e6 * 86400 else f"{seconds / 86400:.3g} days"
 
 
 def format_report(report: Report, prefix: str = "tape-train") -> tuple[str, str]:
