@@ -67,21 +67,61 @@ def run_submit(args: list[str]) -> tuple[int, str, str]:
 @pytest.mark.parametrize("text,seconds", [
     ("90", 5400), ("10:30", 630), ("04:00:00", 14400), ("2-00", 172800),
     ("1-12:30", 131400), ("1-00:00:05", 86405),
+    # As Slurm's time_str2secs() reads them: a day count alone, fields past their usual range.
+    ("1-", 86400), ("99:99", 99 * 60 + 99), ("0:90:00", 5400), (" 90 ", 5400),
+    ("35791393", 35791393 * 60),                       # the largest whole minutes sbatch holds
 ])
 def test_parse_time_limit_accepts_slurm_formats(text, seconds):
     assert parse_time_limit(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "4h", "1:2:3:4", "-5", "0", "00:00:00", "1-"])
+@pytest.mark.parametrize("text", ["", "4h", "1:2:3:4", "-5", "1-2:", ":30", "1-:30",
+                                  "1-2-3", "1 - 2", "1.5", "-2-00"])
 def test_parse_time_limit_rejects_other_text_naming_the_option(text):
-    with pytest.raises(RenderError, match="--time"):
+    with pytest.raises(RenderError, match=f"--time {text!r} is not a Slurm time limit"):
         parse_time_limit(text)
+
+
+@pytest.mark.parametrize("text", ["0", "00:00:00", "0-0", "UNLIMITED", "infinite", "-1",
+                                  " unlimited "])
+def test_no_time_limit_is_refused_because_no_warning_would_come(text):
+    """Slurm takes 0, -1, INFINITE and UNLIMITED for no time limit: the USR1 warning before
+    the end, on which the trainer checkpoints, would then never be sent."""
+    with pytest.raises(RenderError, match=rf"--time {text!r} .*no time limit.*never sends "
+                                          r"the USR1 warning"):
+        parse_time_limit(text)
+
+
+@pytest.mark.parametrize("text", ["99999999", "35791394", "24855-03:14:08", "2147483647:0"])
+def test_a_time_limit_sbatch_would_wrap_around_is_refused(text):
+    """sbatch adds the seconds up in a C int (then 59 to round up to minutes): 99999999
+    minutes became a limit of 19734-04:11:00, unseen. 35791394 minutes is the first whole
+    minute past 2^31 - 1 - 59 s."""
+    with pytest.raises(RenderError, match=rf"--time {text!r} is \d+ s, more than sbatch can "
+                                          r"hold \(2147483588 s"):
+        parse_time_limit(text)
+
+
+def test_a_time_limit_with_spaces_around_it_is_rendered_without_them():
+    """`--time " 90"` rendered `#SBATCH --time= 90`, which sbatch refuses (not a time)."""
+    opts = ClusterOptions(time=" 90\t")
+    assert "#SBATCH --time=90" in train_header(opts)
+    assert "#SBATCH --time=30" in eval_header(opts, " 30 ")
+
+
+def test_the_largest_signal_grace_sbatch_takes_is_accepted():
+    # control for the refusal of 65536 below
+    assert "#SBATCH --signal=B:USR1@65535" in train_header(
+        ClusterOptions(time="2-00:00:00", signal_grace=65535))
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(nodes=0), "--nodes"),
     (dict(gpus_per_node=-1), "--gpus-per-node"),
     (dict(time="00:05:00", signal_grace=300), "--signal-grace 300 s must be shorter"),
+    # sbatch's --signal holds the time in 16 bits and refuses more (0xffff).
+    (dict(time="2-00:00:00", signal_grace=65536), r"--signal-grace 65536 s is more than "
+                                                   r"sbatch's --signal takes \(65535 s"),
     (dict(gpus_per_node=4, procs_per_node=2), "--procs-per-node 2 is for CPU nodes"),
     (dict(job_name="my job"), "--job-name"),
     (dict(partition="gpu debug"), "--partition"),
@@ -320,6 +360,10 @@ def test_tape_submit_dry_run_prints_the_script(tmp_path, monkeypatch):
     (["--time", "4h"], "--time '4h'"),
     (["--nodes", "0"], "--nodes must be an integer >= 1"),
     (["--max-restarts", "-2"], "--max-restarts must be an integer >= 0"),
+    (["--time", "UNLIMITED"], "--time 'UNLIMITED' means no time limit to Slurm"),
+    (["--time", "99999999"], "--time '99999999' is 5999999940 s, more than sbatch can hold"),
+    (["--eval-after", "--eval-time", "0"], "--eval-time '0' is zero"),
+    (["--time", "2-00", "--signal-grace", "70000"], "--signal-grace 70000 s is more than"),
 ])
 def test_tape_submit_rejects_bad_config_or_options_before_submitting(tmp_path, monkeypatch,
                                                                      extra, match):
@@ -328,6 +372,8 @@ def test_tape_submit_rejects_bad_config_or_options_before_submitting(tmp_path, m
     rc, out, err = run_submit(["--config", str(config), *extra, "--dry-run"])
     assert rc == 1 and out == ""
     assert match in err
+    # one line, before the preflight (which would say "preflight for ...")
+    assert err.count("\n") == 1 and err.startswith("tape-submit: error: "), err
 
 
 def test_tape_submit_without_sbatch_says_so(tmp_path, monkeypatch):

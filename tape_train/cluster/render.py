@@ -25,15 +25,24 @@ SETTINGS_BEGIN, SETTINGS_END = "# >>> run settings", "# <<< run settings"
 
 # Slurm checks signal deadlines every 30 s, so a USR1 may come up to 30 s late (notes/slurm.md).
 SLURM_SIGNAL_CHECK_SECONDS = 30
-# Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
+# Slurm's --time formats (time_str2secs() in src/common/parse_time.c): M, M:S, H:M:S, D-H,
+# D-H:M, D-H:M:S, and D- (a day count alone, read as D-0). Each field may exceed its usual
+# range: 99:99 is 99 min 99 s (01:41:00 once rounded up to whole minutes).
 _TIME_FORMATS = tuple(re.compile(p) for p in (
     r"^(?P<m>\d+)$",
     r"^(?P<m>\d+):(?P<s>\d+)$",
     r"^(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)$",
-    r"^(?P<d>\d+)-(?P<h>\d+)$",
+    r"^(?P<d>\d+)-(?P<h>\d*)$",
     r"^(?P<d>\d+)-(?P<h>\d+):(?P<m>\d+)$",
     r"^(?P<d>\d+)-(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)$",
 ))
+# sbatch's --signal=<sig>@<time> keeps the time in 16 bits and refuses more.
+MAX_SIGNAL_GRACE = 0xFFFF
+# What Slurm reads as no time limit at all (0 too): no USR1 warning is ever sent then.
+_NO_LIMIT = ("-1", "infinite", "unlimited")
+# sbatch adds the seconds in a C int and then 59 to round up to minutes: a larger limit wraps
+# around unseen (99999999 minutes became 19734-04:11:00).
+MAX_TIME_LIMIT_SECONDS = 2**31 - 1 - 59
 # The sbatch options tape-submit renders itself, and what sets each: an --sbatch-arg giving one
 # again would win over it unseen (the later #SBATCH line counts), past the checks on its flag.
 # Also the ones that undo a rendered line: --no-requeue (the script requeues itself) and
@@ -64,19 +73,32 @@ class RenderError(ValueError):
 
 
 def parse_time_limit(text: str, flag: str = "--time") -> int:
-    """Seconds in a Slurm time limit: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S. Raises RenderError
-    naming ``flag``."""
+    """Seconds in a Slurm time limit as sbatch reads it: M, M:S, H:M:S, D-, D-H, D-H:M or
+    D-H:M:S, surrounding whitespace ignored. Raises RenderError naming ``flag`` for anything
+    else, for no limit (0, -1, INFINITE, UNLIMITED: Slurm would never send the USR1 warning
+    before the end) and for a limit sbatch cannot hold (over MAX_TIME_LIMIT_SECONDS)."""
+    stripped = text.strip()
+    if stripped.lower() in _NO_LIMIT:
+        raise RenderError(f"{flag} {text!r} means no time limit to Slurm, which then never "
+                          f"sends the USR1 warning the job checkpoints on before it ends: give "
+                          f"a time limit, e.g. 2-00:00:00")
     for pattern in _TIME_FORMATS:
-        match = pattern.match(text.strip())
+        match = pattern.match(stripped)
         if match:
-            parts = {k: int(v) for k, v in match.groupdict().items() if v is not None}
+            parts = {k: int(v) for k, v in match.groupdict().items() if v}
             seconds = (parts.get("d", 0) * 86400 + parts.get("h", 0) * 3600
                        + parts.get("m", 0) * 60 + parts.get("s", 0))
             if seconds <= 0:
-                raise RenderError(f"{flag} {text!r} is zero; give a positive time limit")
+                raise RenderError(f"{flag} {text!r} is zero, which Slurm reads as no time "
+                                  f"limit: it then never sends the USR1 warning the job "
+                                  f"checkpoints on before it ends; give a positive time limit")
+            if seconds > MAX_TIME_LIMIT_SECONDS:
+                raise RenderError(f"{flag} {text!r} is {seconds} s, more than sbatch can hold "
+                                  f"({MAX_TIME_LIMIT_SECONDS} s, about 68 years): it would "
+                                  f"wrap around to another limit unseen")
             return seconds
-    raise RenderError(f"{flag} {text!r} is not a Slurm time limit: use minutes (90), "
-                      "HH:MM:SS (04:00:00) or D-HH:MM:SS (1-12:00:00)")
+    raise RenderError(f"{flag} {text!r} is not a Slurm time limit: use minutes (90), MM:SS, "
+                      "HH:MM:SS (04:00:00), D-HH (2-00), D-HH:MM or D-HH:MM:SS (1-12:00:00)")
 
 
 @dataclass
@@ -148,6 +170,11 @@ class ClusterOptions:
             raise RenderError(f"--gpus-per-node {self.gpu_type}:{self.gpus_per_node}: a GPU "
                               "type needs a number of GPUs >= 1 and a plain name (a100:8)")
         limit = parse_time_limit(self.time)
+        self.time = self.time.strip()  # `--time= 90` is refused by sbatch
+        if self.signal_grace > MAX_SIGNAL_GRACE:
+            raise RenderError(f"--signal-grace {self.signal_grace} s is more than sbatch's "
+                              f"--signal takes ({MAX_SIGNAL_GRACE} s, 0xffff): give at most "
+                              f"{MAX_SIGNAL_GRACE}")
         if self.signal_grace >= limit:
             raise RenderError(f"--signal-grace {self.signal_grace} s must be shorter than the "
                               f"time limit --time {self.time} ({limit} s)")
@@ -236,6 +263,7 @@ def eval_header(opts: ClusterOptions, time: str) -> list[str]:
     """`#SBATCH` lines for the evaluation job: one task (torchrun) on one node, with as many
     GPUs as a training node has (one tape-eval process each)."""
     parse_time_limit(time)
+    time = time.strip()
     lines = [
         f"--job-name={opts.job_name}-eval",
         "--nodes=1",
