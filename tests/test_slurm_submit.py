@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import shutil
 import subprocess
 import sys
@@ -152,6 +153,81 @@ def test_the_largest_signal_grace_sbatch_takes_is_accepted():
 def test_cluster_options_reject_bad_values_naming_them(kwargs, match):
     with pytest.raises(RenderError, match=match):
         ClusterOptions(**kwargs)
+
+
+@pytest.mark.parametrize("arg,full,by", [
+    ("--sig=B:USR1@5", "signal", "--signal-grace"), ("--no-req", "no-requeue", "the script"),
+    ("--outp=x.log", "output", "--log-dir"), ("--ch=/x", "chdir", "the directory"),
+    ("--tasks-per-node=2", "ntasks-per-node", "the script"),      # an alias of it
+    ("--tasks-per=2", "ntasks-per-node", "the script"),
+    ("--job=x", "job-name", "--job-name"), ("--part=gpu", "partition", "--partition"),
+])
+def test_an_abbreviated_sbatch_arg_is_the_option_it_abbreviates(arg, full, by):
+    """sbatch reads its options with getopt_long, which takes an unambiguous prefix of a long
+    option for the option: `--sig=B:USR1@5` replaced the rendered --signal unseen."""
+    with pytest.raises(RenderError, match=rf"--sbatch-arg '{re.escape(arg)}': "
+                                          rf"--{re.escape(arg[2:].split('=')[0])} \(sbatch "
+                                          rf"reads it as --{full}\) is set by {by}"):
+        ClusterOptions(extra_sbatch=[arg])
+
+
+def test_an_abbreviation_of_gpu_options_is_one_too():
+    with pytest.raises(RenderError, match=r"'--gpus-per-t=1' \(sbatch reads --gpus-per-t as "
+                                          r"--gpus-per-task\) asks for GPUs"):
+        ClusterOptions(extra_sbatch=["--gpus-per-t=1"])
+    with pytest.raises(RenderError, match=r"\(sbatch reads --tres-per-t as --tres-per-task\)"):
+        ClusterOptions(extra_sbatch=["--tres-per-t=gres/gpu:1"])
+
+
+@pytest.mark.parametrize("arg,candidates", [
+    ("--o=x", "--oom-kill-step, --open-mode, --output, --overcommit, --oversubscribe"),
+    ("--node=2", "--nodefile, --nodelist, --nodes"),
+    ("--res=r1", "--reservation, --resources, --resv-ports"),
+    ("--ti=10", "--time, --time-min"),
+])
+def test_an_ambiguous_abbreviation_is_refused_naming_the_candidates(arg, candidates):
+    with pytest.raises(RenderError, match=rf"--sbatch-arg '{re.escape(arg)}': "
+                                          rf"--{arg[2:].split('=')[0]} is ambiguous, an "
+                                          rf"abbreviation of {candidates} "):
+        ClusterOptions(extra_sbatch=[arg])
+
+
+@pytest.mark.parametrize("arg", [
+    "--constraint=a100", "--constr=a100", "--exclusive", "--mem=0", "--time-min=30",
+    "--nodelist=n1", "--gpu-bind=closest", "--my-spank-option=1",  # a SPANK plugin's: sbatch's
+])
+def test_options_tape_submit_does_not_render_pass_in_full_or_abbreviated(arg):
+    """Control: an exact name wins over a longer one it is a prefix of (--time-min, not
+    --time; --nodelist); names sbatch does not know are left to sbatch."""
+    assert f"#SBATCH {arg}" in train_header(ClusterOptions(extra_sbatch=[arg]))
+
+
+def test_sbatch_arg_values_with_spaces_or_a_hash_are_quoted():
+    """sbatch ends an #SBATCH value at whitespace and takes an unquoted '#' for a comment:
+    `--comment=run #2` gave the job Comment=run. Double-quoted, sbatch keeps both (and a
+    single quote, which would otherwise open a quotation of its own)."""
+    header = train_header(ClusterOptions(extra_sbatch=[
+        "--comment=run #2", "--mail-user=a b@x", "--comment=it's", "--constraint=a100|h100",
+        "--comment=plain"]))
+    assert '#SBATCH --comment="run #2"' in header
+    assert '#SBATCH --mail-user="a b@x"' in header
+    assert '#SBATCH --comment="it\'s"' in header
+    assert '#SBATCH --constraint="a100|h100"' in header
+    assert "#SBATCH --comment=plain" in header              # control: plain values stay bare
+
+
+@pytest.mark.parametrize("arg,match", [
+    ('--comment=say "hi"', "the value contains a double quote, a backslash or a line break"),
+    ("--comment=a\\b", "the value contains a double quote"),
+    ("--comment=a\nb", "the value contains a double quote"),
+    ("--comment run", "the option name 'comment run' contains whitespace"),
+    ("--comm\tent=x", "the option name .* contains whitespace"),
+    ("--=x", "'' is not an option name"),
+    ("--com#ment=x", "'com#ment' is not an option name"),
+])
+def test_sbatch_args_an_sbatch_line_cannot_hold_are_refused(arg, match):
+    with pytest.raises(RenderError, match=re.escape(f"--sbatch-arg {arg!r}: ") + match):
+        ClusterOptions(extra_sbatch=[arg])
 
 
 def test_paths_with_spaces_or_a_hash_are_quoted_in_the_header():
@@ -364,6 +440,8 @@ def test_tape_submit_dry_run_prints_the_script(tmp_path, monkeypatch):
     (["--time", "99999999"], "--time '99999999' is 5999999940 s, more than sbatch can hold"),
     (["--eval-after", "--eval-time", "0"], "--eval-time '0' is zero"),
     (["--time", "2-00", "--signal-grace", "70000"], "--signal-grace 70000 s is more than"),
+    (["--sbatch-arg=--sig=B:USR1@5"], "--sig (sbatch reads it as --signal) is set by"),
+    (["--sbatch-arg=--node=2"], "--node is ambiguous, an abbreviation of --nodefile, "),
 ])
 def test_tape_submit_rejects_bad_config_or_options_before_submitting(tmp_path, monkeypatch,
                                                                      extra, match):
@@ -512,8 +590,10 @@ def test_an_array_job_says_each_task_has_a_log_of_its_own(tmp_path, slurm_client
     assert rc == 0 and out == "41\n", err
     assert (f"logs {tmp_path}/logs/slurm/tape-run-<job id>.out, one per array task (its own "
             f"job id: squeue -r --jobs=41 --format='%i %A')") in err, err
+    rc, out, err = run_submit(submit_args(tmp_path, "--sbatch-arg=--arr=0-1"))  # abbreviated
+    assert "one per array task" in err, err
     rc, out, err = run_submit(submit_args(tmp_path))
-    assert f", log {tmp_path}/logs/slurm/tape-run-42.out" in err, err
+    assert f", log {tmp_path}/logs/slurm/tape-run-43.out" in err, err
 
 
 def test_a_refused_evaluation_says_the_training_is_queued_and_how_to_chain_it(
@@ -583,6 +663,9 @@ def test_a_second_job_for_a_queued_or_running_run_is_warned_about(tmp_path, slur
             "41 (PENDING); if one trains the same run dir") in err
     # A dependency on purpose (to run after it) is not warned about.
     rc, out, err = run_submit(submit_args(tmp_path, "--sbatch-arg=--dependency=afterany:41"))
+    assert rc == 0 and "warning" not in err, err
+    # ... nor one written as sbatch also takes it, abbreviated (getopt_long).
+    rc, out, err = run_submit(submit_args(tmp_path, "--sbatch-arg=--dep=afterany:41"))
     assert rc == 0 and "warning" not in err, err
     # A run holding the run directory now (here: a live process on this host).
     monkeypatch.setenv("FAKE_QUEUE", "")

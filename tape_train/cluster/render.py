@@ -20,6 +20,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tape_train.cluster.sbatch_options import AmbiguousOption, sbatch_long_option
+
 HEADER_BEGIN, HEADER_END = "# >>> sbatch header", "# <<< sbatch header"
 SETTINGS_BEGIN, SETTINGS_END = "# >>> run settings", "# <<< run settings"
 
@@ -66,6 +68,8 @@ _SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.,:+@%/=-]+$")
 # `proj#2` would have run in `proj`), both kept inside double quotes; a backslash escapes the
 # next character, differently between versions, so paths with '"' or '\' are refused.
 _PATH_REFUSED = re.compile(r'["\\\n\r]')
+# The same for an --sbatch-arg's value (a comment, a mail address, a feature expression).
+_VALUE_REFUSED = _PATH_REFUSED
 
 
 class RenderError(ValueError):
@@ -206,21 +210,7 @@ class ClusterOptions:
             raise RenderError("--python is empty: give the interpreter with tape_train "
                               "installed on the nodes")
         for line in self.extra_sbatch:
-            if not line.startswith("--") or "\n" in line:
-                raise RenderError(f"--sbatch-arg {line!r} must be one long option like "
-                                  "--constraint=a100")
-            option, _, value = line[2:].partition("=")
-            # --gres=gpu:a100:8,nvme:1 or --tres-per-task=gres/gpu:1; not --gres=nvme:1.
-            asked = {re.split(r"[:=]", item)[0].removeprefix("gres/").lower()
-                     for item in value.split(",")}
-            if option in GPU_SBATCH_OPTIONS and (option.startswith("gpus") or "gpu" in asked):
-                raise RenderError(f"--sbatch-arg {line!r} asks for GPUs: give them with "
-                                  f"--gpus-per-node N (or TYPE:N, e.g. a100:8), which starts "
-                                  f"one trainer per GPU on each node")
-            if option in RENDERED_SBATCH_OPTIONS:
-                raise RenderError(f"--sbatch-arg {line!r}: --{option} is set by "
-                                  f"{RENDERED_SBATCH_OPTIONS[option]}; a second #SBATCH line "
-                                  f"would override it unchecked")
+            _check_sbatch_arg(line)
 
     @property
     def procs(self) -> int:
@@ -236,6 +226,62 @@ def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         flag = "--" + name.replace("_", "-")
         raise RenderError(f"{flag} must be an integer >= {minimum}, got {value!r}")
+
+
+def sbatch_arg_option(line: str) -> str | None:
+    """The sbatch option an ``--sbatch-arg`` (``--name[=value]``) gives, by its full name
+    (``--dep=afterok:1``: ``dependency``); None for one sbatch_options does not know. The
+    argument must have passed ClusterOptions' checks (no ambiguous name)."""
+    return sbatch_long_option(line[2:].partition("=")[0])
+
+
+def _check_sbatch_arg(line: str) -> None:
+    """One --sbatch-arg: a long option sbatch can read from an #SBATCH line, not one that
+    tape-submit renders itself (given in full or abbreviated) or that asks for GPUs."""
+    if not line.startswith("--"):
+        raise RenderError(f"--sbatch-arg {line!r} must be one long option like "
+                          "--constraint=a100")
+    name, has_value, value = line[2:].partition("=")
+    if any(c.isspace() for c in name):
+        raise RenderError(f"--sbatch-arg {line!r}: the option name {name!r} contains whitespace; "
+                          f"give one option per --sbatch-arg, its value attached with '=' "
+                          f"(--sbatch-arg=--constraint=a100)")
+    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_-]*$", name):
+        raise RenderError(f"--sbatch-arg {line!r}: {name!r} is not an option name; give one "
+                          f"long option like --constraint=a100")
+    if _VALUE_REFUSED.search(value):
+        raise RenderError(f"--sbatch-arg {line!r}: the value contains a double quote, a "
+                          f"backslash or a line break, which an #SBATCH line cannot hold")
+    try:
+        option = sbatch_long_option(name)
+    except AmbiguousOption as exc:
+        raise RenderError(f"--sbatch-arg {line!r}: --{name} is ambiguous, an abbreviation of "
+                          f"{', '.join('--' + c for c in exc.candidates)} (sbatch 22.05-25.11 "
+                          f"have some or all of them); write the option in full") from None
+    if option is None:
+        return  # a site's SPANK option, or a mistake sbatch itself will name
+    said = f"--{name}" if option == name else f"--{name} (sbatch reads it as --{option})"
+    # --gres=gpu:a100:8,nvme:1 or --tres-per-task=gres/gpu:1; not --gres=nvme:1.
+    asked = {re.split(r"[:=]", item)[0].removeprefix("gres/").lower()
+             for item in value.split(",")}
+    if option in GPU_SBATCH_OPTIONS and (option.startswith("gpus") or "gpu" in asked):
+        read_as = "" if option == name else f" (sbatch reads --{name} as --{option})"
+        raise RenderError(f"--sbatch-arg {line!r}{read_as} asks for GPUs: give them with "
+                          f"--gpus-per-node N (or TYPE:N, e.g. a100:8), which starts one "
+                          f"trainer per GPU on each node")
+    if option in RENDERED_SBATCH_OPTIONS:
+        raise RenderError(f"--sbatch-arg {line!r}: {said} is set by "
+                          f"{RENDERED_SBATCH_OPTIONS[option]}; a second #SBATCH line would "
+                          f"override it unchecked")
+
+
+def _sbatch_arg_line(line: str) -> str:
+    """An --sbatch-arg as its #SBATCH line's text: a value with a space, '#', a quote or any
+    other character beyond the plain ones double-quoted (see _PATH_REFUSED)."""
+    name, has_value, value = line.partition("=")
+    if not has_value or not value or _SAFE_VALUE.match(value):
+        return line
+    return f'{name}="{value}"'
 
 
 def train_header(opts: ClusterOptions) -> list[str]:
@@ -254,7 +300,7 @@ def train_header(opts: ClusterOptions) -> list[str]:
         "--open-mode=append",
         _output(opts),
         f"--chdir={_sbatch_path(opts.workdir)}",
-        *opts.extra_sbatch,
+        *map(_sbatch_arg_line, opts.extra_sbatch),
     ]
     return [f"#SBATCH {line}" for line in lines]
 
@@ -277,7 +323,7 @@ def eval_header(opts: ClusterOptions, time: str) -> list[str]:
         "--open-mode=append",
         _output(opts),
         f"--chdir={_sbatch_path(opts.workdir)}",
-        *opts.extra_sbatch,
+        *map(_sbatch_arg_line, opts.extra_sbatch),
     ]
     return [f"#SBATCH {line}" for line in lines]
 
