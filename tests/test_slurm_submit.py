@@ -126,6 +126,11 @@ def test_the_largest_signal_grace_sbatch_takes_is_accepted():
     (dict(gpus_per_node=4, procs_per_node=2), "--procs-per-node 2 is for CPU nodes"),
     (dict(job_name="my job"), "--job-name"),
     (dict(partition="gpu debug"), "--partition"),
+    # Empty (an unset variable): said so, not "contains characters sbatch cannot take".
+    (dict(partition=""), r"--partition '' is empty \(an unset shell variable\?\): name the "
+                         r"partition, or leave --partition out for the cluster's default"),
+    (dict(account=" "), r"--account ' ' is empty"),
+    (dict(qos=""), r"--qos '' is empty"),
     (dict(log_dir='my "logs"'), "a double quote, a backslash or a line break"),
     (dict(workdir="/home/a\\b"), "a double quote, a backslash or a line break"),
     (dict(train_module="tape_train/train"), "--train-module"),
@@ -442,6 +447,7 @@ def test_tape_submit_dry_run_prints_the_script(tmp_path, monkeypatch):
     (["--time", "2-00", "--signal-grace", "70000"], "--signal-grace 70000 s is more than"),
     (["--sbatch-arg=--sig=B:USR1@5"], "--sig (sbatch reads it as --signal) is set by"),
     (["--sbatch-arg=--node=2"], "--node is ambiguous, an abbreviation of --nodefile, "),
+    (["--partition", ""], "--partition '' is empty"),
 ])
 def test_tape_submit_rejects_bad_config_or_options_before_submitting(tmp_path, monkeypatch,
                                                                      extra, match):

@@ -190,6 +190,10 @@ class ClusterOptions:
             raise RenderError(f"--job-name {self.job_name!r}: use letters, digits, '_', '.', '-'")
         for name in ("partition", "account", "qos"):
             value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise RenderError(f"--{name} {value!r} is empty (an unset shell variable?): "
+                                  f"name the {name}, or leave --{name} out for the cluster's "
+                                  f"default")
             if value is not None and not _SAFE_VALUE.match(value):
                 raise RenderError(f"--{name} {value!r} contains characters sbatch cannot take "
                                   "in a header line")
