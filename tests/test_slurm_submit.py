@@ -740,6 +740,10 @@ def test_sbatch_input_variables_do_not_override_the_rendered_script(tmp_path, sl
     rc, out, err = run_submit(submit_args(tmp_path, "--partition", "gpu"))
     assert rc == 0 and "SBATCH_PARTITION=site-default is set here" in err, err
     assert env_file.read_text() == "SBATCH_WCKEY=mine\n"
+    # An --sbatch-arg abbreviated as sbatch takes it (--wck: --wckey) is that option too.
+    rc, out, err = run_submit(submit_args(tmp_path, "--sbatch-arg=--wck=w1"))
+    assert rc == 0 and "SBATCH_WCKEY=mine is set here: not passed to sbatch" in err, err
+    assert env_file.read_text() == "SBATCH_PARTITION=site-default\n"
     rc, out, err = run_submit(submit_args(tmp_path, "--dry-run"))
     assert rc == 0 and out.startswith("#!/bin/bash"), err
     assert ("tape-submit: warning: SBATCH_TIMELIMIT=7-00:00:00 in this environment overrides "

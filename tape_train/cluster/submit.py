@@ -43,6 +43,7 @@ from tape_train.cluster.render import (
     sbatch_arg_option,
 )
 from tape_train.cluster.run_args import TrainArgsError, resolve_run_dir
+from tape_train.cluster.sbatch_options import AmbiguousOption, sbatch_long_option
 from tape_train.files import write_atomic
 from tape_train.hints import example_on_missing
 
@@ -167,8 +168,15 @@ SBATCH_ENV_OPTIONS = {
 
 
 def script_options(script: str) -> set[str]:
-    """The long options of a rendered script's ``#SBATCH`` lines (``--time``, ...)."""
-    return {m.group(1) for m in re.finditer(r"^#SBATCH\s+(--[A-Za-z0-9-]+)", script, re.M)}
+    """The long options of a rendered script's ``#SBATCH`` lines (``--time``, ...), by the
+    option sbatch reads each as (an --sbatch-arg's ``--wck=x`` is ``--wckey``)."""
+    found = set()
+    for m in re.finditer(r"^#SBATCH\s+--([A-Za-z0-9-]+)", script, re.M):
+        try:
+            found.add("--" + (sbatch_long_option(m.group(1)) or m.group(1)))
+        except AmbiguousOption:
+            found.add("--" + m.group(1))
+    return found
 
 
 def overriding_environment(scripts: list[str], environ=None) -> dict[str, str]:
