@@ -77,7 +77,7 @@ def test_parse_time_limit_accepts_slurm_formats(text, seconds):
 
 
 @pytest.mark.parametrize("text", ["", "4h", "1:2:3:4", "-5", "1-2:", ":30", "1-:30",
-                                  "1-2-3", "1 - 2", "1.5", "-2-00"])
+                                  "1-2-3", "1 - 2", "1.5", "-2-00", "\u0661\u0662"])
 def test_parse_time_limit_rejects_other_text_naming_the_option(text):
     with pytest.raises(RenderError, match=f"--time {text!r} is not a Slurm time limit"):
         parse_time_limit(text)

@@ -30,7 +30,7 @@ SLURM_SIGNAL_CHECK_SECONDS = 30
 # Slurm's --time formats (time_str2secs() in src/common/parse_time.c): M, M:S, H:M:S, D-H,
 # D-H:M, D-H:M:S, and D- (a day count alone, read as D-0). Each field may exceed its usual
 # range: 99:99 is 99 min 99 s (01:41:00 once rounded up to whole minutes).
-_TIME_FORMATS = tuple(re.compile(p) for p in (
+_TIME_FORMATS = tuple(re.compile(p, re.ASCII) for p in (  # ASCII: sbatch takes no other digits
     r"^(?P<m>\d+)$",
     r"^(?P<m>\d+):(?P<s>\d+)$",
     r"^(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)$",
