@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import shutil
 import subprocess
@@ -753,3 +754,59 @@ def test_sbatch_input_variables_do_not_override_the_rendered_script(tmp_path, sl
         monkeypatch.delenv(var)
     rc, out, err = run_submit(submit_args(tmp_path))
     assert rc == 0 and "SBATCH_" not in err and env_file.read_text() == "", err
+
+
+MINIMAL_SLURM_CONF = """ClusterName=probe
+SlurmctldHost=localhost
+SlurmctldPort=1
+MessageTimeout=1
+TCPTimeout=1
+AuthType=auth/munge
+AuthInfo=socket=/nonexistent/munge.socket
+NodeName=n1 CPUs=1
+PartitionName=p Nodes=n1 Default=YES
+"""
+
+
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="needs sbatch (slurm-client)")
+def test_sbatch_itself_reads_the_rendered_header_as_intended(tmp_path):
+    """sbatch's own reading of a rendered header, without a cluster: a slurm.conf naming a
+    controller on a closed port (and no munge) lets it parse the script (`sbatch -vvvv` logs each argument it
+    found in an #SBATCH line and the options it set) and then fail to submit. Measured with
+    22.05: unquoted, `--comment=run #2` was read as `--comment=run`; quoted it stays whole.
+    The time limit with spaces around it is rendered without them (` 90`: Invalid --time)."""
+    args = ["--comment=run #2", "--mail-user=a b@x", "--comment=it's", "--constraint=a|b"]
+    header = train_header(ClusterOptions(time=" 90 ", extra_sbatch=args,
+                                         workdir=str(tmp_path), log_dir=str(tmp_path)))
+    script = tmp_path / "job.sbatch"
+    script.write_text("#!/bin/bash\n" + "\n".join(header) + "\ntrue\n")
+    (tmp_path / "slurm.conf").write_text(MINIMAL_SLURM_CONF)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SBATCH_", "SLURM_"))}
+    proc = subprocess.run(["sbatch", "-vvvv", str(script)], capture_output=True, text=True,
+                          env={**env, "SLURM_CONF": str(tmp_path / "slurm.conf")}, timeout=60)
+    found = re.findall(r'Found in script, argument "(.*)"', proc.stderr)
+    assert found, proc.stderr
+    assert "Invalid" not in proc.stderr, proc.stderr
+    for arg in args + ["--time=90"]:
+        assert arg in found, (arg, found)
+
+
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="needs sbatch (slurm-client)")
+def test_sbatch_itself_takes_an_abbreviation_for_the_option(tmp_path):
+    """What the --sbatch-arg checks rest on: sbatch reads `--sig=` in an #SBATCH line as
+    --signal (the one option it abbreviates), and refuses `--node=` (several)."""
+    (tmp_path / "slurm.conf").write_text(MINIMAL_SLURM_CONF)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SBATCH_", "SLURM_"))}
+    env["SLURM_CONF"] = str(tmp_path / "slurm.conf")
+    said = {}
+    for arg in ("--sig=B:USR1@7", "--node=2"):
+        script = tmp_path / "job.sbatch"
+        script.write_text(f"#!/bin/bash\n#SBATCH {arg}\ntrue\n")
+        said[arg] = subprocess.run(["sbatch", "-vvvv", str(script)], capture_output=True,
+                                   text=True, env=env, timeout=60).stderr
+    assert re.search(r"signal +: B:USR1@7", said["--sig=B:USR1@7"]), said
+    assert "'--node=2' is ambiguous" in said["--node=2"], said
+    with pytest.raises(RenderError, match="--sig \\(sbatch reads it as --signal\\)"):
+        ClusterOptions(extra_sbatch=["--sig=B:USR1@7"])
+    with pytest.raises(RenderError, match="--node is ambiguous"):
+        ClusterOptions(extra_sbatch=["--node=2"])
