@@ -771,8 +771,9 @@ PartitionName=p Nodes=n1 Default=YES
 @pytest.mark.skipif(shutil.which("sbatch") is None, reason="needs sbatch (slurm-client)")
 def test_sbatch_itself_reads_the_rendered_header_as_intended(tmp_path):
     """sbatch's own reading of a rendered header, without a cluster: a slurm.conf naming a
-    controller on a closed port (and no munge) lets it parse the script (`sbatch -vvvv` logs each argument it
-    found in an #SBATCH line and the options it set) and then fail to submit. Measured with
+    controller on a closed port (and no munge) lets it parse the script (`sbatch -vvvv` logs
+    each argument it found in an #SBATCH line and the options it set) and then fail to
+    submit. Measured with
     22.05: unquoted, `--comment=run #2` was read as `--comment=run`; quoted it stays whole.
     The time limit with spaces around it is rendered without them (` 90`: Invalid --time)."""
     args = ["--comment=run #2", "--mail-user=a b@x", "--comment=it's", "--constraint=a|b"]
