@@ -7,11 +7,12 @@ scripts as tape-submit renders them:
 - `tape-submit --dry-run` output for 1 and 4 nodes passes `sbatch --test-only` (5 nodes, more
   than the partition has, is refused: the negative control);
 - a 2-node probe job (a small gloo program in place of the trainer, via --train-module)
-  proves the rendezvous: MASTER_ADDR is the first node, the port comes from the job id, node
-  ranks differ, one all-reduce spans both nodes; a USR1 to the batch shell is forwarded to the
-  training step alone (the extern step lives until the job ends; a USR1 to the whole job ends
-  it at once: the negative control) and reaches both ranks, which stop together and exit 75
-  like the trainer; with --max-requeues 0 the script does not requeue and the job fails with 75;
+  proves the rendezvous: MASTER_ADDR is the first node's NodeAddr, the port comes from the job
+  id, node ranks differ, one all-reduce spans both nodes; a USR1 to the batch shell is
+  forwarded to the training step alone (the extern step lives until the job ends; a USR1 to
+  the whole job ends it at once: the negative control) and reaches both ranks, which stop
+  together and exit 75 like the trainer; with --max-requeues 0 the script does not requeue
+  and the job fails with 75;
 - faults, with the same probe: with --max-restarts 0 a rank killed with SIGKILL ends the job
   within seconds, FAILED, not requeued, with the node that failed first named in the log; a run directory locked by
   another job fails in the start-up checks before torchrun; `sbatch train.sbatch` used as it
@@ -351,12 +352,16 @@ def test_two_node_probe_rendezvous_and_signal_forwarding(cluster, tmp_path, monk
 
     assert len(re.findall(r"\[preflight ttnode\d\] all 6 start-up checks passed", text)) == 2
     assert "caught SIGUSR1" in text and "SLURM_RESTART_COUNT=0" in text
-    assert f"master=ttnode1:{15000 + job_id % 15000}" in text
+    # The endpoint is the first node's NodeAddr (127.0.0.1 in slurm.conf; its name resolves to
+    # 127.0.1.1); the port comes from the job id, 15000-29999 without torchrun's 29400/29500.
+    port = 15000 + job_id % 14998
+    port += port >= 29400
+    port += port >= 29500
+    assert f"master=127.0.0.1:{port} (node ttnode1)" in text
     # Each node resolved the rendezvous host; the one hosting the store found its port free.
-    port = 15000 + job_id % 15000
-    assert f"[preflight ttnode1] ok     rendezvous: ttnode1:{port} (127.0.1.1), hosted " \
+    assert f"[preflight ttnode1] ok     rendezvous: 127.0.0.1:{port} (127.0.0.1), hosted " \
         "here, port free" in text, text
-    assert f"[preflight ttnode2] ok     rendezvous: ttnode1:{port} (127.0.1.1)\n" in text, text
+    assert f"[preflight ttnode2] ok     rendezvous: 127.0.0.1:{port} (127.0.0.1)\n" in text, text
     assert "WARNING: this torchrun has no" not in text   # it takes every option
     assert "NOT requeueing: restart count 0 reached TAPE_MAX_REQUEUES=0" in text
 

@@ -181,8 +181,8 @@ def test_the_rendezvous_host_must_resolve_and_its_port_be_free_where_it_is_hoste
     monkeypatch.setenv("MASTER_PORT", "15123")
     rc, out, err = run_preflight(args)
     assert rc == 1
-    assert ("[preflight gpu-node-17] FAILED rendezvous: the rendezvous host no-such-node.invalid "
-            "(the first node of the job) does not resolve on gpu-node-17") in err
+    assert ("[preflight gpu-node-17] FAILED rendezvous: the rendezvous host no-such-node.invalid, "
+            "the first node of the job, does not resolve on gpu-node-17") in err
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -200,6 +200,34 @@ def test_the_rendezvous_host_must_resolve_and_its_port_be_free_where_it_is_hoste
         assert "TAPE_MASTER_PORT=<free port>" in err
     rc, out, err = run_preflight(args)              # released: the same node passes
     assert rc == 0 and "hosted here, port free" in out, err
+
+
+def test_the_node_hosting_the_rendezvous_is_the_one_named_not_its_address(tmp_path,
+                                                                          monkeypatch):
+    """train.sbatch exports the first node's NodeAddr as MASTER_ADDR (node names need not
+    resolve) and its name as TAPE_RDZV_NODE: the node of that name hosts the store, and it
+    is the one that checks the port, though MASTER_ADDR is an address and not its name."""
+    import socket
+
+    args = ["--run-dir", str(tmp_path / "run"), "--min-free-gb", "0"]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        monkeypatch.setenv("TAPE_RDZV_NODE", "gpu-node-17")
+        rc, out, err = run_preflight(args)
+        assert rc == 1
+        assert (f"[preflight gpu-node-17] FAILED rendezvous: port {port} on gpu-node-17, where "
+                f"the rendezvous is hosted, is taken") in err
+        monkeypatch.setenv("TAPE_RDZV_NODE", "gpu-node-3")    # control: another node hosts it
+        rc, out, err = run_preflight(args)
+        assert rc == 0 and f"ok     rendezvous: 127.0.0.1:{port} (127.0.0.1)\n" in out, err
+    monkeypatch.setenv("MASTER_ADDR", "no-such-node.invalid")
+    rc, out, err = run_preflight(args)
+    assert ("FAILED rendezvous: the rendezvous host no-such-node.invalid (the address of "
+            "gpu-node-3), the first node of the job, does not resolve on gpu-node-17") in err
 
 
 @pytest.mark.parametrize("device, fails", [("auto", True), ("cuda", True), ("cpu", False)])

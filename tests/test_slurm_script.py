@@ -96,11 +96,21 @@ case "$*" in
 esac
 exit 99
 """
+# `show node`: a node's NodeAddr is its name unless FAKE_NODE_ADDR says otherwise, as Slurm
+# does without NodeAddr= in slurm.conf; FAKE_NODE_INFO replaces the whole answer and
+# FAKE_NODE_INFO_RC is its exit code.
 FAKE_SCONTROL = r"""#!/bin/bash
 echo "scontrol $*" >> "$FAKE_DIR/calls"
-case $1 in
-    show) [[ -n ${FAKE_NO_HOSTS:-} ]] || printf 'nodeA\nnodeB\n';;
-    requeue) exit "${FAKE_REQUEUE_RC:-0}";;
+case "$*" in
+    "--oneliner show node "*)
+        if [[ -n ${FAKE_NODE_INFO+set} ]]; then
+            [[ -z $FAKE_NODE_INFO ]] || echo "$FAKE_NODE_INFO"
+            exit "${FAKE_NODE_INFO_RC:-0}"
+        fi
+        echo "NodeName=$4 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 CPUTot=4" \
+            "NodeAddr=${FAKE_NODE_ADDR:-$4} NodeHostName=$4 Version=22.05.8 OS=Linux";;
+    show*) [[ -n ${FAKE_NO_HOSTS:-} ]] || printf 'nodeA\nnodeB\n';;
+    requeue*) exit "${FAKE_REQUEUE_RC:-0}";;
 esac
 """
 
@@ -170,8 +180,8 @@ def test_finished_training_exits_0_without_requeue(fake_slurm):
             "tape_train.train.cli -- --config run.yaml train.max_steps=5" in preflight)
     for part in ("--ntasks-per-node=1", "--cpus-per-task=8", "--nnodes=2", "--nproc_per_node=2",
                  "--max_restarts=3", "--rdzv_backend=c10d", "--rdzv_id=4321",
-                 f"--rdzv_endpoint=nodeA:{15000 + JOB_ID % 15000}",
-                 '--rdzv_conf=is_host=$([[ $SLURMD_NODENAME == "$MASTER_ADDR" ]] '
+                 f"--rdzv_endpoint=nodeA:{15000 + JOB_ID}",
+                 '--rdzv_conf=is_host=$([[ $SLURMD_NODENAME == "$TAPE_RDZV_NODE" ]] '
                  '&& echo 1 || echo 0)',
                  "--signals_to_handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                  "--shutdown_timeout=120", "--wait=180",
@@ -473,7 +483,51 @@ def test_the_rendezvous_is_hosted_on_the_node_it_names(fake_slurm, nodes, export
     hosts = {name: run.split()[3] for name, run in zip(
         [n.split(":")[0] for n in nodes.split()], runs)}
     assert hosts == {"nodeA": "--rdzv_conf=is_host=1", "nodeB": "--rdzv_conf=is_host=0"}, runs
-    assert all(f"--rdzv_endpoint=nodeA:{15000 + JOB_ID % 15000}" in run for run in runs)
+    assert all(f"--rdzv_endpoint=nodeA:{15000 + JOB_ID}" in run for run in runs)
+
+
+@pytest.mark.parametrize("addr, endpoint", [("10.1.2.3", "10.1.2.3"),
+                                            ("fd00:1::17", "[fd00:1::17]")])
+def test_the_rendezvous_is_at_the_first_nodes_nodeaddr(fake_slurm, addr, endpoint):
+    """Node names need not resolve by DNS where slurm.conf gives each node a NodeAddr: the
+    endpoint is the first node's NodeAddr (an IPv6 one in brackets, as torchrun reads it),
+    MASTER_ADDR the bare address; the node of that name still hosts the store."""
+    tmp_path, script, env = fake_slurm
+    (tmp_path / "bin" / "srun").write_text(PER_NODE_SRUN)
+    rc, calls, out = run_script(fake_slurm, FAKE_NODES="nodeB:0 nodeA:1", FAKE_NODE_ADDR=addr)
+    assert rc == 0, out
+    assert "scontrol --oneliner show node nodeA" in calls
+    runs = [c for c in calls if c.startswith("python -m torch.distributed.run --rdzv_conf")]
+    assert [run.split()[3] for run in runs] == ["--rdzv_conf=is_host=0",    # nodeB
+                                                "--rdzv_conf=is_host=1"], runs  # nodeA
+    assert all(f"--rdzv_endpoint={endpoint}:{15000 + JOB_ID} " in run for run in runs), runs
+    assert f"master={endpoint}:{15000 + JOB_ID} (node nodeA)" in out
+    assert "WARNING" not in out
+
+
+@pytest.mark.parametrize("info, info_rc", [("", 0), ("NodeName=nodeA State=IDLE", 0),
+                                           ("slurm_load_node error: Unable to contact slurm "
+                                            "controller (connect failure)", 1)])
+def test_without_a_nodeaddr_the_rendezvous_is_at_the_node_name(fake_slurm, info, info_rc):
+    rc, calls, out = run_script(fake_slurm, FAKE_TRAIN_RC=0, FAKE_NODE_INFO=info,
+                                FAKE_NODE_INFO_RC=info_rc)
+    assert rc == 0, out
+    train = [c for c in calls if c.startswith("srun")][-1]
+    assert f"--rdzv_endpoint=nodeA:{15000 + JOB_ID} " in train, train
+    assert ("WARNING: `scontrol show node nodeA` gave no NodeAddr (" + info.split("\n")[0]
+            + "): the rendezvous is at the node name, which every node must resolve") in out
+
+
+@pytest.mark.parametrize("job_id, port", [(4321, 19321), (14399, 29399), (14400, 29401),
+                                          (14498, 29499), (14499, 29501), (14997, 29999),
+                                          (14998, 15000), (14998 + 14400, 29401)])
+def test_the_port_from_the_job_id_is_never_a_torchrun_default(fake_slurm, job_id, port):
+    """15000 + job id mod 15000 gave jobs 14400 and 14500 the ports 29400 and 29500, torchrun's
+    defaults (c10d rendezvous, master), which a torchrun started by hand on the node holds:
+    15000-29999 without those two, in the job id's order."""
+    rc, calls, out = run_script(fake_slurm, FAKE_TRAIN_RC=0, SLURM_JOB_ID=job_id)
+    assert rc == 0, out
+    assert f"master=nodeA:{port} (node nodeA)" in out, out
 
 
 def test_outside_slurm_the_script_refuses_to_run(fake_slurm):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -67,24 +69,69 @@ def run_submit(args: list[str]) -> tuple[int, str, str]:
 @pytest.mark.parametrize("text,seconds", [
     ("90", 5400), ("10:30", 630), ("04:00:00", 14400), ("2-00", 172800),
     ("1-12:30", 131400), ("1-00:00:05", 86405),
+    # As Slurm's time_str2secs() reads them: a day count alone, fields past their usual range.
+    ("1-", 86400), ("99:99", 99 * 60 + 99), ("0:90:00", 5400), (" 90 ", 5400),
+    ("35791393", 35791393 * 60),                       # the largest whole minutes sbatch holds
 ])
 def test_parse_time_limit_accepts_slurm_formats(text, seconds):
     assert parse_time_limit(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "4h", "1:2:3:4", "-5", "0", "00:00:00", "1-"])
+@pytest.mark.parametrize("text", ["", "4h", "1:2:3:4", "-5", "1-2:", ":30", "1-:30",
+                                  "1-2-3", "1 - 2", "1.5", "-2-00", "\u0661\u0662"])
 def test_parse_time_limit_rejects_other_text_naming_the_option(text):
-    with pytest.raises(RenderError, match="--time"):
+    with pytest.raises(RenderError, match=f"--time {text!r} is not a Slurm time limit"):
         parse_time_limit(text)
+
+
+@pytest.mark.parametrize("text", ["0", "00:00:00", "0-0", "UNLIMITED", "infinite", "-1",
+                                  " unlimited "])
+def test_no_time_limit_is_refused_because_no_warning_would_come(text):
+    """Slurm takes 0, -1, INFINITE and UNLIMITED for no time limit: the USR1 warning before
+    the end, on which the trainer checkpoints, would then never be sent."""
+    with pytest.raises(RenderError, match=rf"--time {text!r} .*no time limit.*never sends "
+                                          r"the USR1 warning"):
+        parse_time_limit(text)
+
+
+@pytest.mark.parametrize("text", ["99999999", "35791394", "24855-03:14:08", "2147483647:0"])
+def test_a_time_limit_sbatch_would_wrap_around_is_refused(text):
+    """sbatch adds the seconds up in a C int (then 59 to round up to minutes): 99999999
+    minutes became a limit of 19734-04:11:00, unseen. 35791394 minutes is the first whole
+    minute past 2^31 - 1 - 59 s."""
+    with pytest.raises(RenderError, match=rf"--time {text!r} is \d+ s, more than sbatch can "
+                                          r"hold \(2147483588 s"):
+        parse_time_limit(text)
+
+
+def test_a_time_limit_with_spaces_around_it_is_rendered_without_them():
+    """`--time " 90"` rendered `#SBATCH --time= 90`, which sbatch refuses (not a time)."""
+    opts = ClusterOptions(time=" 90\t")
+    assert "#SBATCH --time=90" in train_header(opts)
+    assert "#SBATCH --time=30" in eval_header(opts, " 30 ")
+
+
+def test_the_largest_signal_grace_sbatch_takes_is_accepted():
+    # control for the refusal of 65536 below
+    assert "#SBATCH --signal=B:USR1@65535" in train_header(
+        ClusterOptions(time="2-00:00:00", signal_grace=65535))
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(nodes=0), "--nodes"),
     (dict(gpus_per_node=-1), "--gpus-per-node"),
     (dict(time="00:05:00", signal_grace=300), "--signal-grace 300 s must be shorter"),
+    # sbatch's --signal holds the time in 16 bits and refuses more (0xffff).
+    (dict(time="2-00:00:00", signal_grace=65536), r"--signal-grace 65536 s is more than "
+                                                   r"sbatch's --signal takes \(65535 s"),
     (dict(gpus_per_node=4, procs_per_node=2), "--procs-per-node 2 is for CPU nodes"),
     (dict(job_name="my job"), "--job-name"),
     (dict(partition="gpu debug"), "--partition"),
+    # Empty (an unset variable): said so, not "contains characters sbatch cannot take".
+    (dict(partition=""), r"--partition '' is empty \(an unset shell variable\?\): name the "
+                         r"partition, or leave --partition out for the cluster's default"),
+    (dict(account=" "), r"--account ' ' is empty"),
+    (dict(qos=""), r"--qos '' is empty"),
     (dict(log_dir='my "logs"'), "a double quote, a backslash or a line break"),
     (dict(workdir="/home/a\\b"), "a double quote, a backslash or a line break"),
     (dict(train_module="tape_train/train"), "--train-module"),
@@ -112,6 +159,81 @@ def test_parse_time_limit_rejects_other_text_naming_the_option(text):
 def test_cluster_options_reject_bad_values_naming_them(kwargs, match):
     with pytest.raises(RenderError, match=match):
         ClusterOptions(**kwargs)
+
+
+@pytest.mark.parametrize("arg,full,by", [
+    ("--sig=B:USR1@5", "signal", "--signal-grace"), ("--no-req", "no-requeue", "the script"),
+    ("--outp=x.log", "output", "--log-dir"), ("--ch=/x", "chdir", "the directory"),
+    ("--tasks-per-node=2", "ntasks-per-node", "the script"),      # an alias of it
+    ("--tasks-per=2", "ntasks-per-node", "the script"),
+    ("--job=x", "job-name", "--job-name"), ("--part=gpu", "partition", "--partition"),
+])
+def test_an_abbreviated_sbatch_arg_is_the_option_it_abbreviates(arg, full, by):
+    """sbatch reads its options with getopt_long, which takes an unambiguous prefix of a long
+    option for the option: `--sig=B:USR1@5` replaced the rendered --signal unseen."""
+    with pytest.raises(RenderError, match=rf"--sbatch-arg '{re.escape(arg)}': "
+                                          rf"--{re.escape(arg[2:].split('=')[0])} \(sbatch "
+                                          rf"reads it as --{full}\) is set by {by}"):
+        ClusterOptions(extra_sbatch=[arg])
+
+
+def test_an_abbreviation_of_gpu_options_is_one_too():
+    with pytest.raises(RenderError, match=r"'--gpus-per-t=1' \(sbatch reads --gpus-per-t as "
+                                          r"--gpus-per-task\) asks for GPUs"):
+        ClusterOptions(extra_sbatch=["--gpus-per-t=1"])
+    with pytest.raises(RenderError, match=r"\(sbatch reads --tres-per-t as --tres-per-task\)"):
+        ClusterOptions(extra_sbatch=["--tres-per-t=gres/gpu:1"])
+
+
+@pytest.mark.parametrize("arg,candidates", [
+    ("--o=x", "--oom-kill-step, --open-mode, --output, --overcommit, --oversubscribe"),
+    ("--node=2", "--nodefile, --nodelist, --nodes"),
+    ("--res=r1", "--reservation, --resources, --resv-ports"),
+    ("--ti=10", "--time, --time-min"),
+])
+def test_an_ambiguous_abbreviation_is_refused_naming_the_candidates(arg, candidates):
+    with pytest.raises(RenderError, match=rf"--sbatch-arg '{re.escape(arg)}': "
+                                          rf"--{arg[2:].split('=')[0]} is ambiguous, an "
+                                          rf"abbreviation of {candidates} "):
+        ClusterOptions(extra_sbatch=[arg])
+
+
+@pytest.mark.parametrize("arg", [
+    "--constraint=a100", "--constr=a100", "--exclusive", "--mem=0", "--time-min=30",
+    "--nodelist=n1", "--gpu-bind=closest", "--my-spank-option=1",  # a SPANK plugin's: sbatch's
+])
+def test_options_tape_submit_does_not_render_pass_in_full_or_abbreviated(arg):
+    """Control: an exact name wins over a longer one it is a prefix of (--time-min, not
+    --time; --nodelist); names sbatch does not know are left to sbatch."""
+    assert f"#SBATCH {arg}" in train_header(ClusterOptions(extra_sbatch=[arg]))
+
+
+def test_sbatch_arg_values_with_spaces_or_a_hash_are_quoted():
+    """sbatch ends an #SBATCH value at whitespace and takes an unquoted '#' for a comment:
+    `--comment=run #2` gave the job Comment=run. Double-quoted, sbatch keeps both (and a
+    single quote, which would otherwise open a quotation of its own)."""
+    header = train_header(ClusterOptions(extra_sbatch=[
+        "--comment=run #2", "--mail-user=a b@x", "--comment=it's", "--constraint=a100|h100",
+        "--comment=plain"]))
+    assert '#SBATCH --comment="run #2"' in header
+    assert '#SBATCH --mail-user="a b@x"' in header
+    assert '#SBATCH --comment="it\'s"' in header
+    assert '#SBATCH --constraint="a100|h100"' in header
+    assert "#SBATCH --comment=plain" in header              # control: plain values stay bare
+
+
+@pytest.mark.parametrize("arg,match", [
+    ('--comment=say "hi"', "the value contains a double quote, a backslash or a line break"),
+    ("--comment=a\\b", "the value contains a double quote"),
+    ("--comment=a\nb", "the value contains a double quote"),
+    ("--comment run", "the option name 'comment run' contains whitespace"),
+    ("--comm\tent=x", "the option name .* contains whitespace"),
+    ("--=x", "'' is not an option name"),
+    ("--com#ment=x", "'com#ment' is not an option name"),
+])
+def test_sbatch_args_an_sbatch_line_cannot_hold_are_refused(arg, match):
+    with pytest.raises(RenderError, match=re.escape(f"--sbatch-arg {arg!r}: ") + match):
+        ClusterOptions(extra_sbatch=[arg])
 
 
 def test_paths_with_spaces_or_a_hash_are_quoted_in_the_header():
@@ -320,6 +442,13 @@ def test_tape_submit_dry_run_prints_the_script(tmp_path, monkeypatch):
     (["--time", "4h"], "--time '4h'"),
     (["--nodes", "0"], "--nodes must be an integer >= 1"),
     (["--max-restarts", "-2"], "--max-restarts must be an integer >= 0"),
+    (["--time", "UNLIMITED"], "--time 'UNLIMITED' means no time limit to Slurm"),
+    (["--time", "99999999"], "--time '99999999' is 5999999940 s, more than sbatch can hold"),
+    (["--eval-after", "--eval-time", "0"], "--eval-time '0' is zero"),
+    (["--time", "2-00", "--signal-grace", "70000"], "--signal-grace 70000 s is more than"),
+    (["--sbatch-arg=--sig=B:USR1@5"], "--sig (sbatch reads it as --signal) is set by"),
+    (["--sbatch-arg=--node=2"], "--node is ambiguous, an abbreviation of --nodefile, "),
+    (["--partition", ""], "--partition '' is empty"),
 ])
 def test_tape_submit_rejects_bad_config_or_options_before_submitting(tmp_path, monkeypatch,
                                                                      extra, match):
@@ -328,6 +457,8 @@ def test_tape_submit_rejects_bad_config_or_options_before_submitting(tmp_path, m
     rc, out, err = run_submit(["--config", str(config), *extra, "--dry-run"])
     assert rc == 1 and out == ""
     assert match in err
+    # one line, before the preflight (which would say "preflight for ...")
+    assert err.count("\n") == 1 and err.startswith("tape-submit: error: "), err
 
 
 def test_tape_submit_without_sbatch_says_so(tmp_path, monkeypatch):
@@ -466,8 +597,10 @@ def test_an_array_job_says_each_task_has_a_log_of_its_own(tmp_path, slurm_client
     assert rc == 0 and out == "41\n", err
     assert (f"logs {tmp_path}/logs/slurm/tape-run-<job id>.out, one per array task (its own "
             f"job id: squeue -r --jobs=41 --format='%i %A')") in err, err
+    rc, out, err = run_submit(submit_args(tmp_path, "--sbatch-arg=--arr=0-1"))  # abbreviated
+    assert "one per array task" in err, err
     rc, out, err = run_submit(submit_args(tmp_path))
-    assert f", log {tmp_path}/logs/slurm/tape-run-42.out" in err, err
+    assert f", log {tmp_path}/logs/slurm/tape-run-43.out" in err, err
 
 
 def test_a_refused_evaluation_says_the_training_is_queued_and_how_to_chain_it(
@@ -538,6 +671,9 @@ def test_a_second_job_for_a_queued_or_running_run_is_warned_about(tmp_path, slur
     # A dependency on purpose (to run after it) is not warned about.
     rc, out, err = run_submit(submit_args(tmp_path, "--sbatch-arg=--dependency=afterany:41"))
     assert rc == 0 and "warning" not in err, err
+    # ... nor one written as sbatch also takes it, abbreviated (getopt_long).
+    rc, out, err = run_submit(submit_args(tmp_path, "--sbatch-arg=--dep=afterany:41"))
+    assert rc == 0 and "warning" not in err, err
     # A run holding the run directory now (here: a live process on this host).
     monkeypatch.setenv("FAKE_QUEUE", "")
     run_dir = tmp_path / "runs" / "exp1"
@@ -605,6 +741,10 @@ def test_sbatch_input_variables_do_not_override_the_rendered_script(tmp_path, sl
     rc, out, err = run_submit(submit_args(tmp_path, "--partition", "gpu"))
     assert rc == 0 and "SBATCH_PARTITION=site-default is set here" in err, err
     assert env_file.read_text() == "SBATCH_WCKEY=mine\n"
+    # An --sbatch-arg abbreviated as sbatch takes it (--wck: --wckey) is that option too.
+    rc, out, err = run_submit(submit_args(tmp_path, "--sbatch-arg=--wck=w1"))
+    assert rc == 0 and "SBATCH_WCKEY=mine is set here: not passed to sbatch" in err, err
+    assert env_file.read_text() == "SBATCH_PARTITION=site-default\n"
     rc, out, err = run_submit(submit_args(tmp_path, "--dry-run"))
     assert rc == 0 and out.startswith("#!/bin/bash"), err
     assert ("tape-submit: warning: SBATCH_TIMELIMIT=7-00:00:00 in this environment overrides "
@@ -614,3 +754,60 @@ def test_sbatch_input_variables_do_not_override_the_rendered_script(tmp_path, sl
         monkeypatch.delenv(var)
     rc, out, err = run_submit(submit_args(tmp_path))
     assert rc == 0 and "SBATCH_" not in err and env_file.read_text() == "", err
+
+
+MINIMAL_SLURM_CONF = """ClusterName=probe
+SlurmctldHost=localhost
+SlurmctldPort=1
+MessageTimeout=1
+TCPTimeout=1
+AuthType=auth/munge
+AuthInfo=socket=/nonexistent/munge.socket
+NodeName=n1 CPUs=1
+PartitionName=p Nodes=n1 Default=YES
+"""
+
+
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="needs sbatch (slurm-client)")
+def test_sbatch_itself_reads_the_rendered_header_as_intended(tmp_path):
+    """sbatch's own reading of a rendered header, without a cluster: a slurm.conf naming a
+    controller on a closed port (and no munge) lets it parse the script (`sbatch -vvvv` logs
+    each argument it found in an #SBATCH line and the options it set) and then fail to
+    submit. Measured with
+    22.05: unquoted, `--comment=run #2` was read as `--comment=run`; quoted it stays whole.
+    The time limit with spaces around it is rendered without them (` 90`: Invalid --time)."""
+    args = ["--comment=run #2", "--mail-user=a b@x", "--comment=it's", "--constraint=a|b"]
+    header = train_header(ClusterOptions(time=" 90 ", extra_sbatch=args,
+                                         workdir=str(tmp_path), log_dir=str(tmp_path)))
+    script = tmp_path / "job.sbatch"
+    script.write_text("#!/bin/bash\n" + "\n".join(header) + "\ntrue\n")
+    (tmp_path / "slurm.conf").write_text(MINIMAL_SLURM_CONF)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SBATCH_", "SLURM_"))}
+    proc = subprocess.run(["sbatch", "-vvvv", str(script)], capture_output=True, text=True,
+                          env={**env, "SLURM_CONF": str(tmp_path / "slurm.conf")}, timeout=60)
+    found = re.findall(r'Found in script, argument "(.*)"', proc.stderr)
+    assert found, proc.stderr
+    assert "Invalid" not in proc.stderr, proc.stderr
+    for arg in args + ["--time=90"]:
+        assert arg in found, (arg, found)
+
+
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="needs sbatch (slurm-client)")
+def test_sbatch_itself_takes_an_abbreviation_for_the_option(tmp_path):
+    """What the --sbatch-arg checks rest on: sbatch reads `--sig=` in an #SBATCH line as
+    --signal (the one option it abbreviates), and refuses `--node=` (several)."""
+    (tmp_path / "slurm.conf").write_text(MINIMAL_SLURM_CONF)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SBATCH_", "SLURM_"))}
+    env["SLURM_CONF"] = str(tmp_path / "slurm.conf")
+    said = {}
+    for arg in ("--sig=B:USR1@7", "--node=2"):
+        script = tmp_path / "job.sbatch"
+        script.write_text(f"#!/bin/bash\n#SBATCH {arg}\ntrue\n")
+        said[arg] = subprocess.run(["sbatch", "-vvvv", str(script)], capture_output=True,
+                                   text=True, env=env, timeout=60).stderr
+    assert re.search(r"signal +: B:USR1@7", said["--sig=B:USR1@7"]), said
+    assert "'--node=2' is ambiguous" in said["--node=2"], said
+    with pytest.raises(RenderError, match="--sig \\(sbatch reads it as --signal\\)"):
+        ClusterOptions(extra_sbatch=["--sig=B:USR1@7"])
+    with pytest.raises(RenderError, match="--node is ambiguous"):
+        ClusterOptions(extra_sbatch=["--node=2"])

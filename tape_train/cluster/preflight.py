@@ -96,22 +96,26 @@ def check_devices(gpus_per_node: int, train_device: str | None = None) -> CheckR
 
 def check_rendezvous(node: str) -> CheckResult | None:
     """The rendezvous endpoint train.sbatch exports (MASTER_ADDR, MASTER_PORT; None without
-    them): that its host name resolves on this node, and, on the node of that name, which
-    hosts the store, that nothing listens on the port yet. Either would otherwise show only
-    after the imports, as torchrun's `RendezvousConnectionError`, with the other nodes waiting
-    for a rendezvous nobody hosts (up to its join timeout, 600 s)."""
+    them; the address of the node TAPE_RDZV_NODE names, its NodeAddr or else its name): that
+    it resolves on this node, and, on that node, which hosts the store, that nothing listens
+    on the port yet. Either would otherwise show only after the imports, as torchrun's
+    `RendezvousConnectionError`, with the other nodes waiting for a rendezvous nobody hosts
+    (up to its join timeout, 600 s)."""
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port or not port.isdigit():
         return None
+    host_node = os.environ.get("TAPE_RDZV_NODE") or host
     try:
         addresses = sorted({info[4][0] for info in socket.getaddrinfo(
             host, int(port), type=socket.SOCK_STREAM)})
     except (OSError, UnicodeError) as exc:
-        return CheckResult("rendezvous", False, f"the rendezvous host {host} (the first node "
-                           f"of the job) does not resolve on {node} ({exc}): every node must "
-                           f"resolve the node names Slurm gives (SLURM_JOB_NODELIST)")
+        of = "" if host_node == host else f" (the address of {host_node})"
+        return CheckResult("rendezvous", False, f"the rendezvous host {host}{of}, the first "
+                           f"node of the job, does not resolve on {node} ({exc}): every node "
+                           f"must resolve the node's NodeAddr, or without one its name "
+                           f"(SLURM_JOB_NODELIST)")
     where = f"{host}:{port} ({', '.join(addresses)})"
-    if node != host:
+    if node != host_node:
         return CheckResult("rendezvous", True, where)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         # As the store binds it: a port left in TIME_WAIT by an earlier run is no obstacle.

@@ -20,20 +20,31 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tape_train.cluster.sbatch_options import AmbiguousOption, sbatch_long_option
+
 HEADER_BEGIN, HEADER_END = "# >>> sbatch header", "# <<< sbatch header"
 SETTINGS_BEGIN, SETTINGS_END = "# >>> run settings", "# <<< run settings"
 
 # Slurm checks signal deadlines every 30 s, so a USR1 may come up to 30 s late (notes/slurm.md).
 SLURM_SIGNAL_CHECK_SECONDS = 30
-# Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
-_TIME_FORMATS = tuple(re.compile(p) for p in (
+# Slurm's --time formats (time_str2secs() in src/common/parse_time.c): M, M:S, H:M:S, D-H,
+# D-H:M, D-H:M:S, and D- (a day count alone, read as D-0). Each field may exceed its usual
+# range: 99:99 is 99 min 99 s (01:41:00 once rounded up to whole minutes).
+_TIME_FORMATS = tuple(re.compile(p, re.ASCII) for p in (  # ASCII: sbatch takes no other digits
     r"^(?P<m>\d+)$",
     r"^(?P<m>\d+):(?P<s>\d+)$",
     r"^(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)$",
-    r"^(?P<d>\d+)-(?P<h>\d+)$",
+    r"^(?P<d>\d+)-(?P<h>\d*)$",
     r"^(?P<d>\d+)-(?P<h>\d+):(?P<m>\d+)$",
     r"^(?P<d>\d+)-(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)$",
 ))
+# sbatch's --signal=<sig>@<time> keeps the time in 16 bits and refuses more.
+MAX_SIGNAL_GRACE = 0xFFFF
+# What Slurm reads as no time limit at all (0 too): no USR1 warning is ever sent then.
+_NO_LIMIT = ("-1", "infinite", "unlimited")
+# sbatch adds the seconds in a C int and then 59 to round up to minutes: a larger limit wraps
+# around unseen (99999999 minutes became 19734-04:11:00).
+MAX_TIME_LIMIT_SECONDS = 2**31 - 1 - 59
 # The sbatch options tape-submit renders itself, and what sets each: an --sbatch-arg giving one
 # again would win over it unseen (the later #SBATCH line counts), past the checks on its flag.
 # Also the ones that undo a rendered line: --no-requeue (the script requeues itself) and
@@ -57,6 +68,8 @@ _SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.,:+@%/=-]+$")
 # `proj#2` would have run in `proj`), both kept inside double quotes; a backslash escapes the
 # next character, differently between versions, so paths with '"' or '\' are refused.
 _PATH_REFUSED = re.compile(r'["\\\n\r]')
+# The same for an --sbatch-arg's value (a comment, a mail address, a feature expression).
+_VALUE_REFUSED = _PATH_REFUSED
 
 
 class RenderError(ValueError):
@@ -64,19 +77,32 @@ class RenderError(ValueError):
 
 
 def parse_time_limit(text: str, flag: str = "--time") -> int:
-    """Seconds in a Slurm time limit: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S. Raises RenderError
-    naming ``flag``."""
+    """Seconds in a Slurm time limit as sbatch reads it: M, M:S, H:M:S, D-, D-H, D-H:M or
+    D-H:M:S, surrounding whitespace ignored. Raises RenderError naming ``flag`` for anything
+    else, for no limit (0, -1, INFINITE, UNLIMITED: Slurm would never send the USR1 warning
+    before the end) and for a limit sbatch cannot hold (over MAX_TIME_LIMIT_SECONDS)."""
+    stripped = text.strip()
+    if stripped.lower() in _NO_LIMIT:
+        raise RenderError(f"{flag} {text!r} means no time limit to Slurm, which then never "
+                          f"sends the USR1 warning the job checkpoints on before it ends: give "
+                          f"a time limit, e.g. 2-00:00:00")
     for pattern in _TIME_FORMATS:
-        match = pattern.match(text.strip())
+        match = pattern.match(stripped)
         if match:
-            parts = {k: int(v) for k, v in match.groupdict().items() if v is not None}
+            parts = {k: int(v) for k, v in match.groupdict().items() if v}
             seconds = (parts.get("d", 0) * 86400 + parts.get("h", 0) * 3600
                        + parts.get("m", 0) * 60 + parts.get("s", 0))
             if seconds <= 0:
-                raise RenderError(f"{flag} {text!r} is zero; give a positive time limit")
+                raise RenderError(f"{flag} {text!r} is zero, which Slurm reads as no time "
+                                  f"limit: it then never sends the USR1 warning the job "
+                                  f"checkpoints on before it ends; give a positive time limit")
+            if seconds > MAX_TIME_LIMIT_SECONDS:
+                raise RenderError(f"{flag} {text!r} is {seconds} s, more than sbatch can hold "
+                                  f"({MAX_TIME_LIMIT_SECONDS} s, about 68 years): it would "
+                                  f"wrap around to another limit unseen")
             return seconds
-    raise RenderError(f"{flag} {text!r} is not a Slurm time limit: use minutes (90), "
-                      "HH:MM:SS (04:00:00) or D-HH:MM:SS (1-12:00:00)")
+    raise RenderError(f"{flag} {text!r} is not a Slurm time limit: use minutes (90), MM:SS, "
+                      "HH:MM:SS (04:00:00), D-HH (2-00), D-HH:MM or D-HH:MM:SS (1-12:00:00)")
 
 
 @dataclass
@@ -148,6 +174,11 @@ class ClusterOptions:
             raise RenderError(f"--gpus-per-node {self.gpu_type}:{self.gpus_per_node}: a GPU "
                               "type needs a number of GPUs >= 1 and a plain name (a100:8)")
         limit = parse_time_limit(self.time)
+        self.time = self.time.strip()  # `--time= 90` is refused by sbatch
+        if self.signal_grace > MAX_SIGNAL_GRACE:
+            raise RenderError(f"--signal-grace {self.signal_grace} s is more than sbatch's "
+                              f"--signal takes ({MAX_SIGNAL_GRACE} s, 0xffff): give at most "
+                              f"{MAX_SIGNAL_GRACE}")
         if self.signal_grace >= limit:
             raise RenderError(f"--signal-grace {self.signal_grace} s must be shorter than the "
                               f"time limit --time {self.time} ({limit} s)")
@@ -159,6 +190,10 @@ class ClusterOptions:
             raise RenderError(f"--job-name {self.job_name!r}: use letters, digits, '_', '.', '-'")
         for name in ("partition", "account", "qos"):
             value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise RenderError(f"--{name} {value!r} is empty (an unset shell variable?): "
+                                  f"name the {name}, or leave --{name} out for the cluster's "
+                                  f"default")
             if value is not None and not _SAFE_VALUE.match(value):
                 raise RenderError(f"--{name} {value!r} contains characters sbatch cannot take "
                                   "in a header line")
@@ -179,21 +214,7 @@ class ClusterOptions:
             raise RenderError("--python is empty: give the interpreter with tape_train "
                               "installed on the nodes")
         for line in self.extra_sbatch:
-            if not line.startswith("--") or "\n" in line:
-                raise RenderError(f"--sbatch-arg {line!r} must be one long option like "
-                                  "--constraint=a100")
-            option, _, value = line[2:].partition("=")
-            # --gres=gpu:a100:8,nvme:1 or --tres-per-task=gres/gpu:1; not --gres=nvme:1.
-            asked = {re.split(r"[:=]", item)[0].removeprefix("gres/").lower()
-                     for item in value.split(",")}
-            if option in GPU_SBATCH_OPTIONS and (option.startswith("gpus") or "gpu" in asked):
-                raise RenderError(f"--sbatch-arg {line!r} asks for GPUs: give them with "
-                                  f"--gpus-per-node N (or TYPE:N, e.g. a100:8), which starts "
-                                  f"one trainer per GPU on each node")
-            if option in RENDERED_SBATCH_OPTIONS:
-                raise RenderError(f"--sbatch-arg {line!r}: --{option} is set by "
-                                  f"{RENDERED_SBATCH_OPTIONS[option]}; a second #SBATCH line "
-                                  f"would override it unchecked")
+            _check_sbatch_arg(line)
 
     @property
     def procs(self) -> int:
@@ -209,6 +230,62 @@ def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         flag = "--" + name.replace("_", "-")
         raise RenderError(f"{flag} must be an integer >= {minimum}, got {value!r}")
+
+
+def sbatch_arg_option(line: str) -> str | None:
+    """The sbatch option an ``--sbatch-arg`` (``--name[=value]``) gives, by its full name
+    (``--dep=afterok:1``: ``dependency``); None for one sbatch_options does not know. The
+    argument must have passed ClusterOptions' checks (no ambiguous name)."""
+    return sbatch_long_option(line[2:].partition("=")[0])
+
+
+def _check_sbatch_arg(line: str) -> None:
+    """One --sbatch-arg: a long option sbatch can read from an #SBATCH line, not one that
+    tape-submit renders itself (given in full or abbreviated) or that asks for GPUs."""
+    if not line.startswith("--"):
+        raise RenderError(f"--sbatch-arg {line!r} must be one long option like "
+                          "--constraint=a100")
+    name, has_value, value = line[2:].partition("=")
+    if any(c.isspace() for c in name):
+        raise RenderError(f"--sbatch-arg {line!r}: the option name {name!r} contains whitespace; "
+                          f"give one option per --sbatch-arg, its value attached with '=' "
+                          f"(--sbatch-arg=--constraint=a100)")
+    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_-]*$", name):
+        raise RenderError(f"--sbatch-arg {line!r}: {name!r} is not an option name; give one "
+                          f"long option like --constraint=a100")
+    if _VALUE_REFUSED.search(value):
+        raise RenderError(f"--sbatch-arg {line!r}: the value contains a double quote, a "
+                          f"backslash or a line break, which an #SBATCH line cannot hold")
+    try:
+        option = sbatch_long_option(name)
+    except AmbiguousOption as exc:
+        raise RenderError(f"--sbatch-arg {line!r}: --{name} is ambiguous, an abbreviation of "
+                          f"{', '.join('--' + c for c in exc.candidates)} (sbatch 22.05-25.11 "
+                          f"have some or all of them); write the option in full") from None
+    if option is None:
+        return  # a site's SPANK option, or a mistake sbatch itself will name
+    said = f"--{name}" if option == name else f"--{name} (sbatch reads it as --{option})"
+    # --gres=gpu:a100:8,nvme:1 or --tres-per-task=gres/gpu:1; not --gres=nvme:1.
+    asked = {re.split(r"[:=]", item)[0].removeprefix("gres/").lower()
+             for item in value.split(",")}
+    if option in GPU_SBATCH_OPTIONS and (option.startswith("gpus") or "gpu" in asked):
+        read_as = "" if option == name else f" (sbatch reads --{name} as --{option})"
+        raise RenderError(f"--sbatch-arg {line!r}{read_as} asks for GPUs: give them with "
+                          f"--gpus-per-node N (or TYPE:N, e.g. a100:8), which starts one "
+                          f"trainer per GPU on each node")
+    if option in RENDERED_SBATCH_OPTIONS:
+        raise RenderError(f"--sbatch-arg {line!r}: {said} is set by "
+                          f"{RENDERED_SBATCH_OPTIONS[option]}; a second #SBATCH line would "
+                          f"override it unchecked")
+
+
+def _sbatch_arg_line(line: str) -> str:
+    """An --sbatch-arg as its #SBATCH line's text: a value with a space, '#', a quote or any
+    other character beyond the plain ones double-quoted (see _PATH_REFUSED)."""
+    name, has_value, value = line.partition("=")
+    if not has_value or not value or _SAFE_VALUE.match(value):
+        return line
+    return f'{name}="{value}"'
 
 
 def train_header(opts: ClusterOptions) -> list[str]:
@@ -227,7 +304,7 @@ def train_header(opts: ClusterOptions) -> list[str]:
         "--open-mode=append",
         _output(opts),
         f"--chdir={_sbatch_path(opts.workdir)}",
-        *opts.extra_sbatch,
+        *map(_sbatch_arg_line, opts.extra_sbatch),
     ]
     return [f"#SBATCH {line}" for line in lines]
 
@@ -236,6 +313,7 @@ def eval_header(opts: ClusterOptions, time: str) -> list[str]:
     """`#SBATCH` lines for the evaluation job: one task (torchrun) on one node, with as many
     GPUs as a training node has (one tape-eval process each)."""
     parse_time_limit(time)
+    time = time.strip()
     lines = [
         f"--job-name={opts.job_name}-eval",
         "--nodes=1",
@@ -249,7 +327,7 @@ def eval_header(opts: ClusterOptions, time: str) -> list[str]:
         "--open-mode=append",
         _output(opts),
         f"--chdir={_sbatch_path(opts.workdir)}",
-        *opts.extra_sbatch,
+        *map(_sbatch_arg_line, opts.extra_sbatch),
     ]
     return [f"#SBATCH {line}" for line in lines]
 

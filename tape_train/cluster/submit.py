@@ -40,8 +40,10 @@ from tape_train.cluster.render import (
     read_template,
     render_eval_script,
     render_train_script,
+    sbatch_arg_option,
 )
 from tape_train.cluster.run_args import TrainArgsError, resolve_run_dir
+from tape_train.cluster.sbatch_options import AmbiguousOption, sbatch_long_option
 from tape_train.files import write_atomic
 from tape_train.hints import example_on_missing
 
@@ -166,8 +168,15 @@ SBATCH_ENV_OPTIONS = {
 
 
 def script_options(script: str) -> set[str]:
-    """The long options of a rendered script's ``#SBATCH`` lines (``--time``, ...)."""
-    return {m.group(1) for m in re.finditer(r"^#SBATCH\s+(--[A-Za-z0-9-]+)", script, re.M)}
+    """The long options of a rendered script's ``#SBATCH`` lines (``--time``, ...), by the
+    option sbatch reads each as (an --sbatch-arg's ``--wck=x`` is ``--wckey``)."""
+    found = set()
+    for m in re.finditer(r"^#SBATCH\s+--([A-Za-z0-9-]+)", script, re.M):
+        try:
+            found.add("--" + (sbatch_long_option(m.group(1)) or m.group(1)))
+        except AmbiguousOption:
+            found.add("--" + m.group(1))
+    return found
 
 
 def overriding_environment(scripts: list[str], environ=None) -> dict[str, str]:
@@ -453,7 +462,9 @@ def _main(argv: list[str] | None) -> int:
                       f"give the Python of the environment tape-train is installed in")
     # The trainer's own checks; another --train-module has its own arguments.
     check = not args.no_preflight and args.train_module == "tape_train.train.cli"
-    if not any(arg.startswith("--dependency") for arg in args.sbatch_arg):
+    # Each --sbatch-arg by the option sbatch reads it as (--dep=... is --dependency).
+    extra_options = {sbatch_arg_option(arg) for arg in opts.extra_sbatch}
+    if "dependency" not in extra_options:
         for message in duplicate_warnings(opts.job_name, run_dir, check_lock=not check):
             warnings.warn(message)
     scripts = [train_script] + ([eval_script] if eval_script is not None else [])
@@ -521,7 +532,7 @@ def _main(argv: list[str] | None) -> int:
         # %j in the log name is each array task's own job id (not the array's, measured).
         log_line = (f"logs {log_dir}/{opts.job_name}-<job id>.out, one per array task (its own "
                     f"job id: squeue -r --jobs={job_id} --format='%i %A')"
-                    if any(a.startswith("--array") for a in args.sbatch_arg)
+                    if "array" in extra_options
                     else f"log {log_dir}/{opts.job_name}-{job_id}.out")
         print(f"tape-submit: training job {job_id}: {opts.nodes} node(s) x {opts.procs} "
               f"process(es), run dir {run_dir}, {log_line}", file=sys.stderr)
