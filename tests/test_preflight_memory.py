@@ -360,6 +360,40 @@ def test_a_cpu_runs_start_checks_the_floor_against_ram_in_either_precision(monke
         Trainer(cfg, loader_factory=lambda *a: None, eval_documents=lambda: [])._preflight()
 
 
+def test_a_cuda_runs_start_checks_the_floor_against_the_gpus_memory(monkeypatch):
+    """On CUDA the run's start checks the floor per rank against the GPU's memory (read from
+    its properties), not the host's RAM: a micro-batch of 1e20 is refused before the process
+    group, and one that fits passes (control). The GPU is stood in for by device_memory."""
+    from tape_train.train import memory
+    from tape_train.train.preflight import run_preflight
+
+    asked = []
+
+    def gpu_memory(device_type, *rest):
+        asked.append(device_type)
+        return 80 * 10**9, "Test GPU, total memory"
+
+    monkeypatch.setattr(memory, "device_memory", gpu_memory)
+
+    def start(overrides: list[str]) -> list[str]:
+        cfg = load_run_config(None, ["model=tiny", "train.device=cuda",
+                                     "train.synthetic_data=true", *overrides])
+        report = run_preflight(cfg, world_size=8, ranks_per_node=8, check_data=False,
+                               check_eval=False, check_resume=False, plan=False,
+                               check_memory_floor=True)
+        return [p for p in report.problems if p.startswith("memory")]
+
+    [problem] = start([f"train.micro_batch_size={10**20}"])
+    assert "one rank needs" in problem and "Test GPU, total memory" in problem, problem
+    assert f"train.micro_batch_size={10**20} " in problem
+    assert set(asked) == {"cuda"}
+    # 8 ranks of a node share its RAM on CPU, not one GPU: a floor a GPU holds passes.
+    fits = (80 * 10**9) // 2 // (memory.memory_floor(load_run_config(
+        None, ["model=tiny", "train.dtype=fp32", "train.micro_batch_size=1"]), 8).step)
+    assert fits > 8
+    assert start([f"train.micro_batch_size={fits}", "train.dtype=fp32"]) == []
+
+
 def test_the_trace_runs_the_loss_as_one_chunk_with_the_same_bytes(monkeypatch):
     """The meta-device trace runs the chunked loss as one chunk: what it saves (∂h, ∂W) is the
     same as over many chunks, and its time no longer grows with the batch (one chunk's pass,

@@ -88,8 +88,8 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
                   ranks_per_node: int | None = None, limits: Limits = Limits(),
                   check_memory_floor: bool = False) -> Report:
     """All checks; ``plan=False`` leaves out the memory estimate and the step-time plan.
-    ``check_memory_floor`` (a CPU run's start, where ``plan`` is off): the memory floor
-    against this machine's available RAM (the plan checks it itself).
+    ``check_memory_floor`` (a run's start, where ``plan`` is off): the memory floor against
+    this machine's available RAM or its GPU's memory (the plan checks it itself).
 
     ``gpus_per_node``: plan for CUDA nodes with that many GPUs (0: CPU nodes); ``None`` plans
     for this machine. ``ranks_per_node``: CPU ranks sharing one node's RAM (default: the GPUs
@@ -155,9 +155,9 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
             _check_resume(cfg, grid, tag, allow_config_change, report)
         if tag is not None and check_resume_data:
             _check_resume_data(cfg, tag, tokenizer, text_shards, allow_config_change, report)
-    if check_memory_floor and not plan and grid is not None and lengths_ok \
-            and device_type == "cpu":
-        _check_run_start_memory(cfg, world_size, ranks_per_node or world_size, report)
+    if check_memory_floor and not plan and grid is not None and lengths_ok:
+        _check_run_start_memory(cfg, world_size, device_type, ranks_per_node or world_size,
+                                report)
     if plan and (grid is None or not lengths_ok):
         report.info("memory and time plan: skipped until the layout and train.seq_len are valid")
     elif plan:
@@ -752,11 +752,13 @@ def _plan_memory(cfg, world_size: int, device_type: str, ranks_per_node: int,
         _plan_eval_memory(est.evaluation, per_node, who, have, source, report)
 
 
-def _check_run_start_memory(cfg, world_size: int, ranks_per_node: int, report: Report) -> None:
-    """A CPU run's start: the memory floor against the available RAM, before the process
-    group, the model and a loader that would pack a micro-batch of 1e20 rows for ever. With
-    ``train.dtype: auto`` (resolved later, or kept from a checkpoint) refused only when
-    neither bf16 nor fp32 fits."""
+def _check_run_start_memory(cfg, world_size: int, device_type: str, ranks_per_node: int,
+                            report: Report) -> None:
+    """A run's start: the memory floor against the available RAM (CPU, all ranks of the node
+    together) or the GPU's total memory (CUDA, per rank: ``torch.cuda.get_device_properties``),
+    before the process group, the model and a loader that would pack a micro-batch of 1e20
+    rows for ever. With ``train.dtype: auto`` (resolved later, or kept from a checkpoint)
+    refused only when neither bf16 nor fp32 fits."""
     from tape_train.train.memory import device_memory
 
     candidates = [cfg]
@@ -765,8 +767,9 @@ def _check_run_start_memory(cfg, world_size: int, ranks_per_node: int, report: R
         for dtype in ("bf16", "fp32"):
             candidates.append(copy.deepcopy(cfg))
             candidates[-1].train.dtype = dtype
-    have, source = device_memory("cpu")
-    _check_memory_floor(candidates, world_size, "cpu", ranks_per_node, have, source, report)
+    have, source = device_memory(device_type)
+    _check_memory_floor(candidates, world_size, device_type, ranks_per_node, have, source,
+                        report)
 
 
 # A lower bound above this is refused even where the device's memory is unknown (planning
