@@ -144,6 +144,9 @@ def _yaml_hint(problem: str, context: str) -> str:
         return "; indent this line like the keys beside it, or under the key it belongs to"
     if problem.startswith("mapping values are not allowed"):
         return "; quote a value that holds ': ', or start a nested mapping on its own line"
+    if "quoted scalar" in context and "escape" in problem:  # `"C:\data"`: the quote is closed
+        return ("; a backslash inside double quotes starts an escape: double it, or use "
+                "single quotes")
     if "quoted scalar" in context:
         return "; close the quote"
     if ("end of stream" in problem or "stream end" in problem) and "flow" in context:

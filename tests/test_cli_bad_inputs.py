@@ -50,6 +50,12 @@ def test_config_file_with_a_repeated_section_or_binary_bytes_is_refused(tmp_path
     ("model: tiny\ntrain:\n  run_dir: \"runs/x\n",
      "run.yaml:4: not valid YAML: found unexpected end of stream (column 1, while scanning a "
      "quoted scalar from line 3, column 12); close the quote"),
+    # The quote is closed: a backslash in double quotes began an escape (it said "close the
+    # quote").
+    ("model: tiny\ntrain:\n  run_dir: \"runs\\data\"\n",
+     "run.yaml:3: not valid YAML: found unknown escape character 'd' (column 18, while scanning "
+     "a double-quoted scalar from column 12); a backslash inside double quotes starts an "
+     "escape: double it, or use single quotes"),
     ("model: tiny\ntrain:\n  run_dir: a\x01b\n",
      "run.yaml:3: not valid YAML: unacceptable character #x0001: special characters are not "
      "allowed (column 13)"),

@@ -185,6 +185,39 @@ def test_a_file_named_like_a_checkpoint_tag_is_refused_before_training(corpus, t
     assert dry_run(args)[0] == 0
 
 
+def test_a_stray_tag_file_below_the_checkpoint_resumed_is_no_problem(corpus, tmp_path):
+    """A resume from the newest complete tag saves only the steps after it: an older tag
+    archived elsewhere and left as a link, dangling where the archive is not mounted, was
+    refused as if the run would save that step again. Controls: a stray above the newest
+    complete tag, and any stray with --resume-from (an older tag may be resumed), are still
+    refused."""
+    from tape_train.config import load_run_config
+    from tape_train.train import preflight
+
+    run_dir = tmp_path / "run"
+    root = run_dir / "checkpoints"
+    tag = root / "step_00000004"
+    tag.mkdir(parents=True)
+    (tag / "COMPLETE.json").write_text(json.dumps({"step": 4, "files": {}}))
+    (root / "step_00000002").symlink_to(tmp_path / "archive" / "step_00000002")  # dangling
+    cfg = load_run_config(corpus / "run.yaml", [f"train.run_dir={run_dir}",
+                                                "train.max_steps=10"])
+
+    def problems(resume_from=None) -> list[str]:
+        report = preflight.run_preflight(cfg, world_size=1, resume_from=resume_from,
+                                         check_data=False, check_eval=False,
+                                         check_resume=False, check_resume_data=False,
+                                         plan=False)
+        return report.problems
+
+    assert problems() == []
+    [problem] = problems(resume_from=str(tag))
+    assert "step_00000002: a symbolic link of that name is there" in problem, problem
+    (root / "step_00000006").write_text("x")
+    [problem] = problems()
+    assert "step_00000006: a file of that name is there" in problem, problem
+
+
 def test_an_unwritable_checkpoints_directory_is_refused_by_the_dry_run(corpus, tmp_path,
                                                                        monkeypatch):
     """A run dir that is writable but whose checkpoints directory is not (read-only mount,

@@ -241,3 +241,39 @@ def test_a_stop_before_the_first_batch_is_heard_while_the_batch_is_read(tmp_path
     assert [r["code"] for r in results] == [75, 75], results
     assert results[0]["after_signal"] < _FIRST_BATCH_SECONDS / 4, results
     assert results[0]["tags"] == [], results
+
+
+def test_the_first_batch_is_read_on_the_ranks_own_cuda_device(monkeypatch):
+    """The first step's batches are read in a thread, and CUDA's current device is per thread
+    (a new one starts on cuda:0): without setting it there, a loader that pins or moves its
+    batches put rank 1's first batch (and a CUDA context) on GPU 0, its later ones on GPU 1.
+    Control: on the CPU nothing is set."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from tape_train.train.loop import Trainer
+
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda device: calls.append((threading.current_thread().name, device)))
+
+    def read_first(device) -> list:
+        def batches():
+            while True:
+                calls.append((threading.current_thread().name, "read"))
+                yield {"input_ids": torch.zeros(1, 2, dtype=torch.long)}
+
+        fake = SimpleNamespace(
+            dist=SimpleNamespace(device=device), data_iter=batches(),
+            cfg=SimpleNamespace(train=SimpleNamespace(grad_accum_steps=2)),
+            stop=SimpleNamespace(agreed=lambda all_reduce: 0, signal_name=None))
+        calls.clear()
+        return Trainer._first_micro_batches(fake)
+
+    assert len(read_first(torch.device("cuda", 1))) == 2
+    assert calls == [("tape-first-batch", torch.device("cuda", 1)),
+                     ("tape-first-batch", "read"), ("tape-first-batch", "read")], calls
+    read_first(torch.device("cpu"))
+    assert calls == [("tape-first-batch", "read")] * 2, calls

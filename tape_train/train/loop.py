@@ -657,9 +657,14 @@ class Trainer:
         import threading
 
         got: dict = {}
+        device = self.dist.device
 
         def read() -> None:
             try:
+                # The current CUDA device is per thread, and a new one starts on cuda:0: a
+                # loader that pins or moves its batches would put them on another rank's GPU.
+                if device.type == "cuda" and device.index is not None:
+                    torch.cuda.set_device(device)
                 got["batches"] = [next(self.data_iter)
                                   for _ in range(self.cfg.train.grad_accum_steps)]
             except BaseException as exc:  # noqa: BLE001 - raised again on the main thread

@@ -138,7 +138,7 @@ def run_preflight(cfg, *, world_size: int, gpus_per_node: int | None = None,
     if plan and cfg.train.dtype == "auto":
         planned = copy.deepcopy(cfg)
         planned.train.dtype = resolve_planning_dtype(cfg, device_type)
-    _check_run_dir(planned, report)
+    _check_run_dir(planned, report, resume_from)
     if gpus_per_node is None:  # this machine's limit, where the run starts (not a plan for others)
         _check_file_size_limit(planned, world_size, report)
     if check_resume:  # the dry run and tape-submit; a real run takes the lock itself next
@@ -496,7 +496,7 @@ def checkpoint_bytes(cfg) -> int:
     return n * (weight_bytes + master + 8)
 
 
-def _check_run_dir(cfg, report: Report) -> None:
+def _check_run_dir(cfg, report: Report, resume_from=None) -> None:
     from tape_train.files import human_bytes, nearest_existing
 
     run_dir = Path(cfg.train.run_dir)
@@ -504,8 +504,9 @@ def _check_run_dir(cfg, report: Report) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         report.problem(f"train.run_dir={run_dir}: exists and is not a directory")
         return
-    from tape_train.checkpoint_layout import (checkpoint_root, list_tags, step_of_tag,
-                                              stray_tag_file, stray_tag_files, why_incomplete)
+    from tape_train.checkpoint_layout import (checkpoint_root, find_latest_complete, list_tags,
+                                              step_of_tag, stray_tag_file, stray_tag_files,
+                                              why_incomplete)
 
     root = checkpoint_root(run_dir)
     # What the run writes into, of the wrong kind (a stray copy, a mistyped mkdir): the trainer
@@ -520,8 +521,14 @@ def _check_run_dir(cfg, report: Report) -> None:
                            f"{'into' if is_dir else 'to'} it: move it away")
             return
     # A file named like a tag this run may save (copied there by hand): the save of that step
-    # would fail, a checkpoint interval's work (or a whole run) later.
-    stray = [p for p in stray_tag_files(root) if step_of_tag(p.name) <= cfg.train.max_steps]
+    # would fail, a checkpoint interval's work (or a whole run) later. A resume from the newest
+    # complete tag saves only the steps after it: one at or below it (an archived tag left as a
+    # link, dangling where the archive is not mounted) is no problem; --resume-from an older
+    # tag may save any.
+    newest = find_latest_complete(run_dir, warn=False) if resume_from is None else None
+    after = step_of_tag(newest.name) if newest is not None else 0
+    stray = [p for p in stray_tag_files(root)
+             if after < step_of_tag(p.name) <= cfg.train.max_steps]
     if stray:
         more = f" (and {len(stray) - 1} more like it)" if len(stray) > 1 else ""
         report.problem(f"train.run_dir={run_dir}: {stray[0]}: {stray_tag_file(stray[0])}{more}")
