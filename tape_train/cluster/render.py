@@ -20,7 +20,11 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tape_train.cluster.sbatch_options import AmbiguousOption, sbatch_long_option
+from tape_train.cluster.sbatch_options import (
+    SBATCH_OPTIONS_WITH_ARGUMENT,
+    AmbiguousOption,
+    sbatch_long_option,
+)
 
 HEADER_BEGIN, HEADER_END = "# >>> sbatch header", "# <<< sbatch header"
 SETTINGS_BEGIN, SETTINGS_END = "# >>> run settings", "# <<< run settings"
@@ -277,6 +281,10 @@ def _check_sbatch_arg(line: str) -> None:
         raise RenderError(f"--sbatch-arg {line!r}: {said} is set by "
                           f"{RENDERED_SBATCH_OPTIONS[option]}; a second #SBATCH line would "
                           f"override it unchecked")
+    if not has_value and option in SBATCH_OPTIONS_WITH_ARGUMENT:
+        raise RenderError(f"--sbatch-arg {line!r}: {said} takes a value, attached with '=' "
+                          f"({line}=VALUE); without one sbatch takes the next #SBATCH line's "
+                          f"option for its value, and that option is lost")
 
 
 def _sbatch_arg_line(line: str) -> str:
