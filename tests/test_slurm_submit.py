@@ -225,6 +225,19 @@ def test_an_sbatch_arg_that_takes_a_value_needs_it_attached(arg, full):
         ClusterOptions(extra_sbatch=args)
 
 
+def test_a_time_min_no_longer_than_the_signal_grace_is_refused():
+    """--time-min lets Slurm lower the job's time limit down to it to start the job sooner;
+    the USR1 warning comes --signal-grace before the limit Slurm set, so a --time-min of 5
+    (minutes) with the default grace of 300 s would warn at the very start, every requeue."""
+    for arg in ("--time-min=5", "--time-m=4:00", "--time-min=00:05:00"):
+        with pytest.raises(RenderError, match=re.escape(f"--sbatch-arg {arg!r}: Slurm may "
+                                                        f"lower the time limit to")):
+            ClusterOptions(extra_sbatch=[arg])
+    # Control: longer than the grace, or with a shorter grace, it passes.
+    ClusterOptions(extra_sbatch=["--time-min=6"])
+    ClusterOptions(extra_sbatch=["--time-min=5"], signal_grace=120)
+
+
 def test_sbatch_arg_values_with_spaces_or_a_hash_are_quoted():
     """sbatch ends an #SBATCH value at whitespace and takes an unquoted '#' for a comment:
     `--comment=run #2` gave the job Comment=run. Double-quoted, sbatch keeps both (and a

@@ -219,6 +219,20 @@ class ClusterOptions:
                               "installed on the nodes")
         for line in self.extra_sbatch:
             _check_sbatch_arg(line)
+            name, has_value, value = line[2:].partition("=")
+            if has_value and sbatch_long_option(name) == "time-min":
+                # Slurm may lower the job's limit to --time-min to start it sooner: the USR1
+                # warning then comes signal_grace before that limit.
+                try:
+                    floor = parse_time_limit(value, "--time-min")
+                except RenderError:
+                    continue  # 0 or a malformed one: sbatch's to judge
+                if self.signal_grace >= floor:
+                    raise RenderError(f"--sbatch-arg {line!r}: Slurm may lower the time limit "
+                                      f"to {value} ({floor} s) to start the job sooner, no "
+                                      f"longer than --signal-grace {self.signal_grace} s: "
+                                      f"the USR1 warning would come at the start; give a "
+                                      f"--time-min longer than the grace")
 
     @property
     def procs(self) -> int:
