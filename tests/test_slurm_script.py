@@ -505,6 +505,32 @@ def test_the_rendezvous_is_at_the_first_nodes_nodeaddr(fake_slurm, addr, endpoin
     assert "WARNING" not in out
 
 
+@pytest.mark.parametrize("help_text, local_addr", [
+    ("--max-restarts --signals-to-handle --shutdown-timeout --local-addr", True),
+    ("--max-restarts --signals-to-handle --shutdown-timeout", False)])
+def test_each_torchrun_publishes_its_nodes_nodeaddr(fake_slurm, help_text, local_addr):
+    """torchrun publishes the workers' store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) at global
+    rank 0's --local_addr, by default its host name (socket.getfqdn()): the workers of every
+    node connected to a name that need not resolve, though the rendezvous was at a NodeAddr.
+    Each node's torchrun gets its own NodeAddr (one scontrol query for the allocation)."""
+    tmp_path, script, env = fake_slurm
+    (tmp_path / "bin" / "srun").write_text(PER_NODE_SRUN)
+    info = ("NodeName=nodeA Arch=x86_64 NodeAddr=10.0.0.1 NodeHostName=a Version=22.05.8\n"
+            "NodeName=nodeB Arch=x86_64 NodeAddr=fd00::2 NodeHostName=b Version=22.05.8")
+    rc, calls, out = run_script(fake_slurm, FAKE_NODES="nodeB:0 nodeA:1", FAKE_NODE_INFO=info,
+                                FAKE_TORCHRUN_HELP=help_text)
+    assert rc == 0, out
+    assert "scontrol --oneliner show node node[A-B]" in calls
+    runs = [c for c in calls if c.startswith("python -m torch.distributed.run --rdzv_conf")]
+    assert len(runs) == 2 and all(f"--rdzv_endpoint=10.0.0.1:{15000 + JOB_ID} " in run
+                                  for run in runs), runs
+    if local_addr:
+        assert [run.split()[4] for run in runs] == ["--local_addr=fd00::2",     # nodeB
+                                                    "--local_addr=10.0.0.1"], runs  # nodeA
+    else:  # control: a torchrun without the option is not given it
+        assert not any("--local_addr" in run for run in runs), runs
+
+
 @pytest.mark.parametrize("info, info_rc", [("", 0), ("NodeName=nodeA State=IDLE", 0),
                                            ("slurm_load_node error: Unable to contact slurm "
                                             "controller (connect failure)", 1)])

@@ -208,6 +208,36 @@ def test_options_tape_submit_does_not_render_pass_in_full_or_abbreviated(arg):
     assert f"#SBATCH {arg}" in train_header(ClusterOptions(extra_sbatch=[arg]))
 
 
+@pytest.mark.parametrize("arg,full", [("--comment", "--comment"), ("--mail-user", "--mail-user"),
+                                      ("--dep", "--dep (sbatch reads it as --dependency)"),
+                                      ("--constraint", "--constraint")])
+def test_an_sbatch_arg_that_takes_a_value_needs_it_attached(arg, full):
+    """sbatch gathers the arguments of all #SBATCH lines and reads them as one command line:
+    `#SBATCH --comment` followed by `#SBATCH --exclusive` gave the job the comment
+    `--exclusive` and no --exclusive (measured, 22.05), the next --sbatch-arg lost unseen."""
+    with pytest.raises(RenderError, match=re.escape(f"--sbatch-arg {arg!r}: {full} takes a "
+                                                    f"value, attached with '=' ({arg}=VALUE)")):
+        ClusterOptions(extra_sbatch=[arg, "--exclusive"])
+    # Control: with a value (an empty one too), and the options that take none or an
+    # optional one attached only, nothing is swallowed.
+    for args in ([f"{arg}=x", "--exclusive"], [f"{arg}=", "--exclusive"],
+                 ["--exclusive", "--hold", "--contiguous", "--get-user-env", "--no-kill"]):
+        ClusterOptions(extra_sbatch=args)
+
+
+def test_a_time_min_no_longer_than_the_signal_grace_is_refused():
+    """--time-min lets Slurm lower the job's time limit down to it to start the job sooner;
+    the USR1 warning comes --signal-grace before the limit Slurm set, so a --time-min of 5
+    (minutes) with the default grace of 300 s would warn at the very start, every requeue."""
+    for arg in ("--time-min=5", "--time-m=4:00", "--time-min=00:05:00"):
+        with pytest.raises(RenderError, match=re.escape(f"--sbatch-arg {arg!r}: Slurm may "
+                                                        f"lower the time limit to")):
+            ClusterOptions(extra_sbatch=[arg])
+    # Control: longer than the grace, or with a shorter grace, it passes.
+    ClusterOptions(extra_sbatch=["--time-min=6"])
+    ClusterOptions(extra_sbatch=["--time-min=5"], signal_grace=120)
+
+
 def test_sbatch_arg_values_with_spaces_or_a_hash_are_quoted():
     """sbatch ends an #SBATCH value at whitespace and takes an unquoted '#' for a comment:
     `--comment=run #2` gave the job Comment=run. Double-quoted, sbatch keeps both (and a
@@ -790,6 +820,20 @@ def test_sbatch_itself_reads_the_rendered_header_as_intended(tmp_path):
     assert "Invalid" not in proc.stderr, proc.stderr
     for arg in args + ["--time=90"]:
         assert arg in found, (arg, found)
+
+
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="needs sbatch (slurm-client)")
+def test_sbatch_itself_takes_the_next_line_for_a_missing_value(tmp_path):
+    """What the check on a value-less --sbatch-arg rests on: sbatch reads `--comment` and a
+    next `--exclusive` line as the comment `--exclusive`."""
+    (tmp_path / "slurm.conf").write_text(MINIMAL_SLURM_CONF)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SBATCH_", "SLURM_"))}
+    env["SLURM_CONF"] = str(tmp_path / "slurm.conf")
+    script = tmp_path / "job.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH --comment\n#SBATCH --exclusive\ntrue\n")
+    said = subprocess.run(["sbatch", "-vvvv", str(script)], capture_output=True, text=True,
+                          env=env, timeout=60).stderr
+    assert re.search(r"comment +: --exclusive", said), said
 
 
 @pytest.mark.skipif(shutil.which("sbatch") is None, reason="needs sbatch (slurm-client)")

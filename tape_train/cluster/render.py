@@ -20,7 +20,11 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tape_train.cluster.sbatch_options import AmbiguousOption, sbatch_long_option
+from tape_train.cluster.sbatch_options import (
+    SBATCH_OPTIONS_WITH_ARGUMENT,
+    AmbiguousOption,
+    sbatch_long_option,
+)
 
 HEADER_BEGIN, HEADER_END = "# >>> sbatch header", "# <<< sbatch header"
 SETTINGS_BEGIN, SETTINGS_END = "# >>> run settings", "# <<< run settings"
@@ -215,6 +219,20 @@ class ClusterOptions:
                               "installed on the nodes")
         for line in self.extra_sbatch:
             _check_sbatch_arg(line)
+            name, has_value, value = line[2:].partition("=")
+            if has_value and sbatch_long_option(name) == "time-min":
+                # Slurm may lower the job's limit to --time-min to start it sooner: the USR1
+                # warning then comes signal_grace before that limit.
+                try:
+                    floor = parse_time_limit(value, "--time-min")
+                except RenderError:
+                    continue  # 0 or a malformed one: sbatch's to judge
+                if self.signal_grace >= floor:
+                    raise RenderError(f"--sbatch-arg {line!r}: Slurm may lower the time limit "
+                                      f"to {value} ({floor} s) to start the job sooner, no "
+                                      f"longer than --signal-grace {self.signal_grace} s: "
+                                      f"the USR1 warning would come at the start; give a "
+                                      f"--time-min longer than the grace")
 
     @property
     def procs(self) -> int:
@@ -277,6 +295,10 @@ def _check_sbatch_arg(line: str) -> None:
         raise RenderError(f"--sbatch-arg {line!r}: {said} is set by "
                           f"{RENDERED_SBATCH_OPTIONS[option]}; a second #SBATCH line would "
                           f"override it unchecked")
+    if not has_value and option in SBATCH_OPTIONS_WITH_ARGUMENT:
+        raise RenderError(f"--sbatch-arg {line!r}: {said} takes a value, attached with '=' "
+                          f"({line}=VALUE); without one sbatch takes the next #SBATCH line's "
+                          f"option for its value, and that option is lost")
 
 
 def _sbatch_arg_line(line: str) -> str:

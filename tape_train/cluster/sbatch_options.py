@@ -32,6 +32,23 @@ stepmgr switches tasks-per-node test-only thread-spec threads-per-core time time
 tres-bind tres-per-task uid usage use-min-nodes verbose version wait wait-all-nodes wckey wrap
 """.split())
 
+# The options that take a value (getopt's required_argument), as sbatch 22.05 reads them
+# (measured: `#SBATCH --<option>` alone is "option requires an argument" there). Given
+# without `=value` in an #SBATCH line, such an option takes the next #SBATCH line's argument
+# for its value: `--comment` then `--exclusive` gave comment `--exclusive`, no --exclusive.
+# Options added after 22.05 are not here (left to sbatch).
+SBATCH_OPTIONS_WITH_ARGUMENT = frozenset("""
+account acctg-freq array batch bb bbf begin chdir cluster cluster-constraint clusters comment
+constraint container context core-spec cores-per-socket cpu-freq cpus-per-gpu cpus-per-task
+deadline delay-boot dependency distribution error exclude export export-file extra
+extra-node-info gid gpu-bind gpu-freq gpus gpus-per-node gpus-per-socket gpus-per-task gres
+gres-flags hint input job-name kill-on-invalid-dep licenses mail-type mail-user mcs-label mem
+mem-bind mem-per-cpu mem-per-gpu mincpus network nodefile nodelist nodes ntasks ntasks-per-core
+ntasks-per-gpu ntasks-per-node ntasks-per-socket ntasks-per-tres open-mode output partition
+power prefer priority profile qos reservation signal sockets-per-node switches tasks-per-node
+thread-spec threads-per-core time time-min tmp uid wait-all-nodes wckey wrap
+""".split())
+
 # Second names of one option (the same entry of getopt's table but for the name).
 SBATCH_OPTION_ALIASES = {"tasks-per-node": "ntasks-per-node"}
 
