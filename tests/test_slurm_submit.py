@@ -127,6 +127,12 @@ def test_the_largest_signal_grace_sbatch_takes_is_accepted():
     (dict(gpus_per_node=4, procs_per_node=2), "--procs-per-node 2 is for CPU nodes"),
     (dict(job_name="my job"), "--job-name"),
     (dict(partition="gpu debug"), "--partition"),
+    # A trailing line break (`$` in a regex lets one through): a blank line in the header.
+    (dict(partition="gpu\n"), "--partition 'gpu\\\\n' contains characters"),
+    (dict(job_name="train\n"), "--job-name"),
+    (dict(gpus_per_node=8, gpu_type="a100\n"), "a GPU type needs"),
+    (dict(socket_ifname="eth0\n"), "--socket-ifname"),
+    (dict(train_module="tape_train.train\n"), "--train-module"),
     # Empty (an unset variable): said so, not "contains characters sbatch cannot take".
     (dict(partition=""), r"--partition '' is empty \(an unset shell variable\?\): name the "
                          r"partition, or leave --partition out for the cluster's default"),

@@ -66,7 +66,7 @@ RENDERED_SBATCH_OPTIONS = {
 # no --gpus-per-node, one trainer per node on cuda:0 alone; measured with GPU GRES, 22.05).
 GPU_SBATCH_OPTIONS = ("gpus", "gpus-per-task", "gpus-per-socket", "gres", "tres-per-task")
 # Values that end up on an `#SBATCH --key=value` line: no whitespace, no shell/sbatch quoting.
-_SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.,:+@%/=-]+$")
+_SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.,:+@%/=-]+\Z")
 # sbatch reads an #SBATCH value as one shell-like word (get_argument() in src/sbatch/opt.c, the
 # same from 22.05 to 25.x): whitespace ends it and an unquoted '#' starts a comment (a run in
 # `proj#2` would have run in `proj`), both kept inside double quotes; a backslash escapes the
@@ -174,7 +174,7 @@ class ClusterOptions:
             raise RenderError(f"--procs-per-node {self.procs_per_node} is for CPU nodes; with "
                               f"--gpus-per-node {self.gpus_per_node} there is one process per GPU")
         if self.gpu_type is not None and (self.gpus_per_node == 0 or not re.match(
-                r"^[A-Za-z0-9_.-]+$", self.gpu_type)):
+                r"^[A-Za-z0-9_.-]+\Z", self.gpu_type)):
             raise RenderError(f"--gpus-per-node {self.gpu_type}:{self.gpus_per_node}: a GPU "
                               "type needs a number of GPUs >= 1 and a plain name (a100:8)")
         limit = parse_time_limit(self.time)
@@ -190,7 +190,7 @@ class ClusterOptions:
             warnings.warn(f"--signal-grace {self.signal_grace} s: Slurm may deliver USR1 up to "
                           f"{SLURM_SIGNAL_CHECK_SECONDS} s late, leaving little time to "
                           "checkpoint", stacklevel=2)
-        if not re.match(r"^[A-Za-z0-9_.-]+$", self.job_name):
+        if not re.match(r"^[A-Za-z0-9_.-]+\Z", self.job_name):
             raise RenderError(f"--job-name {self.job_name!r}: use letters, digits, '_', '.', '-'")
         for name in ("partition", "account", "qos"):
             value = getattr(self, name)
@@ -201,14 +201,14 @@ class ClusterOptions:
             if value is not None and not _SAFE_VALUE.match(value):
                 raise RenderError(f"--{name} {value!r} contains characters sbatch cannot take "
                                   "in a header line")
-        if self.socket_ifname and not re.match(r"^[A-Za-z0-9_.^,!-]+$", self.socket_ifname):
+        if self.socket_ifname and not re.match(r"^[A-Za-z0-9_.^,!-]+\Z", self.socket_ifname):
             raise RenderError(f"--socket-ifname {self.socket_ifname!r} is not an interface "
                               "name (or NCCL-style list/prefix)")
         for name in ("log_dir", "workdir"):
             if _PATH_REFUSED.search(getattr(self, name)):
                 raise RenderError(f"{name} {getattr(self, name)!r} contains a double quote, a "
                                   "backslash or a line break, which an #SBATCH line cannot hold")
-        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
+        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z",
                         self.train_module):
             raise RenderError(f"--train-module {self.train_module!r} is not a module name")
         if not 0 <= self.min_free_gb < float("inf"):
@@ -268,7 +268,7 @@ def _check_sbatch_arg(line: str) -> None:
         raise RenderError(f"--sbatch-arg {line!r}: the option name {name!r} contains whitespace; "
                           f"give one option per --sbatch-arg, its value attached with '=' "
                           f"(--sbatch-arg=--constraint=a100)")
-    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_-]*$", name):
+    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_-]*\Z", name):
         raise RenderError(f"--sbatch-arg {line!r}: {name!r} is not an option name; give one "
                           f"long option like --constraint=a100")
     if _VALUE_REFUSED.search(value):
