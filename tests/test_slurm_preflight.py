@@ -16,6 +16,21 @@ import pytest
 from tape_train.cluster import preflight
 
 
+@contextlib.contextmanager
+def _held_port(monkeypatch, addr: str):
+    """A port on 127.0.0.1 held by a listening socket, exported as the rendezvous at ``addr``
+    (MASTER_ADDR, MASTER_PORT) until the block ends; yields the port."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setenv("MASTER_ADDR", addr)
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        yield port
+
+
 def run_preflight(args: list[str]) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -171,11 +186,9 @@ def test_the_rendezvous_host_must_resolve_and_its_port_be_free_where_it_is_hoste
                                                                                  monkeypatch):
     """train.sbatch exports MASTER_ADDR (the first node's name) and MASTER_PORT (from the job
     id) before the checks. A name that does not resolve on a node, or a port already taken on
-    the host node (another job's rendezvous there: 15000 + job id mod 15000 repeats every
-    15000 jobs), failed only inside torchrun after the imports, the other nodes waiting for a
+    the host node (another job's rendezvous there: the port from the job id repeats every
+    14998 jobs), failed only inside torchrun after the imports, the other nodes waiting for a
     store nobody hosts. Only the node of that name tries the port."""
-    import socket
-
     args = ["--run-dir", str(tmp_path / "run"), "--min-free-gb", "0"]
     monkeypatch.setenv("MASTER_ADDR", "no-such-node.invalid")
     monkeypatch.setenv("MASTER_PORT", "15123")
@@ -183,12 +196,7 @@ def test_the_rendezvous_host_must_resolve_and_its_port_be_free_where_it_is_hoste
     assert rc == 1
     assert ("[preflight gpu-node-17] FAILED rendezvous: the rendezvous host no-such-node.invalid, "
             "the first node of the job, does not resolve on gpu-node-17") in err
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
-        monkeypatch.setenv("MASTER_ADDR", "localhost")
-        monkeypatch.setenv("MASTER_PORT", str(port))
+    with _held_port(monkeypatch, "localhost") as port:
         rc, out, err = run_preflight(args)          # another node: it only resolves the name
         assert rc == 0 and f"ok     rendezvous: localhost:{port} (" in out, err
         assert "all 6 start-up checks passed" in out
@@ -207,15 +215,8 @@ def test_the_node_hosting_the_rendezvous_is_the_one_named_not_its_address(tmp_pa
     """train.sbatch exports the first node's NodeAddr as MASTER_ADDR (node names need not
     resolve) and its name as TAPE_RDZV_NODE: the node of that name hosts the store, and it
     is the one that checks the port, though MASTER_ADDR is an address and not its name."""
-    import socket
-
     args = ["--run-dir", str(tmp_path / "run"), "--min-free-gb", "0"]
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
-        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-        monkeypatch.setenv("MASTER_PORT", str(port))
+    with _held_port(monkeypatch, "127.0.0.1") as port:
         monkeypatch.setenv("TAPE_RDZV_NODE", "gpu-node-17")
         rc, out, err = run_preflight(args)
         assert rc == 1
