@@ -221,15 +221,53 @@ def _syntax_beyond(tree: ast.Module, source: str, minimum: tuple[int, int]
         elif isinstance(node, ast.JoinedStr) and sys.version_info >= (3, 12):
             # PEP 701 (3.12): an f-string may reuse its own quote, or hold a backslash, inside
             # its braces. Only a 3.12+ parser accepts that, and only its positions are exact.
-            outer = ast.get_source_segment(source, node) or ""
-            body = outer.lstrip("rRfFbBuU")
-            quote = body[:3] if body[:3] in ('"""', "'''") else body[:1]
+            # The quote is that of the part holding the braces: implicitly joined literals
+            # ('a' f"{d['k']}") are one node, each part with its own quote.
+            lines = source.splitlines(keepends=True)
+            parts = _fstring_parts(ast.get_source_segment(source, node) or "")
             for value in node.values:
                 if isinstance(value, ast.FormattedValue):
                     inner = ast.get_source_segment(source, value.value) or ""
+                    quote = _quote_at(parts, _relative(lines, node, value.value))
                     if (quote and quote in inner) or "\\" in inner:
                         newer(node, (3, 12), "quote or backslash inside an f-string's braces")
     return found
+
+
+def _fstring_parts(segment: str) -> list[tuple[tuple[int, int], tuple[int, int], str]]:
+    """``(start, end, quote)`` of every f-string literal in ``segment`` (Python 3.12+, whose
+    tokenizer marks their ends), positions (row, column) within ``segment``."""
+    import io
+    import tokenize
+
+    parts, open_ = [], []
+    for tok in tokenize.generate_tokens(io.StringIO(segment).readline):
+        if tok.type == tokenize.FSTRING_START:
+            body = tok.string.lstrip("rRfFbBuU")
+            open_.append((tok.start, body[:3] if body[:3] in ('"""', "'''") else body[:1]))
+        elif tok.type == tokenize.FSTRING_END and open_:
+            start, quote = open_.pop()
+            parts.append((start, tok.end, quote))
+    return parts
+
+
+def _relative(lines: list[str], outer: ast.AST, node: ast.AST) -> tuple[int, int]:
+    """Where ``node`` starts within ``outer``'s source, as (row, column) in characters (the
+    tokenizer's; ast's columns count UTF-8 bytes)."""
+    def chars(lineno: int, col: int) -> int:
+        return len(lines[lineno - 1].encode()[:col].decode(errors="replace"))
+
+    col = chars(node.lineno, node.col_offset)
+    if node.lineno == outer.lineno:
+        col -= chars(outer.lineno, outer.col_offset)
+    return node.lineno - outer.lineno + 1, col
+
+
+def _quote_at(parts, position: tuple[int, int]) -> str:
+    """The quote of the innermost f-string literal that ``position`` lies inside ('' if
+    none)."""
+    inside = [(start, quote) for start, end, quote in parts if start < position < end]
+    return max(inside)[1] if inside else ""
 
 
 def problems(source: str, filename: str, minimum: tuple[int, int]) -> list[str]:
@@ -297,6 +335,9 @@ def test_no_module_uses_what_the_minimum_python_lacks():
     ("def first[T](xs: list[T]) -> T:\n    return xs[0]\n", "type parameters|does not parse"),
     ("x = f'{d[\"a\"]}'\n", None),  # another quote inside: any Python
     ("x = f'{d['a']}'\n", "f-string|does not parse"),
+    ("x = 'a' f\"{d['k']}\"\n", None),  # the quote of the part holding the braces: any Python
+    ("x = \"a\" f'{d['k']}'\n", "f-string|does not parse"),
+    ("x = f\"{f'{d[\"k\"]}'}\"\n", "f-string|does not parse"),  # a nested one reuses its quote
     ("x = f'{\"\\\\n\".join(xs)}'\n", "f-string|does not parse"),
     ("a[*idx] = 1\n", "starred|does not parse"),
 ])
