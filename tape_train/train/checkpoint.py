@@ -207,9 +207,8 @@ def save_checkpoint(engine, run_dir: Path, step: int, *, rank: int, meta: dict,
     stray = os.path.lexists(tag_dir) and not tag_dir.is_dir()
     failed = tdist.all_reduce_max_int(2 if stray else 1 if error is not None else 0)
     if failed == 2:
-        raise CheckpointError(f"cannot save checkpoint {tag_dir}: "
-                              f"{stray_tag_file(tag_dir) if stray else 'another rank found a file there'}; "
-                              f"{_what_survives(root)}")
+        why = stray_tag_file(tag_dir) if stray else "another rank found a file there"
+        raise CheckpointError(f"cannot save checkpoint {tag_dir}: {why}; {_what_survives(root)}")
     if failed:
         raise CheckpointError(f"cannot create the checkpoint directory: "
                               f"{describe_os_error(error, root) if error else 'see rank 0'}")
